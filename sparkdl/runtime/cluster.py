@@ -1,0 +1,87 @@
+"""Checks that the Spark cluster can run a barrier stage of ``num_workers`` tasks.
+
+Spark itself would wait for free slots and fail only after many minutes
+(``spark.scheduler.barrier.maxConcurrentTasksCheck.*``); we look first and fail in
+seconds with an error that says what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sparkdl.errors import ClusterConfigError
+
+log = logging.getLogger(__name__)
+
+BARRIER_TIMEOUT_KEY = "spark.barrier.sync.timeout"
+_YEAR_S = 365 * 24 * 3600
+
+
+def is_connect(spark: Any) -> bool:
+    """True for a Spark Connect session (no JVM SparkContext in this process)."""
+    return "connect" in type(spark).__module__
+
+
+def check_cluster(spark: Any, num_workers: int, wait_s: float, collective_timeout_s: float) -> None:
+    """Raise ClusterConfigError unless ``num_workers`` barrier tasks can run at once."""
+    if is_connect(spark):
+        return
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    master = sc.master
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not master.startswith("local"):
+        raise ClusterConfigError(
+            "spark.dynamicAllocation.enabled = true, but barrier-mode training needs a fixed set "
+            "of executors; start the session with spark.dynamicAllocation.enabled=false"
+        )
+    barrier_timeout = _parse_seconds(conf.get(BARRIER_TIMEOUT_KEY, "365d"))
+    if barrier_timeout > 10 * collective_timeout_s:
+        log.warning(
+            "%s is %ss: a worker stuck before a barrier is only noticed after that long; "
+            "set it near runtime.collective_timeout_s (%ss) when building the session",
+            BARRIER_TIMEOUT_KEY, int(barrier_timeout), int(collective_timeout_s),
+        )
+    wait_for_slots(lambda: max_concurrent_tasks(sc), num_workers, wait_s, master)
+
+
+def wait_for_slots(
+    probe: Callable[[], int], required: int, wait_s: float, master: str,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Poll ``probe`` until it reports ``required`` slots or ``wait_s`` passes."""
+    deadline = clock() + wait_s
+    while True:
+        available = probe()
+        if available >= required:
+            return available
+        if clock() >= deadline:
+            raise ClusterConfigError(
+                f"num_workers = {required} but the cluster ({master}) has only {available} free "
+                f"task slot(s) after waiting {wait_s:.0f}s; barrier mode needs all workers at "
+                f"once. Lower num_workers to {max(available, 1)}, add executors/cores, lower "
+                "spark.task.cpus, or raise runtime.executor_wait_timeout_s if executors are "
+                "still starting"
+            )
+        sleep(min(0.5, max(deadline - clock(), 0.0)))
+
+
+def max_concurrent_tasks(sc: Any) -> int:
+    """Task slots of the default resource profile, as Spark's barrier check counts them."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _parse_seconds(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * units[unit]
+    try:
+        return float(text)
+    except ValueError:
+        return _YEAR_S

@@ -1,0 +1,113 @@
+"""Driver side of ``fit``: validate, launch the barrier stage, gather the result.
+
+The training stage is ``mapInArrow(train_partition, barrier=True)`` followed by a
+shuffle (``repartition(1)``). The shuffle makes the barrier stage a
+ShuffleMapStage, which Spark re-runs as a whole when a task fails, instead of
+aborting the job as it does for a failed barrier ResultStage.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparkdl import errors
+from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
+from sparkdl.errors import SchemaError, SparkDLError, TrainingFailedError
+from sparkdl.runtime.cluster import check_cluster, is_connect
+from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
+
+log = logging.getLogger(__name__)
+
+_ERROR_LINE = re.compile(r"sparkdl\.errors\.(\w+): (.*)")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` brings back to the driver: one copy of the weights, and figures."""
+
+    state_dict: dict[str, torch.Tensor]
+    history: list[dict[str, Any]]
+    output_shape: tuple[int, ...]
+    worker_rows: list[int]
+
+
+def plan_columns(df: Any, feature_cols: tuple[str, ...], label_col: str | None, label_kind: LabelKind) -> ColumnPlan:
+    """Check the DataFrame's schema on the driver, before any task starts."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    names = [*feature_cols, *([label_col] if label_col else [])]
+    missing = [c for c in names if c not in df.columns]
+    if missing:
+        raise SchemaError(
+            f"column(s) {missing} not found; the DataFrame has {df.columns}. "
+            "Set feature_cols/label_col to existing columns"
+        )
+    try:
+        arrow_schema = to_arrow_schema(df.select(*names).schema)
+    except Exception as exc:
+        raise SchemaError(f"columns {names} cannot be sent to executors as Arrow: {exc}") from exc
+    return plan_from_arrow_schema(arrow_schema, feature_cols, label_col, label_kind)
+
+
+def run_training(df: Any, spec: TrainSpec) -> FitResult:
+    """Train on ``df`` with one barrier task per worker; return rank 0's weights and history."""
+    config = spec.config
+    n = config.training.num_workers
+    spark = df.sparkSession
+    check_cluster(spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s)
+    data = df.select(*spec.plan.column_names)
+    if is_connect(spark) or data.rdd.getNumPartitions() != n:
+        data = data.repartition(n)
+    stage = data.mapInArrow(functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True)
+    _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+    try:
+        rows = stage.repartition(1).collect()
+    except Exception as exc:
+        raise _translate(exc) from exc
+    return _fit_result(rows, n)
+
+
+def _fit_result(rows: list[Any], n: int) -> FitResult:
+    by_rank = {row["rank"]: row for row in rows}
+    if sorted(by_rank) != list(range(n)):
+        raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
+    lead = by_rank[0]
+    state = torch.load(io.BytesIO(lead["state"]), weights_only=True)
+    history = json.loads(lead["history"])
+    per_worker = {r: json.loads(by_rank[r]["history"]) for r in range(n)}
+    for i, record in enumerate(history):
+        record["worker_samples"] = [per_worker[r][i]["local_samples"] for r in range(n)]
+        record["worker_seconds"] = [per_worker[r][i]["seconds"] for r in range(n)]
+        del record["local_samples"]
+    return FitResult(
+        state_dict=state,
+        history=history,
+        output_shape=tuple(json.loads(lead["output_shape"])),
+        worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
+    )
+
+
+def _translate(exc: Exception) -> SparkDLError:
+    """Turn a Spark job failure into the sparkdl error a worker raised, when there is one."""
+    text = str(exc)
+    found = _ERROR_LINE.findall(text)
+    if found:
+        name, message = found[-1]
+        cls = getattr(errors, name, TrainingFailedError)
+        if isinstance(cls, type) and issubclass(cls, SparkDLError):
+            return cls(message.strip())
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return TrainingFailedError(f"the training stage failed: {first[:2000]}")
+
+
+def _describe_job(spark: Any, text: str) -> None:
+    if not is_connect(spark):
+        spark.sparkContext.setJobDescription(text)

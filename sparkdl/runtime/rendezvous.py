@@ -1,0 +1,93 @@
+"""Forming the torch.distributed process group inside a barrier stage.
+
+Rank 0 binds a listening socket on its own host with port 0 (the OS picks a free
+port; no "find a free port, close it, rebind" race) and hands that socket to a
+``TCPStore``. It publishes ``host:port`` through the barrier's ``allGather``; the
+other ranks connect to it. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from sparkdl.errors import RendezvousError
+
+log = logging.getLogger(__name__)
+
+AllGather = Callable[[str], list[str]]
+
+
+@dataclass
+class ProcessGroups:
+    """The default group (gloo or NCCL) and a gloo group for small CPU control messages."""
+
+    store: dist.TCPStore
+    control: dist.ProcessGroup | None
+    listener: socket.socket | None
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.listener is not None:
+            self.listener.close()
+
+
+def form_process_group(
+    rank: int,
+    world_size: int,
+    host: str,
+    backend: str,
+    all_gather: AllGather,
+    timeout_s: float,
+) -> ProcessGroups:
+    """Create the default process group; return it with a gloo control group.
+
+    Args:
+        rank: this worker's rank (its barrier partition id).
+        world_size: number of workers.
+        host: the address of this worker's host that the others can reach.
+        backend: "gloo" or "nccl".
+        all_gather: the barrier's allGather (every rank calls it once, in step).
+        timeout_s: deadline for connecting and for every later collective.
+
+    Raises:
+        RendezvousError: the store could not be created or reached in time.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    listener = None
+    payload = ""
+    if rank == 0:
+        listener = socket.create_server((host, 0), backlog=max(world_size, 16))
+        payload = json.dumps({"host": host, "port": listener.getsockname()[1]})
+    messages = all_gather(payload)
+    address = json.loads(messages[0])
+    try:
+        store = dist.TCPStore(
+            address["host"],
+            address["port"],
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno() if listener is not None else None,
+        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    except RuntimeError as exc:  # DistStoreError and DistBackendError derive from it
+        if listener is not None:
+            listener.close()
+        raise RendezvousError(
+            f"rank {rank}/{world_size}: could not form the {backend} process group through "
+            f"{address['host']}:{address['port']} within {timeout_s:.0f}s ({exc}); check that "
+            "executors can reach each other on that address, set runtime.network_interface, "
+            "or raise runtime.collective_timeout_s"
+        ) from exc
+    log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
+    return ProcessGroups(store=store, control=control, listener=listener)

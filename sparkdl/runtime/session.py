@@ -1,0 +1,52 @@
+"""Building a SparkSession that suits barrier-mode training."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from sparkdl.config import SparkDLConfig
+
+
+def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
+    """Spark settings every sparkdl session should have.
+
+    - ``spark.barrier.sync.timeout``: a stuck barrier fails after the collective
+      timeout instead of Spark's default of one year;
+    - Arrow batches of a bounded size feed the executors;
+    - executors use the driver's Python interpreter (where torch is installed).
+    """
+    timeout = int(config.runtime.collective_timeout_s)
+    return {
+        "spark.barrier.sync.timeout": f"{timeout}s",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "5s",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
+        "spark.sql.execution.pyspark.python": sys.executable,
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": "8",
+    }
+
+
+def build_session(
+    master: str | None,
+    app_name: str,
+    config: SparkDLConfig,
+    extra: Mapping[str, str] | None = None,
+) -> Any:
+    """Get or create a SparkSession with :func:`recommended_conf` plus ``extra``.
+
+    ``master`` None keeps what spark-submit configured. Sets ``PYSPARK_PYTHON`` to
+    this interpreter when unset, so local executors find torch.
+    """
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    for key, value in {**recommended_conf(config), **(extra or {})}.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

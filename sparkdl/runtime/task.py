@@ -1,0 +1,199 @@
+"""What runs inside each barrier task on an executor: one worker of the training job.
+
+``train_partition`` is the module-level function handed to ``mapInArrow``; it reads
+the barrier context and calls :func:`run_worker`, which takes plain arguments so
+that tests can drive it in-process without Spark.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.columns import ColumnPlan
+from sparkdl.data.feed import FeedOptions, PartitionFeed
+from sparkdl.errors import SparkDLError, TrainingFailedError
+from sparkdl.runtime.device import choose_backend, choose_device
+from sparkdl.runtime.rendezvous import AllGather, form_process_group
+from sparkdl.strategies import WorkerContext, create_strategy
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer
+from sparkdl.training.loop import (
+    EpochResult,
+    ScheduledCoordinator,
+    StreamingCoordinator,
+    Trainer,
+    exchange_counts,
+)
+from sparkdl.training.losses import LossFn, resolve_loss
+
+log = logging.getLogger(__name__)
+
+RESULT_SCHEMA = "rank int, rows long, history string, state binary, output_shape string"
+RESULT_ARROW_SCHEMA = pa.schema(
+    [
+        ("rank", pa.int32()),
+        ("rows", pa.int64()),
+        ("history", pa.string()),
+        ("state", pa.binary()),
+        ("output_shape", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything a worker needs, shipped to executors with the task (cloudpickled)."""
+
+    config: SparkDLConfig
+    model_fn: ModelFn
+    optimizer_fn: OptimizerFn | None
+    loss: str | LossFn
+    plan: ColumnPlan
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    rows: int
+    history: list[dict[str, Any]]
+    state: bytes
+    output_shape: tuple[int, ...]
+
+    def to_record_batch(self) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pydict(
+            {
+                "rank": [self.rank],
+                "rows": [self.rows],
+                "history": [json.dumps(self.history)],
+                "state": [self.state],
+                "output_shape": [json.dumps(list(self.output_shape))],
+            },
+            schema=RESULT_ARROW_SCHEMA,
+        )
+
+
+def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The ``mapInArrow`` function of the barrier training stage."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    infos = ctx.getTaskInfos()
+    host = infos[rank].address.rsplit(":", 1)[0]
+    resources = ctx.resources()
+    gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
+    threads = spec.config.runtime.torch_threads or int(ctx.cpus() or 1)
+    try:
+        result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads)
+    except SparkDLError:
+        raise
+    except Exception as exc:
+        raise TrainingFailedError(
+            f"rank {rank} (stage attempt {ctx.stageAttemptNumber()}) failed: "
+            f"{type(exc).__name__}: {exc}",
+            {rank: f"{type(exc).__name__}: {exc}"},
+        ) from exc
+    yield result.to_record_batch()
+
+
+def run_worker(
+    spec: TrainSpec,
+    batches: Iterator[pa.RecordBatch],
+    rank: int,
+    world_size: int,
+    host: str,
+    gpu_addresses: list[str],
+    all_gather: AllGather,
+    torch_threads: int = 1,
+) -> WorkerResult:
+    """Train on this worker's partition and return its history (and weights on rank 0)."""
+    config = spec.config
+    runtime = config.runtime
+    torch.set_num_threads(torch_threads)
+    if runtime.network_interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = runtime.network_interface
+        os.environ["NCCL_SOCKET_IFNAME"] = runtime.network_interface
+    device = choose_device(runtime.use_gpu, gpu_addresses, torch.cuda.device_count(), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = choose_backend(runtime.backend, device)
+    groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
+    feed: PartitionFeed | None = None
+    strategy = create_strategy(config)
+    try:
+        torch.manual_seed(config.training.seed)
+        module = build_model(spec.model_fn).to(device)
+        ctx = WorkerContext(rank, world_size, device)
+        wrapped = strategy.setup(module, ctx)
+        optimizer = build_optimizer(wrapped.parameters(), spec.optimizer_fn, config.optimizer)
+        loss_fn, label_kind = resolve_loss(spec.loss)
+        trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
+        feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
+        history = _train_epochs(trainer, feed, config, ctx, groups.control)
+        state = _serialize_state(module) if rank == 0 else b""
+        return WorkerResult(rank, feed.cached_rows, history, state, trainer.output_shape or ())
+    finally:
+        strategy.teardown()
+        if feed is not None:
+            feed.close()
+        groups.destroy()
+
+
+def _train_epochs(
+    trainer: Trainer,
+    feed: PartitionFeed,
+    config: SparkDLConfig,
+    ctx: WorkerContext,
+    control: Any,
+) -> list[dict[str, Any]]:
+    history = []
+    counts: list[int] = []
+    for epoch in range(1, config.training.epochs + 1):
+        batches = feed.epoch(epoch)
+        if feed.streaming:
+            result = trainer.run_epoch(epoch, batches, StreamingCoordinator(control), "spark")
+            counts = exchange_counts(feed.cached_rows, ctx, control)
+        else:
+            coordinator = ScheduledCoordinator(counts, config.training.batch_size, trainer.widths)
+            result = trainer.run_epoch(epoch, batches, coordinator, "cache")
+        history.append(_epoch_record(result))
+        log.info(
+            "rank %d epoch %d loss %.4f (%d samples, %.2fs)",
+            ctx.rank, epoch, result.loss, result.samples, result.seconds,
+        )
+    return history
+
+
+def _epoch_record(result: EpochResult) -> dict[str, Any]:
+    record = asdict(result)
+    sync = record.pop("sync")
+    record.update(sync)
+    record["samples_per_s"] = result.samples / result.seconds if result.seconds > 0 else 0.0
+    return record
+
+
+def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
+    return FeedOptions(
+        batch_size=config.training.batch_size,
+        shuffle=config.training.shuffle,
+        seed=config.training.seed,
+        rank=rank,
+        prefetch_batches=config.data.prefetch_batches,
+        cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
+        pin_memory=device.type == "cuda",
+    )
+
+
+def _serialize_state(module: torch.nn.Module) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,92 @@
+"""The protocol every sync strategy follows, and the registry that picks one.
+
+A strategy sees the training loop at four points: ``setup`` (wrap the module),
+``after_backward`` (gradients are ready), ``after_step`` (the optimizer stepped),
+and ``end_epoch`` (report what it sent). The loop never knows which one runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where one worker runs: its rank, the world and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@dataclass
+class SyncStats:
+    """What a strategy did in one epoch."""
+
+    sync_rounds: int = 0
+    bytes_sent: int = 0
+
+
+class SyncStrategy(abc.ABC):
+    """Keeps the workers' models consistent. One instance per worker per fit."""
+
+    name: ClassVar[Strategy]
+
+    def __init__(self, config: SparkDLConfig) -> None:
+        self.config = config
+        self.stats = SyncStats()
+
+    @abc.abstractmethod
+    def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
+        """Return the module the loop runs forward/backward on (may wrap ``module``)."""
+
+    def after_backward(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Gradients of this step are ready (and, for all-reduce, already averaged)."""
+
+    def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
+        """The optimizer applied this step."""
+
+    def end_epoch(self) -> SyncStats:
+        """Return this epoch's figures and start counting afresh."""
+        stats, self.stats = self.stats, SyncStats()
+        return stats
+
+    def teardown(self) -> None:  # noqa: B027 - optional hook
+        """Release what ``setup`` acquired."""
+
+
+_REGISTRY: dict[Strategy, type[SyncStrategy]] = {}
+
+
+def register(cls: type[SyncStrategy]) -> type[SyncStrategy]:
+    """Class decorator adding a strategy to the registry under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def create_strategy(config: SparkDLConfig) -> SyncStrategy:
+    """Build the strategy named by ``config.training.strategy``."""
+    name = config.training.strategy
+    try:
+        return _REGISTRY[name](config)
+    except KeyError:
+        valid = ", ".join(s.value for s in _REGISTRY)
+        raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of all trainable parameters (what one gradient all-reduce moves)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def ring_allreduce_bytes(payload: int, world_size: int) -> int:
+    """Bytes one worker sends in a ring all-reduce of ``payload`` bytes."""
+    return 0 if world_size <= 1 else 2 * (world_size - 1) * payload // world_size

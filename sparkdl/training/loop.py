@@ -1,0 +1,246 @@
+"""The per-worker training loop: torch and torch.distributed only, no Spark.
+
+Uneven and empty partitions. Every worker takes the same number of steps in an
+epoch, so every collective is matched and nothing hangs. A worker whose partition
+has run out keeps stepping on a *filler* batch (rows it saw before, or zeros if it
+never had any) whose loss is multiplied by 0, so it adds nothing to the gradient.
+Each worker scales its mean loss by ``world * local_rows / global_rows``; after
+DDP's mean over workers the gradient is exactly the mean over all rows of the
+step, as single-process SGD on the union of the workers' batches would compute.
+Every worker then applies the same averaged gradient, so weights and optimizer
+state stay identical on all ranks.
+
+How a worker learns ``global_rows``: in epoch 1 (data still streaming from Spark,
+partition sizes unknown) a tiny all-reduce per step shares each worker's row
+count; from epoch 2 on the sizes are known, exchanged once, and the schedule is a
+pure function of them (no per-step control traffic).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparkdl.data.batching import global_batch_rows, steps_in_epoch
+from sparkdl.data.columns import LabelKind
+from sparkdl.errors import BadDataError
+from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext
+from sparkdl.training.losses import LossFn
+
+log = logging.getLogger(__name__)
+
+TensorBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every worker agreed on for one step."""
+
+    global_rows: int
+    x_width: int = 0
+    y_width: int = 0
+
+
+class StepCoordinator(abc.ABC):
+    """Decides, identically on every worker, whether another step happens."""
+
+    @abc.abstractmethod
+    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
+        """Plan the next step, or None when every worker has run out of rows."""
+
+
+class StreamingCoordinator(StepCoordinator):
+    """Epoch 1: one small all-reduce per step over the (gloo, CPU) control group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self._group = group
+
+    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
+        has = 1.0 if local_rows else 0.0
+        control = torch.tensor([local_rows, has, x_width * has, y_width * has], dtype=torch.float64)
+        dist.all_reduce(control, group=self._group)
+        rows, active, x_sum, y_sum = control.tolist()
+        if active == 0:
+            return None
+        return StepPlan(int(rows), round(x_sum / active), round(y_sum / active))
+
+
+class ScheduledCoordinator(StepCoordinator):
+    """Epochs 2+: every worker's row count is known, so the plan needs no messages."""
+
+    def __init__(self, counts: Sequence[int], batch_size: int, widths: tuple[int, int]) -> None:
+        self._counts = list(counts)
+        self._batch_size = batch_size
+        self._widths = widths
+        self._steps = steps_in_epoch(self._counts, batch_size)
+        self._step = 0
+
+    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
+        if self._step >= self._steps:
+            return None
+        rows = global_batch_rows(self._counts, self._batch_size, self._step)
+        self._step += 1
+        return StepPlan(rows, *self._widths)
+
+
+def exchange_counts(local_rows: int, ctx: WorkerContext, group: dist.ProcessGroup | None) -> list[int]:
+    """Every worker's row count, in rank order."""
+    counts = torch.zeros(ctx.world_size, dtype=torch.float64)
+    counts[ctx.rank] = local_rows
+    dist.all_reduce(counts, group=group)
+    return [int(c) for c in counts.tolist()]
+
+
+class Filler:
+    """The zero-weight batch a worker steps on once its own rows have run out."""
+
+    def __init__(self, label_kind: LabelKind) -> None:
+        self._label_kind = label_kind
+        self._batch: TensorBatch | None = None
+
+    def remember(self, batch: TensorBatch) -> None:
+        if self._batch is None and len(batch[0]) > 0:
+            self._batch = (batch[0][:2].clone(), batch[1][:2].clone())
+
+    def batch(self, plan: StepPlan) -> TensorBatch:
+        if self._batch is not None:
+            return self._batch
+        x = torch.zeros(2, plan.x_width)
+        if self._label_kind is LabelKind.CLASS_INDEX:
+            return x, torch.zeros(2, dtype=torch.int64)
+        y = torch.zeros(2, plan.y_width) if plan.y_width > 1 else torch.zeros(2)
+        return x, y
+
+
+@dataclass
+class EpochResult:
+    """One worker's view of one epoch; ``loss`` and ``samples`` are global."""
+
+    epoch: int
+    loss: float
+    samples: int
+    local_samples: int
+    steps: int
+    seconds: float
+    source: str
+    sync: SyncStats = field(default_factory=SyncStats)
+
+
+class Trainer:
+    """Runs epochs on one worker.
+
+    Args:
+        module: the wrapped module to run forward/backward on (e.g. DDP).
+        optimizer: the optimizer over the module's parameters.
+        loss_fn: ``loss(output, target)`` returning the mean loss of the batch.
+        label_kind: whether labels are class indices (checked against the output width).
+        strategy: the sync strategy already set up on ``module``.
+        ctx: rank, world size and device.
+        control_group: gloo group for the small CPU messages of the loop.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        label_kind: LabelKind,
+        strategy: SyncStrategy,
+        ctx: WorkerContext,
+        control_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.label_kind = label_kind
+        self.strategy = strategy
+        self.ctx = ctx
+        self.control_group = control_group
+        self.filler = Filler(label_kind)
+        self.output_shape: tuple[int, ...] | None = None
+        self.widths = (0, 1)  # agreed feature/label widths, for workers with no rows
+        self._global_step = 0
+
+    def run_epoch(
+        self, epoch: int, batches: Iterable[TensorBatch], coordinator: StepCoordinator, source: str
+    ) -> EpochResult:
+        """Train one epoch; every worker must call this with matching ``epoch``."""
+        started = time.perf_counter()
+        self.module.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        local_samples = steps = 0
+        iterator = iter(batches)
+        validate = source == "spark"
+        while True:
+            batch = next(iterator, None)
+            rows = len(batch[0]) if batch is not None else 0
+            if batch is not None:
+                self.filler.remember(batch)
+            x_width = batch[0].shape[1] if batch is not None and batch[0].dim() > 1 else 0
+            y_width = batch[1].shape[1] if batch is not None and batch[1].dim() > 1 else 1
+            plan = coordinator.next_step(rows, x_width, y_width)
+            if plan is None:
+                break
+            self.widths = (plan.x_width, plan.y_width)
+            if batch is None:
+                batch = self.filler.batch(plan)
+            loss = self._step(batch, rows, plan, validate)
+            loss_sum += loss.detach().double() * rows
+            local_samples += rows
+            steps += 1
+        if next(iterator, None) is not None:
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: the step schedule ended before this worker's data did; "
+                "this is a sparkdl bug, please report it"
+            )
+        totals = torch.tensor([loss_sum.item(), float(local_samples)], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.control_group)
+        global_loss, global_samples = totals.tolist()
+        return EpochResult(
+            epoch=epoch,
+            loss=global_loss / max(global_samples, 1.0),
+            samples=int(global_samples),
+            local_samples=local_samples,
+            steps=steps,
+            seconds=time.perf_counter() - started,
+            source=source,
+            sync=self.strategy.end_epoch(),
+        )
+
+    def _step(self, batch: TensorBatch, rows: int, plan: StepPlan, validate: bool) -> torch.Tensor:
+        device = self.ctx.device
+        x = batch[0].to(device, non_blocking=True)
+        y = batch[1].to(device, non_blocking=True)
+        output = self.module(x)
+        if self.output_shape is None:
+            self.output_shape = tuple(output.shape[1:])
+        if validate and rows and self.label_kind is LabelKind.CLASS_INDEX:
+            self._check_class_labels(y, output)
+        loss = self.loss_fn(output, y)
+        weight = self.ctx.world_size * rows / plan.global_rows
+        (loss * weight).backward()
+        self.strategy.after_backward(self._global_step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.after_step(self._global_step)
+        self._global_step += 1
+        return loss
+
+    def _check_class_labels(self, y: torch.Tensor, output: torch.Tensor) -> None:
+        classes = output.shape[1] if output.dim() > 1 else 1
+        bad = int((y >= classes).sum())
+        if bad:
+            raise BadDataError(
+                f"rank {self.ctx.rank}: {bad} labels are >= {classes}, the number of classes the "
+                f"model outputs (largest label {int(y.max())}); widen the model's last layer "
+                "or re-index the labels",
+                column="label",
+                bad_rows=bad,
+            )
