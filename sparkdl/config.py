@@ -288,6 +288,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r} must be a list")
         (item_type, _) = typing.get_args(hint)
         return tuple(_coerce(v, item_type, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} = {value!r} must be a table")
+        return {str(k): str(v) for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and not _is_exact(value, hint):

@@ -60,12 +60,19 @@ class PartitionFeed:
         """True until the Spark stream has been read to its end once."""
         return not self._cache.sealed
 
-    def epoch(self, epoch: int) -> Prefetcher[TensorBatch]:
-        """Start feeding ``epoch`` (1-based); the previous epoch's feed must be drained."""
+    def epoch(self, epoch: int) -> tuple[Prefetcher[TensorBatch], str]:
+        """Start feeding ``epoch`` (1-based); the previous epoch's feed must be drained.
+
+        Returns:
+            the batches, and where they come from: "spark" (first read, streamed)
+            or "cache" (replayed). Decided here, before the prefetch thread starts,
+            since that thread may finish the stream at any moment.
+        """
         self._close_open()
-        arrays = self._stream(epoch) if self.streaming else self._replay(epoch)
+        source = "spark" if self.streaming else "cache"
+        arrays = self._stream(epoch) if source == "spark" else self._replay(epoch)
         self._open = Prefetcher(mapped(arrays, self._to_tensors), self._options.prefetch_batches)
-        return self._open
+        return self._open, source
 
     def _stream(self, epoch: int) -> Iterator[Arrays]:
         if self._source is None:

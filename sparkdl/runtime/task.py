@@ -158,8 +158,8 @@ def _train_epochs(
     history = []
     counts: list[int] = []
     for epoch in range(1, config.training.epochs + 1):
-        batches = feed.epoch(epoch)
-        if feed.streaming:
+        batches, source = feed.epoch(epoch)
+        if source == "spark":
             result = trainer.run_epoch(epoch, batches, StreamingCoordinator(control), "spark")
             counts = exchange_counts(feed.cached_rows, ctx, control)
         else:

@@ -1,0 +1,113 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparkdl import BadDataError, SchemaError
+from sparkdl.data.columns import (
+    ColumnKind,
+    LabelKind,
+    decode_features,
+    decode_label,
+    plan_from_arrow_schema,
+)
+
+VECTOR = pa.struct(
+    [
+        ("type", pa.int8()),
+        ("size", pa.int32()),
+        ("indices", pa.list_(pa.int32())),
+        ("values", pa.list_(pa.float64())),
+    ]
+)
+
+
+def plan(batch, features, label="label", kind=LabelKind.CLASS_INDEX):
+    return plan_from_arrow_schema(batch.schema, tuple(features), label, kind)
+
+
+def test_scalar_array_and_vector_columns_concatenate_in_order():
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "a": pa.array([1, 2, 3], pa.int32()),
+            "arr": pa.array([[0.5, 1.5], [2.5, 3.5], [4.5, 5.5]], pa.list_(pa.float32())),
+            "vec": pa.array(
+                [
+                    {"type": 1, "size": None, "indices": None, "values": [7.0, 8.0, 9.0]},
+                    {"type": 0, "size": 3, "indices": [2], "values": [4.0]},
+                    {"type": 0, "size": 3, "indices": [0, 1], "values": [1.0, -1.0]},
+                ],
+                VECTOR,
+            ),
+            "label": pa.array([0, 1, 2], pa.int64()),
+        }
+    )
+    p = plan(batch, ["a", "arr", "vec"])
+    assert [s.kind for s in p.features] == [ColumnKind.SCALAR, ColumnKind.ARRAY, ColumnKind.VECTOR]
+    x = decode_features(batch, p)
+    assert x.dtype == np.float32 and x.shape == (3, 6)
+    np.testing.assert_array_equal(
+        x,
+        [[1, 0.5, 1.5, 7, 8, 9], [2, 2.5, 3.5, 0, 0, 4], [3, 4.5, 5.5, 1, -1, 0]],
+    )
+    np.testing.assert_array_equal(decode_label(batch, p), [0, 1, 2])
+
+
+def test_sliced_batches_decode_only_their_rows():
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "arr": pa.array([[float(i), float(i)] for i in range(10)], pa.list_(pa.float64())),
+            "vec": pa.array(
+                [{"type": 0, "size": 2, "indices": [i % 2], "values": [float(i)]} for i in range(10)], VECTOR
+            ),
+            "label": pa.array(range(10), pa.float64()),
+        }
+    ).slice(4, 3)
+    p = plan(batch, ["arr", "vec"], kind=LabelKind.REAL)
+    np.testing.assert_array_equal(decode_features(batch, p), [[4, 4, 4, 0], [5, 5, 0, 5], [6, 6, 6, 0]])
+    np.testing.assert_array_equal(decode_label(batch, p), [4.0, 5.0, 6.0])
+
+
+def test_nulls_are_an_error_naming_column_and_count():
+    batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, None, None, 4.0]), "label": pa.array([0, 1, 0, 1])})
+    with pytest.raises(BadDataError, match=r"column 'x' has 2 null rows of 4") as info:
+        decode_features(batch, plan(batch, ["x"]))
+    assert info.value.column == "x" and info.value.bad_rows == 2
+
+
+def test_ragged_arrays_are_an_error_with_the_count():
+    batch = pa.RecordBatch.from_pydict(
+        {"arr": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0, 5.0]]), "label": pa.array([0, 0, 1, 1])}
+    )
+    with pytest.raises(BadDataError, match=r"'arr' has rows of different lengths: 2 of 4 rows"):
+        decode_features(batch, plan(batch, ["arr"]))
+
+
+def test_nan_features_are_counted_not_coerced():
+    batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, float("nan"), 3.0]), "label": pa.array([0, 1, 0])})
+    with pytest.raises(BadDataError, match=r"NaN or infinite values in 1 of 3 rows"):
+        decode_features(batch, plan(batch, ["x"]))
+
+
+def test_unsupported_and_missing_columns_are_schema_errors():
+    batch = pa.RecordBatch.from_pydict({"s": pa.array(["a"]), "label": pa.array([0])})
+    with pytest.raises(SchemaError, match=r"column 's' has type string.*VectorAssembler"):
+        plan(batch, ["s"])
+    with pytest.raises(SchemaError, match=r"\['nope'\] not found"):
+        plan(batch, ["nope"])
+
+
+def test_class_labels_must_be_non_negative_integers():
+    batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, 2.0, 3.0]), "label": pa.array([0.0, 1.5, -1.0])})
+    with pytest.raises(BadDataError, match=r"2 rows hold negative or non-integer values"):
+        decode_label(batch, plan(batch, ["x"]))
+    ok = pa.RecordBatch.from_pydict({"x": pa.array([1.0]), "label": pa.array([3.0])})
+    assert decode_label(ok, plan(ok, ["x"])).dtype == np.int64
+
+
+def test_array_labels_for_multi_output_regression():
+    batch = pa.RecordBatch.from_pydict(
+        {"x": pa.array([1.0, 2.0]), "y": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float32()))}
+    )
+    p = plan(batch, ["x"], "y", LabelKind.REAL)
+    y = decode_label(batch, p)
+    assert y.shape == (2, 2) and y.dtype == np.float32

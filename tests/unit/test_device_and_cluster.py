@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from sparkdl import ClusterConfigError
+from sparkdl.config import Backend, UseGpu
+from sparkdl.errors import BadDataError, TrainingFailedError
+from sparkdl.runtime.cluster import _parse_seconds, wait_for_slots
+from sparkdl.runtime.device import choose_backend, choose_device
+
+
+def test_device_comes_from_the_task_gpu_resources():
+    assert choose_device(UseGpu.AUTO, ["1"], 2, 0) == torch.device("cuda", 1)
+    assert choose_device(UseGpu.AUTO, [], 0, 0) == torch.device("cpu")
+    assert choose_device(UseGpu.NO, ["0"], 1, 0) == torch.device("cpu")
+
+
+def test_required_gpu_missing_names_the_spark_setting():
+    with pytest.raises(ClusterConfigError, match=r"rank 3: .*spark.task.resource.gpu.amount"):
+        choose_device(UseGpu.YES, [], 0, 3)
+    with pytest.raises(ClusterConfigError, match=r"address '2' but this process sees 1 CUDA"):
+        choose_device(UseGpu.AUTO, ["2"], 1, 0)
+
+
+def test_backend_follows_the_device():
+    assert choose_backend(Backend.AUTO, torch.device("cpu")) == "gloo"
+    assert choose_backend(Backend.AUTO, torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ClusterConfigError, match="trains on CPU"):
+        choose_backend(Backend.NCCL, torch.device("cpu"))
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_slot_check_waits_for_executors_then_succeeds():
+    clock = FakeClock()
+    answers = iter([0, 1, 2])
+    assert wait_for_slots(lambda: next(answers), 2, 10, "spark://x", clock, clock.sleep) == 2
+    assert clock.now == pytest.approx(1.0)
+
+
+def test_slot_check_fails_at_its_deadline_with_the_fix():
+    clock = FakeClock()
+    with pytest.raises(ClusterConfigError, match=r"num_workers = 3 .* only 2 free task slot.*after waiting 5s.*Lower num_workers to 2"):
+        wait_for_slots(lambda: 2, 3, 5, "local[2]", clock, clock.sleep)
+    assert clock.now == pytest.approx(5.0)
+
+
+def test_spark_durations_parse():
+    assert _parse_seconds("60s") == 60 and _parse_seconds("365d") == 365 * 86400
+    assert _parse_seconds("2min") == 120 and _parse_seconds("1500ms") == 1.5
+
+
+def test_errors_pickle_with_their_fields():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(BadDataError("bad", column="x", bad_rows=3)))
+    assert (type(err), str(err), err.column, err.bad_rows) == (BadDataError, "bad", "x", 3)
+    failed = pickle.loads(pickle.dumps(TrainingFailedError("t", {1: "boom"})))
+    assert failed.causes == {1: "boom"}
