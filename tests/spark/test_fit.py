@@ -1,0 +1,162 @@
+"""fit/transform on a real local[2] Spark: reference answers, persistence, Pipeline, errors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from sparkdl import BadDataError, ClusterConfigError, SchemaError, TorchEstimator, TorchModel
+from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd
+
+pytestmark = pytest.mark.spark
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def shards_dataframe(spark, shards):
+    """One partition per shard, rows in shard order (partition i feeds rank i)."""
+    from pyspark.sql import Row
+
+    rows = [
+        [Row(features=[float(v) for v in x[i]], label=int(y[i])) for i in range(len(y))] for x, y in shards
+    ]
+    rdd = spark.sparkContext.parallelize(range(len(shards)), len(shards)).flatMap(lambda i: rows[i])
+    return spark.createDataFrame(rdd, "features array<float>, label long")
+
+
+def estimator(**settings):
+    base = dict(
+        model_fn=make_tiny_net,
+        optimizer_fn=_sgd,
+        loss_fn="cross_entropy",
+        feature_cols=["features"],
+        label_col="label",
+        num_workers=2,
+        batch_size=8,
+        epochs=1,
+        seed=0,
+        shuffle=False,
+        collective_timeout_s=60.0,
+    )
+    return TorchEstimator(**{**base, **settings})
+
+
+@pytest.mark.parametrize(("sizes", "epochs", "shuffle"), [([96, 96], 2, False), ([80, 33], 2, True)])
+def test_fit_equals_single_process_sgd_on_the_union_of_batches(spark, sizes, epochs, shuffle):
+    shards = make_shards(sizes)
+    model = estimator(epochs=epochs, shuffle=shuffle).fit(shards_dataframe(spark, shards))
+    expected = reference_sgd(shards, 8, epochs, 0, LR, MOMENTUM, shuffle)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+    assert model.worker_rows == sizes
+    assert [h["samples"] for h in model.history] == [sum(sizes)] * epochs
+    assert [h["worker_samples"] for h in model.history] == [sizes] * epochs
+    for record in model.history:
+        assert {"epoch", "loss", "samples", "seconds", "samples_per_s"} <= record.keys()
+        assert record["loss"] > 0 and record["seconds"] > 0
+
+
+def test_an_empty_partition_does_not_hang_and_keeps_the_math(spark):
+    shards = make_shards([40, 0])
+    started = time.monotonic()
+    model = estimator(epochs=2).fit(shards_dataframe(spark, shards))
+    assert time.monotonic() - started < 60
+    assert model.worker_rows == [40, 0]
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+
+
+def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_path):
+    shards = make_shards([60, 60])
+    df = shards_dataframe(spark, shards)
+    model = estimator(epochs=2).fit(df)
+    before = model.transform(df).orderBy("features").collect()
+    assert len(before) == 120
+    with torch.no_grad():
+        x = torch.tensor([r["features"] for r in before])
+        direct = model.module(x).argmax(dim=1).double().tolist()
+    assert [r["prediction"] for r in before] == direct
+    path = str(tmp_path / "model")
+    model.save(path)
+    loaded = TorchModel.load(path)
+    assert loaded.history == model.history
+    assert loaded.getOrDefault("batch_size") == 8
+    after = loaded.transform(df).orderBy("features").collect()
+    assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
+
+
+def test_regression_outputs_a_double_and_multi_output_an_array(spark):
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+    shards = make_shards([30, 30])
+    df = shards_dataframe(spark, shards).selectExpr("features", "cast(label as double) as label")
+    model = estimator(model_fn=lambda: torch.nn.Linear(6, 1), loss_fn="mse").fit(df)
+    assert model.transform(df).schema["prediction"].dataType == DoubleType()
+    raw = estimator(model_fn=lambda: torch.nn.Linear(6, 3), loss_fn=lambda out, y: out.pow(2).mean()).fit(df)
+    out = raw.transform(df)
+    assert out.schema["prediction"].dataType == ArrayType(FloatType(), False)
+    assert len(out.first()["prediction"]) == 3
+
+
+def test_pipeline_with_vector_assembler_fits_saves_and_loads(spark, tmp_path):
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    label = (x[:, 0] + x[:, 1] > 0).astype(int)
+    table = pa.table({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "label": label})
+    df = spark.createDataFrame(table.to_pandas())
+    pipeline = Pipeline(
+        stages=[
+            VectorAssembler(inputCols=["a", "b", "c"], outputCol="features"),
+            TorchEstimator(
+                model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+                optimizer_fn=lambda p: torch.optim.Adam(p, lr=0.05),
+                feature_cols=["features"],
+                num_workers=2,
+                batch_size=16,
+                epochs=15,
+            ),
+        ]
+    )
+    fitted = pipeline.fit(df)
+    predictions = fitted.transform(df).select("label", "prediction").collect()
+    accuracy = np.mean([r["label"] == r["prediction"] for r in predictions])
+    assert accuracy > 0.9
+    path = str(tmp_path / "pipeline")
+    fitted.save(path)
+    reloaded = PipelineModel.load(path)
+    again = reloaded.transform(df).select("prediction").collect()
+    assert [r["prediction"] for r in again] == [r["prediction"] for r in predictions]
+
+
+def test_schema_errors_are_raised_before_any_task_starts(spark):
+    df = spark.createDataFrame([("a", 1)], "name string, label long")
+    with pytest.raises(SchemaError, match=r"\['features'\] not found"):
+        estimator().fit(df)
+    with pytest.raises(SchemaError, match="column 'name' has type string"):
+        estimator(feature_cols=["name"]).fit(df)
+
+
+def test_nulls_in_a_feature_fail_with_column_and_count(spark):
+    df = spark.createDataFrame(
+        [([1.0, 2.0], 0), (None, 1), ([1.0, 2.0], 1), (None, 0)] * 4, "features array<float>, label long"
+    ).repartition(2)
+    with pytest.raises(BadDataError, match=r"column 'features' has \d+ null rows"):
+        estimator(model_fn=lambda: torch.nn.Linear(2, 2)).fit(df)
+
+
+def test_more_workers_than_slots_fails_in_seconds_with_the_fix(spark):
+    shards = make_shards([10, 10])
+    started = time.monotonic()
+    with pytest.raises(ClusterConfigError, match=r"num_workers = 3 but .* only 2 free task slot.*Lower num_workers to 2"):
+        estimator(num_workers=3, executor_wait_timeout_s=1.0).fit(shards_dataframe(spark, shards))
+    assert time.monotonic() - started < 15

@@ -1,0 +1,74 @@
+"""The main job: in-process on local[2], and through spark-submit on local-cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkdl import TorchModel
+from sparkdl.job import load_job_config, run_train_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.spark
+
+
+def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path):
+    config = load_job_config(ROOT / "conf/local.toml")
+    metrics = run_train_job(config, tmp_path, spark=spark)
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["test_accuracy"] == metrics["test_accuracy"]
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["train_rows"] + metrics["test_rows"] == 1797
+    assert len(metrics["history"]) == config.sparkdl.training.epochs
+    assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
+    model = TorchModel.load(str(tmp_path / "model"))
+    assert model.history == metrics["history"]
+
+
+@pytest.mark.slow
+def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
+    """Separate executor JVMs and Python workers: the real multi-process path."""
+    spark_submit = Path(sys.executable).with_name("spark-submit")
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_WORKER_DIR": str(tmp_path / "work"),
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        str(spark_submit),
+        "--master", "local-cluster[2,1,1024]",
+        "--conf", "spark.ui.enabled=false",
+        "--conf", "spark.driver.host=127.0.0.1",
+        str(ROOT / "jobs/train.py"),
+        "--config", str(ROOT / "conf/local.toml"),
+        "--set", 'spark.master=""',
+        "--set", "training.epochs=10",
+        "--set", "runtime.executor_wait_timeout_s=60",
+        "--output", str(tmp_path / "out"),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = json.loads((tmp_path / "out/metrics.json").read_text())
+    assert metrics["test_accuracy"] >= 0.93
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["test_accuracy"] == metrics["test_accuracy"]
+
+
+def test_python_job_reports_config_errors_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nepochz = 3\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "jobs/train.py"), "--config", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "unknown key(s) epochz" in done.stderr and "Traceback" not in done.stderr
