@@ -101,8 +101,10 @@ def decode_features(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
     parts = [decode_column(batch.column(spec.name), spec) for spec in plan.features]
     matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-    bad = ~np.isfinite(matrix).all(axis=1) if matrix.size else np.zeros(0, dtype=bool)
-    if bad.any():
+    # One cheap pass: a NaN or inf anywhere in a row makes its float64 sum non-finite
+    # (float32 values cannot overflow a float64 sum); only then find the bad rows.
+    if matrix.size and not np.isfinite(matrix.sum(axis=1, dtype=np.float64)).all():
+        bad = ~np.isfinite(matrix).all(axis=1)
         names = [s.name for s in plan.features]
         raise BadDataError(
             f"feature column(s) {names} hold NaN or infinite values in {int(bad.sum())} of "

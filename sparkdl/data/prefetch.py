@@ -23,15 +23,23 @@ _POLL_S = 0.1
 class Prefetcher(Generic[T]):
     """Iterate ``source`` on a background thread, ``depth`` items ahead.
 
+    Items cross the queue in groups of up to ``group``: one hand-off between threads
+    costs tens of microseconds, so moving small batches one by one would spend more
+    CPU on hand-offs than on decoding.
+
     Args:
         source: the iterator to drain (it is only ever touched by the thread).
-        depth: how many items may wait in the queue; 0 means no thread at all.
+        depth: how many groups may wait in the queue; 0 means no thread at all.
         name: thread name, shown in stack dumps.
+        group: items per queue hand-off.
     """
 
-    def __init__(self, source: Iterator[T], depth: int, name: str = "sparkdl-prefetch") -> None:
+    def __init__(
+        self, source: Iterator[T], depth: int, name: str = "sparkdl-prefetch", group: int = 16
+    ) -> None:
         self._source = source
         self._depth = depth
+        self._group = max(group, 1)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,9 +49,15 @@ class Prefetcher(Generic[T]):
 
     def _run(self) -> None:
         try:
+            pending: list[T] = []
             for item in self._source:
-                if not self._put(item):
-                    return
+                pending.append(item)
+                if len(pending) >= self._group:
+                    if not self._put(pending):
+                        return
+                    pending = []
+            if pending and not self._put(pending):
+                return
             self._put(_DONE)
         except BaseException as exc:  # re-raised in the consumer thread
             self._put(exc)
@@ -67,7 +81,7 @@ class Prefetcher(Generic[T]):
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item  # type: ignore[misc]
+            yield from item  # type: ignore[misc]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and wait for it (bounded)."""

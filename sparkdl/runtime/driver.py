@@ -27,6 +27,14 @@ from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 log = logging.getLogger(__name__)
 
 _ERROR_LINE = re.compile(r"sparkdl\.errors\.(\w+): (.*)")
+_PYTHON_ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
+_HINTS = {
+    "ModuleNotFoundError": (
+        "executors cannot import a module that model_fn, optimizer_fn or loss_fn refers to; "
+        "install it on every executor, ship it with spark.submit.pyFiles / sc.addPyFile, or "
+        "call pyspark.cloudpickle.register_pickle_by_value(module) before fit"
+    ),
+}
 
 
 @dataclass
@@ -104,8 +112,14 @@ def _translate(exc: Exception) -> SparkDLError:
         cls = getattr(errors, name, TrainingFailedError)
         if isinstance(cls, type) and issubclass(cls, SparkDLError):
             return cls(message.strip())
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return TrainingFailedError(f"the training stage failed: {first[:2000]}")
+    python_errors = [m for m in _PYTHON_ERROR_LINE.findall(text) if not m[0].startswith(("org.", "java.", "py4j."))]
+    if python_errors:
+        name, message = python_errors[-1]
+        hint = _HINTS.get(name.rsplit(".", 1)[-1], "")
+        detail = f"{name}: {message.strip()}" + (f"; {hint}" if hint else "")
+    else:
+        detail = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return TrainingFailedError(f"the training stage failed: {detail[:2000]}")
 
 
 def _describe_job(spark: Any, text: str) -> None:

@@ -16,7 +16,6 @@ def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
     - ``spark.barrier.sync.timeout``: a stuck barrier fails after the collective
       timeout instead of Spark's default of one year;
     - Arrow batches of a bounded size feed the executors;
-    - executors use the driver's Python interpreter (where torch is installed).
     """
     timeout = int(config.runtime.collective_timeout_s)
     return {
@@ -24,7 +23,6 @@ def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
         "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "5s",
         "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
-        "spark.sql.execution.pyspark.python": sys.executable,
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "8",
     }
@@ -39,7 +37,8 @@ def build_session(
     """Get or create a SparkSession with :func:`recommended_conf` plus ``extra``.
 
     ``master`` None keeps what spark-submit configured. Sets ``PYSPARK_PYTHON`` to
-    this interpreter when unset, so local executors find torch.
+    this interpreter when unset, so local executors find torch; on a cluster whose
+    workers keep Python elsewhere, export ``PYSPARK_PYTHON`` before starting.
     """
     from pyspark.sql import SparkSession
 

@@ -91,11 +91,15 @@ def test_prefetch_close_stops_a_producer_blocked_on_a_full_queue():
             produced.append(i)
             yield i
 
-    prefetcher = Prefetcher(endless(), depth=2)
+    prefetcher = Prefetcher(endless(), depth=2, group=4)
     time.sleep(0.2)
     prefetcher.close(timeout=5)
     assert not any(t.name == "sparkdl-prefetch" and t.is_alive() for t in threading.enumerate())
-    assert len(produced) < 10  # stopped at the queue bound, not run to the end
+    assert len(produced) <= 4 * (2 + 2)  # stopped at the queue bound, not run to the end
+
+
+def test_prefetch_groups_hand_offs_but_keeps_every_item():
+    assert list(Prefetcher(iter(range(37)), depth=2, group=8)) == list(range(37))
 
 
 def test_prefetch_depth_zero_runs_inline():

@@ -1,0 +1,168 @@
+"""Foundation benchmark (issue 2, item 8), all figures from one run on one machine.
+
+(a) samples/s of ``fit`` (2 workers, epochs 2+) against bare torchrun + DDP with the
+    data already in memory, same model, data, batch size and thread count;
+(b) rows/s reaching the workers as tensors (sparkdl's feed: Arrow decode, epoch
+    cache, rebatching, prefetch) against ``df.toPandas()`` and against a bare
+    ``mapInArrow`` pass that only counts rows.
+
+    .venv/bin/python benchmarks/bench_foundation.py [--rows 200000] [--feed-rows 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from common import make_data, make_model, make_optimizer  # noqa: E402
+
+from sparkdl import TorchEstimator  # noqa: E402
+from sparkdl.config import SparkDLConfig  # noqa: E402
+from sparkdl.data.columns import ColumnKind, ColumnPlan, ColumnSpec, LabelKind  # noqa: E402
+from sparkdl.data.feed import FeedOptions, PartitionFeed  # noqa: E402
+from sparkdl.runtime.session import build_session  # noqa: E402
+
+COUNT_SCHEMA = "rows long"
+
+
+def dataframe(spark, rows: int, partitions: int):
+    x, y = make_data(rows)
+    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(pa.list_(pa.float32()))
+    df = spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
+    return df.repartition(partitions).cache()
+
+
+def ddp_baseline(rows: int, epochs: int, batch_size: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(HERE / "ddp_baseline.py"),
+        "--rows", str(rows), "--epochs", str(epochs), "--batch-size", str(batch_size),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=1200)
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def sparkdl_fit(df, epochs: int, batch_size: int) -> dict:
+    estimator = TorchEstimator(
+        model_fn=make_model, optimizer_fn=make_optimizer, feature_cols=["features"], num_workers=2,
+        batch_size=batch_size, epochs=epochs, seed=0,
+    )
+    started = time.perf_counter()
+    model = estimator.fit(df)
+    wall = time.perf_counter() - started
+    later = model.history[1:]
+    return {
+        "samples_per_s": sum(h["samples"] for h in later) / sum(h["seconds"] for h in later),
+        "epoch_seconds": [h["seconds"] for h in model.history],
+        "fit_wall_seconds": wall,
+    }
+
+
+def count_rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    yield pa.RecordBatch.from_pydict({"rows": [sum(b.num_rows for b in batches)]})
+
+
+def feed_rows(options: FeedOptions, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    plan = ColumnPlan((ColumnSpec("features", ColumnKind.ARRAY),), ColumnSpec("label", ColumnKind.SCALAR),
+                      LabelKind.CLASS_INDEX)
+    feed = PartitionFeed(batches, plan, options)
+    rows = 0
+    try:
+        tensors, _ = feed.epoch(1)
+        for x, _ in tensors:
+            rows += len(x)
+    finally:
+        feed.close()
+    yield pa.RecordBatch.from_pydict({"rows": [rows]})
+
+
+def timed_rows(action) -> float:
+    started = time.perf_counter()
+    rows = action()
+    return rows / (time.perf_counter() - started)
+
+
+def feed_benchmark(df, rows: int, repeats: int) -> dict:
+    options = FeedOptions(batch_size=128, shuffle=True, seed=0, rank=0, prefetch_batches=4)
+    runs = {"toPandas": [], "bare_mapInArrow": [], "sparkdl_feed": []}
+    for _ in range(repeats):
+        runs["toPandas"].append(timed_rows(lambda: len(df.toPandas())))
+        runs["bare_mapInArrow"].append(
+            timed_rows(lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()))
+        )
+        runs["sparkdl_feed"].append(
+            timed_rows(lambda: sum(r[0] for r in df.mapInArrow(functools.partial(feed_rows, options), COUNT_SCHEMA).collect()))
+        )
+    best = {k: max(v) for k, v in runs.items()}
+    return {
+        "rows": rows,
+        "rows_per_s": runs,
+        "best_rows_per_s": best,
+        "feed_vs_toPandas": best["sparkdl_feed"] / best["toPandas"],
+        "feed_vs_bare_mapInArrow": best["sparkdl_feed"] / best["bare_mapInArrow"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--feed-rows", type=int, default=1_000_000)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output", default=str(HERE / "results/foundation.json"))
+    args = parser.parse_args()
+
+    spark = build_session("local[2]", "sparkdl-bench", SparkDLConfig(),
+                          {"spark.ui.enabled": "false", "spark.driver.memory": "6g"})
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.addPyFile(str(HERE / "common.py"))  # model_fn lives there
+    train_df = dataframe(spark, args.rows, 2)
+    train_df.count()
+    fit_runs, ddp_runs = [], []
+    for _ in range(args.repeats):
+        ddp_runs.append(ddp_baseline(args.rows, args.epochs, args.batch_size))
+        fit_runs.append(sparkdl_fit(train_df, args.epochs, args.batch_size))
+    train_df.unpersist()
+    feed_df = dataframe(spark, args.feed_rows, 2)
+    feed_df.count()
+    feed = feed_benchmark(feed_df, args.feed_rows, args.repeats)
+
+    best_fit = max(r["samples_per_s"] for r in fit_runs)
+    best_ddp = max(r["samples_per_s"] for r in ddp_runs)
+    result = {
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": " ".join(sys.argv),
+        "training": {
+            "rows": args.rows, "epochs": args.epochs, "batch_size_per_worker": args.batch_size, "workers": 2,
+            "sparkdl_fit": fit_runs, "torchrun_ddp": ddp_runs,
+            "fit_vs_ddp_samples_per_s": best_fit / best_ddp,
+        },
+        "feed": feed,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Install sparkdl into a virtual environment (default .venv), taking PyTorch's CPU
+# wheel on a machine without an NVIDIA GPU and PyPI's CUDA build on one with a GPU.
+#
+#   bash scripts/install.sh            # library + main job
+#   bash scripts/install.sh test       # ... plus the test tools
+#   VENV=/opt/sparkdl TORCH_VERSION=2.13.0 bash scripts/install.sh dev
+set -euo pipefail
+
+EXTRAS="${1:-}"
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+command -v java >/dev/null || { echo "error: Spark needs Java 17 or 21 on PATH (e.g. apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    echo "NVIDIA GPU found: installing torch==$TORCH_VERSION with CUDA from PyPI"
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+else
+    echo "no GPU: installing the CPU build of torch==$TORCH_VERSION"
+    # A local wheel or mirror may already offer the +cpu build; else PyTorch's CPU index.
+    "${PIP[@]}" "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+        || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url "$CPU_INDEX" --extra-index-url https://pypi.org/simple
+fi
+
+if [ -n "$EXTRAS" ]; then
+    "${PIP[@]}" -e "$ROOT[$EXTRAS]"
+else
+    "${PIP[@]}" -e "$ROOT"
+fi
+echo "installed into $VENV ($("$VENV/bin/python" -c 'import torch, pyspark; print("torch", torch.__version__, "pyspark", pyspark.__version__)'))"
