@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +45,9 @@ COUNT_SCHEMA = "rows long"
 
 def dataframe(spark, rows: int, partitions: int):
     x, y = make_data(rows)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(pa.list_(pa.float32()))
+    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(
+        pa.list_(pa.float32())
+    )
     df = spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
     return df.repartition(partitions).cache()
 
@@ -52,9 +55,19 @@ def dataframe(spark, rows: int, partitions: int):
 def ddp_baseline(rows: int, epochs: int, batch_size: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
         str(HERE / "ddp_baseline.py"),
-        "--rows", str(rows), "--epochs", str(epochs), "--batch-size", str(batch_size),
+        "--rows",
+        str(rows),
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        str(batch_size),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=1200)
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
@@ -62,8 +75,13 @@ def ddp_baseline(rows: int, epochs: int, batch_size: int) -> dict:
 
 def sparkdl_fit(df, epochs: int, batch_size: int) -> dict:
     estimator = TorchEstimator(
-        model_fn=make_model, optimizer_fn=make_optimizer, feature_cols=["features"], num_workers=2,
-        batch_size=batch_size, epochs=epochs, seed=0,
+        model_fn=make_model,
+        optimizer_fn=make_optimizer,
+        feature_cols=["features"],
+        num_workers=2,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=0,
     )
     started = time.perf_counter()
     model = estimator.fit(df)
@@ -81,8 +99,11 @@ def count_rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def feed_rows(options: FeedOptions, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    plan = ColumnPlan((ColumnSpec("features", ColumnKind.ARRAY),), ColumnSpec("label", ColumnKind.SCALAR),
-                      LabelKind.CLASS_INDEX)
+    plan = ColumnPlan(
+        (ColumnSpec("features", ColumnKind.ARRAY),),
+        ColumnSpec("label", ColumnKind.SCALAR),
+        LabelKind.CLASS_INDEX,
+    )
     feed = PartitionFeed(batches, plan, options)
     rows = 0
     try:
@@ -100,24 +121,35 @@ def timed_rows(action) -> float:
     return rows / (time.perf_counter() - started)
 
 
-def feed_benchmark(df, rows: int, repeats: int) -> dict:
+def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
+    """Best and median rows/s of each way to get the rows into Python, interleaved."""
     options = FeedOptions(batch_size=128, shuffle=True, seed=0, rank=0, prefetch_batches=4)
-    runs = {"toPandas": [], "bare_mapInArrow": [], "sparkdl_feed": []}
+    actions = {
+        "toPandas": lambda: len(df.toPandas()),
+        "bare_mapInArrow": lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()),
+        "sparkdl_feed": lambda: sum(
+            r[0] for r in df.mapInArrow(functools.partial(feed_rows, options), COUNT_SCHEMA).collect()
+        ),
+    }
+    for action in actions.values():  # warm up Python workers and the JIT-compiled JVM paths
+        action()
+    runs: dict[str, list[float]] = {name: [] for name in actions}
     for _ in range(repeats):
-        runs["toPandas"].append(timed_rows(lambda: len(df.toPandas())))
-        runs["bare_mapInArrow"].append(
-            timed_rows(lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()))
-        )
-        runs["sparkdl_feed"].append(
-            timed_rows(lambda: sum(r[0] for r in df.mapInArrow(functools.partial(feed_rows, options), COUNT_SCHEMA).collect()))
-        )
+        for name, action in actions.items():
+            runs[name].append(timed_rows(action))
+    spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "false")
+    runs["toPandas_without_arrow"] = [timed_rows(actions["toPandas"])]
+    spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
     best = {k: max(v) for k, v in runs.items()}
+    median = {k: statistics.median(v) for k, v in runs.items()}
     return {
         "rows": rows,
         "rows_per_s": runs,
         "best_rows_per_s": best,
-        "feed_vs_toPandas": best["sparkdl_feed"] / best["toPandas"],
-        "feed_vs_bare_mapInArrow": best["sparkdl_feed"] / best["bare_mapInArrow"],
+        "median_rows_per_s": median,
+        "feed_vs_toPandas": median["sparkdl_feed"] / median["toPandas"],
+        "feed_vs_toPandas_without_arrow": median["sparkdl_feed"] / median["toPandas_without_arrow"],
+        "feed_vs_bare_mapInArrow": median["sparkdl_feed"] / median["bare_mapInArrow"],
     }
 
 
@@ -128,11 +160,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--feed-repeats", type=int, default=5)
     parser.add_argument("--output", default=str(HERE / "results/foundation.json"))
     args = parser.parse_args()
 
-    spark = build_session("local[2]", "sparkdl-bench", SparkDLConfig(),
-                          {"spark.ui.enabled": "false", "spark.driver.memory": "6g"})
+    spark = build_session(
+        "local[2]",
+        "sparkdl-bench",
+        SparkDLConfig(),
+        {"spark.ui.enabled": "false", "spark.driver.memory": "6g"},
+    )
     spark.sparkContext.setLogLevel("ERROR")
     spark.sparkContext.addPyFile(str(HERE / "common.py"))  # model_fn lives there
     train_df = dataframe(spark, args.rows, 2)
@@ -144,16 +181,20 @@ def main() -> None:
     train_df.unpersist()
     feed_df = dataframe(spark, args.feed_rows, 2)
     feed_df.count()
-    feed = feed_benchmark(feed_df, args.feed_rows, args.repeats)
+    feed = feed_benchmark(spark, feed_df, args.feed_rows, args.feed_repeats)
 
     best_fit = max(r["samples_per_s"] for r in fit_runs)
     best_ddp = max(r["samples_per_s"] for r in ddp_runs)
     result = {
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": " ".join(sys.argv),
         "training": {
-            "rows": args.rows, "epochs": args.epochs, "batch_size_per_worker": args.batch_size, "workers": 2,
-            "sparkdl_fit": fit_runs, "torchrun_ddp": ddp_runs,
+            "rows": args.rows,
+            "epochs": args.epochs,
+            "batch_size_per_worker": args.batch_size,
+            "workers": 2,
+            "sparkdl_fit": fit_runs,
+            "torchrun_ddp": ddp_runs,
             "fit_vs_ddp_samples_per_s": best_fit / best_ddp,
         },
         "feed": feed,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import make_data, make_model, make_optimizer  # noqa: E402
+from common import make_data, make_model, make_optimizer
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Main job: train on a bundled data set and write metrics and the model.
 
-    spark-submit jobs/train.py --config conf/local.toml [--set section.key=value ...] [--output DIR]
-    python jobs/train.py --config conf/local.toml          # local embedded Spark
+spark-submit jobs/train.py --config conf/local.toml [--set section.key=value ...] [--output DIR]
+python jobs/train.py --config conf/local.toml          # local embedded Spark
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.errors import SparkDLError  # noqa: E402
-from sparkdl.job import load_job_config, run_train_job  # noqa: E402
+from sparkdl.errors import SparkDLError
+from sparkdl.job import load_job_config, run_train_job
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="conf/local.toml", help="TOML config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one setting (repeatable), e.g. --set training.epochs=3")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting (repeatable), e.g. --set training.epochs=3",
+    )
     parser.add_argument("--output", default="out/train", help="directory for metrics.json and model/")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -33,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except SparkDLError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    summary = {k: metrics[k] for k in ("test_accuracy", "final_loss", "fit_seconds", "train_rows", "test_rows")}
+    summary = {
+        k: metrics[k] for k in ("test_accuracy", "final_loss", "fit_seconds", "train_rows", "test_rows")
+    }
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -26,5 +26,6 @@ __all__ = [
     "SparkDLError",
     "TorchEstimator",
     "TorchModel",
+    "TrainingFailedError",
     "load_config",
 ]

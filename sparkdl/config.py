@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import tomllib
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import tomllib
 
 from sparkdl.errors import ConfigError
 
@@ -26,6 +27,7 @@ class Strategy(str, enum.Enum):
     """How workers keep their models in sync."""
 
     ALLREDUCE = "allreduce"
+    WEIGHT_AVERAGING = "weight_averaging"
 
 
 class Backend(str, enum.Enum):
@@ -74,9 +76,11 @@ class TrainingConfig:
     strategy: Strategy = Strategy.ALLREDUCE
     shuffle: bool = True
     loss: str = "cross_entropy"
+    sync_every: int = 8
+    average_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
-        _require_positive(self, "num_workers", "batch_size", "epochs")
+        _require_positive(self, "num_workers", "batch_size", "epochs", "sync_every")
         if self.loss not in LOSS_NAMES:
             raise ConfigError(
                 f"training.loss = {self.loss!r} is not a known loss; choose one of "
@@ -120,9 +124,7 @@ class DataConfig:
                 "a model must not see its own label"
             )
         if self.prefetch_batches < 0:
-            raise ConfigError(
-                f"data.prefetch_batches = {self.prefetch_batches} must be >= 0 (0 disables)"
-            )
+            raise ConfigError(f"data.prefetch_batches = {self.prefetch_batches} must be >= 0 (0 disables)")
         _require_positive(self, "inference_batch_size")
 
 
@@ -142,9 +144,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         _require_positive(self, "collective_timeout_s", "bucket_cap_mb")
         if self.executor_wait_timeout_s < 0 or self.torch_threads < 0:
-            raise ConfigError(
-                "runtime.executor_wait_timeout_s and runtime.torch_threads must be >= 0"
-            )
+            raise ConfigError("runtime.executor_wait_timeout_s and runtime.torch_threads must be >= 0")
         if self.backend is Backend.NCCL and self.use_gpu is UseGpu.NO:
             raise ConfigError(
                 "runtime.backend = 'nccl' needs GPUs but runtime.use_gpu = false; "
@@ -222,9 +222,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     name, sep, text = item.partition("=")
     section, dot, key = name.strip().partition(".")
     if not sep or not dot or not section or not key:
-        raise ConfigError(
-            f"override {item!r} is not of the form section.key=value (e.g. training.epochs=3)"
-        )
+        raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. training.epochs=3)")
     try:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -239,8 +237,7 @@ def config_from_tables(
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(
-            f"{source}: unknown section(s) {', '.join(unknown)}; "
-            f"valid sections: {', '.join(sections)}"
+            f"{source}: unknown section(s) {', '.join(unknown)}; valid sections: {', '.join(sections)}"
         )
     out = {}
     for name, cls in sections.items():

@@ -28,10 +28,12 @@ def load_arrays(name: str) -> LabeledArrays:
     raise ConfigError(f"dataset {name!r} is not bundled; choose 'digits'")
 
 
-def train_test_split(data: LabeledArrays, test_fraction: float, seed: int) -> tuple[LabeledArrays, LabeledArrays]:
+def train_test_split(
+    data: LabeledArrays, test_fraction: float, seed: int
+) -> tuple[LabeledArrays, LabeledArrays]:
     """A seeded random split into training and held-out rows."""
     order = np.random.default_rng(seed).permutation(len(data.labels))
-    cut = int(round(len(order) * (1.0 - test_fraction)))
+    cut = round(len(order) * (1.0 - test_fraction))
     train, test = order[:cut], order[cut:]
     return (
         LabeledArrays(data.features[train], data.labels[train], data.num_classes),

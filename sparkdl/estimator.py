@@ -18,7 +18,14 @@ import cloudpickle
 import torch
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.ml.util import (
+    DefaultParamsReader,
+    DefaultParamsWriter,
+    MLReadable,
+    MLReader,
+    MLWritable,
+    MLWriter,
+)
 
 from sparkdl.config import SparkDLConfig, flat_field_owners, load_config
 from sparkdl.errors import ConfigError
@@ -230,7 +237,9 @@ class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         model_fn = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle"))
-        state = torch.load(io.BytesIO(fs.read_bytes(self.sparkSession, f"{path}/weights.pt")), weights_only=True)
+        state = torch.load(
+            io.BytesIO(fs.read_bytes(self.sparkSession, f"{path}/weights.pt")), weights_only=True
+        )
         module = build_model(model_fn)
         module.load_state_dict(state)
         model = TorchModel(

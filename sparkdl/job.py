@@ -77,7 +77,9 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if spark is None:
-        spark = build_session(config.spark.master or None, config.spark.app_name, config.sparkdl, config.spark.conf)
+        spark = build_session(
+            config.spark.master or None, config.spark.app_name, config.sparkdl, config.spark.conf
+        )
     data = load_arrays(config.job.dataset)
     train, test = train_test_split(data, config.job.test_fraction, config.sparkdl.training.seed)
     train_df = to_dataframe(spark, train, config.job.input_partitions)
@@ -90,7 +92,11 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     for record in model.history:
         log.info(
             "epoch %d: loss %.4f, %d samples, %.0f samples/s (%s)",
-            record["epoch"], record["loss"], record["samples"], record["samples_per_s"], record["source"],
+            record["epoch"],
+            record["loss"],
+            record["samples"],
+            record["samples_per_s"],
+            record["source"],
         )
     predictions = model.transform(test_df).select("label", config.sparkdl.data.prediction_col).collect()
     correct = sum(int(row[0] == row[1]) for row in predictions)
@@ -107,5 +113,10 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     model.write().overwrite().save(str((out / "model").resolve()))
-    log.info("held-out accuracy %.4f; wrote %s and %s", metrics["test_accuracy"], out / "metrics.json", out / "model")
+    log.info(
+        "held-out accuracy %.4f; wrote %s and %s",
+        metrics["test_accuracy"],
+        out / "metrics.json",
+        out / "model",
+    )
     return metrics

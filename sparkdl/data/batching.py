@@ -5,21 +5,27 @@ Pure numpy: no Spark, no torch, so every rule here is unit-tested directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 Arrays = tuple[np.ndarray, np.ndarray]
+A = TypeVar("A", bound=Any)
 
 
-def rebatch(chunks: Iterable[Arrays], batch_size: int) -> Iterator[Arrays]:
+def rebatch(
+    chunks: Iterable[tuple[A, A]], batch_size: int, concat: Callable[[list[A]], A] = np.concatenate
+) -> Iterator[tuple[A, A]]:
     """Yield batches of exactly ``batch_size`` rows (the last one may be smaller).
 
     Chunks arrive in whatever sizes Arrow delivers them; rows keep their order.
-    A chunk that already holds whole batches is sliced without copying.
+    Batches inside a chunk are slices (views, no copy); only a batch that spans two
+    chunks is concatenated. Works on numpy arrays and, with ``concat=torch.cat``,
+    on tensors.
     """
-    pending_x: list[np.ndarray] = []
-    pending_y: list[np.ndarray] = []
+    pending_x: list[A] = []
+    pending_y: list[A] = []
     pending = 0
     for x, y in chunks:
         start = 0
@@ -31,7 +37,7 @@ def rebatch(chunks: Iterable[Arrays], batch_size: int) -> Iterator[Arrays]:
             start = take
             if pending < batch_size:
                 continue
-            yield np.concatenate(pending_x), np.concatenate(pending_y)
+            yield concat(pending_x), concat(pending_y)
             pending_x, pending_y, pending = [], [], 0
         while len(x) - start >= batch_size:
             yield x[start : start + batch_size], y[start : start + batch_size]
@@ -39,7 +45,7 @@ def rebatch(chunks: Iterable[Arrays], batch_size: int) -> Iterator[Arrays]:
         if start < len(x):
             pending_x, pending_y, pending = [x[start:]], [y[start:]], len(x) - start
     if pending:
-        yield np.concatenate(pending_x), np.concatenate(pending_y)
+        yield concat(pending_x), concat(pending_y)
 
 
 def epoch_rng(seed: int, epoch: int, rank: int) -> np.random.Generator:

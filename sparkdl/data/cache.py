@@ -68,8 +68,10 @@ class PartitionCache:
             self._x = np.zeros((0, *(self._x_tail or (0,))), dtype=np.float32)
             self._y = np.zeros((0, *(self._y_tail or ())), dtype=self._y_dtype or np.float32)
             return
-        self._x = np.memmap(self._dir / "x.f32", np.float32, "r", shape=(self._rows, *self._x_tail))  # type: ignore[misc]
-        self._y = np.memmap(self._dir / "y.bin", self._y_dtype, "r", shape=(self._rows, *self._y_tail))  # type: ignore[misc]
+        x_shape = (self._rows, *(self._x_tail or ()))
+        y_shape = (self._rows, *(self._y_tail or ()))
+        self._x = np.memmap(self._dir / "x.f32", dtype=np.dtype(np.float32), mode="r", shape=x_shape)
+        self._y = np.memmap(self._dir / "y.bin", dtype=np.dtype(self._y_dtype), mode="r", shape=y_shape)
 
     def batches(self, batch_size: int, order: np.ndarray | None = None) -> Iterator[Arrays]:
         """Replay the rows in batches: in stored order (zero-copy slices) or in ``order``."""

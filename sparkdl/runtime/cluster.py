@@ -32,7 +32,9 @@ def check_cluster(spark: Any, num_workers: int, wait_s: float, collective_timeou
     sc = spark.sparkContext
     conf = sc.getConf()
     master = sc.master
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not master.startswith("local"):
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not master.startswith(
+        "local"
+    ):
         raise ClusterConfigError(
             "spark.dynamicAllocation.enabled = true, but barrier-mode training needs a fixed set "
             "of executors; start the session with spark.dynamicAllocation.enabled=false"
@@ -42,14 +44,31 @@ def check_cluster(spark: Any, num_workers: int, wait_s: float, collective_timeou
         log.warning(
             "%s is %ss: a worker stuck before a barrier is only noticed after that long; "
             "set it near runtime.collective_timeout_s (%ss) when building the session",
-            BARRIER_TIMEOUT_KEY, int(barrier_timeout), int(collective_timeout_s),
+            BARRIER_TIMEOUT_KEY,
+            int(barrier_timeout),
+            int(collective_timeout_s),
         )
     wait_for_slots(lambda: max_concurrent_tasks(sc), num_workers, wait_s, master)
 
 
+def check_static_conf(master: str, conf: dict[str, str]) -> None:
+    """Settings that make a barrier stage impossible, whatever the cluster's size."""
+    dynamic = conf.get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true"
+    if dynamic and not master.startswith("local"):
+        raise ClusterConfigError(
+            f"spark.dynamicAllocation.enabled = true on {master}, but barrier-mode training needs a "
+            "fixed set of executors; start the session with spark.dynamicAllocation.enabled=false "
+            "(and spark.executor.instances set), or train on a cluster without it"
+        )
+
+
 def wait_for_slots(
-    probe: Callable[[], int], required: int, wait_s: float, master: str,
-    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    probe: Callable[[], int],
+    required: int,
+    wait_s: float,
+    master: str,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Poll ``probe`` until it reports ``required`` slots or ``wait_s`` passes."""
     deadline = clock() + wait_s

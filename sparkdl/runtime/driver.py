@@ -47,7 +47,9 @@ class FitResult:
     worker_rows: list[int]
 
 
-def plan_columns(df: Any, feature_cols: tuple[str, ...], label_col: str | None, label_kind: LabelKind) -> ColumnPlan:
+def plan_columns(
+    df: Any, feature_cols: tuple[str, ...], label_col: str | None, label_kind: LabelKind
+) -> ColumnPlan:
     """Check the DataFrame's schema on the driver, before any task starts."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
@@ -112,7 +114,9 @@ def _translate(exc: Exception) -> SparkDLError:
         cls = getattr(errors, name, TrainingFailedError)
         if isinstance(cls, type) and issubclass(cls, SparkDLError):
             return cls(message.strip())
-    python_errors = [m for m in _PYTHON_ERROR_LINE.findall(text) if not m[0].startswith(("org.", "java.", "py4j."))]
+    python_errors = [
+        m for m in _PYTHON_ERROR_LINE.findall(text) if not m[0].startswith(("org.", "java.", "py4j."))
+    ]
     if python_errors:
         name, message = python_errors[-1]
         hint = _HINTS.get(name.rsplit(".", 1)[-1], "")

@@ -52,8 +52,7 @@ def prediction_schema(schema: Any, column: str, mode: OutputMode) -> Any:
 
     if column in schema.names:
         raise SchemaError(
-            f"prediction column {column!r} already exists in the DataFrame; "
-            "set prediction_col to a new name"
+            f"prediction column {column!r} already exists in the DataFrame; set prediction_col to a new name"
         )
     kind = ArrayType(FloatType(), containsNull=False) if mode is OutputMode.ARRAY else DoubleType()
     return StructType([*schema.fields, StructField(column, kind, nullable=False)])
@@ -74,7 +73,9 @@ def predict_partition(spec: PredictSpec, batches: Iterator[pa.RecordBatch]) -> I
         yield batch.append_column(spec.prediction_col, predict_batch(module, batch, spec, device))
 
 
-def predict_batch(module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device) -> pa.Array:
+def predict_batch(
+    module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
+) -> pa.Array:
     """Run the model over one record batch in chunks of ``spec.batch_size`` rows."""
     if batch.num_rows == 0:
         return pa.array([], pa.float64() if spec.mode is not OutputMode.ARRAY else pa.list_(pa.float32()))

@@ -94,15 +94,22 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     threads = spec.config.runtime.torch_threads or int(ctx.cpus() or 1)
     try:
         result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads)
-    except SparkDLError:
-        raise
+    except SparkDLError as exc:
+        raise _with_rank(exc, rank) from exc
     except Exception as exc:
         raise TrainingFailedError(
-            f"rank {rank} (stage attempt {ctx.stageAttemptNumber()}) failed: "
-            f"{type(exc).__name__}: {exc}",
+            f"rank {rank} (task attempt {ctx.attemptNumber()}) failed: {type(exc).__name__}: {exc}",
             {rank: f"{type(exc).__name__}: {exc}"},
         ) from exc
     yield result.to_record_batch()
+
+
+def _with_rank(exc: SparkDLError, rank: int) -> SparkDLError:
+    """The same error, its message prefixed with the rank (built as when unpickled)."""
+    if exc.message.startswith(f"rank {rank}"):
+        return exc
+    cls, args = exc.__reduce__()[:2]
+    return cls(f"rank {rank}: {args[0]}", *args[1:])
 
 
 def run_worker(
@@ -135,6 +142,7 @@ def run_worker(
         ctx = WorkerContext(rank, world_size, device)
         wrapped = strategy.setup(module, ctx)
         optimizer = build_optimizer(wrapped.parameters(), spec.optimizer_fn, config.optimizer)
+        strategy.attach_optimizer(optimizer)
         loss_fn, label_kind = resolve_loss(spec.loss)
         trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
@@ -157,18 +165,24 @@ def _train_epochs(
 ) -> list[dict[str, Any]]:
     history = []
     counts: list[int] = []
-    for epoch in range(1, config.training.epochs + 1):
+    epochs = config.training.epochs
+    for epoch in range(1, epochs + 1):
         batches, source = feed.epoch(epoch)
+        final = epoch == epochs
         if source == "spark":
-            result = trainer.run_epoch(epoch, batches, StreamingCoordinator(control), "spark")
+            result = trainer.run_epoch(epoch, batches, StreamingCoordinator(control), source, final)
             counts = exchange_counts(feed.cached_rows, ctx, control)
         else:
             coordinator = ScheduledCoordinator(counts, config.training.batch_size, trainer.widths)
-            result = trainer.run_epoch(epoch, batches, coordinator, "cache")
+            result = trainer.run_epoch(epoch, batches, coordinator, source, final)
         history.append(_epoch_record(result))
         log.info(
             "rank %d epoch %d loss %.4f (%d samples, %.2fs)",
-            ctx.rank, epoch, result.loss, result.samples, result.seconds,
+            ctx.rank,
+            epoch,
+            result.loss,
+            result.samples,
+            result.seconds,
         )
     return history
 

@@ -43,7 +43,13 @@ class AllReduceStrategy(SyncStrategy):
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             bytes_per_grad //= 2
         self._step_bytes = ring_allreduce_bytes(bytes_per_grad, ctx.world_size)
+        self._world_size = ctx.world_size
         return ddp
+
+    def loss_scale(self, local_rows: int, global_rows: int) -> float:
+        # DDP divides the summed gradients by the world size; this factor turns that
+        # into the mean over every row of the step, however unevenly they are spread.
+        return self._world_size * local_rows / global_rows
 
     def after_backward(self, step: int) -> None:
         self.stats.sync_rounds += 1

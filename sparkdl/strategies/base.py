@@ -39,6 +39,9 @@ class SyncStrategy(abc.ABC):
     """Keeps the workers' models consistent. One instance per worker per fit."""
 
     name: ClassVar[Strategy]
+    #: Whether a worker without rows must still run forward/backward (on a zero-weight
+    #: filler batch) because the step contains a collective every worker must join.
+    steps_without_data: ClassVar[bool] = True
 
     def __init__(self, config: SparkDLConfig) -> None:
         self.config = config
@@ -48,11 +51,21 @@ class SyncStrategy(abc.ABC):
     def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
         """Return the module the loop runs forward/backward on (may wrap ``module``)."""
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - optional hook
+        """The optimizer has been built over the module's parameters."""
+
+    @abc.abstractmethod
+    def loss_scale(self, local_rows: int, global_rows: int) -> float:
+        """Factor on this worker's mean loss before backward."""
+
     def after_backward(self, step: int) -> None:  # noqa: B027 - optional hook
         """Gradients of this step are ready (and, for all-reduce, already averaged)."""
 
-    def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
-        """The optimizer applied this step."""
+    def after_step(self, step: int, local_rows: int) -> None:  # noqa: B027 - optional hook
+        """Step ``step`` is over; this worker trained on ``local_rows`` rows in it."""
+
+    def finish(self) -> None:  # noqa: B027 - optional hook
+        """Training is over: leave every worker with the same final weights."""
 
     def end_epoch(self) -> SyncStats:
         """Return this epoch's figures and start counting afresh."""

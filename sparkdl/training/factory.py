@@ -38,7 +38,9 @@ def build_optimizer(
         return optimizer
     name = config.optimizer
     if name is OptimizerName.SGD:
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
     if name is OptimizerName.ADAM:
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
     if name is OptimizerName.ADAMW:

@@ -169,9 +169,18 @@ class Trainer:
         self._global_step = 0
 
     def run_epoch(
-        self, epoch: int, batches: Iterable[TensorBatch], coordinator: StepCoordinator, source: str
+        self,
+        epoch: int,
+        batches: Iterable[TensorBatch],
+        coordinator: StepCoordinator,
+        source: str,
+        final: bool = False,
     ) -> EpochResult:
-        """Train one epoch; every worker must call this with matching ``epoch``."""
+        """Train one epoch; every worker must call this with matching arguments.
+
+        ``final`` marks the last epoch: the strategy then makes every worker's
+        weights equal (e.g. a last weight average) before the epoch's figures close.
+        """
         started = time.perf_counter()
         self.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -189,12 +198,18 @@ class Trainer:
             if plan is None:
                 break
             self.widths = (plan.x_width, plan.y_width)
+            steps += 1
+            if batch is None and not self.strategy.steps_without_data:
+                self.strategy.after_step(self._global_step, 0)
+                self._global_step += 1
+                continue
             if batch is None:
                 batch = self.filler.batch(plan)
             loss = self._step(batch, rows, plan, validate)
             loss_sum += loss.detach().double() * rows
             local_samples += rows
-            steps += 1
+        if final:
+            self.strategy.finish()
         if next(iterator, None) is not None:
             raise RuntimeError(
                 f"rank {self.ctx.rank}: the step schedule ended before this worker's data did; "
@@ -224,12 +239,11 @@ class Trainer:
         if validate and rows and self.label_kind is LabelKind.CLASS_INDEX:
             self._check_class_labels(y, output)
         loss = self.loss_fn(output, y)
-        weight = self.ctx.world_size * rows / plan.global_rows
-        (loss * weight).backward()
+        (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
         self.strategy.after_backward(self._global_step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.strategy.after_step(self._global_step)
+        self.strategy.after_step(self._global_step, rows)
         self._global_step += 1
         return loss
 

@@ -32,6 +32,27 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
 
 
 @pytest.mark.slow
+def test_weight_averaging_every_8_steps_is_within_2_points_of_allreduce(spark, tmp_path):
+    base = run_train_job(load_job_config(ROOT / "conf/local.toml"), tmp_path / "allreduce", spark=spark)
+    overrides = ['training.strategy="weight_averaging"', "training.sync_every=8"]
+    local_sgd = run_train_job(
+        load_job_config(ROOT / "conf/local.toml", overrides), tmp_path / "wa", spark=spark
+    )
+    assert local_sgd["config"]["strategy"] == "weight_averaging"
+    assert abs(local_sgd["test_accuracy"] - base["test_accuracy"]) <= 0.02
+    steps = sum(epoch["steps"] for epoch in base["history"])
+    assert sum(epoch["sync_rounds"] for epoch in base["history"]) == steps
+    # every 8th step, plus the final average of the steps after the last one
+    assert sum(epoch["sync_rounds"] for epoch in local_sgd["history"]) == steps // 8 + (steps % 8 > 0)
+    bytes_per_sample = [
+        sum(e["bytes_sent"] for e in run["history"]) / sum(e["samples"] for e in run["history"])
+        for run in (base, local_sgd)
+    ]
+    # the job's SGD has momentum, averaged with the weights: twice the payload per round
+    assert bytes_per_sample[1] / bytes_per_sample[0] == pytest.approx(2 / 8, rel=0.05)
+
+
+@pytest.mark.slow
 def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
     """Separate executor JVMs and Python workers: the real multi-process path."""
     spark_submit = Path(sys.executable).with_name("spark-submit")
@@ -45,21 +66,29 @@ def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
     }
     command = [
         str(spark_submit),
-        "--master", "local-cluster[2,1,1024]",
-        "--conf", "spark.ui.enabled=false",
-        "--conf", "spark.driver.host=127.0.0.1",
+        "--master",
+        "local-cluster[2,1,1024]",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.driver.host=127.0.0.1",
         str(ROOT / "jobs/train.py"),
-        "--config", str(ROOT / "conf/local.toml"),
-        "--set", 'spark.master=""',
-        "--set", "training.epochs=10",
-        "--set", "runtime.executor_wait_timeout_s=60",
-        "--output", str(tmp_path / "out"),
+        "--config",
+        str(ROOT / "conf/local.toml"),
+        "--set",
+        'spark.master=""',
+        "--set",
+        "training.epochs=10",
+        "--set",
+        "runtime.executor_wait_timeout_s=60",
+        "--output",
+        str(tmp_path / "out"),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
     assert metrics["test_accuracy"] >= 0.93
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
     assert summary["test_accuracy"] == metrics["test_accuracy"]
 
 
@@ -68,7 +97,9 @@ def test_python_job_reports_config_errors_without_a_traceback(tmp_path):
     bad.write_text("[training]\nepochz = 3\n")
     done = subprocess.run(
         [sys.executable, str(ROOT / "jobs/train.py"), "--config", str(bad)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     assert "unknown key(s) epochz" in done.stderr and "Traceback" not in done.stderr

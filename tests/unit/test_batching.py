@@ -38,7 +38,7 @@ def test_epoch_shuffles_are_seeded_per_epoch_and_rank():
     np.testing.assert_array_equal(a, epoch_rng(0, 2, 1).permutation(100))
     assert not np.array_equal(a, epoch_rng(0, 3, 1).permutation(100))
     assert not np.array_equal(a, epoch_rng(0, 2, 0).permutation(100))
-    (x, y), = shuffle_chunks(chunks([50]), epoch_rng(0, 1, 0))
+    ((x, y),) = shuffle_chunks(chunks([50]), epoch_rng(0, 1, 0))
     assert sorted(y.tolist()) == list(range(50)) and y.tolist() != list(range(50))
     np.testing.assert_array_equal(x[:, 0].astype(np.int64), y)
 

@@ -68,7 +68,9 @@ def test_sliced_batches_decode_only_their_rows():
 
 
 def test_nulls_are_an_error_naming_column_and_count():
-    batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, None, None, 4.0]), "label": pa.array([0, 1, 0, 1])})
+    batch = pa.RecordBatch.from_pydict(
+        {"x": pa.array([1.0, None, None, 4.0]), "label": pa.array([0, 1, 0, 1])}
+    )
     with pytest.raises(BadDataError, match=r"column 'x' has 2 null rows of 4") as info:
         decode_features(batch, plan(batch, ["x"]))
     assert info.value.column == "x" and info.value.bad_rows == 2
@@ -83,7 +85,9 @@ def test_ragged_arrays_are_an_error_with_the_count():
 
 
 def test_nan_features_are_counted_not_coerced():
-    batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, float("nan"), 3.0]), "label": pa.array([0, 1, 0])})
+    batch = pa.RecordBatch.from_pydict(
+        {"x": pa.array([1.0, float("nan"), 3.0]), "label": pa.array([0, 1, 0])}
+    )
     with pytest.raises(BadDataError, match=r"NaN or infinite values in 1 of 3 rows"):
         decode_features(batch, plan(batch, ["x"]))
 

@@ -22,22 +22,30 @@ def test_every_shipped_config_loads():
 
 
 def test_file_values_land_in_typed_fields(tmp_path):
-    path = write(tmp_path, '[training]\nbatch_size = 16\nstrategy = "allreduce"\n[runtime]\ncompression = "fp16"\ncollective_timeout_s = 5\n')
+    path = write(
+        tmp_path,
+        '[training]\nbatch_size = 16\nstrategy = "allreduce"\n'
+        '[runtime]\ncompression = "fp16"\ncollective_timeout_s = 5\n',
+    )
     config = load_config(path)
     assert config.training.batch_size == 16
     assert config.training.strategy is Strategy.ALLREDUCE
     assert config.runtime.compression is Compression.FP16
-    assert config.runtime.collective_timeout_s == 5.0 and isinstance(config.runtime.collective_timeout_s, float)
+    assert config.runtime.collective_timeout_s == 5.0 and isinstance(
+        config.runtime.collective_timeout_s, float
+    )
 
 
 def test_unknown_key_names_the_file_section_and_key(tmp_path):
     path = write(tmp_path, "[training]\nbatch_sise = 16\n")
-    with pytest.raises(ConfigError, match=r"c\.toml \[training\]: unknown key\(s\) batch_sise; valid keys: .*batch_size"):
+    with pytest.raises(
+        ConfigError, match=r"c\.toml \[training\]: unknown key\(s\) batch_sise; valid keys: .*batch_size"
+    ):
         load_config(path)
 
 
 def test_unknown_section_is_an_error(tmp_path):
-    with pytest.raises(ConfigError, match="unknown section.*trainig"):
+    with pytest.raises(ConfigError, match=r"unknown section.*trainig"):
         load_config(write(tmp_path, "[trainig]\nepochs = 1\n"))
 
 
@@ -57,7 +65,7 @@ def test_overrides_beat_the_file(tmp_path):
 
 
 def test_override_syntax_errors_show_the_form():
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         parse_override("epochs=3")
     assert parse_override("data.label_col=y") == ("data", "label_col", "y")
     assert parse_override("training.shuffle=false") == ("training", "shuffle", False)
@@ -83,7 +91,7 @@ def test_estimator_kwargs_and_config_describe_the_same_settings(tmp_path):
 
 
 def test_estimator_rejects_unknown_settings_listing_valid_ones():
-    with pytest.raises(ConfigError, match="unknown setting.*batchsize.*valid settings: .*batch_size"):
+    with pytest.raises(ConfigError, match=r"unknown setting.*batchsize.*valid settings: .*batch_size"):
         TorchEstimator(model_fn=lambda: None, batchsize=3)
     with pytest.raises(ConfigError, match="loss"):
         TorchEstimator(model_fn=lambda: None, loss_fn="hinge")

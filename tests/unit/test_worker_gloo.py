@@ -25,6 +25,10 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
+def _plain_sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
 def _file_all_gather(path: str, rank: int, world: int):
     import torch.distributed as dist
 
@@ -45,18 +49,21 @@ def _worker(rank, world, shards, spec, store_path, out):
     x, y = shards[rank]
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
-        result = run_worker(spec, batches, rank, world, "127.0.0.1", [], _file_all_gather(store_path, rank, world))
+        result = run_worker(
+            spec, batches, rank, world, "127.0.0.1", [], _file_all_gather(store_path, rank, world)
+        )
         out.put((rank, result.state, result.history, None))
     except Exception as exc:  # reported to the test process
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
 
 
-def run_workers(shards, tmp_path, **settings):
+def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
     config = SparkDLConfig().replace(collective_timeout_s=30.0, prefetch_batches=2, **settings)
     plan = plan_from_arrow_schema(
         shard_to_batch(*shards[0]).schema, ("features",), "label", LabelKind.CLASS_INDEX
     )
-    spec = TrainSpec(config, make_tiny_net, _sgd, "cross_entropy", plan)
+    spec = TrainSpec(config, make_tiny_net, optimizer_fn, "cross_entropy", plan)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     world = len(shards)
@@ -68,7 +75,7 @@ def run_workers(shards, tmp_path, **settings):
         p.start()
     results = {}
     for _ in procs:
-        rank, state, history, error = out.get(timeout=120)
+        rank, state, history, error = out.get(timeout=90)
         results[rank] = (state, history, error)
     for p in procs:
         p.join(30)
@@ -100,3 +107,44 @@ def test_workers_match_single_process_sgd(tmp_path, sizes, batch_size, epochs, s
     assert all(h["steps"] == steps for h in history)
     for rank, size in enumerate(sizes):
         assert [h["local_samples"] for h in results[rank][1]] == [size] * epochs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "momentum", "shuffle"),
+    [
+        ([64, 64], 0.0, False),  # the reference: plain SGD, tau = 1, equal partitions
+        ([64, 64], MOMENTUM, True),  # momentum buffers are averaged too, so still exact
+        ([50, 21], MOMENTUM, False),  # uneven: weights by rows since the last average
+        ([40, 0, 17], 0.0, True),  # a worker with no rows neither steps nor drags the average
+    ],
+)
+def test_weight_averaging_every_step_equals_gradient_averaging(tmp_path, sizes, momentum, shuffle):
+    shards = make_shards(sizes)
+    optimizer_fn = _sgd if momentum else _plain_sgd
+    state, results = run_workers(
+        shards,
+        tmp_path,
+        optimizer_fn,
+        strategy="weight_averaging",
+        sync_every=1,
+        batch_size=8,
+        epochs=2,
+        shuffle=shuffle,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, momentum, shuffle)
+    assert max_abs_diff(state, expected) < 1e-5
+    steps = max((s + 7) // 8 for s in sizes)
+    assert [h["sync_rounds"] for h in results[0][1]] == [steps, steps]
+
+
+@pytest.mark.slow
+def test_weight_averaging_sends_a_quarter_of_the_bytes_with_tau_4(tmp_path):
+    shards = make_shards([64, 64])
+    _, allreduce = run_workers(shards, tmp_path / "a", _plain_sgd, batch_size=8, epochs=1)
+    _, averaged = run_workers(
+        shards, tmp_path / "b", _plain_sgd, strategy="weight_averaging", sync_every=4, batch_size=8, epochs=1
+    )
+    full, local = allreduce[0][1][0], averaged[0][1][0]
+    assert (full["sync_rounds"], local["sync_rounds"]) == (8, 2)
+    assert local["bytes_sent"] / local["samples"] == pytest.approx(full["bytes_sent"] / full["samples"] / 4)

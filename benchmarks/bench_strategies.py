@@ -1,0 +1,119 @@
+"""Sync strategies compared in one run (issue 3, item 6): samples/s, bytes sent per worker
+and held-out accuracy after the same number of epochs, on the same model and data.
+
+    .venv/bin/python benchmarks/bench_strategies.py [--rows 200000] [--epochs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from common import make_data, make_model  # noqa: E402
+
+from sparkdl import TorchEstimator  # noqa: E402
+from sparkdl.config import SparkDLConfig  # noqa: E402
+from sparkdl.runtime.session import build_session  # noqa: E402
+
+VARIANTS = [
+    ("allreduce", {"strategy": "allreduce"}),
+    ("weight_averaging tau=1", {"strategy": "weight_averaging", "sync_every": 1}),
+    ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4}),
+    ("weight_averaging tau=16", {"strategy": "weight_averaging", "sync_every": 16}),
+]
+
+
+def dataframe(spark, rows: int, seed: int, partitions: int):
+    x, y = make_data(rows, seed)
+    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(
+        pa.list_(pa.float32())
+    )
+    df = spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
+    return df.repartition(partitions).cache()
+
+
+def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> dict:
+    estimator = TorchEstimator(
+        model_fn=make_model,
+        feature_cols=["features"],
+        num_workers=2,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=0,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.0,
+        **settings,
+    )
+    model = estimator.fit(train_df)
+    later = model.history[1:]
+    rows = model.transform(test_df).select("label", "prediction").collect()
+    samples = sum(h["samples"] for h in model.history)
+    return {
+        "samples_per_s_epochs_2plus": sum(h["samples"] for h in later) / sum(h["seconds"] for h in later),
+        "sync_rounds": sum(h["sync_rounds"] for h in model.history),
+        "bytes_sent_per_worker": sum(h["bytes_sent"] for h in model.history),
+        "bytes_per_sample": sum(h["bytes_sent"] for h in model.history) / samples,
+        "final_loss": model.history[-1]["loss"],
+        "test_accuracy": sum(int(r[0] == r[1]) for r in rows) / len(rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--test-rows", type=int, default=20_000)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--output", default=str(HERE / "results/strategies.json"))
+    args = parser.parse_args()
+    spark = build_session(
+        "local[2]",
+        "sparkdl-bench-strategies",
+        SparkDLConfig(),
+        {"spark.ui.enabled": "false", "spark.driver.memory": "6g"},
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.addPyFile(str(HERE / "common.py"))
+    train_df, test_df = dataframe(spark, args.rows, 0, 2), dataframe(spark, args.test_rows, 1, 2)
+    train_df.count(), test_df.count()
+    results = {name: run_variant(train_df, test_df, s, args.epochs, args.batch_size) for name, s in VARIANTS}
+    base = results["allreduce"]
+    for result in results.values():
+        result["samples_per_s_vs_allreduce"] = (
+            result["samples_per_s_epochs_2plus"] / base["samples_per_s_epochs_2plus"]
+        )
+        result["bytes_per_sample_vs_allreduce"] = result["bytes_per_sample"] / base["bytes_per_sample"]
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": " ".join(sys.argv),
+        "setup": {
+            "rows": args.rows,
+            "epochs": args.epochs,
+            "batch_size_per_worker": args.batch_size,
+            "workers": 2,
+            "optimizer": "SGD lr=0.05, no momentum",
+        },
+        "results": results,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
