@@ -15,14 +15,14 @@ A = TypeVar("A", bound=Any)
 
 
 def rebatch(
-    chunks: Iterable[tuple[A, A]], batch_size: int, concat: Callable[[list[A]], A] = np.concatenate
+    chunks: Iterable[tuple[A, A]], batch_size: int, concat: Callable[[list[A]], A]
 ) -> Iterator[tuple[A, A]]:
     """Yield batches of exactly ``batch_size`` rows (the last one may be smaller).
 
     Chunks arrive in whatever sizes Arrow delivers them; rows keep their order.
     Batches inside a chunk are slices (views, no copy); only a batch that spans two
-    chunks is concatenated. Works on numpy arrays and, with ``concat=torch.cat``,
-    on tensors.
+    chunks is concatenated. Works on numpy arrays (``concat=np.concatenate``) and
+    on tensors (``concat=torch.cat``).
     """
     pending_x: list[A] = []
     pending_y: list[A] = []

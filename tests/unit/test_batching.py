@@ -19,7 +19,7 @@ def chunks(sizes):
 
 @pytest.mark.parametrize("sizes", [[10], [3, 3, 3, 1], [1] * 7 + [20], [0, 5, 0, 12], []])
 def test_rebatch_gives_fixed_batches_in_order(sizes):
-    batches = list(rebatch(chunks(sizes), 4))
+    batches = list(rebatch(chunks(sizes), 4, np.concatenate))
     total = sum(sizes)
     assert [len(x) for x, _ in batches] == [4] * (total // 4) + ([total % 4] if total % 4 else [])
     flat = np.concatenate([y for _, y in batches]) if batches else np.zeros(0)
