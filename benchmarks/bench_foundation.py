@@ -69,8 +69,12 @@ def ddp_baseline(rows: int, epochs: int, batch_size: int) -> dict:
         "--batch-size",
         str(batch_size),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=1200)
-    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    for _ in range(3):  # torchrun --standalone picks its port by bind-and-close: it can collide
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode == 0 and lines:
+            return json.loads(lines[-1])
+    raise RuntimeError(f"torchrun baseline failed: {done.stderr[-3000:]}")
 
 
 def sparkdl_fit(df, epochs: int, batch_size: int) -> dict:

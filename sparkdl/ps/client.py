@@ -1,0 +1,120 @@
+"""The worker's side of the parameter server: one connection per shard, used in parallel."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparkdl.errors import SparkDLError
+from sparkdl.ps.protocol import Frame, Kind, ProtocolError, recv_frame, send_frame
+from sparkdl.ps.server import PsEndpoint
+from sparkdl.ps.store import PsTimeoutError
+
+
+class PsClientError(SparkDLError):
+    """The server refused a request or could not be reached."""
+
+
+@dataclass
+class ClientStats:
+    pushes: int = 0
+    pulls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_s: float = 0.0
+    staleness: list[int] | None = None
+
+
+class PsClient:
+    """Pushes gradient shards and pulls weight shards for one worker.
+
+    Args:
+        endpoint: the server's address, secret and shard layout.
+        rank: this worker's rank.
+        attempt: the stage attempt number (a retry must not mix with the old attempt).
+    """
+
+    def __init__(self, endpoint: PsEndpoint, rank: int, attempt: int) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self.attempt = attempt
+        self.stats = ClientStats(staleness=[])
+        shards = len(endpoint.shard_params)
+        self._socks = [self._connect() for _ in range(shards)]
+        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=30)
+        except OSError as exc:
+            raise PsClientError(
+                f"rank {self.rank}: cannot reach the parameter server at "
+                f"{self.endpoint.host}:{self.endpoint.port} ({exc}); executors must reach the driver "
+                "on spark.driver.host"
+            ) from exc
+        sock.settimeout(self.endpoint.timeout_s + 30)  # the server answers a stuck pull itself
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_frame(sock, Frame(Kind.HELLO, rank=self.rank, attempt=self.attempt), self.endpoint.secret)
+        self._expect(sock, Kind.ACK)
+        return sock
+
+    def push(self, clock: int, rows: int, grads: list[torch.Tensor]) -> None:
+        """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel."""
+        futures = [
+            self._pool.submit(self._push_one, shard, clock, rows, grad) for shard, grad in enumerate(grads)
+        ]
+        for future in futures:
+            future.result()
+        self.stats.pushes += 1
+
+    def pull(self, clock: int) -> list[tuple[int, torch.Tensor]]:
+        """(version, flat weights) of every shard for a worker about to compute ``clock``."""
+        started = time.perf_counter()
+        futures = [self._pool.submit(self._pull_one, shard, clock) for shard in range(len(self._socks))]
+        results = [future.result() for future in futures]
+        self.stats.wait_s += time.perf_counter() - started
+        self.stats.pulls += 1
+        return results
+
+    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> None:
+        sock = self._socks[shard]
+        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy())
+        self.stats.bytes_sent += send_frame(sock, frame, self.endpoint.secret)
+        ack = self._expect(sock, Kind.ACK)
+        assert self.stats.staleness is not None
+        self.stats.staleness.append(ack.clock)
+
+    def _pull_one(self, shard: int, clock: int) -> tuple[int, torch.Tensor]:
+        sock = self._socks[shard]
+        self.stats.bytes_sent += send_frame(
+            sock, Frame(Kind.PULL, shard, self.rank, self.attempt, clock), self.endpoint.secret
+        )
+        reply = self._expect(sock, Kind.WEIGHTS)
+        self.stats.bytes_received += len(reply.payload)
+        return reply.clock, torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+
+    def _expect(self, sock: socket.socket, kind: Kind) -> Frame:
+        try:
+            frame = recv_frame(sock, self.endpoint.secret, self.endpoint.max_payload)
+        except (ProtocolError, OSError) as exc:
+            raise PsClientError(f"rank {self.rank}: parameter server connection failed: {exc}") from exc
+        if frame.kind is Kind.ERROR:
+            reason = bytes(frame.payload).decode(errors="replace")
+            if "waited" in reason:
+                raise PsTimeoutError(reason)
+            raise PsClientError(f"rank {self.rank}: parameter server refused the request: {reason}")
+        if frame.kind is not kind:
+            raise PsClientError(
+                f"rank {self.rank}: expected {kind.name} from the server, got {frame.kind.name}"
+            )
+        return frame
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for sock in self._socks:
+            sock.close()

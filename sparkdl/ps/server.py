@@ -1,0 +1,158 @@
+"""The parameter server's socket side: one listening socket on the driver, a thread per
+worker connection, shards served in parallel (each shard has its own lock).
+
+Every connection must open with an authenticated HELLO. A frame that fails
+authentication, is truncated, or announces an oversized payload closes that
+connection (and is logged with the peer's address); the other workers are not
+affected. A rejected push (stale attempt, duplicate clock, wrong size or dtype) is
+answered with an ERROR frame and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparkdl.ps.protocol import FLOAT32, Frame, Kind, ProtocolError, recv_frame, send_frame
+from sparkdl.ps.store import PsTimeoutError, PushRejected, ShardStore
+
+log = logging.getLogger(__name__)
+
+_ACCEPT_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class PsEndpoint:
+    """What workers need to reach the server; shipped inside the task spec, never in SparkConf."""
+
+    host: str
+    port: int
+    secret: bytes
+    shard_params: tuple[tuple[int, ...], ...]  # parameter indices of each shard
+    timeout_s: float
+    max_payload: int
+
+
+class ParameterServer:
+    """Serves ``stores`` on ``(host, port 0)`` until :meth:`stop`.
+
+    Args:
+        stores: one :class:`ShardStore` per shard.
+        host: address to bind (the driver's address that executors reach).
+        secret: per-fit HMAC key.
+        timeout_s: how long a pull may wait (``runtime.ps_timeout_s``).
+        max_payload: frame payload cap in bytes.
+    """
+
+    def __init__(
+        self, stores: Sequence[ShardStore], host: str, secret: bytes, timeout_s: float, max_payload: int
+    ) -> None:
+        self.stores = list(stores)
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.max_payload = max_payload
+        self.rejected: list[str] = []  # reasons, for tests and logs
+        self._listener = socket.create_server((host, 0), backlog=64)
+        self._listener.settimeout(_ACCEPT_POLL_S)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: list[tuple[socket.socket, threading.Thread]] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
+        self._acceptor.start()
+
+    def endpoint(self, shard_params: tuple[tuple[int, ...], ...]) -> PsEndpoint:
+        return PsEndpoint(self.host, self.port, self.secret, shard_params, self.timeout_s, self.max_payload)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close the port and every connection; join all threads (bounded)."""
+        self._stop.set()
+        self._acceptor.join(timeout)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for sock, _ in connections:
+            _close_quietly(sock)
+        for _, thread in connections:
+            thread.join(timeout)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(
+                target=self._serve, args=(sock, peer), name=f"sparkdl-ps-conn-{peer[1]}", daemon=True
+            )
+            with self._lock:
+                self._connections.append((sock, thread))
+            thread.start()
+
+    def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        try:
+            hello = recv_frame(sock, self.secret, self.max_payload)
+            if hello.kind is not Kind.HELLO:
+                raise ProtocolError(f"first frame was {hello.kind.name}, expected HELLO")
+            for store in self.stores:
+                store.begin_attempt(hello.attempt)
+            send_frame(sock, Frame(Kind.ACK), self.secret)
+            while not self._stop.is_set():
+                self._handle(sock, recv_frame(sock, self.secret, self.max_payload), hello.attempt)
+        except (ProtocolError, PushRejected) as exc:
+            if not self._stop.is_set() and "closed after 0 of" not in str(exc):
+                self._reject(peer, str(exc))
+        except OSError:
+            pass  # the worker went away, or stop() closed the socket
+        finally:
+            _close_quietly(sock)
+
+    def _handle(self, sock: socket.socket, frame: Frame, attempt: int) -> None:
+        if not 0 <= frame.shard < len(self.stores):
+            raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
+        store = self.stores[frame.shard]
+        if frame.kind is Kind.PUSH:
+            try:
+                if frame.dtype != FLOAT32 or len(frame.payload) != store.numel * 4:
+                    raise PushRejected(
+                        f"push of {len(frame.payload)} bytes (dtype code {frame.dtype}) to shard "
+                        f"{frame.shard}, which takes {store.numel * 4} bytes of float32"
+                    )
+                grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
+                staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
+            except PushRejected as exc:
+                self._reject(("rank", frame.rank), str(exc))
+                send_frame(sock, Frame(Kind.ERROR, payload=str(exc).encode()), self.secret)
+                return
+            send_frame(sock, Frame(Kind.ACK, shard=frame.shard, clock=staleness), self.secret)
+        elif frame.kind is Kind.PULL:
+            try:
+                version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
+            except PsTimeoutError as exc:
+                send_frame(sock, Frame(Kind.ERROR, payload=str(exc).encode()), self.secret)
+                return
+            reply = Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy())
+            send_frame(sock, reply, self.secret)
+        else:
+            raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
+
+    def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
+        log.warning("parameter server refused %s: %s", peer, reason)
+        self.rejected.append(reason)
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,196 @@
+"""The parameter server's state: versioned weight shards, each with its own optimizer.
+
+Pure: torch and threading only, no sockets, so the clock rules are tested directly.
+
+Clocks. Worker ``r`` pushes clock ``t`` after its ``t``-th step (0-based) and then
+pulls clock ``t + 1``. A shard's ``version`` counts the updates it has applied.
+
+- ``sync``: the pushes of clock ``t`` are summed (each is a rows-weighted gradient
+  sum) and, once all workers have pushed, divided by the rows and applied as one
+  optimizer step: version ``t + 1``. A pull of clock ``c`` waits for version ``c``.
+  With plain SGD this is exactly all-reduce SGD.
+- ``ssp`` (stale-synchronous): updates are applied per clock as in ``sync``, but a
+  pull of clock ``c`` only waits for version ``c - staleness``: a worker may run up to
+  ``staleness`` clocks ahead of the slowest. ``staleness = 0`` is ``sync``.
+- ``async`` (Downpour): every push is applied on arrival (its rows-weighted mean);
+  pulls never wait. Staleness of a push = updates applied since the version the
+  worker computed it on.
+
+Memory: one copy of the weights and optimizer state per shard, plus one gradient
+accumulator per clock in flight (at most ``staleness + 1``), never one per worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sparkdl.errors import SparkDLError
+
+OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class PsMode(str, enum.Enum):
+    SYNC = "sync"
+    ASYNC = "async"
+    SSP = "ssp"
+
+
+class PushRejected(SparkDLError):
+    """A push was refused (stale attempt, duplicate clock, wrong size, unknown rank)."""
+
+
+class PsTimeoutError(SparkDLError):
+    """A pull waited longer than ``runtime.ps_timeout_s`` for other workers."""
+
+
+@dataclass
+class _Clock:
+    grad_sum: torch.Tensor
+    rows: int = 0
+    pushed: set[int] = field(default_factory=set)
+
+
+class ShardStore:
+    """One shard of the model: whole parameter tensors, their optimizer, their clocks.
+
+    Args:
+        params: the shard's parameters (the store owns them and their ``.grad``).
+        optimizer_fn: builds the shard's optimizer over ``params``.
+        mode: sync, async or ssp.
+        num_workers: workers that push to this shard.
+        staleness: ssp bound (ignored otherwise).
+        clock: monotonic clock, patched in tests.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        optimizer_fn: OptimizerFn,
+        mode: PsMode,
+        num_workers: int,
+        staleness: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.optimizer = optimizer_fn(params)
+        self.mode = mode
+        self.num_workers = num_workers
+        self.staleness = staleness if mode is PsMode.SSP else 0
+        self.version = 0
+        self.attempt = 0
+        self._base_version = 0  # version when the current stage attempt began
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._pending: dict[int, _Clock] = {}
+        self._next_clock = [0] * num_workers  # the clock each worker pushes next
+
+    def begin_attempt(self, attempt: int) -> None:
+        """A (re-run) stage attempt connects: keep the weights, restart the clocks."""
+        with self._cond:
+            if attempt < self.attempt:
+                raise PushRejected(f"stage attempt {attempt} is older than the current {self.attempt}")
+            if attempt > self.attempt:
+                self.attempt = attempt
+                self._pending.clear()
+                self._next_clock = [0] * self.num_workers
+                self._base_version = self.version
+                self._cond.notify_all()
+
+    def push(self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor) -> int:
+        """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0."""
+        with self._cond:
+            self._check_push(rank, attempt, clock, grad_sum)
+            self._next_clock[rank] = clock + 1
+            if self.mode is PsMode.ASYNC:
+                staleness = max(self.version - clock, 0)  # async: clock = version it was based on
+                if rows > 0:
+                    self._apply(grad_sum / rows)
+                self._cond.notify_all()
+                return staleness
+            entry = self._pending.setdefault(clock, _Clock(torch.zeros(self.numel)))
+            entry.grad_sum += grad_sum
+            entry.rows += rows
+            entry.pushed.add(rank)
+            self._apply_complete_clocks()
+            return 0
+
+    def pull(self, rank: int, clock: int, timeout_s: float) -> tuple[int, torch.Tensor]:
+        """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy)."""
+        needed = self._base() + max(clock - self.staleness, 0)
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while self.mode is not PsMode.ASYNC and self.version < needed:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise PsTimeoutError(self._timeout_message(rank, clock, needed, timeout_s))
+                self._cond.wait(remaining)
+            return self.version, self.flat_weights()
+
+    def flat_weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).float()
+
+    def _base(self) -> int:
+        return self._base_version
+
+    def _check_push(self, rank: int, attempt: int, clock: int, grad_sum: torch.Tensor) -> None:
+        if not 0 <= rank < self.num_workers:
+            raise PushRejected(f"rank {rank} is not one of the {self.num_workers} workers")
+        if attempt != self.attempt:
+            raise PushRejected(f"push from stage attempt {attempt}; the current attempt is {self.attempt}")
+        if grad_sum.numel() != self.numel or grad_sum.dtype != torch.float32:
+            raise PushRejected(
+                f"gradient of {grad_sum.numel()} {grad_sum.dtype} values; this shard holds "
+                f"{self.numel} float32 values"
+            )
+        if self.mode is not PsMode.ASYNC and clock != self._next_clock[rank]:
+            raise PushRejected(
+                f"rank {rank} pushed clock {clock}, expected {self._next_clock[rank]} (duplicate or skipped)"
+            )
+
+    def _apply_complete_clocks(self) -> None:
+        while True:
+            entry = self._pending.get(self.version - self._base())
+            if entry is None or len(entry.pushed) < self.num_workers:
+                return
+            del self._pending[self.version - self._base()]
+            self._apply(entry.grad_sum / max(entry.rows, 1))
+            self._cond.notify_all()
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def _timeout_message(self, rank: int, clock: int, needed: int, timeout_s: float) -> str:
+        clock_needed = needed - self._base()
+        behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
+        at = [self._next_clock[r] for r in behind]
+        return (
+            f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
+            f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
+            "Raise runtime.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
+        )
+
+
+def split_into_shards(params: list[nn.Parameter], shards: int) -> list[list[int]]:
+    """Assign whole parameter tensors to ``shards`` groups of similar size (largest first)."""
+    shards = max(1, min(shards, len(params)))
+    groups: list[list[int]] = [[] for _ in range(shards)]
+    sizes = [0] * shards
+    for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        target = sizes.index(min(sizes))
+        groups[target].append(index)
+        sizes[target] += params[index].numel()
+    return [sorted(g) for g in groups if g]

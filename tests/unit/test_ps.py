@@ -1,0 +1,205 @@
+"""Parameter server: pure store rules, and the real server on loopback sockets."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.ps.client import PsClient, PsClientError
+from sparkdl.ps.protocol import HEADER, MAGIC, Frame, Kind, ProtocolError, encode, recv_frame, send_frame
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, split_into_shards
+
+SECRET = b"k" * 32
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def store(mode=PsMode.SYNC, workers=2, staleness=0, values=(1.0, 2.0, 3.0)):
+    param = nn.Parameter(torch.tensor(values))
+    return ShardStore([param], sgd, mode, workers, staleness)
+
+
+def test_sync_applies_the_row_weighted_mean_once_all_workers_pushed():
+    s = store()
+    s.push(0, 0, 0, rows=3, grad_sum=torch.tensor([3.0, 3.0, 3.0]))  # mean grad 1
+    assert s.version == 0
+    s.push(1, 0, 0, rows=1, grad_sum=torch.tensor([5.0, 5.0, 5.0]))  # mean grad 5
+    assert s.version == 1
+    # (3 + 5) / 4 rows = 2 per element; lr 0.5
+    assert s.flat_weights().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_sync_pull_waits_for_the_clock_and_times_out_naming_the_straggler():
+    s = store()
+    assert s.pull(0, 0, timeout_s=0.1)[0] == 0
+    s.push(0, 0, 0, 1, torch.ones(3))
+    started = time.monotonic()
+    with pytest.raises(
+        PsTimeoutError, match=r"rank 0: pull of clock 1 waited 0s for worker\(s\) \[1\].*ps_timeout_s"
+    ):
+        s.pull(0, 1, timeout_s=0.3)
+    assert 0.25 < time.monotonic() - started < 2
+    releaser = threading.Timer(0.2, lambda: s.push(1, 0, 0, 1, torch.ones(3)))
+    releaser.start()
+    version, _ = s.pull(0, 1, timeout_s=5)
+    assert version == 1
+
+
+def test_ssp_lets_a_worker_run_staleness_clocks_ahead_but_no_further():
+    s = store(PsMode.SSP, staleness=2)
+    for clock in range(3):  # rank 0 runs ahead, rank 1 never pushes
+        s.push(0, 0, clock, 1, torch.ones(3))
+        if clock + 1 <= 2:
+            s.pull(0, clock + 1, timeout_s=0.1)  # within the bound: no wait
+    with pytest.raises(PsTimeoutError, match=r"worker\(s\) \[1\]"):
+        s.pull(0, 3, timeout_s=0.2)  # 3 clocks ahead of the slowest: waits
+
+
+def test_async_applies_each_push_and_never_blocks_on_a_dead_worker():
+    s = store(PsMode.ASYNC)
+    for _ in range(20):
+        version, _ = s.pull(0, 0, timeout_s=0.01)
+        staleness = s.push(0, 0, version, 2, torch.full((3,), 2.0))
+        assert staleness == 0
+    assert s.version == 20  # rank 1 never pushed; rank 0 was never blocked
+    assert s.push(1, 0, 0, 1, torch.ones(3)) == 20  # a push computed on version 0 is 20 stale
+
+
+def test_pushes_from_old_attempts_duplicates_and_wrong_shapes_are_rejected():
+    s = store()
+    s.push(0, 0, 0, 1, torch.ones(3))
+    with pytest.raises(PushRejected, match="duplicate"):
+        s.push(0, 0, 0, 1, torch.ones(3))
+    with pytest.raises(PushRejected, match="float32"):
+        s.push(1, 0, 0, 1, torch.ones(4))
+    with pytest.raises(PushRejected, match="float32"):
+        s.push(1, 0, 0, 1, torch.ones(3, dtype=torch.float64))
+    s.begin_attempt(1)  # a re-run stage connects: same weights, clocks restart
+    with pytest.raises(PushRejected, match="attempt 0; the current attempt is 1"):
+        s.push(1, 0, 0, 1, torch.ones(3))
+    s.push(0, 1, 0, 1, torch.ones(3))
+    s.push(1, 1, 0, 1, torch.ones(3))
+    assert s.version == 1
+
+
+def test_shards_are_balanced_whole_tensors():
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 10, 60, 50, 5)]
+    groups = split_into_shards(params, 2)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    sizes = [sum(params[i].numel() for i in g) for g in groups]
+    assert max(sizes) - min(sizes) <= 15
+
+
+# --- the real server on loopback ------------------------------------------------------
+
+
+@pytest.fixture
+def server():
+    stores = [store(values=(1.0, 2.0)), store(values=(3.0, 4.0, 5.0, 6.0))]
+    ps = ParameterServer(stores, "127.0.0.1", SECRET, timeout_s=2.0, max_payload=1 << 20)
+    yield ps
+    ps.stop()
+    assert not any(t.name.startswith("sparkdl-ps") and t.is_alive() for t in threading.enumerate())
+
+
+def endpoint(ps, secret=SECRET):
+    e = ps.endpoint(((0,), (0,)))
+    return type(e)(e.host, e.port, secret, e.shard_params, e.timeout_s, e.max_payload)
+
+
+def real_workers_still_train(ps):
+    clients = [PsClient(endpoint(ps), rank, 0) for rank in range(2)]
+    try:
+        for c in clients:
+            c.push(0, 1, [torch.ones(2), torch.ones(4)])
+        version, weights = clients[0].pull(1)[1]
+        assert version == 1 and weights.tolist() == [2.5, 3.5, 4.5, 5.5]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def raw_connection(ps):
+    return socket.create_connection((ps.host, ps.port), timeout=5)
+
+
+def test_a_client_with_the_wrong_secret_is_refused_and_logged(server, caplog):
+    with pytest.raises(PsClientError, match="connection failed"):
+        PsClient(endpoint(server, secret=b"x" * 32), 0, 0)
+    assert any("authentication" in r for r in server.rejected)
+    real_workers_still_train(server)
+
+
+def test_no_credentials_truncated_and_oversized_frames_are_refused(server):
+    with raw_connection(server) as sock:  # no HELLO, just bytes
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
+        assert sock.recv(10) == b""
+    with raw_connection(server) as sock:  # a truncated frame, then the peer goes away
+        header, payload, tag = encode(Frame(Kind.HELLO, rank=0), SECRET)
+        sock.sendall(header + bytes(payload) + tag[:10])
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(10) == b""
+    with raw_connection(server) as sock:  # announces 1 GiB
+        sock.sendall(HEADER.pack(MAGIC, 1, int(Kind.PUSH), 1, 0, 0, 0, 0, 0, 1 << 30))
+        assert sock.recv(10) == b""
+    reasons = " | ".join(server.rejected)
+    assert "bad magic" in reasons and "truncated" in reasons and "over the cap" in reasons
+    real_workers_still_train(server)
+
+
+def test_a_pickled_payload_is_never_unpickled(server):
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled!')",))
+
+    with raw_connection(server) as sock:
+        send_frame(sock, Frame(Kind.HELLO, rank=0), SECRET)
+        assert recv_frame(sock, SECRET, 1 << 20).kind is Kind.ACK
+        send_frame(sock, Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=pickle.dumps(Boom())), SECRET)
+        reply = recv_frame(sock, SECRET, 1 << 20)
+    assert reply.kind is Kind.ERROR and b"takes 8 bytes of float32" in bytes(reply.payload)
+    real_workers_still_train(server)
+
+
+def test_a_stuck_sync_pull_fails_with_the_workers_waited_for(server):
+    client = PsClient(endpoint(server), 0, 0)
+    try:
+        client.push(0, 1, [torch.ones(2), torch.ones(4)])
+        started = time.monotonic()
+        with pytest.raises(PsTimeoutError, match=r"waited 2s for worker\(s\) \[1\]"):
+            client.pull(1)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
+
+
+def test_frame_round_trip_and_tamper_detection():
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, Frame(Kind.PUSH, 1, 2, 3, 4, 5, torch.arange(4.0).numpy()), SECRET)
+        frame = recv_frame(b, SECRET, 1024)
+        assert (frame.kind, frame.shard, frame.rank, frame.attempt, frame.clock, frame.rows) == (
+            Kind.PUSH,
+            1,
+            2,
+            3,
+            4,
+            5,
+        )
+        assert struct.unpack("<4f", frame.payload) == (0.0, 1.0, 2.0, 3.0)
+        header, payload, tag = encode(Frame(Kind.PULL, clock=7), SECRET)
+        tampered = bytearray(header)
+        tampered[-9] ^= 1
+        a.sendall(bytes(tampered) + bytes(payload) + tag)
+        with pytest.raises(ProtocolError, match="authentication"):
+            recv_frame(b, SECRET, 1024)
