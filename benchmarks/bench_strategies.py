@@ -1,4 +1,4 @@
-"""Sync strategies compared in one run (issue 3, item 6): samples/s, bytes sent per worker
+"""Sync strategies compared in one run (issue 3 item 6, issue 4 item 9): samples/s, bytes sent per worker
 and held-out accuracy after the same number of epochs, on the same model and data.
 
     .venv/bin/python benchmarks/bench_strategies.py [--rows 200000] [--epochs 4]
@@ -33,6 +33,13 @@ VARIANTS = [
     ("weight_averaging tau=1", {"strategy": "weight_averaging", "sync_every": 1}),
     ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4}),
     ("weight_averaging tau=16", {"strategy": "weight_averaging", "sync_every": 16}),
+    ("parameter_server sync", {"strategy": "parameter_server", "ps_mode": "sync"}),
+    ("parameter_server ssp s=2", {"strategy": "parameter_server", "ps_mode": "ssp", "staleness": 2}),
+    ("parameter_server async", {"strategy": "parameter_server", "ps_mode": "async"}),
+    (
+        "parameter_server async push/pull every 4",
+        {"strategy": "parameter_server", "ps_mode": "async", "push_every": 4, "pull_every": 4},
+    ),
 ]
 
 

@@ -28,6 +28,15 @@ class Strategy(str, enum.Enum):
 
     ALLREDUCE = "allreduce"
     WEIGHT_AVERAGING = "weight_averaging"
+    PARAMETER_SERVER = "parameter_server"
+
+
+class PsMode(str, enum.Enum):
+    """Parameter-server consistency: synchronous, asynchronous (Downpour), stale-synchronous."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    SSP = "ssp"
 
 
 class Backend(str, enum.Enum):
@@ -78,9 +87,17 @@ class TrainingConfig:
     loss: str = "cross_entropy"
     sync_every: int = 8
     average_optimizer_state: bool = True
+    ps_mode: PsMode = PsMode.SYNC
+    staleness: int = 2
+    push_every: int = 1
+    pull_every: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive(self, "num_workers", "batch_size", "epochs", "sync_every")
+        _require_positive(
+            self, "num_workers", "batch_size", "epochs", "sync_every", "push_every", "pull_every"
+        )
+        if self.staleness < 0:
+            raise ConfigError(f"training.staleness = {self.staleness} must be >= 0 (0 behaves as sync)")
         if self.loss not in LOSS_NAMES:
             raise ConfigError(
                 f"training.loss = {self.loss!r} is not a known loss; choose one of "
@@ -140,9 +157,14 @@ class RuntimeConfig:
     network_interface: str = ""
     compression: Compression = Compression.NONE
     bucket_cap_mb: float = 25.0
+    ps_timeout_s: float = 120.0
+    ps_shards: int = 4
+    ps_max_frame_mb: float = 1024.0
 
     def __post_init__(self) -> None:
-        _require_positive(self, "collective_timeout_s", "bucket_cap_mb")
+        _require_positive(
+            self, "collective_timeout_s", "bucket_cap_mb", "ps_timeout_s", "ps_shards", "ps_max_frame_mb"
+        )
         if self.executor_wait_timeout_s < 0 or self.torch_threads < 0:
             raise ConfigError("runtime.executor_wait_timeout_s and runtime.torch_threads must be >= 0")
         if self.backend is Backend.NCCL and self.use_gpu is UseGpu.NO:

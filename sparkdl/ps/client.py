@@ -69,34 +69,40 @@ class PsClient:
             self._pool.submit(self._push_one, shard, clock, rows, grad) for shard, grad in enumerate(grads)
         ]
         for future in futures:
-            future.result()
+            sent, staleness = future.result()
+            self.stats.bytes_sent += sent
+            assert self.stats.staleness is not None
+            self.stats.staleness.append(staleness)
         self.stats.pushes += 1
 
     def pull(self, clock: int) -> list[tuple[int, torch.Tensor]]:
         """(version, flat weights) of every shard for a worker about to compute ``clock``."""
         started = time.perf_counter()
         futures = [self._pool.submit(self._pull_one, shard, clock) for shard in range(len(self._socks))]
-        results = [future.result() for future in futures]
+        results = []
+        for future in futures:
+            sent, received, version, weights = future.result()
+            self.stats.bytes_sent += sent
+            self.stats.bytes_received += received
+            results.append((version, weights))
         self.stats.wait_s += time.perf_counter() - started
         self.stats.pulls += 1
         return results
 
-    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> None:
+    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
+        """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
         sock = self._socks[shard]
-        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy())
-        self.stats.bytes_sent += send_frame(sock, frame, self.endpoint.secret)
-        ack = self._expect(sock, Kind.ACK)
-        assert self.stats.staleness is not None
-        self.stats.staleness.append(ack.clock)
+        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data)
+        sent = send_frame(sock, frame, self.endpoint.secret)
+        return sent, self._expect(sock, Kind.ACK).clock
 
-    def _pull_one(self, shard: int, clock: int) -> tuple[int, torch.Tensor]:
+    def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor]:
+        """Runs on a pool thread: returns (bytes sent, bytes received, version, weights)."""
         sock = self._socks[shard]
-        self.stats.bytes_sent += send_frame(
-            sock, Frame(Kind.PULL, shard, self.rank, self.attempt, clock), self.endpoint.secret
-        )
+        sent = send_frame(sock, Frame(Kind.PULL, shard, self.rank, self.attempt, clock), self.endpoint.secret)
         reply = self._expect(sock, Kind.WEIGHTS)
-        self.stats.bytes_received += len(reply.payload)
-        return reply.clock, torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+        weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+        return sent, len(reply.payload), reply.clock, weights
 
     def _expect(self, sock: socket.socket, kind: Kind) -> Frame:
         try:

@@ -61,7 +61,7 @@ def _tag(secret: bytes, header: bytes, payload: Payload) -> bytes:
     return mac.digest()
 
 
-def encode(frame: Frame, secret: bytes) -> tuple[bytes, Payload, bytes]:
+def encode(frame: Frame, secret: bytes) -> tuple[bytes, memoryview, bytes]:
     """Serialize and sign a frame: (header, payload, tag), sent back to back."""
     payload = memoryview(frame.payload).cast("B")
     header = HEADER.pack(

@@ -73,6 +73,8 @@ class ParameterServer:
     def stop(self, timeout: float = 10.0) -> None:
         """Close the port and every connection; join all threads (bounded)."""
         self._stop.set()
+        for store in self.stores:
+            store.close()
         self._acceptor.join(timeout)
         self._listener.close()
         with self._lock:
@@ -140,7 +142,7 @@ class ParameterServer:
             except PsTimeoutError as exc:
                 send_frame(sock, Frame(Kind.ERROR, payload=str(exc).encode()), self.secret)
                 return
-            reply = Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy())
+            reply = Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data)
             send_frame(sock, reply, self.secret)
         else:
             raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")

@@ -22,7 +22,6 @@ accumulator per clock in flight (at most ``staleness + 1``), never one per worke
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,15 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sparkdl.config import PsMode
 from sparkdl.errors import SparkDLError
 
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-class PsMode(str, enum.Enum):
-    SYNC = "sync"
-    ASYNC = "async"
-    SSP = "ssp"
 
 
 class PushRejected(SparkDLError):
@@ -91,6 +85,13 @@ class ShardStore:
         self._cond = threading.Condition()
         self._pending: dict[int, _Clock] = {}
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
+        self._closed = False
+
+    def close(self) -> None:
+        """Wake every waiting pull; they fail at once (the server is stopping)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def begin_attempt(self, attempt: int) -> None:
         """A (re-run) stage attempt connects: keep the weights, restart the clocks."""
@@ -128,6 +129,10 @@ class ShardStore:
         deadline = self._clock() + timeout_s
         with self._cond:
             while self.mode is not PsMode.ASYNC and self.version < needed:
+                if self._closed:
+                    raise PsTimeoutError(
+                        f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"
+                    )
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise PsTimeoutError(self._timeout_message(rank, clock, needed, timeout_s))

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from sparkdl import errors
+from sparkdl.config import Strategy
 from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
 from sparkdl.errors import SchemaError, SparkDLError, TrainingFailedError
 from sparkdl.runtime.cluster import check_cluster, is_connect
+from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 
 log = logging.getLogger(__name__)
@@ -73,16 +75,27 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     n = config.training.num_workers
     spark = df.sparkSession
     check_cluster(spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s)
-    data = df.select(*spec.plan.column_names)
-    if is_connect(spark) or data.rdd.getNumPartitions() != n:
-        data = data.repartition(n)
-    stage = data.mapInArrow(functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True)
-    _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+    hosted = None
+    if config.training.strategy is Strategy.PARAMETER_SERVER:
+        hosted = start_parameter_server(spark, spec)
+        spec = hosted.spec
     try:
-        rows = stage.repartition(1).collect()
-    except Exception as exc:
-        raise _translate(exc) from exc
-    return _fit_result(rows, n)
+        data = df.select(*spec.plan.column_names)
+        if is_connect(spark) or data.rdd.getNumPartitions() != n:
+            data = data.repartition(n)
+        stage = data.mapInArrow(functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True)
+        _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+        try:
+            rows = stage.repartition(1).collect()
+        except Exception as exc:
+            raise _translate(exc) from exc
+        result = _fit_result(rows, n)
+        if hosted is not None:
+            result.state_dict.update(hosted.parameter_state())
+        return result
+    finally:
+        if hosted is not None:
+            hosted.stop()
 
 
 def _fit_result(rows: list[Any], n: int) -> FitResult:

@@ -22,6 +22,7 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.errors import SparkDLError, TrainingFailedError
+from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
 from sparkdl.strategies import WorkerContext, create_strategy
@@ -58,6 +59,7 @@ class TrainSpec:
     optimizer_fn: OptimizerFn | None
     loss: str | LossFn
     plan: ColumnPlan
+    ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
 
 
 @dataclass
@@ -92,8 +94,10 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     resources = ctx.resources()
     gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
     threads = spec.config.runtime.torch_threads or int(ctx.cpus() or 1)
+    # One number per stage attempt, the same on every rank: a re-run stage gets a new one.
+    attempt = min(int(m) for m in ctx.allGather(str(ctx.taskAttemptId()))) if spec.ps else 0
     try:
-        result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads)
+        result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads, attempt)
     except SparkDLError as exc:
         raise _with_rank(exc, rank) from exc
     except Exception as exc:
@@ -121,6 +125,7 @@ def run_worker(
     gpu_addresses: list[str],
     all_gather: AllGather,
     torch_threads: int = 1,
+    attempt: int = 0,
 ) -> WorkerResult:
     """Train on this worker's partition and return its history (and weights on rank 0)."""
     config = spec.config
@@ -135,7 +140,7 @@ def run_worker(
     backend = choose_backend(runtime.backend, device)
     groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
     feed: PartitionFeed | None = None
-    strategy = create_strategy(config)
+    strategy = create_strategy(config, ps=spec.ps, attempt=attempt) if spec.ps else create_strategy(config)
     try:
         torch.manual_seed(config.training.seed)
         module = build_model(spec.model_fn).to(device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +33,12 @@ class SyncStats:
 
     sync_rounds: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
+    pushes: int = 0
+    pulls: int = 0
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+    wait_s: float = 0.0
 
 
 class SyncStrategy(abc.ABC):
@@ -42,6 +48,9 @@ class SyncStrategy(abc.ABC):
     #: Whether a worker without rows must still run forward/backward (on a zero-weight
     #: filler batch) because the step contains a collective every worker must join.
     steps_without_data: ClassVar[bool] = True
+    #: Whether the strategy applies updates itself (the parameter server's optimizer
+    #: runs on the driver), so the worker's optimizer must not step.
+    applies_updates: ClassVar[bool] = False
 
     def __init__(self, config: SparkDLConfig) -> None:
         self.config = config
@@ -85,14 +94,19 @@ def register(cls: type[SyncStrategy]) -> type[SyncStrategy]:
     return cls
 
 
-def create_strategy(config: SparkDLConfig) -> SyncStrategy:
-    """Build the strategy named by ``config.training.strategy``."""
+def create_strategy(config: SparkDLConfig, **resources: Any) -> SyncStrategy:
+    """Build the strategy named by ``config.training.strategy``.
+
+    ``resources`` are handed to strategies that need more than the config (the
+    parameter server's endpoint and the stage attempt).
+    """
     name = config.training.strategy
     try:
-        return _REGISTRY[name](config)
+        cls = _REGISTRY[name]
     except KeyError:
         valid = ", ".join(s.value for s in _REGISTRY)
         raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
+    return cls(config, **resources) if resources else cls(config)
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import PsMode, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.ps.client import PsClient
 from sparkdl.ps.server import PsEndpoint
-from sparkdl.ps.store import PsMode
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext, register
 
 
@@ -37,7 +36,7 @@ class ParameterServerStrategy(SyncStrategy):
         self._endpoint = ps
         self._attempt = attempt
         training = config.training
-        self._mode = PsMode(training.ps_mode.value)
+        self._mode = training.ps_mode
         self._push_every = training.push_every if self._mode is PsMode.ASYNC else 1
         self._pull_every = training.pull_every if self._mode is PsMode.ASYNC else 1
         self._client: PsClient | None = None

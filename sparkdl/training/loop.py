@@ -241,9 +241,10 @@ class Trainer:
         loss = self.loss_fn(output, y)
         (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
         self.strategy.after_backward(self._global_step)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.strategy.applies_updates:
+            self.optimizer.step()
         self.strategy.after_step(self._global_step, rows)
+        self.optimizer.zero_grad(set_to_none=True)
         self._global_step += 1
         return loss
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,36 @@ def test_weight_averaging_every_8_steps_is_within_2_points_of_allreduce(spark, t
     ]
     # the job's SGD has momentum, averaged with the weights: twice the payload per round
     assert bytes_per_sample[1] / bytes_per_sample[0] == pytest.approx(2 / 8, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def allreduce_accuracy(spark, tmp_path_factory):
+    config = load_job_config(ROOT / "conf/local.toml")
+    return run_train_job(config, tmp_path_factory.mktemp("allreduce"), spark=spark)["test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ['training.ps_mode="sync"'],
+        ['training.ps_mode="async"', "training.push_every=2", "training.pull_every=2"],
+        ['training.ps_mode="ssp"', "training.staleness=2"],
+    ],
+    ids=["sync", "async", "ssp"],
+)
+def test_parameter_server_modes_are_within_2_points_of_allreduce(
+    spark, tmp_path, allreduce_accuracy, overrides
+):
+    config = load_job_config(ROOT / "conf/local.toml", ['training.strategy="parameter_server"', *overrides])
+    metrics = run_train_job(config, tmp_path, spark=spark)
+    assert abs(metrics["test_accuracy"] - allreduce_accuracy) <= 0.02
+    history = metrics["history"]
+    assert all(h["pushes"] > 0 and h["pulls"] > 0 and h["bytes_received"] > 0 for h in history)
+    if config.sparkdl.training.ps_mode.value == "sync":
+        assert all(h["staleness_max"] == 0 for h in history)
+    # the server stopped with fit: its thread and port are gone
+    assert not any(t.name.startswith("sparkdl-ps") and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.mark.slow

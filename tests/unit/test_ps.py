@@ -203,3 +203,14 @@ def test_frame_round_trip_and_tamper_detection():
         a.sendall(bytes(tampered) + bytes(payload) + tag)
         with pytest.raises(ProtocolError, match="authentication"):
             recv_frame(b, SECRET, 1024)
+
+
+def test_spark_connect_sessions_are_told_which_strategies_work():
+    from sparkdl import ClusterConfigError
+    from sparkdl.runtime.ps_host import start_parameter_server
+
+    # A stand-in whose type lives where Spark Connect's session class lives: the check
+    # looks only at that, and must fire before anything else is touched.
+    connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
+    with pytest.raises(ClusterConfigError, match="use strategy 'allreduce' or 'weight_averaging'"):
+        start_parameter_server(connect_session, spec=None)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import torch
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
+from sparkdl.runtime.ps_host import host_parameter_server
 from sparkdl.runtime.task import TrainSpec, run_worker
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd, shard_to_batch
 
@@ -58,11 +59,29 @@ def _worker(rank, world, shards, spec, store_path, out):
 
 
 def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
-    config = SparkDLConfig().replace(collective_timeout_s=30.0, prefetch_batches=2, **settings)
+    """Train in spawned worker processes; with strategy parameter_server, host it here."""
+    config = SparkDLConfig().replace(
+        num_workers=len(shards), collective_timeout_s=30.0, prefetch_batches=2, **settings
+    )
     plan = plan_from_arrow_schema(
         shard_to_batch(*shards[0]).schema, ("features",), "label", LabelKind.CLASS_INDEX
     )
     spec = TrainSpec(config, make_tiny_net, optimizer_fn, "cross_entropy", plan)
+    hosted = None
+    if config.training.strategy.value == "parameter_server":
+        hosted = host_parameter_server(spec, "127.0.0.1")
+        spec = hosted.spec
+    try:
+        state, results = _spawn(shards, tmp_path, spec)
+    finally:
+        if hosted is not None:
+            hosted.stop()
+    if hosted is not None:
+        state.update(hosted.parameter_state())
+    return state, results
+
+
+def _spawn(shards, tmp_path, spec):
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -148,3 +167,33 @@ def test_weight_averaging_sends_a_quarter_of_the_bytes_with_tau_4(tmp_path):
     full, local = allreduce[0][1][0], averaged[0][1][0]
     assert (full["sync_rounds"], local["sync_rounds"]) == (8, 2)
     assert local["bytes_sent"] / local["samples"] == pytest.approx(full["bytes_sent"] / full["samples"] / 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "settings", "momentum"),
+    [
+        ([64, 64], {"ps_mode": "sync"}, 0.0),  # the issue's reference: plain SGD, equal partitions
+        ([50, 21], {"ps_mode": "sync"}, MOMENTUM),  # the optimizer (and its momentum) runs on the server
+        ([64, 64], {"ps_mode": "ssp", "staleness": 0}, 0.0),  # SSP with staleness 0 is sync
+        ([40, 0, 17], {"ps_mode": "sync", "ps_shards": 3}, 0.0),  # an empty worker pushes zero rows
+    ],
+)
+def test_parameter_server_sync_equals_single_process_sgd(tmp_path, sizes, settings, momentum):
+    shards = make_shards(sizes)
+    state, results = run_workers(
+        shards,
+        tmp_path,
+        _sgd if momentum else _plain_sgd,
+        strategy="parameter_server",
+        batch_size=8,
+        epochs=2,
+        shuffle=True,
+        **settings,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, momentum, True)
+    assert max_abs_diff(state, expected) < 1e-5
+    steps = max((s + 7) // 8 for s in sizes)
+    first = results[0][1][0]
+    assert (first["pushes"], first["pulls"]) == (steps, steps + 1)  # + the initial pull
+    assert first["bytes_sent"] > 0 and first["bytes_received"] > 0 and first["wait_s"] > 0

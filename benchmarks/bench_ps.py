@@ -1,0 +1,151 @@
+"""Parameter-server transport (issue 4, item 9): push+pull round trips per second and bytes/s
+for models of about 1M and 10M parameters, against a bare loopback socket that copies the
+same bytes back and forth, in one run. The client runs in its own process.
+
+    .venv/bin/python benchmarks/bench_ps.py [--trips 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from sparkdl.config import PsMode  # noqa: E402
+from sparkdl.ps.client import PsClient  # noqa: E402
+from sparkdl.ps.server import ParameterServer  # noqa: E402
+from sparkdl.ps.store import ShardStore, split_into_shards  # noqa: E402
+
+SECRET = os.urandom(32)
+
+
+def model_of(params: int) -> nn.Module:
+    width = int((params / 4) ** 0.5)  # four square layers
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
+
+
+def bench_ps(params: int, shards: int, trips: int) -> dict:
+    model = model_of(params)
+    tensors = list(model.parameters())
+    groups = split_into_shards(tensors, shards)
+    stores = [
+        ShardStore([tensors[i] for i in g], lambda p: torch.optim.SGD(p, lr=0.0), PsMode.ASYNC, 1)
+        for g in groups
+    ]
+    server = ParameterServer(stores, "127.0.0.1", SECRET, 60.0, 1 << 30)
+    sizes = [s.numel for s in stores]
+    real = server.endpoint(tuple(tuple(g) for g in groups))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_ps_client_sized, args=(real, sizes, trips, out))
+    proc.start()
+    result = out.get(timeout=600)
+    proc.join(60)
+    server.stop()
+    result["params"] = sum(p.numel() for p in tensors)
+    result["shards"] = len(stores)
+    return result
+
+
+def _ps_client_sized(endpoint, sizes, trips, out) -> None:
+    torch.set_num_threads(1)
+    client = PsClient(endpoint, 0, 0)
+    grads = [torch.zeros(n) for n in sizes]
+    client.pull(0)
+    client.stats.bytes_sent = client.stats.bytes_received = 0
+    started = time.perf_counter()
+    for _ in range(trips):
+        client.push(0, 1, grads)
+        client.pull(0)
+    elapsed = time.perf_counter() - started
+    moved = client.stats.bytes_sent + client.stats.bytes_received
+    out.put({"trips_per_s": trips / elapsed, "bytes_per_s": moved / elapsed})
+    client.close()
+
+
+def _echo_server(listener: socket.socket, size: int, trips: int) -> None:
+    conn, _ = listener.accept()
+    buffer = bytearray(size)
+    with conn:
+        for _ in range(trips + 1):
+            view, got = memoryview(buffer), 0
+            while got < size:
+                got += conn.recv_into(view[got:], size - got)
+            conn.sendall(buffer)
+
+
+def _bare_client(port: int, size: int, trips: int, out) -> None:
+    payload = bytearray(size)
+    buffer = bytearray(size)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def trip() -> None:
+            sock.sendall(payload)
+            view, got = memoryview(buffer), 0
+            while got < size:
+                got += sock.recv_into(view[got:], size - got)
+
+        trip()
+        started = time.perf_counter()
+        for _ in range(trips):
+            trip()
+        elapsed = time.perf_counter() - started
+    out.put({"trips_per_s": trips / elapsed, "bytes_per_s": 2 * size * trips / elapsed})
+
+
+def bench_bare(size: int, trips: int) -> dict:
+    listener = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=_echo_server, args=(listener, size, trips), daemon=True)
+    thread.start()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_bare_client, args=(listener.getsockname()[1], size, trips, out))
+    proc.start()
+    result = out.get(timeout=600)
+    proc.join(60)
+    thread.join(60)
+    listener.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trips", type=int, default=30)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--output", default=str(HERE / "results/ps_transport.json"))
+    args = parser.parse_args()
+    results = {}
+    for label, params in (("1M", 1_000_000), ("10M", 10_000_000)):
+        ps = bench_ps(params, args.shards, args.trips)
+        bare = bench_bare(ps["params"] * 4, args.trips)
+        results[label] = {
+            "sparkdl_ps": ps,
+            "bare_socket": bare,
+            "bytes_per_s_vs_bare": ps["bytes_per_s"] / bare["bytes_per_s"],
+        }
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": " ".join(sys.argv),
+        "results": results,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

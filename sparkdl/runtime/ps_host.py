@@ -1,0 +1,94 @@
+"""Hosting the parameter server inside the driver process for the length of one ``fit``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.errors import ClusterConfigError
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.store import ShardStore, split_into_shards
+from sparkdl.runtime.cluster import is_connect
+from sparkdl.runtime.task import TrainSpec
+from sparkdl.training.factory import build_model, build_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HostedServer:
+    server: ParameterServer
+    model: nn.Module  # its parameters are the shards' authoritative weights
+    spec: TrainSpec  # the task spec, now carrying the endpoint and secret
+
+    def parameter_state(self) -> dict[str, torch.Tensor]:
+        """The server's weights by state-dict key (buffers are not served: rank 0's are kept)."""
+        names = {name for name, _ in self.model.named_parameters()}
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in names}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_parameter_server(spark: Any, spec: TrainSpec) -> HostedServer:
+    """Build the initial model, split it into shards and serve them on the driver's address.
+
+    A fresh 32-byte secret authenticates every frame of this fit; it travels to the
+    executors inside the task spec, never in SparkConf (which the UI and event log show).
+
+    Raises:
+        ClusterConfigError: the session is a Spark Connect client (its driver process is
+            not ours to host a server in).
+    """
+    if is_connect(spark):
+        raise ClusterConfigError(
+            "strategy 'parameter_server' hosts its server in the Spark driver process, which a "
+            "Spark Connect client cannot run code in; use strategy 'allreduce' or "
+            "'weight_averaging' with Spark Connect"
+        )
+    return host_parameter_server(spec, spark.conf.get("spark.driver.host", "127.0.0.1"))
+
+
+def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
+    """Start the server for ``spec`` on ``host`` (port chosen by the OS)."""
+    config = spec.config
+    torch.manual_seed(config.training.seed)
+    model = build_model(spec.model_fn)
+    params = list(model.parameters())
+    groups = split_into_shards(params, config.runtime.ps_shards)
+
+    def optimizer_fn(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer(shard, spec.optimizer_fn, config.optimizer)
+
+    stores = [
+        ShardStore(
+            [params[i] for i in group],
+            optimizer_fn,
+            config.training.ps_mode,
+            config.training.num_workers,
+            config.training.staleness,
+        )
+        for group in groups
+    ]
+    server = ParameterServer(
+        stores,
+        host,
+        secrets.token_bytes(32),
+        config.runtime.ps_timeout_s,
+        int(config.runtime.ps_max_frame_mb * 1024 * 1024),
+    )
+    log.info(
+        "parameter server for %d workers on %s:%d, %d shards",
+        config.training.num_workers,
+        server.host,
+        server.port,
+        len(stores),
+    )
+    endpoint = server.endpoint(tuple(tuple(g) for g in groups))
+    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))
