@@ -55,6 +55,13 @@ class UseGpu(str, enum.Enum):
     NO = "false"
 
 
+class OnError(str, enum.Enum):
+    """What to do with bad input rows or a non-finite loss."""
+
+    ERROR = "error"
+    SKIP = "skip"
+
+
 class Compression(str, enum.Enum):
     """Gradient compression applied by the all-reduce communication hook."""
 
@@ -175,6 +182,31 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ReliabilityConfig:
+    """``[reliability]``: checkpoints, resume, and what to do about bad input."""
+
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    on_nan_loss: OnError = OnError.ERROR
+    max_nan_skips: int = 10
+    fault_injection: str = ""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.max_nan_skips < 0:
+            raise ConfigError("reliability.checkpoint_every and reliability.max_nan_skips must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(
+                f"reliability.checkpoint_every = {self.checkpoint_every} but no checkpoint_dir is set; "
+                "set checkpoint_dir to a directory every executor and the driver can reach"
+            )
+        if self.fault_injection and len(self.fault_injection.split(":", 3)) != 4:
+            raise ConfigError(
+                f"reliability.fault_injection = {self.fault_injection!r}; the form is "
+                "'raise|exit|hang:RANK:STEP:MARKER_FILE' (a drill: fires once, when MARKER_FILE is absent)"
+            )
+
+
+@dataclass(frozen=True)
 class SparkDLConfig:
     """Every setting of a training run, grouped as in the TOML file."""
 
@@ -182,6 +214,20 @@ class SparkDLConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+
+    def __post_init__(self) -> None:
+        every, tau = self.reliability.checkpoint_every, self.training.sync_every
+        if self.training.strategy is Strategy.WEIGHT_AVERAGING and every and every % tau:
+            raise ConfigError(
+                f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
+                "checkpoints right after an average, when every worker holds the same weights"
+            )
+        if self.training.strategy is Strategy.PARAMETER_SERVER and self.reliability.checkpoint_dir:
+            raise ConfigError(
+                "checkpoint_dir is not supported with strategy 'parameter_server' yet: the server "
+                "keeps its weights across stage retries within one fit, but cannot resume a new fit"
+            )
 
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).

@@ -41,6 +41,12 @@ class PartitionCache:
     def rows(self) -> int:
         return self._rows
 
+    def widths(self) -> tuple[int, int]:
+        """Feature width and label width (1 for a scalar label) of the stored rows."""
+        x_width = int(np.prod(self._x_tail)) if self._x_tail else 0
+        y_width = int(np.prod(self._y_tail)) if self._y_tail else 1
+        return x_width, y_width
+
     @property
     def sealed(self) -> bool:
         return self._x is not None

@@ -55,6 +55,10 @@ class PartitionFeed:
         """Rows of this partition; final once the first epoch has been read."""
         return self._cache.rows
 
+    def widths(self) -> tuple[int, int]:
+        """Feature and label widths of the cached rows ((0, 1) when it holds none)."""
+        return self._cache.widths()
+
     @property
     def streaming(self) -> bool:
         """True until the Spark stream has been read to its end once."""
@@ -73,6 +77,17 @@ class PartitionFeed:
         batches = self._stream(epoch) if source == "spark" else self._replay(epoch)
         self._open = Prefetcher(batches, self._options.prefetch_batches)
         return self._open, source
+
+    def fill_cache(self) -> None:
+        """Read the whole Spark stream into the cache without training on it.
+
+        Used when resuming past epoch 1: the new attempt must rebuild its cache
+        before it can replay the epoch it resumes in.
+        """
+        if self.streaming and self._source is not None:
+            source, self._source = self._source, None
+            for _ in self._decode_and_cache(source):
+                pass
 
     def _stream(self, epoch: int) -> Iterator[TensorBatch]:
         if self._source is None:

@@ -18,7 +18,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from sparkdl.config import SparkDLConfig
+from sparkdl.checkpoint import CheckpointStore
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.errors import SparkDLError, TrainingFailedError
@@ -26,10 +27,13 @@ from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
 from sparkdl.strategies import WorkerContext, create_strategy
+from sparkdl.training.checkpointing import Checkpointer, Position, Resume
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer
+from sparkdl.training.guards import FaultDrill, NanGuard
 from sparkdl.training.loop import (
     EpochResult,
     ScheduledCoordinator,
+    StepCoordinator,
     StreamingCoordinator,
     Trainer,
     exchange_counts,
@@ -140,6 +144,7 @@ def run_worker(
     backend = choose_backend(runtime.backend, device)
     groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
     feed: PartitionFeed | None = None
+    store: CheckpointStore | None = None
     strategy = create_strategy(config, ps=spec.ps, attempt=attempt) if spec.ps else create_strategy(config)
     try:
         torch.manual_seed(config.training.seed)
@@ -150,11 +155,31 @@ def run_worker(
         strategy.attach_optimizer(optimizer)
         loss_fn, label_kind = resolve_loss(spec.loss)
         trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
+        reliability = config.reliability
+        trainer.guard = NanGuard(reliability.on_nan_loss, reliability.max_nan_skips, rank)
+        trainer.drill = FaultDrill.parse(reliability.fault_injection)
+        resume = None
+        if reliability.checkpoint_dir:
+            store = CheckpointStore(reliability.checkpoint_dir)
+            align = config.training.sync_every if config.training.strategy is Strategy.WEIGHT_AVERAGING else 1
+            trainer.checkpointer = Checkpointer(
+                store, reliability.checkpoint_every, rank, module, optimizer, align
+            )
+            trainer.reseed = config.training.seed
+            # rank 0 picks the checkpoint, so that every rank loads the same one
+            chosen = int(
+                all_gather(str(store.latest() if rank == 0 and store.latest() is not None else -1))[0]
+            )
+            if chosen >= 0:
+                resume = trainer.checkpointer.restore(chosen)
+                trainer.global_step = resume.position.global_steps_done
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
-        history = _train_epochs(trainer, feed, config, ctx, groups.control)
+        history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
         state = _serialize_state(module) if rank == 0 else b""
         return WorkerResult(rank, feed.cached_rows, history, state, trainer.output_shape or ())
     finally:
+        if store is not None:
+            store.close()
         strategy.teardown()
         if feed is not None:
             feed.close()
@@ -167,20 +192,38 @@ def _train_epochs(
     config: SparkDLConfig,
     ctx: WorkerContext,
     control: Any,
+    resume: Resume | None,
 ) -> list[dict[str, Any]]:
-    history = []
+    history = list(resume.history) if resume else []
+    start = resume.position if resume else Position()
     counts: list[int] = []
+    if start.epoch > 1:  # the cache of this attempt is empty: refill it from Spark first
+        feed.fill_cache()
+        counts = exchange_counts(feed.cached_rows, ctx, control)
+        trainer.widths = _agreed_widths(feed, ctx, control)
     epochs = config.training.epochs
-    for epoch in range(1, epochs + 1):
+    for epoch in range(start.epoch, epochs + 1):
         batches, source = feed.epoch(epoch)
+        skip = start.epoch_steps_done if epoch == start.epoch else 0
         final = epoch == epochs
         if source == "spark":
-            result = trainer.run_epoch(epoch, batches, StreamingCoordinator(control), source, final)
-            counts = exchange_counts(feed.cached_rows, ctx, control)
+            coordinator: StepCoordinator = StreamingCoordinator(control)
         else:
             coordinator = ScheduledCoordinator(counts, config.training.batch_size, trainer.widths)
-            result = trainer.run_epoch(epoch, batches, coordinator, source, final)
-        history.append(_epoch_record(result))
+        result = trainer.run_epoch(epoch, batches, coordinator, source, final, skip)
+        if source == "spark":
+            counts = exchange_counts(feed.cached_rows, ctx, control)
+        record = _epoch_record(result)
+        if resume is not None and epoch == start.epoch:
+            record.update(
+                resumed_from_step=start.global_steps_done,
+                steps_redone=resume.steps_redone,
+                recovery_s=resume.recovered_at - resume.recovery_started,
+            )
+        history.append(record)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.history = history
+            trainer.checkpointer.after_epoch(Position(epoch + 1, 0, trainer.global_step))
         log.info(
             "rank %d epoch %d loss %.4f (%d samples, %.2fs)",
             ctx.rank,
@@ -190,6 +233,16 @@ def _train_epochs(
             result.seconds,
         )
     return history
+
+
+def _agreed_widths(feed: PartitionFeed, ctx: WorkerContext, control: Any) -> tuple[int, int]:
+    """Feature and label widths every worker agrees on (a worker may hold no rows)."""
+    x_width, y_width = feed.widths()
+    has = 1.0 if feed.cached_rows else 0.0
+    agreed = torch.tensor([x_width * has, y_width * has, has], dtype=torch.float64)
+    torch.distributed.all_reduce(agreed, group=control)
+    x_sum, y_sum, holders = agreed.tolist()
+    return (round(x_sum / holders), round(y_sum / holders)) if holders else (0, 1)
 
 
 def _epoch_record(result: EpochResult) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.columns import LabelKind
 from sparkdl.errors import BadDataError
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext
+from sparkdl.training.checkpointing import Checkpointer, Position
+from sparkdl.training.guards import FaultDrill, NanGuard
 from sparkdl.training.losses import LossFn
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class StepCoordinator(abc.ABC):
     @abc.abstractmethod
     def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
         """Plan the next step, or None when every worker has run out of rows."""
+
+    def skip(self) -> None:  # noqa: B027 - only a schedule has state to advance
+        """A step done before a failure is skipped on resume (no messages)."""
 
 
 class StreamingCoordinator(StepCoordinator):
@@ -81,6 +86,9 @@ class ScheduledCoordinator(StepCoordinator):
         self._widths = widths
         self._steps = steps_in_epoch(self._counts, batch_size)
         self._step = 0
+
+    def skip(self) -> None:
+        self._step += 1
 
     def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
         if self._step >= self._steps:
@@ -131,6 +139,7 @@ class EpochResult:
     seconds: float
     source: str
     sync: SyncStats = field(default_factory=SyncStats)
+    nan_skips: int = 0
 
 
 class Trainer:
@@ -167,6 +176,18 @@ class Trainer:
         self.output_shape: tuple[int, ...] | None = None
         self.widths = (0, 1)  # agreed feature/label widths, for workers with no rows
         self._global_step = 0
+        self.guard: NanGuard | None = None
+        self.drill: FaultDrill | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.reseed: int | None = None
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._global_step = value
 
     def run_epoch(
         self,
@@ -175,13 +196,17 @@ class Trainer:
         coordinator: StepCoordinator,
         source: str,
         final: bool = False,
+        skip_steps: int = 0,
     ) -> EpochResult:
         """Train one epoch; every worker must call this with matching arguments.
 
         ``final`` marks the last epoch: the strategy then makes every worker's
         weights equal (e.g. a last weight average) before the epoch's figures close.
+        ``skip_steps`` steps (done before a failure, restored from a checkpoint) only
+        consume their batches.
         """
         started = time.perf_counter()
+        skips_before = self.guard.skipped if self.guard else 0
         self.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         local_samples = steps = 0
@@ -189,9 +214,13 @@ class Trainer:
         validate = source == "spark"
         while True:
             batch = next(iterator, None)
-            rows = len(batch[0]) if batch is not None else 0
             if batch is not None:
                 self.filler.remember(batch)
+            if steps < skip_steps:
+                coordinator.skip()
+                steps += 1
+                continue
+            rows = len(batch[0]) if batch is not None else 0
             x_width = batch[0].shape[1] if batch is not None and batch[0].dim() > 1 else 0
             y_width = batch[1].shape[1] if batch is not None and batch[1].dim() > 1 else 1
             plan = coordinator.next_step(rows, x_width, y_width)
@@ -199,15 +228,18 @@ class Trainer:
                 break
             self.widths = (plan.x_width, plan.y_width)
             steps += 1
+            self._before_step()
             if batch is None and not self.strategy.steps_without_data:
                 self.strategy.after_step(self._global_step, 0)
                 self._global_step += 1
-                continue
-            if batch is None:
-                batch = self.filler.batch(plan)
-            loss = self._step(batch, rows, plan, validate)
-            loss_sum += loss.detach().double() * rows
-            local_samples += rows
+            else:
+                loss = self._step(
+                    batch if batch is not None else self.filler.batch(plan), rows, plan, validate, epoch
+                )
+                loss_sum += loss.detach().double() * rows
+                local_samples += rows
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(Position(epoch, steps, self._global_step))
         if final:
             self.strategy.finish()
         if next(iterator, None) is not None:
@@ -227,9 +259,20 @@ class Trainer:
             seconds=time.perf_counter() - started,
             source=source,
             sync=self.strategy.end_epoch(),
+            nan_skips=(self.guard.skipped if self.guard else 0) - skips_before,
         )
 
-    def _step(self, batch: TensorBatch, rows: int, plan: StepPlan, validate: bool) -> torch.Tensor:
+    def _before_step(self) -> None:
+        if self.reseed is not None:
+            # The random stream of a step depends only on (seed, rank, step): a resumed
+            # run draws the same dropout masks as one that never failed.
+            torch.manual_seed(self.reseed * 1_000_003 + self.ctx.rank * 7_919 + self._global_step)
+        if self.drill is not None:
+            self.drill.maybe_fire(self.ctx.rank, self._global_step, self.module)
+
+    def _step(
+        self, batch: TensorBatch, rows: int, plan: StepPlan, validate: bool, epoch: int
+    ) -> torch.Tensor:
         device = self.ctx.device
         x = batch[0].to(device, non_blocking=True)
         y = batch[1].to(device, non_blocking=True)
@@ -241,9 +284,14 @@ class Trainer:
         loss = self.loss_fn(output, y)
         (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
         self.strategy.after_backward(self._global_step)
-        if not self.strategy.applies_updates:
-            self.optimizer.step()
-        self.strategy.after_step(self._global_step, rows)
+        if self.guard is None or self.guard.allows_step(loss, self.module, epoch, self._global_step):
+            if not self.strategy.applies_updates:
+                self.optimizer.step()
+            self.strategy.after_step(self._global_step, rows)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.after_step(self._global_step, 0)
+            loss = torch.zeros((), device=device)
         self.optimizer.zero_grad(set_to_none=True)
         self._global_step += 1
         return loss

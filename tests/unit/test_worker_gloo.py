@@ -36,9 +36,12 @@ def _file_all_gather(path: str, rank: int, world: int):
     store = dist.FileStore(path, world)
     store.set_timeout(timedelta(seconds=30))
 
+    rounds = iter(range(1_000))
+
     def all_gather(message: str) -> list[str]:
-        store.set(f"msg{rank}", message)
-        return [store.get(f"msg{r}").decode() for r in range(world)]
+        round_ = next(rounds)
+        store.set(f"msg{round_}-{rank}", message)
+        return [store.get(f"msg{round_}-{r}").decode() for r in range(world)]
 
     return all_gather
 

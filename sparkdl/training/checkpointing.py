@@ -1,0 +1,111 @@
+"""What a checkpoint holds, when rank 0 writes one, and how a worker resumes from it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.checkpoint import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: ``epoch`` (1-based) and steps already done in it and overall."""
+
+    epoch: int = 1
+    epoch_steps_done: int = 0
+    global_steps_done: int = 0
+
+
+@dataclass
+class Resume:
+    """A loaded checkpoint: where to continue, and the figures of the recovery."""
+
+    position: Position
+    history: list[dict[str, Any]]
+    steps_redone: int
+    recovery_started: float  # wall time of the last step finished before the failure
+    recovered_at: float = 0.0  # wall time when the restored state was in place
+
+
+class Checkpointer:
+    """Writes checkpoints on rank 0 and restores them on every rank.
+
+    Args:
+        store: the run's checkpoint directory.
+        every: checkpoint every this many global steps (0: only at epoch ends).
+        rank: this worker's rank; only rank 0 writes.
+        module: the unwrapped model.
+        optimizer: the worker's optimizer.
+        align: checkpoints only at global steps that are multiples of this
+            (weight averaging: right after an average, when all workers agree).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        every: int,
+        rank: int,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        align: int = 1,
+    ) -> None:
+        self.store = store
+        self.every = every
+        self.rank = rank
+        self.module = module
+        self.optimizer = optimizer
+        self.align = align
+        self.history: list[dict[str, Any]] = []
+        self.written = 0
+
+    def after_step(self, position: Position) -> None:
+        if self.rank != 0:
+            return
+        self.store.record_progress(position.global_steps_done)
+        if self.every and position.global_steps_done % self.every == 0:
+            self._save(position)
+
+    def after_epoch(self, position: Position) -> None:
+        """``position`` is the start of the next epoch."""
+        if self.rank == 0 and position.global_steps_done % self.align == 0:
+            self._save(position)
+
+    def _save(self, position: Position) -> None:
+        state = {
+            "format": 1,
+            "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": position.epoch,
+            "epoch_steps_done": position.epoch_steps_done,
+            "global_steps_done": position.global_steps_done,
+            "history": json.dumps(self.history),
+        }
+        self.store.save(position.global_steps_done, state)
+        self.written += 1
+
+    def restore(self, global_steps_done: int) -> Resume:
+        """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank)."""
+        started = time.time()
+        state = self.store.load(global_steps_done)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        position = Position(
+            int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"])
+        )
+        self.history = json.loads(state["history"])
+        progress = self.store.progress()
+        redone = max(progress.step - position.global_steps_done, 0) if progress else 0
+        since = progress.wall_time if progress else started
+        log.info(
+            "rank %d resumed from step %d (%d steps to redo)", self.rank, position.global_steps_done, redone
+        )
+        return Resume(position, list(self.history), redone, since, time.time())

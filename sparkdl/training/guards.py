@@ -1,0 +1,100 @@
+"""Guards around each training step: non-finite losses, and fault drills.
+
+Pure torch; the training loop calls these, so the rules are tested without Spark.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparkdl.config import OnError
+from sparkdl.errors import TrainingFailedError
+
+_HANG_LIMIT_S = 900.0  # a drilled hang still ends by itself
+
+
+@dataclass(frozen=True)
+class FaultDrill:
+    """A fault injected on purpose: ``kind:rank:step:marker``.
+
+    ``raise`` raises an exception before the step; ``exit`` kills the worker process
+    in the middle of backward, while gradient all-reduces are in flight; ``hang``
+    stops responding. The drill fires once: it creates ``marker`` first, and does
+    not fire while ``marker`` exists (an empty marker fires on every attempt).
+    """
+
+    kind: str
+    rank: int
+    step: int
+    marker: str
+
+    @classmethod
+    def parse(cls, text: str) -> FaultDrill | None:
+        if not text:
+            return None
+        kind, rank, step, marker = text.split(":", 3)
+        return cls(kind, int(rank), int(step), marker)
+
+    def maybe_fire(self, rank: int, global_step: int, module: nn.Module) -> None:
+        if rank != self.rank or global_step != self.step:
+            return
+        if self.marker:
+            if Path(self.marker).exists():
+                return
+            Path(self.marker).write_text(f"rank {rank} step {global_step} pid {os.getpid()}\n")
+        if self.kind == "raise":
+            raise RuntimeError(f"fault drill: rank {rank} raised at step {global_step}")
+        if self.kind == "exit":
+            first = next(module.parameters())  # its gradient comes last: other buckets are in flight
+            first.register_hook(lambda grad: os._exit(17))
+        elif self.kind == "hang":
+            deadline = time.monotonic() + _HANG_LIMIT_S
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+class NanGuard:
+    """Decides what a step with a non-finite loss or gradient does, the same on every rank.
+
+    With all-reduce the gradients are already averaged, so one rank's NaN is every
+    rank's NaN and all ranks decide alike without another message; the optimizer
+    step is what is skipped, so nothing non-finite ever reaches the weights.
+    """
+
+    def __init__(self, policy: OnError, max_skips: int, rank: int) -> None:
+        self.policy = policy
+        self.max_skips = max_skips
+        self.rank = rank
+        self.skipped = 0
+        self._in_a_row = 0
+
+    def allows_step(self, loss: torch.Tensor, module: nn.Module, epoch: int, global_step: int) -> bool:
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        total = loss.detach().float().sum() + sum(
+            (g.float().sum() for g in grads), torch.zeros((), device=loss.device)
+        )
+        if bool(torch.isfinite(total)):
+            self._in_a_row = 0
+            return True
+        where = f"rank {self.rank}, epoch {epoch}, step {global_step}"
+        if self.policy is OnError.ERROR:
+            raise TrainingFailedError(
+                f"non-finite loss or gradient at {where} (loss {float(loss):.4g}); the step was not "
+                "applied. Lower the learning rate, check the inputs, or set on_nan_loss = 'skip'",
+                {self.rank: "non-finite loss"},
+            )
+        self.skipped += 1
+        self._in_a_row += 1
+        if self._in_a_row > self.max_skips:
+            raise TrainingFailedError(
+                f"{self._in_a_row} steps in a row had a non-finite loss or gradient (last at {where}); "
+                f"stopping after max_nan_skips = {self.max_skips}",
+                {self.rank: "non-finite loss"},
+            )
+        return False

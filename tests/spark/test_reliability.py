@@ -1,0 +1,108 @@
+"""Faults injected on purpose into real barrier stages: resume, redo, and fail clearly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sparkdl import TrainingFailedError
+from sparkdl.checkpoint import CheckpointStore
+from tests.reference import make_shards, max_abs_diff
+from tests.spark.test_fit import estimator, shards_dataframe
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+EVERY = 4  # checkpoint_every, in steps
+
+
+def run(spark, tmp_path, name, drill="", epochs=2, **settings):
+    shards = make_shards([96, 96])
+    settings = {"collective_timeout_s": 20.0, **settings}
+    est = estimator(
+        epochs=epochs,
+        shuffle=True,
+        checkpoint_dir=str(tmp_path / name),
+        checkpoint_every=EVERY,
+        fault_injection=drill,
+        **settings,
+    )
+    started = time.monotonic()
+    model = est.fit(shards_dataframe(spark, shards))
+    return model, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def clean_run(spark, tmp_path_factory):
+    model, _ = run(spark, tmp_path_factory.mktemp("clean"), "ckpt")
+    return model
+
+
+@pytest.mark.parametrize(("kind", "rank", "step"), [("raise", 1, 10), ("exit", 0, 17)])
+def test_a_failed_worker_resumes_from_the_last_checkpoint_with_identical_weights(
+    spark, tmp_path, clean_run, kind, rank, step
+):
+    marker = tmp_path / "fired"
+    model, _ = run(spark, tmp_path, "ckpt", f"{kind}:{rank}:{step}:{marker}")
+    assert marker.exists()  # the drill did fire
+    assert max_abs_diff(model.module.state_dict(), clean_run.module.state_dict()) == 0.0
+    resumed = [h for h in model.history if "resumed_from_step" in h]
+    assert len(resumed) == 1
+    record = resumed[0]
+    assert record["resumed_from_step"] == step - step % EVERY
+    assert 0 <= record["steps_redone"] <= EVERY
+    assert record["steps_redone"] == step - record["resumed_from_step"]
+    assert record["recovery_s"] > 0
+    assert [h["epoch"] for h in model.history] == [1, 2]
+
+
+def test_a_fault_on_every_attempt_fails_with_the_original_error_and_rank(spark, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"rank 1 .*fault drill: rank 1 raised at step 3"):
+        run(spark, tmp_path, "ckpt", "raise:1:3:")  # no marker: fires on every attempt
+
+
+def test_a_worker_that_stops_responding_is_detected_within_the_timeout(spark, tmp_path, clean_run):
+    timeout = 8.0
+    _, clean_seconds = run(spark, tmp_path, "clean", collective_timeout_s=timeout)
+    model, seconds = run(
+        spark, tmp_path, "ckpt", f"hang:1:6:{tmp_path / 'fired'}", collective_timeout_s=timeout
+    )
+    assert max_abs_diff(model.module.state_dict(), clean_run.module.state_dict()) == 0.0
+    # the stuck rank is given up on after the collective timeout, not Spark's default of minutes
+    assert timeout <= seconds - clean_seconds < timeout + 20
+
+
+def test_a_tampered_checkpoint_is_refused(spark, tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pickled code ran",))
+
+    torch.save({"format": 1, "evil": Payload()}, store.path_for(8))
+    with pytest.raises(TrainingFailedError, match=r"refused checkpoint .*checkpoint-000000008\.pt"):
+        run(spark, tmp_path, "ckpt")
+
+
+def poisoned_loss(output, target):
+    """Cross entropy, but NaN for any batch holding a row labelled 7 (a planted bad row)."""
+    loss = torch.nn.functional.cross_entropy(output, target.clamp(max=2).long())
+    return loss * torch.where((target == 7).any(), torch.tensor(float("nan")), torch.tensor(1.0))
+
+
+def poisoned_dataframe(spark):
+    x, y = make_shards([48, 48])[0], make_shards([48, 48])[1]
+    y[1][5] = 7  # one row on rank 1
+    return shards_dataframe(spark, [x, y])
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_step_and_rank(spark):
+    with pytest.raises(TrainingFailedError, match=r"non-finite loss or gradient at rank \d, epoch 1, step 0"):
+        estimator(loss_fn=poisoned_loss, on_nan_loss="error").fit(poisoned_dataframe(spark))
+
+
+def test_nan_steps_are_skipped_everywhere_and_counted(spark):
+    model = estimator(loss_fn=poisoned_loss, on_nan_loss="skip", epochs=3).fit(poisoned_dataframe(spark))
+    assert [h["nan_skips"] for h in model.history] == [1, 1, 1]  # one poisoned batch per epoch
+    assert all(torch.isfinite(v).all() for v in model.module.state_dict().values())

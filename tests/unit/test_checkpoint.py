@@ -1,0 +1,60 @@
+import pickle
+
+import pytest
+import torch
+
+from sparkdl.checkpoint import CheckpointError, CheckpointStore
+
+
+def state(step):
+    return {"format": 1, "model": {"w": torch.full((3,), float(step))}, "global_steps_done": step}
+
+
+def test_save_is_atomic_and_keeps_the_newest_two(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in (4, 8, 12):
+        store.save(step, state(step))
+    assert store.steps() == [8, 12]
+    assert store.load(12)["model"]["w"].tolist() == [12.0] * 3
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path))
+    store.save(4, state(4))
+    (tmp_path / ".checkpoint-000000008.pt.999.tmp").write_bytes(b"half a checkpoint")  # killed mid-write
+
+    def crash(*_):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("os.replace", crash)
+    with pytest.raises(CheckpointError, match="could not write checkpoint .*000000012"):
+        store.save(12, state(12))
+    assert store.latest() == 4
+    assert store.load(4)["global_steps_done"] == 4
+
+
+def test_garbage_and_pickle_bearing_files_are_refused(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.path_for(4).write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="refused checkpoint"):
+        store.load(4)
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, ("import os; os._exit(3)",))
+
+    store.path_for(8).write_bytes(pickle.dumps({"format": 1, "x": Evil()}))
+    with pytest.raises(CheckpointError, match="refused checkpoint"):
+        store.load(8)
+    torch.save({"no": "format"}, store.path_for(12))
+    with pytest.raises(CheckpointError, match="not a sparkdl checkpoint"):
+        store.load(12)
+
+
+def test_progress_is_overwritten_in_place(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in range(1, 30):
+        store.record_progress(step)
+    progress = store.progress()
+    store.close()
+    assert progress is not None and progress.step == 29 and progress.wall_time > 0
