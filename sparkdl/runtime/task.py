@@ -22,7 +22,7 @@ from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
-from sparkdl.errors import SparkDLError, TrainingFailedError
+from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
@@ -213,6 +213,12 @@ def _train_epochs(
         result = trainer.run_epoch(epoch, batches, coordinator, source, final, skip)
         if source == "spark":
             counts = exchange_counts(feed.cached_rows, ctx, control)
+            if sum(counts) == 0:
+                raise BadDataError(
+                    "the DataFrame given to fit has no rows: every partition was empty. "
+                    "Check the filters and joins upstream of fit",
+                    bad_rows=0,
+                )
         record = _epoch_record(result)
         if resume is not None and epoch == start.epoch:
             record.update(

@@ -167,3 +167,16 @@ def test_more_workers_than_slots_fails_in_seconds_with_the_fix(spark):
     ):
         estimator(num_workers=3, executor_wait_timeout_s=1.0).fit(shards_dataframe(spark, shards))
     assert time.monotonic() - started < 15
+
+
+def test_an_empty_dataframe_fails_with_a_clear_error(spark):
+    df = spark.createDataFrame([], "features array<float>, label long")
+    with pytest.raises(BadDataError, match="has no rows: every partition was empty"):
+        estimator().fit(df)
+
+
+def test_a_label_beyond_the_model_outputs_names_the_count(spark):
+    shards = make_shards([16, 16])
+    shards[0][1][3] = 5  # the model has 3 outputs
+    with pytest.raises(BadDataError, match=r"rank 0: 1 labels are >= 3, the number of classes"):
+        estimator().fit(shards_dataframe(spark, shards))

@@ -47,6 +47,18 @@ def test_a_failed_worker_resumes_from_the_last_checkpoint_with_identical_weights
     model, _ = run(spark, tmp_path, "ckpt", f"{kind}:{rank}:{step}:{marker}")
     assert marker.exists()  # the drill did fire
     assert max_abs_diff(model.module.state_dict(), clean_run.module.state_dict()) == 0.0
+    _check_resume_record(model, step)
+
+
+def test_weight_averaging_resumes_after_an_average_with_identical_weights(spark, tmp_path):
+    settings = {"strategy": "weight_averaging", "sync_every": 2}
+    clean, _ = run(spark, tmp_path, "clean", **settings)
+    model, _ = run(spark, tmp_path, "ckpt", f"raise:1:13:{tmp_path / 'fired'}", **settings)
+    assert max_abs_diff(model.module.state_dict(), clean.module.state_dict()) == 0.0
+    _check_resume_record(model, 13)
+
+
+def _check_resume_record(model, step):
     resumed = [h for h in model.history if "resumed_from_step" in h]
     assert len(resumed) == 1
     record = resumed[0]
@@ -55,6 +67,7 @@ def test_a_failed_worker_resumes_from_the_last_checkpoint_with_identical_weights
     assert record["steps_redone"] == step - record["resumed_from_step"]
     assert record["recovery_s"] > 0
     assert [h["epoch"] for h in model.history] == [1, 2]
+    print(f"FIGURE resume step={step} redone={record['steps_redone']} recovery_s={record['recovery_s']:.2f}")
 
 
 def test_a_fault_on_every_attempt_fails_with_the_original_error_and_rank(spark, tmp_path):
@@ -71,6 +84,7 @@ def test_a_worker_that_stops_responding_is_detected_within_the_timeout(spark, tm
     assert max_abs_diff(model.module.state_dict(), clean_run.module.state_dict()) == 0.0
     # the stuck rank is given up on after the collective timeout, not Spark's default of minutes
     assert timeout <= seconds - clean_seconds < timeout + 20
+    print(f"FIGURE hang timeout={timeout} extra_s={seconds - clean_seconds:.2f} clean_s={clean_seconds:.2f}")
 
 
 def test_a_tampered_checkpoint_is_refused(spark, tmp_path):

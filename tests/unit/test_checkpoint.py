@@ -27,7 +27,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
         raise OSError("disk gone")
 
     monkeypatch.setattr("os.replace", crash)
-    with pytest.raises(CheckpointError, match="could not write checkpoint .*000000012"):
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*000000012"):
         store.save(12, state(12))
     assert store.latest() == 4
     assert store.load(4)["global_steps_done"] == 4
