@@ -26,30 +26,16 @@ from pathlib import Path
 import pyarrow as pa
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from common import make_data, make_model, make_optimizer  # noqa: E402
+from common import make_model, make_optimizer  # noqa: E402
+from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
-from sparkdl.config import SparkDLConfig  # noqa: E402
 from sparkdl.data.columns import ColumnKind, ColumnPlan, ColumnSpec, LabelKind  # noqa: E402
 from sparkdl.data.feed import FeedOptions, PartitionFeed  # noqa: E402
-from sparkdl.runtime.session import build_session  # noqa: E402
 
 COUNT_SCHEMA = "rows long"
-
-
-def dataframe(spark, rows: int, partitions: int):
-    x, y = make_data(rows)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(
-        pa.list_(pa.float32())
-    )
-    df = spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
-    return df.repartition(partitions).cache()
 
 
 def ddp_baseline(rows: int, epochs: int, batch_size: int) -> dict:
@@ -168,23 +154,14 @@ def main() -> None:
     parser.add_argument("--output", default=str(HERE / "results/foundation.json"))
     args = parser.parse_args()
 
-    spark = build_session(
-        "local[2]",
-        "sparkdl-bench",
-        SparkDLConfig(),
-        {"spark.ui.enabled": "false", "spark.driver.memory": "6g"},
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.sparkContext.addPyFile(str(HERE / "common.py"))  # model_fn lives there
+    spark = bench_session("sparkdl-bench")
     train_df = dataframe(spark, args.rows, 2)
-    train_df.count()
     fit_runs, ddp_runs = [], []
     for _ in range(args.repeats):
         ddp_runs.append(ddp_baseline(args.rows, args.epochs, args.batch_size))
         fit_runs.append(sparkdl_fit(train_df, args.epochs, args.batch_size))
     train_df.unpersist()
     feed_df = dataframe(spark, args.feed_rows, 2)
-    feed_df.count()
     feed = feed_benchmark(spark, feed_df, args.feed_rows, args.feed_repeats)
 
     best_fit = max(r["samples_per_s"] for r in fit_runs)

@@ -13,20 +13,13 @@ import platform
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from common import make_data, make_model  # noqa: E402
+from common import make_model  # noqa: E402
+from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
-from sparkdl.config import SparkDLConfig  # noqa: E402
-from sparkdl.runtime.session import build_session  # noqa: E402
 
 VARIANTS = [
     ("allreduce", {"strategy": "allreduce"}),
@@ -41,15 +34,6 @@ VARIANTS = [
         {"strategy": "parameter_server", "ps_mode": "async", "push_every": 4, "pull_every": 4},
     ),
 ]
-
-
-def dataframe(spark, rows: int, seed: int, partitions: int):
-    x, y = make_data(rows, seed)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]).cast(
-        pa.list_(pa.float32())
-    )
-    df = spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
-    return df.repartition(partitions).cache()
 
 
 def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> dict:
@@ -87,16 +71,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--output", default=str(HERE / "results/strategies.json"))
     args = parser.parse_args()
-    spark = build_session(
-        "local[2]",
-        "sparkdl-bench-strategies",
-        SparkDLConfig(),
-        {"spark.ui.enabled": "false", "spark.driver.memory": "6g"},
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.sparkContext.addPyFile(str(HERE / "common.py"))
-    train_df, test_df = dataframe(spark, args.rows, 0, 2), dataframe(spark, args.test_rows, 1, 2)
-    train_df.count(), test_df.count()
+    spark = bench_session("sparkdl-bench-strategies")
+    train_df, test_df = dataframe(spark, args.rows, 2, seed=0), dataframe(spark, args.test_rows, 2, seed=1)
     results = {name: run_variant(train_df, test_df, s, args.epochs, args.batch_size) for name, s in VARIANTS}
     base = results["allreduce"]
     for result in results.values():
