@@ -187,6 +187,7 @@ class ReliabilityConfig:
 
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    on_bad_rows: OnError = OnError.ERROR
     on_nan_loss: OnError = OnError.ERROR
     max_nan_skips: int = 10
     fault_injection: str = ""

@@ -146,6 +146,7 @@ class TorchEstimator(Estimator, _SparkDLParams):
             classifier=isinstance(loss, str) and loss == "cross_entropy",
         )
         model.worker_rows = result.worker_rows
+        model.bad_rows_skipped = result.bad_rows_skipped
         return self._copyValues(model)
 
 
@@ -173,6 +174,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         self.output_shape = tuple(output_shape)
         self.classifier = classifier
         self.worker_rows: list[int] = []
+        self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
 
     def _transform(self, dataset: Any) -> Any:
         if self.module is None or self.model_fn is None:

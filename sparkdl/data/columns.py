@@ -98,51 +98,79 @@ def plan_from_arrow_schema(
 
 def decode_features(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
     """Concatenate the feature columns of a batch into one float32 matrix [rows, width]."""
-    parts = [decode_column(batch.column(spec.name), spec) for spec in plan.features]
-    matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-    # One cheap pass: a NaN or inf anywhere in a row makes its float64 sum non-finite
-    # (float32 values cannot overflow a float64 sum); only then find the bad rows.
-    if matrix.size and not np.isfinite(matrix.sum(axis=1, dtype=np.float64)).all():
-        bad = ~np.isfinite(matrix).all(axis=1)
+    matrix = feature_matrix(batch, plan)
+    bad = nonfinite_rows(matrix)
+    if bad is not None:
         names = [s.name for s in plan.features]
         raise BadDataError(
             f"feature column(s) {names} hold NaN or infinite values in {int(bad.sum())} of "
-            f"{batch.num_rows} rows of this batch; clean or impute them before fit",
+            f"{batch.num_rows} rows of this batch; clean or impute them before fit "
+            "(or set on_bad_rows = 'skip')",
             column=",".join(names),
             bad_rows=int(bad.sum()),
         )
     return matrix
 
 
+def feature_matrix(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
+    """The features as float32 [rows, width], without the NaN check."""
+    parts = [decode_column(batch.column(spec.name), spec) for spec in plan.features]
+    matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+def nonfinite_rows(matrix: np.ndarray) -> np.ndarray | None:
+    """Mask of rows holding NaN or inf, or None when there are none."""
+    # One cheap pass: a NaN or inf anywhere in a row makes its float64 sum non-finite
+    # (float32 values cannot overflow a float64 sum); only then find the bad rows.
+    if not matrix.size or np.isfinite(matrix.sum(axis=1, dtype=np.float64)).all():
+        return None
+    return ~np.isfinite(matrix.reshape(len(matrix), -1)).all(axis=1)
+
+
 def decode_label(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
     """The label column as int64 class ids or float32 targets."""
+    values = label_values(batch, plan)
+    bad = bad_label_rows(values, plan.label_kind)
+    name = plan.label.name if plan.label else ""
+    if bad is not None and plan.label_kind is LabelKind.REAL:
+        raise BadDataError(
+            f"label column {name!r} holds NaN or infinite values in {int(bad.sum())} rows",
+            column=name,
+            bad_rows=int(bad.sum()),
+        )
+    if bad is not None:
+        raise BadDataError(
+            f"label column {name!r} must hold class indices 0..C-1 for cross entropy, "
+            f"but {int(bad.sum())} rows hold negative or non-integer values "
+            f"(e.g. {values[bad][0]!r}); index the labels (StringIndexer) first",
+            column=name,
+            bad_rows=int(bad.sum()),
+        )
+    return as_label(values, plan.label_kind)
+
+
+def label_values(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
+    """The raw label values ([rows] for a scalar label), before any check."""
     if plan.label is None:
         raise SchemaError("no label column was configured; set label_col")
-    spec = plan.label
-    values = decode_column(batch.column(spec.name), spec)
-    if spec.kind is ColumnKind.SCALAR:
-        values = values[:, 0]
-    if plan.label_kind is LabelKind.REAL:
-        if not np.isfinite(values).all():
-            bad = int((~np.isfinite(values)).reshape(len(values), -1).any(axis=1).sum())
-            raise BadDataError(
-                f"label column {spec.name!r} holds NaN or infinite values in {bad} rows",
-                column=spec.name,
-                bad_rows=bad,
-            )
+    values = decode_column(batch.column(plan.label.name), plan.label)
+    return values[:, 0] if plan.label.kind is ColumnKind.SCALAR else values
+
+
+def bad_label_rows(values: np.ndarray, kind: LabelKind) -> np.ndarray | None:
+    """Rows whose label the loss cannot use, or None when all are fine."""
+    if kind is LabelKind.REAL:
+        bad = ~np.isfinite(values).reshape(len(values), -1).all(axis=1)
+    else:
+        bad = (np.floor(values) != values) | (values < 0) | ~np.isfinite(values)
+    return bad if bad.any() else None
+
+
+def as_label(values: np.ndarray, kind: LabelKind) -> np.ndarray:
+    if kind is LabelKind.REAL:
         return np.ascontiguousarray(values, dtype=np.float32)
-    as_int = values.astype(np.int64)
-    bad_mask = (as_int != values) | (as_int < 0)
-    if bad_mask.any():
-        raise BadDataError(
-            f"label column {spec.name!r} must hold class indices 0..C-1 for cross entropy, "
-            f"but {int(bad_mask.sum())} rows hold negative or non-integer values "
-            f"(e.g. {values[bad_mask][0]!r}); index the labels (StringIndexer) first",
-            column=spec.name,
-            bad_rows=int(bad_mask.sum()),
-        )
-    return as_int
+    return values.astype(np.int64)
 
 
 def decode_column(column: pa.Array | pa.ChunkedArray, spec: ColumnSpec) -> np.ndarray:

@@ -18,6 +18,7 @@ from sparkdl.data.batching import Arrays, epoch_rng, rebatch, shuffle_chunks
 from sparkdl.data.cache import PartitionCache
 from sparkdl.data.columns import ColumnPlan, decode_features, decode_label
 from sparkdl.data.prefetch import Prefetcher, mapped
+from sparkdl.data.screening import RowScreen
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class FeedOptions:
     prefetch_batches: int
     cache_dir: str = ""
     pin_memory: bool = False
+    skip_bad_rows: bool = False
 
 
 TensorBatch = tuple[torch.Tensor, torch.Tensor]
@@ -49,6 +51,12 @@ class PartitionFeed:
         self._options = options
         self._cache = PartitionCache(options.cache_dir)
         self._open: Prefetcher[TensorBatch] | None = None
+        self._screen = RowScreen(plan) if options.skip_bad_rows else None
+
+    @property
+    def bad_rows_dropped(self) -> int:
+        """Rows left out by ``on_bad_rows = "skip"`` (final once the stream was read)."""
+        return self._screen.dropped if self._screen else 0
 
     @property
     def cached_rows(self) -> int:
@@ -104,8 +112,13 @@ class PartitionFeed:
         for record_batch in source:
             if record_batch.num_rows == 0:
                 continue
-            x = decode_features(record_batch, self._plan)
-            y = decode_label(record_batch, self._plan)
+            if self._screen is not None:
+                x, y = self._screen.decode(record_batch)
+                if not len(x):
+                    continue
+            else:
+                x = decode_features(record_batch, self._plan)
+                y = decode_label(record_batch, self._plan)
             self._cache.append(x, y)
             yield x, y
         self._cache.seal()

@@ -47,6 +47,7 @@ class FitResult:
     history: list[dict[str, Any]]
     output_shape: tuple[int, ...]
     worker_rows: list[int]
+    bad_rows_skipped: int = 0
 
 
 def plan_columns(
@@ -115,6 +116,7 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
         history=history,
         output_shape=tuple(json.loads(lead["output_shape"])),
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
+        bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
     )
 
 

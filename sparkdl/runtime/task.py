@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import OnError, SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError
@@ -42,11 +42,12 @@ from sparkdl.training.losses import LossFn, resolve_loss
 
 log = logging.getLogger(__name__)
 
-RESULT_SCHEMA = "rank int, rows long, history string, state binary, output_shape string"
+RESULT_SCHEMA = "rank int, rows long, bad_rows long, history string, state binary, output_shape string"
 RESULT_ARROW_SCHEMA = pa.schema(
     [
         ("rank", pa.int32()),
         ("rows", pa.int64()),
+        ("bad_rows", pa.int64()),
         ("history", pa.string()),
         ("state", pa.binary()),
         ("output_shape", pa.string()),
@@ -70,6 +71,7 @@ class TrainSpec:
 class WorkerResult:
     rank: int
     rows: int
+    bad_rows: int
     history: list[dict[str, Any]]
     state: bytes
     output_shape: tuple[int, ...]
@@ -79,6 +81,7 @@ class WorkerResult:
             {
                 "rank": [self.rank],
                 "rows": [self.rows],
+                "bad_rows": [self.bad_rows],
                 "history": [json.dumps(self.history)],
                 "state": [self.state],
                 "output_shape": [json.dumps(list(self.output_shape))],
@@ -176,7 +179,9 @@ def run_worker(
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
         history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
         state = _serialize_state(module) if rank == 0 else b""
-        return WorkerResult(rank, feed.cached_rows, history, state, trainer.output_shape or ())
+        return WorkerResult(
+            rank, feed.cached_rows, feed.bad_rows_dropped, history, state, trainer.output_shape or ()
+        )
     finally:
         if store is not None:
             store.close()
@@ -268,6 +273,7 @@ def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> Fee
         prefetch_batches=config.data.prefetch_batches,
         cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
         pin_memory=device.type == "cuda",
+        skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
     )
 
 

@@ -180,3 +180,24 @@ def test_a_label_beyond_the_model_outputs_names_the_count(spark):
     shards[0][1][3] = 5  # the model has 3 outputs
     with pytest.raises(BadDataError, match=r"rank 0: 1 labels are >= 3, the number of classes"):
         estimator().fit(shards_dataframe(spark, shards))
+
+
+def test_skipping_bad_rows_trains_exactly_as_on_the_clean_rows(spark):
+    from pyspark.sql import Row
+
+    clean = make_shards([40, 40])
+    rows = [
+        [Row(features=[float(v) for v in x[i]], label=int(y[i])) for i in range(len(y))] for x, y in clean
+    ]
+    rows[0].insert(7, Row(features=None, label=1))  # a null
+    rows[1].insert(3, Row(features=[1.0, float("nan"), 0.0, 0.0, 0.0, 0.0], label=0))  # a NaN
+    rows[1].insert(20, Row(features=[1.0, 2.0], label=2))  # too short
+    rdd = spark.sparkContext.parallelize(range(2), 2).flatMap(lambda i: rows[i])
+    dirty = spark.createDataFrame(rdd, "features array<float>, label long")
+    with pytest.raises(BadDataError):
+        estimator().fit(dirty)
+    model = estimator(on_bad_rows="skip", epochs=2).fit(dirty)
+    assert model.bad_rows_skipped == 3
+    assert model.worker_rows == [40, 40]
+    expected = reference_sgd(clean, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5

@@ -1,0 +1,51 @@
+import numpy as np
+import pyarrow as pa
+
+from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
+from sparkdl.data.screening import RowScreen
+
+
+def test_skip_mode_drops_each_kind_of_bad_row_and_counts_it():
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "arr": pa.array(
+                [
+                    [1.0, 2.0],
+                    None,
+                    [3.0],
+                    [4.0, None],
+                    [5.0, 6.0],
+                    [float("nan"), 1.0],
+                    [7.0, 8.0],
+                    [9.0, 9.0],
+                ],
+                pa.list_(pa.float32()),
+            ),
+            "x": pa.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, None, 8.0]),
+            "label": pa.array([0, 1, 0, 1, 2, 0, 1, -1], pa.int64()),
+        }
+    )
+    plan = plan_from_arrow_schema(batch.schema, ("arr", "x"), "label", LabelKind.CLASS_INDEX)
+    screen = RowScreen(plan)
+    x, y = screen.decode(batch)
+    # kept: rows 0 and 4; dropped: null array, short array, null element, NaN, null x, label -1
+    np.testing.assert_array_equal(x, [[1, 2, 1], [5, 6, 5]])
+    np.testing.assert_array_equal(y, [0, 2])
+    assert y.dtype == np.int64 and screen.dropped == 6
+
+
+def test_the_first_batch_fixes_the_array_width_for_the_partition():
+    screen = RowScreen(
+        plan_from_arrow_schema(
+            pa.schema([("arr", pa.list_(pa.float64())), ("label", pa.float64())]),
+            ("arr",),
+            "label",
+            LabelKind.REAL,
+        )
+    )
+    first = pa.RecordBatch.from_pydict({"arr": [[1.0, 2.0], [3.0, 4.0], [5.0]], "label": [1.0, 2.0, 3.0]})
+    second = pa.RecordBatch.from_pydict({"arr": [[1.0], [2.0], [3.0, 4.0]], "label": [1.0, 2.0, 3.0]})
+    assert len(screen.decode(first)[0]) == 2
+    x, y = screen.decode(second)
+    np.testing.assert_array_equal(x, [[3.0, 4.0]])
+    assert screen.dropped == 3
