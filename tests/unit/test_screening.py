@@ -46,6 +46,6 @@ def test_the_first_batch_fixes_the_array_width_for_the_partition():
     first = pa.RecordBatch.from_pydict({"arr": [[1.0, 2.0], [3.0, 4.0], [5.0]], "label": [1.0, 2.0, 3.0]})
     second = pa.RecordBatch.from_pydict({"arr": [[1.0], [2.0], [3.0, 4.0]], "label": [1.0, 2.0, 3.0]})
     assert len(screen.decode(first)[0]) == 2
-    x, y = screen.decode(second)
+    x, _ = screen.decode(second)
     np.testing.assert_array_equal(x, [[3.0, 4.0]])
     assert screen.dropped == 3
