@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sparkdl.errors import SparkDLError
-from sparkdl.ps.protocol import Frame, Kind, ProtocolError, recv_frame, send_frame
+from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.ps.store import PsTimeoutError
 
@@ -48,7 +48,7 @@ class PsClient:
         self._socks = [self._connect() for _ in range(shards)]
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> Channel:
         try:
             sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=30)
         except OSError as exc:
@@ -59,9 +59,9 @@ class PsClient:
             ) from exc
         sock.settimeout(self.endpoint.timeout_s + 30)  # the server answers a stuck pull itself
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(sock, Frame(Kind.HELLO, rank=self.rank, attempt=self.attempt), self.endpoint.secret)
-        self._expect(sock, Kind.ACK)
-        return sock
+        channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt)
+        self._expect(channel, Kind.ACK)
+        return channel
 
     def push(self, clock: int, rows: int, grads: list[torch.Tensor]) -> None:
         """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel."""
@@ -91,22 +91,22 @@ class PsClient:
 
     def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
         """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
-        sock = self._socks[shard]
+        channel = self._socks[shard]
         frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data)
-        sent = send_frame(sock, frame, self.endpoint.secret)
-        return sent, self._expect(sock, Kind.ACK).clock
+        sent = channel.send(frame)
+        return sent, self._expect(channel, Kind.ACK).clock
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor]:
         """Runs on a pool thread: returns (bytes sent, bytes received, version, weights)."""
-        sock = self._socks[shard]
-        sent = send_frame(sock, Frame(Kind.PULL, shard, self.rank, self.attempt, clock), self.endpoint.secret)
-        reply = self._expect(sock, Kind.WEIGHTS)
+        channel = self._socks[shard]
+        sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
+        reply = self._expect(channel, Kind.WEIGHTS)
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
         return sent, len(reply.payload), reply.clock, weights
 
-    def _expect(self, sock: socket.socket, kind: Kind) -> Frame:
+    def _expect(self, channel: Channel, kind: Kind) -> Frame:
         try:
-            frame = recv_frame(sock, self.endpoint.secret, self.endpoint.max_payload)
+            frame = channel.recv(self.endpoint.max_payload)
         except (ProtocolError, OSError) as exc:
             raise PsClientError(f"rank {self.rank}: parameter server connection failed: {exc}") from exc
         if frame.kind is Kind.ERROR:
@@ -122,5 +122,5 @@ class PsClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for sock in self._socks:
-            sock.close()
+        for channel in self._socks:
+            channel.sock.close()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparkdl.ps.protocol import FLOAT32, Frame, Kind, ProtocolError, recv_frame, send_frame
+from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
 from sparkdl.ps.store import PsTimeoutError, PushRejected, ShardStore
 
 log = logging.getLogger(__name__)
@@ -102,14 +102,12 @@ class ParameterServer:
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
-            hello = recv_frame(sock, self.secret, self.max_payload)
-            if hello.kind is not Kind.HELLO:
-                raise ProtocolError(f"first frame was {hello.kind.name}, expected HELLO")
+            hello, channel = server_hello(sock, self.secret)
             for store in self.stores:
                 store.begin_attempt(hello.attempt)
-            send_frame(sock, Frame(Kind.ACK), self.secret)
+            channel.send(Frame(Kind.ACK))
             while not self._stop.is_set():
-                self._handle(sock, recv_frame(sock, self.secret, self.max_payload), hello.attempt)
+                self._handle(channel, channel.recv(self.max_payload))
         except (ProtocolError, PushRejected) as exc:
             if not self._stop.is_set() and "closed after 0 of" not in str(exc):
                 self._reject(peer, str(exc))
@@ -118,7 +116,7 @@ class ParameterServer:
         finally:
             _close_quietly(sock)
 
-    def _handle(self, sock: socket.socket, frame: Frame, attempt: int) -> None:
+    def _handle(self, channel: Channel, frame: Frame) -> None:
         if not 0 <= frame.shard < len(self.stores):
             raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
         store = self.stores[frame.shard]
@@ -133,17 +131,16 @@ class ParameterServer:
                 staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
             except PushRejected as exc:
                 self._reject(("rank", frame.rank), str(exc))
-                send_frame(sock, Frame(Kind.ERROR, payload=str(exc).encode()), self.secret)
+                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
                 return
-            send_frame(sock, Frame(Kind.ACK, shard=frame.shard, clock=staleness), self.secret)
+            channel.send(Frame(Kind.ACK, shard=frame.shard, clock=staleness))
         elif frame.kind is Kind.PULL:
             try:
                 version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
             except PsTimeoutError as exc:
-                send_frame(sock, Frame(Kind.ERROR, payload=str(exc).encode()), self.secret)
+                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
                 return
-            reply = Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data)
-            send_frame(sock, reply, self.secret)
+            channel.send(Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data))
         else:
             raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
 

@@ -106,18 +106,25 @@ class ShardStore:
                 self._cond.notify_all()
 
     def push(self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor) -> int:
-        """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0."""
+        """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0.
+
+        The store takes ownership of ``grad_sum`` (it may be scaled or kept in place):
+        on a 10M-parameter model every avoided copy is 40 MB.
+        """
         with self._cond:
             self._check_push(rank, attempt, clock, grad_sum)
             self._next_clock[rank] = clock + 1
             if self.mode is PsMode.ASYNC:
                 staleness = max(self.version - clock, 0)  # async: clock = version it was based on
                 if rows > 0:
-                    self._apply(grad_sum / rows)
+                    self._apply(grad_sum.div_(rows))
                 self._cond.notify_all()
                 return staleness
-            entry = self._pending.setdefault(clock, _Clock(torch.zeros(self.numel)))
-            entry.grad_sum += grad_sum
+            entry = self._pending.get(clock)
+            if entry is None:
+                entry = self._pending[clock] = _Clock(grad_sum)
+            else:
+                entry.grad_sum += grad_sum
             entry.rows += rows
             entry.pushed.add(rank)
             self._apply_complete_clocks()
@@ -166,13 +173,14 @@ class ShardStore:
             if entry is None or len(entry.pushed) < self.num_workers:
                 return
             del self._pending[self.version - self._base()]
-            self._apply(entry.grad_sum / max(entry.rows, 1))
+            self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
             self._cond.notify_all()
 
     def _apply(self, grad: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            view = grad[offset : offset + p.numel()].view_as(p)
+            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)  # grad is ours: no copy
             offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

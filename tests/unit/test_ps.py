@@ -13,7 +13,16 @@ import torch
 from torch import nn
 
 from sparkdl.ps.client import PsClient, PsClientError
-from sparkdl.ps.protocol import HEADER, MAGIC, Frame, Kind, ProtocolError, encode, recv_frame, send_frame
+from sparkdl.ps.protocol import (
+    HEADER,
+    MAGIC,
+    Channel,
+    Frame,
+    Kind,
+    ProtocolError,
+    client_hello,
+    pack_header,
+)
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, split_into_shards
 
@@ -144,9 +153,8 @@ def test_no_credentials_truncated_and_oversized_frames_are_refused(server):
     with raw_connection(server) as sock:  # no HELLO, just bytes
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
         assert sock.recv(10) == b""
-    with raw_connection(server) as sock:  # a truncated frame, then the peer goes away
-        header, payload, tag = encode(Frame(Kind.HELLO, rank=0), SECRET)
-        sock.sendall(header + bytes(payload) + tag[:10])
+    with raw_connection(server) as sock:  # a truncated HELLO, then the peer goes away
+        sock.sendall(pack_header(Frame(Kind.HELLO), 16) + b"n" * 16 + b"tag")
         sock.shutdown(socket.SHUT_WR)
         assert sock.recv(10) == b""
     with raw_connection(server) as sock:  # announces 1 GiB
@@ -163,10 +171,10 @@ def test_a_pickled_payload_is_never_unpickled(server):
             return (exec, ("raise SystemExit('unpickled!')",))
 
     with raw_connection(server) as sock:
-        send_frame(sock, Frame(Kind.HELLO, rank=0), SECRET)
-        assert recv_frame(sock, SECRET, 1 << 20).kind is Kind.ACK
-        send_frame(sock, Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=pickle.dumps(Boom())), SECRET)
-        reply = recv_frame(sock, SECRET, 1 << 20)
+        channel = client_hello(sock, SECRET, rank=0, attempt=0)
+        assert channel.recv(1 << 20).kind is Kind.ACK
+        channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=pickle.dumps(Boom())))
+        reply = channel.recv(1 << 20)
     assert reply.kind is Kind.ERROR and b"takes 8 bytes of float32" in bytes(reply.payload)
     real_workers_still_train(server)
 
@@ -183,26 +191,55 @@ def test_a_stuck_sync_pull_fails_with_the_workers_waited_for(server):
         client.close()
 
 
-def test_frame_round_trip_and_tamper_detection():
+def test_frame_round_trip_and_tamper_and_replay_detection():
     a, b = socket.socketpair()
     with a, b:
-        send_frame(a, Frame(Kind.PUSH, 1, 2, 3, 4, 5, torch.arange(4.0).numpy()), SECRET)
-        frame = recv_frame(b, SECRET, 1024)
-        assert (frame.kind, frame.shard, frame.rank, frame.attempt, frame.clock, frame.rows) == (
-            Kind.PUSH,
-            1,
-            2,
-            3,
-            4,
-            5,
+        client, server = (
+            Channel(a, SECRET, b"n" * 16, client=True),
+            Channel(b, SECRET, b"n" * 16, client=False),
         )
+        client.send(Frame(Kind.PUSH, 1, 2, 3, 4, 5, torch.arange(4.0).numpy()))
+        frame = server.recv(1024)
+        fields = (frame.kind, frame.shard, frame.rank, frame.attempt, frame.clock, frame.rows)
+        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5)
         assert struct.unpack("<4f", frame.payload) == (0.0, 1.0, 2.0, 3.0)
-        header, payload, tag = encode(Frame(Kind.PULL, clock=7), SECRET)
-        tampered = bytearray(header)
-        tampered[-9] ^= 1
-        a.sendall(bytes(tampered) + bytes(payload) + tag)
+        # a flipped bit in the header
+        sent = _capture(
+            lambda sock: Channel(sock, SECRET, b"n" * 16, client=True), Frame(Kind.PULL, clock=7), 2
+        )
+        a.sendall(sent[:-30] + bytes([sent[-30] ^ 1]) + sent[-29:])
         with pytest.raises(ProtocolError, match="authentication"):
-            recv_frame(b, SECRET, 1024)
+            server.recv(1024)
+    a, b = socket.socketpair()
+    with a, b:
+        server = Channel(b, SECRET, b"n" * 16, client=False)
+        first = _capture(lambda sock: Channel(sock, SECRET, b"n" * 16, client=True), Frame(Kind.PULL), 1)
+        a.sendall(first)
+        assert server.recv(1024).kind is Kind.PULL
+        a.sendall(first)  # the same frame again: its sequence number is spent
+        with pytest.raises(ProtocolError, match="replayed"):
+            server.recv(1024)
+
+
+def _capture(make_channel, frame, nth):
+    """The bytes of the ``nth`` frame a fresh client channel would send."""
+    x, y = socket.socketpair()
+    with x, y:
+        channel = make_channel(x)
+        for _ in range(nth):
+            channel.send(frame)
+        data = b""
+        while True:
+            y.settimeout(0.2)
+            try:
+                chunk = y.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    size = len(data) // nth
+    return data[(nth - 1) * size :]
 
 
 def test_spark_connect_sessions_are_told_which_strategies_work():
