@@ -120,3 +120,18 @@ def test_nan_steps_are_skipped_everywhere_and_counted(spark):
     model = estimator(loss_fn=poisoned_loss, on_nan_loss="skip", epochs=3).fit(poisoned_dataframe(spark))
     assert [h["nan_skips"] for h in model.history] == [1, 1, 1]  # one poisoned batch per epoch
     assert all(torch.isfinite(v).all() for v in model.module.state_dict().values())
+
+
+def test_a_parameter_server_keeps_its_weights_across_a_stage_re_run(spark, tmp_path):
+    """The retried stage reconnects as a new attempt; the server's clocks restart, its weights do not."""
+    shards = make_shards([96, 96])
+    settings = dict(strategy="parameter_server", ps_mode="sync", ps_timeout_s=15.0, epochs=2, shuffle=True)
+    clean = estimator(**settings).fit(shards_dataframe(spark, shards))
+    drilled = estimator(fault_injection=f"raise:1:10:{tmp_path / 'fired'}", **settings).fit(
+        shards_dataframe(spark, shards)
+    )
+    assert (tmp_path / "fired").exists()
+    # the re-run trained all 24 steps again on top of the 10 already applied by the server
+    assert sum(h["pushes"] for h in drilled.history) == sum(h["pushes"] for h in clean.history)
+    assert max_abs_diff(drilled.module.state_dict(), clean.module.state_dict()) > 0
+    assert drilled.history[-1]["loss"] <= clean.history[-1]["loss"] * 1.5
