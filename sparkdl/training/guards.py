@@ -6,6 +6,7 @@ Pure torch; the training loop calls these, so the rules are tested without Spark
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,10 @@ class FaultDrill:
 
     ``raise`` raises an exception before the step; ``exit`` kills the worker process
     in the middle of backward, while gradient all-reduces are in flight; ``hang``
-    stops responding. The drill fires once: it creates ``marker`` first, and does
-    not fire while ``marker`` exists (an empty marker fires on every attempt).
+    stops responding; ``killjvm`` kills the executor JVM that runs this task (only
+    where executors are separate JVMs: local-cluster or a real cluster). The drill
+    fires once: it creates ``marker`` first, and does not fire while ``marker`` exists
+    (an empty marker fires on every attempt).
     """
 
     kind: str
@@ -53,10 +56,29 @@ class FaultDrill:
         if self.kind == "exit":
             first = next(module.parameters())  # its gradient comes last: other buckets are in flight
             first.register_hook(lambda grad: os._exit(17))
+        elif self.kind == "killjvm":
+            os.kill(_executor_jvm_pid(), signal.SIGKILL)
+            time.sleep(_HANG_LIMIT_S)  # the JVM's death takes this process down with it
         elif self.kind == "hang":
             deadline = time.monotonic() + _HANG_LIMIT_S
             while time.monotonic() < deadline:
                 time.sleep(0.1)
+
+
+def _executor_jvm_pid() -> int:
+    """The pid of the executor JVM above this Python worker (parent chain via /proc)."""
+    pid = os.getppid()
+    for _ in range(8):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"CoarseGrainedExecutorBackend" in cmdline:
+            return pid
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            break
+    raise RuntimeError(
+        "fault drill 'killjvm' needs executors in their own JVMs (local-cluster or a cluster); "
+        "in local mode the executor is the driver"
+    )
 
 
 class NanGuard:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +139,71 @@ def test_a_parameter_server_keeps_its_weights_across_a_stage_re_run(spark, tmp_p
     assert sum(h["pushes"] for h in drilled.history) == sum(h["pushes"] for h in clean.history)
     assert max_abs_diff(drilled.module.state_dict(), clean.module.state_dict()) > 0
     assert drilled.history[-1]["loss"] <= clean.history[-1]["loss"] * 1.5
+
+
+def _python_listening_ports() -> set[int]:
+    """Listening TCP ports of Python processes forked from a PySpark daemon (task workers).
+
+    The daemons themselves (children of the JVM) keep their own listening socket for
+    the life of the session; a task's worker must not keep one after its task ends.
+    """
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ports = set()
+    for line in out.splitlines():
+        match = re.search(r'"python[^"]*",pid=(\d+)', line)
+        if match and _parent_is_python(int(match.group(1))):
+            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+
+def _parent_is_python(pid: int) -> bool:
+    try:
+        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        return "python" in Path(f"/proc/{parent}/comm").read_text()
+    except OSError:
+        return False
+
+
+def test_cancelling_the_job_ends_the_tasks_and_closes_their_ports(spark, tmp_path):
+    spark.range(4).mapInArrow(lambda batches: batches, "id long").collect()  # Python workers up
+    before = _python_listening_ports()
+    progress = CheckpointStore(str(tmp_path / "ckpt"))
+    timeout = 10.0
+    est = estimator(
+        epochs=500, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1000, collective_timeout_s=timeout
+    )
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            est.fit(shards_dataframe(spark, make_shards([64, 64])))
+        except BaseException as exc:  # the cancelled fit must fail, and say so
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, name="fit-to-cancel")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while (progress.progress() is None or progress.progress().step < 20) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert progress.progress() is not None, "training never started"
+    assert _python_listening_ports() - before, "training opened no port: the check below would be vacuous"
+    cancelled = time.monotonic()
+    spark.sparkContext.cancelAllJobs()
+    thread.join(60)
+    assert not thread.is_alive() and errors, "fit did not end after the cancel"
+    # Spark kills the Python workers of killed tasks within spark.python.task.killTimeout
+    # after it notices; wait (bounded) until no worker advances the step any more.
+    last, still_since = progress.progress().step, time.monotonic()
+    while time.monotonic() - still_since < 3 and time.monotonic() - cancelled < 30:
+        time.sleep(0.5)
+        step = progress.progress().step
+        if step != last:
+            last, still_since = step, time.monotonic()
+    ended_after = still_since - cancelled
+    assert time.monotonic() - still_since >= 3, "a worker was still training 30 s after the cancel"
+    # A rank left waiting on a killed peer gives up at the collective timeout at the latest.
+    while _python_listening_ports() - before and time.monotonic() - cancelled < timeout + 15:
+        time.sleep(0.5)
+    ports_closed_after = time.monotonic() - cancelled
+    assert not _python_listening_ports() - before, "a port opened by training is still open"
+    print(f"FIGURE cancel tasks_ended_s={ended_after:.2f} ports_closed_s={ports_closed_after:.2f}")
