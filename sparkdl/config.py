@@ -203,7 +203,8 @@ class ReliabilityConfig:
         if self.fault_injection and len(self.fault_injection.split(":", 3)) != 4:
             raise ConfigError(
                 f"reliability.fault_injection = {self.fault_injection!r}; the form is "
-                "'raise|exit|hang|killjvm:RANK:STEP:MARKER_FILE' (a drill: fires once, when MARKER_FILE is absent)"
+                "'raise|exit|hang|killjvm:RANK:STEP:MARKER_FILE' "
+                "(a drill: fires once, when MARKER_FILE is absent)"
             )
 
 

@@ -49,6 +49,10 @@ class BadDataError(SparkDLError, ValueError):
         return (self.__class__, (self.message, self.column, self.bad_rows))
 
 
+class PeerStopped(SparkDLError):
+    """Another worker rejected its input; this worker stopped in step with it."""
+
+
 class ClusterConfigError(SparkDLError):
     """The Spark cluster cannot run the barrier stage as configured."""
 

@@ -100,6 +100,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
 
 
 def _fit_result(rows: list[Any], n: int) -> FitResult:
+    _raise_agreed_error(rows)
     by_rank = {row["rank"]: row for row in rows}
     if sorted(by_rank) != list(range(n)):
         raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
@@ -118,6 +119,18 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
         bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
     )
+
+
+def _raise_agreed_error(rows: list[Any]) -> None:
+    """Raise the error that made every rank stop together (the rejecting rank's, not its peers')."""
+    reported = sorted(
+        (row["error"] for row in rows if row["error"]), key=lambda e: e.startswith("PeerStopped")
+    )
+    if not reported:
+        return
+    name, _, message = reported[0].partition(": ")
+    cls = getattr(errors, name, TrainingFailedError)
+    raise cls(message)
 
 
 def _translate(exc: Exception) -> SparkDLError:

@@ -42,7 +42,9 @@ from sparkdl.training.losses import LossFn, resolve_loss
 
 log = logging.getLogger(__name__)
 
-RESULT_SCHEMA = "rank int, rows long, bad_rows long, history string, state binary, output_shape string"
+RESULT_SCHEMA = (
+    "rank int, rows long, bad_rows long, history string, state binary, output_shape string, error string"
+)
 RESULT_ARROW_SCHEMA = pa.schema(
     [
         ("rank", pa.int32()),
@@ -51,6 +53,7 @@ RESULT_ARROW_SCHEMA = pa.schema(
         ("history", pa.string()),
         ("state", pa.binary()),
         ("output_shape", pa.string()),
+        ("error", pa.string()),
     ]
 )
 
@@ -75,6 +78,7 @@ class WorkerResult:
     history: list[dict[str, Any]]
     state: bytes
     output_shape: tuple[int, ...]
+    error: str = ""  # "ErrorClass: message" when every rank stopped together on bad input
 
     def to_record_batch(self) -> pa.RecordBatch:
         return pa.RecordBatch.from_pydict(
@@ -85,6 +89,7 @@ class WorkerResult:
                 "history": [json.dumps(self.history)],
                 "state": [self.state],
                 "output_shape": [json.dumps(list(self.output_shape))],
+                "error": [self.error],
             },
             schema=RESULT_ARROW_SCHEMA,
         )
@@ -106,6 +111,14 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     try:
         result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads, attempt)
     except SparkDLError as exc:
+        if getattr(exc, "agreed_by_all_ranks", False):
+            # Every rank stopped together: end the task normally and let the driver raise,
+            # rather than fail it and have Spark re-run a stage that would fail alike.
+            failed = _with_rank(exc, rank)
+            yield WorkerResult(
+                rank, 0, 0, [], b"", (), f"{type(failed).__name__}: {failed}"
+            ).to_record_batch()
+            return
         raise _with_rank(exc, rank) from exc
     except Exception as exc:
         raise TrainingFailedError(
@@ -219,11 +232,13 @@ def _train_epochs(
         if source == "spark":
             counts = exchange_counts(feed.cached_rows, ctx, control)
             if sum(counts) == 0:
-                raise BadDataError(
+                empty = BadDataError(
                     "the DataFrame given to fit has no rows: every partition was empty. "
                     "Check the filters and joins upstream of fit",
                     bad_rows=0,
                 )
+                empty.agreed_by_all_ranks = True  # type: ignore[attr-defined]
+                raise empty
         record = _epoch_record(result)
         if resume is not None and epoch == start.epoch:
             record.update(

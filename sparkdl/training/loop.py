@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.columns import LabelKind
-from sparkdl.errors import BadDataError
+from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext
 from sparkdl.training.checkpointing import Checkpointer, Position
 from sparkdl.training.guards import FaultDrill, NanGuard
@@ -50,12 +50,21 @@ class StepPlan:
     y_width: int = 0
 
 
+class _InputRejected(Exception):
+    """Some worker rejected its input this step (raised on every worker alike)."""
+
+
 class StepCoordinator(abc.ABC):
     """Decides, identically on every worker, whether another step happens."""
 
     @abc.abstractmethod
-    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
-        """Plan the next step, or None when every worker has run out of rows."""
+    def next_step(self, local_rows: int, x_width: int, y_width: int, failed: bool = False) -> StepPlan | None:
+        """Plan the next step, or None when every worker has run out of rows.
+
+        ``failed`` says this worker rejected its input; then every worker raises
+        ``_InputRejected`` together, so the stage ends without a task failure (and
+        without Spark re-running a stage that would fail the same way again).
+        """
 
     def skip(self) -> None:  # noqa: B027 - only a schedule has state to advance
         """A step done before a failure is skipped on resume (no messages)."""
@@ -67,11 +76,15 @@ class StreamingCoordinator(StepCoordinator):
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self._group = group
 
-    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
+    def next_step(self, local_rows: int, x_width: int, y_width: int, failed: bool = False) -> StepPlan | None:
         has = 1.0 if local_rows else 0.0
-        control = torch.tensor([local_rows, has, x_width * has, y_width * has], dtype=torch.float64)
+        control = torch.tensor(
+            [local_rows, has, x_width * has, y_width * has, float(failed)], dtype=torch.float64
+        )
         dist.all_reduce(control, group=self._group)
-        rows, active, x_sum, y_sum = control.tolist()
+        rows, active, x_sum, y_sum, failures = control.tolist()
+        if failures:
+            raise _InputRejected()
         if active == 0:
             return None
         return StepPlan(int(rows), round(x_sum / active), round(y_sum / active))
@@ -90,7 +103,7 @@ class ScheduledCoordinator(StepCoordinator):
     def skip(self) -> None:
         self._step += 1
 
-    def next_step(self, local_rows: int, x_width: int, y_width: int) -> StepPlan | None:
+    def next_step(self, local_rows: int, x_width: int, y_width: int, failed: bool = False) -> StepPlan | None:
         if self._step >= self._steps:
             return None
         rows = global_batch_rows(self._counts, self._batch_size, self._step)
@@ -213,7 +226,7 @@ class Trainer:
         iterator = iter(batches)
         validate = source == "spark"
         while True:
-            batch = next(iterator, None)
+            batch, rejected = self._next_batch(iterator, coordinator)
             if batch is not None:
                 self.filler.remember(batch)
             if steps < skip_steps:
@@ -223,7 +236,10 @@ class Trainer:
             rows = len(batch[0]) if batch is not None else 0
             x_width = batch[0].shape[1] if batch is not None and batch[0].dim() > 1 else 0
             y_width = batch[1].shape[1] if batch is not None and batch[1].dim() > 1 else 1
-            plan = coordinator.next_step(rows, x_width, y_width)
+            try:
+                plan = coordinator.next_step(rows, x_width, y_width, rejected is not None)
+            except _InputRejected:
+                raise self._agreed_stop(rejected) from rejected
             if plan is None:
                 break
             self.widths = (plan.x_width, plan.y_width)
@@ -261,6 +277,26 @@ class Trainer:
             sync=self.strategy.end_epoch(),
             nan_skips=(self.guard.skipped if self.guard else 0) - skips_before,
         )
+
+    def _next_batch(
+        self, iterator: Iterator[TensorBatch], coordinator: StepCoordinator
+    ) -> tuple[TensorBatch | None, SparkDLError | None]:
+        """The next batch; while streaming, a rejected input is reported, not raised."""
+        try:
+            return next(iterator, None), None
+        except (BadDataError, SchemaError) as exc:
+            if not isinstance(coordinator, StreamingCoordinator):
+                raise
+            return None, exc
+
+    def _agreed_stop(self, rejected: SparkDLError | None) -> SparkDLError:
+        error = (
+            rejected
+            if rejected is not None
+            else PeerStopped(f"rank {self.ctx.rank} stopped because another worker rejected its input")
+        )
+        error.agreed_by_all_ranks = True  # type: ignore[attr-defined]
+        return error
 
     def _before_step(self) -> None:
         if self.reseed is not None:
