@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import pyarrow as pa
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from common import make_model, make_optimizer  # noqa: E402
+from common import make_model, make_optimizer, save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
@@ -166,10 +165,9 @@ def main() -> None:
 
     best_fit = max(r["samples_per_s"] for r in fit_runs)
     best_ddp = max(r["samples_per_s"] for r in ddp_runs)
-    result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "command": " ".join(sys.argv),
-        "training": {
+    save_report(
+        args.output,
+        training={
             "rows": args.rows,
             "epochs": args.epochs,
             "batch_size_per_worker": args.batch_size,
@@ -178,11 +176,8 @@ def main() -> None:
             "torchrun_ddp": ddp_runs,
             "fit_vs_ddp_samples_per_s": best_fit / best_ddp,
         },
-        "feed": feed,
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+        feed=feed,
+    )
     spark.stop()
 
 

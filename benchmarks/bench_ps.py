@@ -8,10 +8,8 @@ same bytes back and forth, in one run. The client runs in its own process.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import sys
 import threading
@@ -23,6 +21,9 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from common import save_report  # noqa: E402
 
 from sparkdl.config import PsMode  # noqa: E402
 from sparkdl.ps.client import PsClient  # noqa: E402
@@ -137,14 +138,10 @@ def main() -> None:
             "bare_socket": bare,
             "bytes_per_s_vs_bare": ps["bytes_per_s"] / bare["bytes_per_s"],
         }
-    report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "command": " ".join(sys.argv),
-        "results": results,
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    save_report(
+        args.output,
+        results=results,
+    )
 
 
 if __name__ == "__main__":

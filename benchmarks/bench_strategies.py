@@ -7,16 +7,13 @@ and held-out accuracy after the same number of epochs, on the same model and dat
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from common import make_model  # noqa: E402
+from common import make_model, save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
@@ -80,21 +77,17 @@ def main() -> None:
             result["samples_per_s_epochs_2plus"] / base["samples_per_s_epochs_2plus"]
         )
         result["bytes_per_sample_vs_allreduce"] = result["bytes_per_sample"] / base["bytes_per_sample"]
-    report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "command": " ".join(sys.argv),
-        "setup": {
+    save_report(
+        args.output,
+        setup={
             "rows": args.rows,
             "epochs": args.epochs,
             "batch_size_per_worker": args.batch_size,
             "workers": 2,
             "optimizer": "SGD lr=0.05, no momentum",
         },
-        "results": results,
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+        results=results,
+    )
     spark.stop()
 
 

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
 
 WIDTH, CLASSES = 64, 10
+
+
+def save_report(path: str, **sections: Any) -> dict[str, Any]:
+    """Write a benchmark's results as JSON, with the machine and command that produced them."""
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "command": " ".join(sys.argv),
+        **sections,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return report
 
 
 def make_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

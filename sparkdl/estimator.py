@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import io
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from sparkdl.runtime import fs
 from sparkdl.runtime.driver import plan_columns, run_training
 from sparkdl.runtime.inference import PredictSpec, output_mode, predict_partition, prediction_schema
 from sparkdl.runtime.task import TrainSpec
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_model
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_from_bytes, state_to_bytes
 from sparkdl.training.losses import LossFn, resolve_loss
 
 _DEFAULTS = SparkDLConfig().flat()
@@ -184,7 +183,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         mode = output_mode(self.classifier, self.output_shape)
         spec = PredictSpec(
             model_fn=self.model_fn,
-            state=_state_bytes(self.module),
+            state=state_to_bytes(self.module),
             plan=plan,
             prediction_col=config.data.prediction_col,
             mode=mode,
@@ -193,7 +192,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
             torch_threads=config.runtime.torch_threads,
         )
         schema = prediction_schema(dataset.schema, config.data.prediction_col, mode)
-        return dataset.mapInArrow(_bind(spec), schema)
+        return dataset.mapInArrow(functools.partial(predict_partition, spec), schema)
 
     def write(self) -> MLWriter:
         return _TorchModelWriter(self)
@@ -201,16 +200,6 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
     @classmethod
     def read(cls) -> MLReader:
         return _TorchModelReader()
-
-
-def _bind(spec: PredictSpec) -> Any:
-    return functools.partial(predict_partition, spec)
-
-
-def _state_bytes(module: torch.nn.Module) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buffer)
-    return buffer.getvalue()
 
 
 class _TorchModelWriter(MLWriter):
@@ -229,7 +218,7 @@ class _TorchModelWriter(MLWriter):
         }
         DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, extraMetadata=extra)
         assert model.module is not None
-        fs.write_bytes(self.sparkSession, f"{path}/weights.pt", _state_bytes(model.module))
+        fs.write_bytes(self.sparkSession, f"{path}/weights.pt", state_to_bytes(model.module))
         fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
 
 
@@ -239,9 +228,7 @@ class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         model_fn = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle"))
-        state = torch.load(
-            io.BytesIO(fs.read_bytes(self.sparkSession, f"{path}/weights.pt")), weights_only=True
-        )
+        state = state_from_bytes(fs.read_bytes(self.sparkSession, f"{path}/weights.pt"))
         module = build_model(model_fn)
         module.load_state_dict(state)
         model = TorchModel(

@@ -27,7 +27,8 @@ class ClientStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0
-    staleness: list[int] | None = None
+    staleness_sum: int = 0  # running figures: one entry per push would grow all epoch
+    staleness_max: int = 0
 
 
 class PsClient:
@@ -43,9 +44,9 @@ class PsClient:
         self.endpoint = endpoint
         self.rank = rank
         self.attempt = attempt
-        self.stats = ClientStats(staleness=[])
+        self.stats = ClientStats()
         shards = len(endpoint.shard_params)
-        self._socks = [self._connect() for _ in range(shards)]
+        self._channels = [self._connect() for _ in range(shards)]
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
     def _connect(self) -> Channel:
@@ -71,14 +72,14 @@ class PsClient:
         for future in futures:
             sent, staleness = future.result()
             self.stats.bytes_sent += sent
-            assert self.stats.staleness is not None
-            self.stats.staleness.append(staleness)
+            self.stats.staleness_sum += staleness
+            self.stats.staleness_max = max(self.stats.staleness_max, staleness)
         self.stats.pushes += 1
 
     def pull(self, clock: int) -> list[tuple[int, torch.Tensor]]:
         """(version, flat weights) of every shard for a worker about to compute ``clock``."""
         started = time.perf_counter()
-        futures = [self._pool.submit(self._pull_one, shard, clock) for shard in range(len(self._socks))]
+        futures = [self._pool.submit(self._pull_one, shard, clock) for shard in range(len(self._channels))]
         results = []
         for future in futures:
             sent, received, version, weights = future.result()
@@ -91,14 +92,14 @@ class PsClient:
 
     def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
         """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
-        channel = self._socks[shard]
+        channel = self._channels[shard]
         frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data)
         sent = channel.send(frame)
         return sent, self._expect(channel, Kind.ACK).clock
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor]:
         """Runs on a pool thread: returns (bytes sent, bytes received, version, weights)."""
-        channel = self._socks[shard]
+        channel = self._channels[shard]
         sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
         reply = self._expect(channel, Kind.WEIGHTS)
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
@@ -122,5 +123,5 @@ class PsClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for channel in self._socks:
+        for channel in self._channels:
             channel.sock.close()

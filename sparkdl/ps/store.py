@@ -132,7 +132,7 @@ class ShardStore:
 
     def pull(self, rank: int, clock: int, timeout_s: float) -> tuple[int, torch.Tensor]:
         """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy)."""
-        needed = self._base() + max(clock - self.staleness, 0)
+        needed = self._base_version + max(clock - self.staleness, 0)
         deadline = self._clock() + timeout_s
         with self._cond:
             while self.mode is not PsMode.ASYNC and self.version < needed:
@@ -148,9 +148,6 @@ class ShardStore:
 
     def flat_weights(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]).float()
-
-    def _base(self) -> int:
-        return self._base_version
 
     def _check_push(self, rank: int, attempt: int, clock: int, grad_sum: torch.Tensor) -> None:
         if not 0 <= rank < self.num_workers:
@@ -169,10 +166,10 @@ class ShardStore:
 
     def _apply_complete_clocks(self) -> None:
         while True:
-            entry = self._pending.get(self.version - self._base())
+            entry = self._pending.get(self.version - self._base_version)
             if entry is None or len(entry.pushed) < self.num_workers:
                 return
-            del self._pending[self.version - self._base()]
+            del self._pending[self.version - self._base_version]
             self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
             self._cond.notify_all()
 
@@ -187,7 +184,7 @@ class ShardStore:
         self.version += 1
 
     def _timeout_message(self, rank: int, clock: int, needed: int, timeout_s: float) -> str:
-        clock_needed = needed - self._base()
+        clock_needed = needed - self._base_version
         behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
         at = [self._next_clock[r] for r in behind]
         return (

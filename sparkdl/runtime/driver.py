@@ -9,7 +9,6 @@ aborting the job as it does for a failed barrier ResultStage.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import logging
 import re
@@ -25,6 +24,7 @@ from sparkdl.errors import SchemaError, SparkDLError, TrainingFailedError
 from sparkdl.runtime.cluster import check_cluster, is_connect
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
+from sparkdl.training.factory import state_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
     if sorted(by_rank) != list(range(n)):
         raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
     lead = by_rank[0]
-    state = torch.load(io.BytesIO(lead["state"]), weights_only=True)
+    state = state_from_bytes(lead["state"])
     history = json.loads(lead["history"])
     per_worker = {r: json.loads(by_rank[r]["history"]) for r in range(n)}
     for i, record in enumerate(history):

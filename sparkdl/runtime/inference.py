@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from sparkdl.config import UseGpu
 from sparkdl.data.columns import ColumnPlan, decode_features
 from sparkdl.errors import SchemaError
 from sparkdl.runtime.device import choose_device
-from sparkdl.training.factory import ModelFn, build_model
+from sparkdl.training.factory import ModelFn, build_model, state_from_bytes
 
 
 class OutputMode(str, enum.Enum):
@@ -108,6 +107,6 @@ def _cached_module(spec: PredictSpec, device: str) -> torch.nn.Module:
         if len(_MODULES) >= 4:
             _MODULES.clear()
         module = build_model(spec.model_fn)
-        module.load_state_dict(torch.load(io.BytesIO(spec.state), weights_only=True))
+        module.load_state_dict(state_from_bytes(spec.state))
         _MODULES[key] = module.to(device).eval()
     return _MODULES[key]

@@ -7,7 +7,6 @@ that tests can drive it in-process without Spark.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -28,15 +27,16 @@ from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
 from sparkdl.strategies import WorkerContext, create_strategy
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer, state_to_bytes
 from sparkdl.training.guards import FaultDrill, NanGuard
 from sparkdl.training.loop import (
     EpochResult,
+    PartitionInfo,
     ScheduledCoordinator,
     StepCoordinator,
     StreamingCoordinator,
     Trainer,
-    exchange_counts,
+    exchange_partition_info,
 )
 from sparkdl.training.losses import LossFn, resolve_loss
 
@@ -183,15 +183,14 @@ def run_worker(
             )
             trainer.reseed = config.training.seed
             # rank 0 picks the checkpoint, so that every rank loads the same one
-            chosen = int(
-                all_gather(str(store.latest() if rank == 0 and store.latest() is not None else -1))[0]
-            )
+            latest = store.latest() if rank == 0 else None
+            chosen = int(all_gather(str(-1 if latest is None else latest))[0])
             if chosen >= 0:
                 resume = trainer.checkpointer.restore(chosen)
                 trainer.global_step = resume.position.global_steps_done
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
         history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
-        state = _serialize_state(module) if rank == 0 else b""
+        state = state_to_bytes(module) if rank == 0 else b""
         return WorkerResult(
             rank, feed.cached_rows, feed.bad_rows_dropped, history, state, trainer.output_shape or ()
         )
@@ -214,11 +213,10 @@ def _train_epochs(
 ) -> list[dict[str, Any]]:
     history = list(resume.history) if resume else []
     start = resume.position if resume else Position()
-    counts: list[int] = []
+    partitions = PartitionInfo([], (0, 1))
     if start.epoch > 1:  # the cache of this attempt is empty: refill it from Spark first
         feed.fill_cache()
-        counts = exchange_counts(feed.cached_rows, ctx, control)
-        trainer.widths = _agreed_widths(feed, ctx, control)
+        partitions = exchange_partition_info(feed.cached_rows, feed.widths(), ctx, control)
     epochs = config.training.epochs
     for epoch in range(start.epoch, epochs + 1):
         batches, source = feed.epoch(epoch)
@@ -227,11 +225,13 @@ def _train_epochs(
         if source == "spark":
             coordinator: StepCoordinator = StreamingCoordinator(control)
         else:
-            coordinator = ScheduledCoordinator(counts, config.training.batch_size, trainer.widths)
+            coordinator = ScheduledCoordinator(
+                partitions.counts, config.training.batch_size, partitions.widths
+            )
         result = trainer.run_epoch(epoch, batches, coordinator, source, final, skip)
         if source == "spark":
-            counts = exchange_counts(feed.cached_rows, ctx, control)
-            if sum(counts) == 0:
+            partitions = exchange_partition_info(feed.cached_rows, feed.widths(), ctx, control)
+            if sum(partitions.counts) == 0:
                 empty = BadDataError(
                     "the DataFrame given to fit has no rows: every partition was empty. "
                     "Check the filters and joins upstream of fit",
@@ -261,16 +261,6 @@ def _train_epochs(
     return history
 
 
-def _agreed_widths(feed: PartitionFeed, ctx: WorkerContext, control: Any) -> tuple[int, int]:
-    """Feature and label widths every worker agrees on (a worker may hold no rows)."""
-    x_width, y_width = feed.widths()
-    has = 1.0 if feed.cached_rows else 0.0
-    agreed = torch.tensor([x_width * has, y_width * has, has], dtype=torch.float64)
-    torch.distributed.all_reduce(agreed, group=control)
-    x_sum, y_sum, holders = agreed.tolist()
-    return (round(x_sum / holders), round(y_sum / holders)) if holders else (0, 1)
-
-
 def _epoch_record(result: EpochResult) -> dict[str, Any]:
     record = asdict(result)
     sync = record.pop("sync")
@@ -290,9 +280,3 @@ def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> Fee
         pin_memory=device.type == "cuda",
         skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
     )
-
-
-def _serialize_state(module: torch.nn.Module) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buffer)
-    return buffer.getvalue()

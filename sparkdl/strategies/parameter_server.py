@@ -16,7 +16,7 @@ from torch import nn
 
 from sparkdl.config import PsMode, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
-from sparkdl.ps.client import PsClient
+from sparkdl.ps.client import ClientStats, PsClient
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext, register
 
@@ -71,18 +71,18 @@ class ParameterServerStrategy(SyncStrategy):
     def end_epoch(self) -> SyncStats:
         assert self._client is not None
         client = self._client.stats
-        staleness = client.staleness or [0]
+        shard_pushes = client.pushes * len(self._shards)
         stats = SyncStats(
             sync_rounds=client.pushes,
             bytes_sent=client.bytes_sent,
             bytes_received=client.bytes_received,
             pushes=client.pushes,
             pulls=client.pulls,
-            staleness_mean=sum(staleness) / len(staleness),
-            staleness_max=max(staleness),
+            staleness_mean=client.staleness_sum / shard_pushes if shard_pushes else 0.0,
+            staleness_max=client.staleness_max,
             wait_s=client.wait_s,
         )
-        client.__init__(staleness=[])  # type: ignore[misc]
+        self._client.stats = ClientStats()
         return stats
 
     def teardown(self) -> None:

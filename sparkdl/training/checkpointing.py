@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.training.factory import cpu_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Checkpointer:
     def _save(self, position: Position) -> None:
         state = {
             "format": 1,
-            "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+            "model": cpu_state_dict(self.module),
             "optimizer": self.optimizer.state_dict(),
             "epoch": position.epoch,
             "epoch_steps_done": position.epoch_steps_done,

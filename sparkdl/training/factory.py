@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,6 +24,23 @@ def build_model(model_fn: ModelFn) -> nn.Module:
             "model_fn must build and return the model"
         )
     return module
+
+
+def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state as detached CPU tensors (what checkpoints and results carry)."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def state_to_bytes(module: nn.Module) -> bytes:
+    """The module's state as ``torch.save`` bytes: tensors only, loadable with weights_only."""
+    buffer = io.BytesIO()
+    torch.save(cpu_state_dict(module), buffer)
+    return buffer.getvalue()
+
+
+def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    """Load :func:`state_to_bytes` output; refuses anything but tensors (``weights_only``)."""
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
 def build_optimizer(

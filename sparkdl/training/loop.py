@@ -111,12 +111,27 @@ class ScheduledCoordinator(StepCoordinator):
         return StepPlan(rows, *self._widths)
 
 
-def exchange_counts(local_rows: int, ctx: WorkerContext, group: dist.ProcessGroup | None) -> list[int]:
-    """Every worker's row count, in rank order."""
-    counts = torch.zeros(ctx.world_size, dtype=torch.float64)
-    counts[ctx.rank] = local_rows
-    dist.all_reduce(counts, group=group)
-    return [int(c) for c in counts.tolist()]
+@dataclass(frozen=True)
+class PartitionInfo:
+    """What every worker knows about all partitions once they have been read."""
+
+    counts: list[int]  # rows per worker, in rank order
+    widths: tuple[int, int]  # agreed feature and label widths (for workers without rows)
+
+
+def exchange_partition_info(
+    local_rows: int, widths: tuple[int, int], ctx: WorkerContext, group: dist.ProcessGroup | None
+) -> PartitionInfo:
+    """Every worker's row count and the agreed widths, in one all-reduce."""
+    has = 1.0 if local_rows else 0.0
+    message = torch.zeros(ctx.world_size + 3, dtype=torch.float64)
+    message[ctx.rank] = local_rows
+    message[ctx.world_size :] = torch.tensor([widths[0] * has, widths[1] * has, has])
+    dist.all_reduce(message, group=group)
+    values = message.tolist()
+    x_sum, y_sum, holders = values[ctx.world_size :]
+    agreed = (round(x_sum / holders), round(y_sum / holders)) if holders else (0, 1)
+    return PartitionInfo([int(c) for c in values[: ctx.world_size]], agreed)
 
 
 class Filler:
@@ -187,20 +202,11 @@ class Trainer:
         self.control_group = control_group
         self.filler = Filler(label_kind)
         self.output_shape: tuple[int, ...] | None = None
-        self.widths = (0, 1)  # agreed feature/label widths, for workers with no rows
-        self._global_step = 0
+        self.global_step = 0  # steps done since the start of training (set on resume)
         self.guard: NanGuard | None = None
         self.drill: FaultDrill | None = None
         self.checkpointer: Checkpointer | None = None
         self.reseed: int | None = None
-
-    @property
-    def global_step(self) -> int:
-        return self._global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self._global_step = value
 
     def run_epoch(
         self,
@@ -242,12 +248,11 @@ class Trainer:
                 raise self._agreed_stop(rejected) from rejected
             if plan is None:
                 break
-            self.widths = (plan.x_width, plan.y_width)
             steps += 1
             self._before_step()
             if batch is None and not self.strategy.steps_without_data:
-                self.strategy.after_step(self._global_step, 0)
-                self._global_step += 1
+                self.strategy.after_step(self.global_step, 0)
+                self.global_step += 1
             else:
                 loss = self._step(
                     batch if batch is not None else self.filler.batch(plan), rows, plan, validate, epoch
@@ -255,7 +260,7 @@ class Trainer:
                 loss_sum += loss.detach().double() * rows
                 local_samples += rows
             if self.checkpointer is not None:
-                self.checkpointer.after_step(Position(epoch, steps, self._global_step))
+                self.checkpointer.after_step(Position(epoch, steps, self.global_step))
         if final:
             self.strategy.finish()
         if next(iterator, None) is not None:
@@ -302,9 +307,9 @@ class Trainer:
         if self.reseed is not None:
             # The random stream of a step depends only on (seed, rank, step): a resumed
             # run draws the same dropout masks as one that never failed.
-            torch.manual_seed(self.reseed * 1_000_003 + self.ctx.rank * 7_919 + self._global_step)
+            torch.manual_seed(self.reseed * 1_000_003 + self.ctx.rank * 7_919 + self.global_step)
         if self.drill is not None:
-            self.drill.maybe_fire(self.ctx.rank, self._global_step, self.module)
+            self.drill.maybe_fire(self.ctx.rank, self.global_step, self.module)
 
     def _step(
         self, batch: TensorBatch, rows: int, plan: StepPlan, validate: bool, epoch: int
@@ -319,17 +324,16 @@ class Trainer:
             self._check_class_labels(y, output)
         loss = self.loss_fn(output, y)
         (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
-        self.strategy.after_backward(self._global_step)
-        if self.guard is None or self.guard.allows_step(loss, self.module, epoch, self._global_step):
+        self.strategy.after_backward(self.global_step)
+        if self.guard is None or self.guard.allows_step(loss, self.module, epoch, self.global_step):
             if not self.strategy.applies_updates:
                 self.optimizer.step()
-            self.strategy.after_step(self._global_step, rows)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.strategy.after_step(self._global_step, 0)
+            self.strategy.after_step(self.global_step, rows)
+        else:  # skipped on every rank: nothing of this step reaches the weights
+            self.strategy.after_step(self.global_step, 0)
             loss = torch.zeros((), device=device)
         self.optimizer.zero_grad(set_to_none=True)
-        self._global_step += 1
+        self.global_step += 1
         return loss
 
     def _check_class_labels(self, y: torch.Tensor, output: torch.Tensor) -> None:
