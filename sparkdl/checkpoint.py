@@ -26,7 +26,6 @@ from sparkdl.errors import SparkDLError
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
 KEEP = 2
 
 
@@ -41,15 +40,21 @@ class Progress:
 
 
 class CheckpointStore:
-    """The checkpoints of one run in ``directory`` (shared by all workers and attempts)."""
+    """The checkpoints of one run in ``directory`` (shared by all workers and attempts).
 
-    def __init__(self, directory: str) -> None:
+    ``name`` prefixes the files: the workers' checkpoints are ``checkpoint-<step>.pt``,
+    a parameter-server shard's snapshots ``ps-shard-NNN-<step>.pt`` beside them.
+    """
+
+    def __init__(self, directory: str, name: str = "checkpoint") -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self._pattern = re.compile(rf"^{re.escape(name)}-(\d{{9}})\.pt$")
         self._progress_fd: int | None = None
 
     def path_for(self, global_step: int) -> Path:
-        return self.directory / f"checkpoint-{global_step:09d}.pt"
+        return self.directory / f"{self.name}-{global_step:09d}.pt"
 
     def save(self, global_step: int, state: dict[str, Any]) -> Path:
         """Write ``state`` atomically as the checkpoint of ``global_step``; keep the newest two."""
@@ -72,7 +77,7 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints present, oldest first (temporary files ignored)."""
-        found = (_NAME.match(p.name) for p in self.directory.iterdir())
+        found = (self._pattern.match(p.name) for p in self.directory.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
 
     def latest(self) -> int | None:

@@ -225,11 +225,6 @@ class SparkDLConfig:
                 f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
                 "checkpoints right after an average, when every worker holds the same weights"
             )
-        if self.training.strategy is Strategy.PARAMETER_SERVER and self.reliability.checkpoint_dir:
-            raise ConfigError(
-                "checkpoint_dir is not supported with strategy 'parameter_server' yet: the server "
-                "keeps its weights across stage retries within one fit, but cannot resume a new fit"
-            )
 
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).

@@ -38,12 +38,15 @@ class PsClient:
         endpoint: the server's address, secret and shard layout.
         rank: this worker's rank.
         attempt: the stage attempt number (a retry must not mix with the old attempt).
+        start_clock: the first clock of this attempt (the global step the workers
+            resumed from; 0 when they start afresh).
     """
 
-    def __init__(self, endpoint: PsEndpoint, rank: int, attempt: int) -> None:
+    def __init__(self, endpoint: PsEndpoint, rank: int, attempt: int, start_clock: int = 0) -> None:
         self.endpoint = endpoint
         self.rank = rank
         self.attempt = attempt
+        self.start_clock = start_clock
         self.stats = ClientStats()
         shards = len(endpoint.shard_params)
         self._channels = [self._connect() for _ in range(shards)]
@@ -60,7 +63,7 @@ class PsClient:
             ) from exc
         sock.settimeout(self.endpoint.timeout_s + 30)  # the server answers a stuck pull itself
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt)
+        channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock)
         self._expect(channel, Kind.ACK)
         return channel
 
@@ -89,6 +92,16 @@ class PsClient:
         self.stats.wait_s += time.perf_counter() - started
         self.stats.pulls += 1
         return results
+
+    def snapshot(self, step: int) -> list[int]:
+        """Have every shard save itself as of global step ``step``; return their versions."""
+        futures = [self._pool.submit(self._snapshot_one, shard, step) for shard in range(len(self._channels))]
+        return [future.result() for future in futures]
+
+    def _snapshot_one(self, shard: int, step: int) -> int:
+        channel = self._channels[shard]
+        channel.send(Frame(Kind.SNAPSHOT, shard, self.rank, self.attempt, step))
+        return self._expect(channel, Kind.ACK).clock
 
     def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
         """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""

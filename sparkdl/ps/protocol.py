@@ -43,12 +43,13 @@ FLOAT32 = 1
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # worker -> server: rank, stage attempt and the connection nonce; answered by ACK
+    HELLO = 1  # worker -> server: rank, stage attempt, first clock and the nonce; answered by ACK
     PUSH = 2  # worker -> server: rows-weighted gradient sum of one shard at a clock
     PULL = 3  # worker -> server: weights of one shard for a clock; answered by WEIGHTS
     WEIGHTS = 4  # server -> worker: the shard's weights; ``clock`` holds their version
     ACK = 5
     ERROR = 6  # server -> worker: payload is a UTF-8 reason
+    SNAPSHOT = 7  # rank 0 -> server: save the shard as of global step ``clock``; ACK holds its version
 
 
 class ProtocolError(SparkDLError):
@@ -141,10 +142,15 @@ class Channel:
         return decode(header, payload)
 
 
-def client_hello(sock: socket.socket, secret: bytes, rank: int, attempt: int) -> Channel:
-    """Open a connection as worker ``rank``; the caller then expects an ACK on the channel."""
+def client_hello(
+    sock: socket.socket, secret: bytes, rank: int, attempt: int, start_clock: int = 0
+) -> Channel:
+    """Open a connection as worker ``rank``; the caller then expects an ACK on the channel.
+
+    ``start_clock`` > 0 says the workers resumed from the checkpoint of that step.
+    """
     nonce = os.urandom(NONCE_BYTES)
-    header = pack_header(Frame(Kind.HELLO, rank=rank, attempt=attempt), len(nonce))
+    header = pack_header(Frame(Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock), len(nonce))
     sock.sendall(header + nonce + hello_tag(secret, header, nonce))
     return Channel(sock, secret, nonce, client=True)
 

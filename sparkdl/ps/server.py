@@ -6,6 +6,12 @@ authentication, is truncated, or announces an oversized payload closes that
 connection (and is logged with the peer's address); the other workers are not
 affected. A rejected push (stale attempt, duplicate clock, wrong size or dtype) is
 answered with an ERROR frame and logged.
+
+Snapshots. With a checkpoint directory, rank 0 asks every shard for a SNAPSHOT
+right before it writes the worker checkpoint of global step ``s``; each shard
+writes ``ps-shard-NNN-<s>.pt`` there (atomically, newest two kept). A stage attempt
+whose HELLO says it resumes from step ``s`` first returns every shard to its
+snapshot of ``s``: the state that checkpoint was taken with.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparkdl.checkpoint import CheckpointError, CheckpointStore
 from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
 from sparkdl.ps.store import PsTimeoutError, PushRejected, ShardStore
 
@@ -48,12 +55,25 @@ class ParameterServer:
         secret: per-fit HMAC key.
         timeout_s: how long a pull may wait (``runtime.ps_timeout_s``).
         max_payload: frame payload cap in bytes.
+        snapshot_dir: where shards write their snapshots ("" = snapshots refused).
     """
 
     def __init__(
-        self, stores: Sequence[ShardStore], host: str, secret: bytes, timeout_s: float, max_payload: int
+        self,
+        stores: Sequence[ShardStore],
+        host: str,
+        secret: bytes,
+        timeout_s: float,
+        max_payload: int,
+        snapshot_dir: str = "",
     ) -> None:
         self.stores = list(stores)
+        self._snapshots = [
+            CheckpointStore(snapshot_dir, name=f"ps-shard-{i:03d}") if snapshot_dir else None
+            for i in range(len(self.stores))
+        ]
+        self._attempt: int | None = None  # the stage attempt the stores serve now
+        self._attempt_lock = threading.Lock()
         self.secret = secret
         self.timeout_s = timeout_s
         self.max_payload = max_payload
@@ -103,8 +123,11 @@ class ParameterServer:
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
             hello, channel = server_hello(sock, self.secret)
-            for store in self.stores:
-                store.begin_attempt(hello.attempt)
+            try:
+                self._begin_attempt(hello.attempt, hello.clock)
+            except (PushRejected, CheckpointError) as exc:
+                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
+                raise PushRejected(str(exc)) from exc
             channel.send(Frame(Kind.ACK))
             while not self._stop.is_set():
                 self._handle(channel, channel.recv(self.max_payload))
@@ -115,6 +138,45 @@ class ParameterServer:
             pass  # the worker went away, or stop() closed the socket
         finally:
             _close_quietly(sock)
+
+    def _begin_attempt(self, attempt: int, start_clock: int) -> None:
+        """The first connection of a new stage attempt restarts the clocks (and restores
+        the snapshot of ``start_clock`` when the workers resumed from a checkpoint)."""
+        with self._attempt_lock:
+            if self._attempt is not None and attempt <= self._attempt:
+                if attempt < self._attempt:
+                    raise PushRejected(f"stage attempt {attempt} is older than the current {self._attempt}")
+                return
+            states = [
+                self._load_snapshot(i, start_clock) if start_clock else None for i in range(len(self.stores))
+            ]
+            for store, state in zip(self.stores, states, strict=True):
+                store.begin_attempt(attempt, start_clock, state)
+            self._attempt = attempt
+            if start_clock:
+                log.info(
+                    "parameter server resumed at step %d, versions %s",
+                    start_clock,
+                    [s.version for s in self.stores],
+                )
+
+    def _load_snapshot(self, shard: int, step: int) -> dict:
+        snapshots = self._snapshots[shard]
+        if snapshots is None or step not in snapshots.steps():
+            where = snapshots.directory if snapshots else "(no checkpoint_dir given to the server)"
+            raise CheckpointError(
+                f"the workers resume from step {step}, but shard {shard} has no snapshot of it in "
+                f"{where}; the checkpoint directory is incomplete: start afresh with a new checkpoint_dir"
+            )
+        return snapshots.load(step)
+
+    def _save_snapshot(self, shard: int, step: int) -> int:
+        snapshots = self._snapshots[shard]
+        if snapshots is None:
+            raise CheckpointError("snapshot requested but the parameter server has no checkpoint_dir")
+        state = self.stores[shard].snapshot()
+        snapshots.save(step, {"format": 1, **state})
+        return int(state["version"])
 
     def _handle(self, channel: Channel, frame: Frame) -> None:
         if not 0 <= frame.shard < len(self.stores):
@@ -141,6 +203,13 @@ class ParameterServer:
                 channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
                 return
             channel.send(Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data))
+        elif frame.kind is Kind.SNAPSHOT:
+            try:
+                version = self._save_snapshot(frame.shard, frame.clock)
+            except CheckpointError as exc:
+                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
+                return
+            channel.send(Frame(Kind.ACK, shard=frame.shard, clock=version))
         else:
             raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
 

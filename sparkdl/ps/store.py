@@ -16,16 +16,23 @@ pulls clock ``t + 1``. A shard's ``version`` counts the updates it has applied.
   pulls never wait. Staleness of a push = updates applied since the version the
   worker computed it on.
 
+Resume. A stage attempt may start at clock ``s`` > 0 (the workers resumed from the
+checkpoint of global step ``s``); the store is then restored from its snapshot of
+step ``s`` and clocks count from ``s``: a pull of clock ``c`` waits for version
+``base + c - s`` (``base``: the version when the attempt began).
+
 Memory: one copy of the weights and optimizer state per shard, plus one gradient
 accumulator per clock in flight (at most ``staleness + 1``), never one per worker.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,6 +88,7 @@ class ShardStore:
         self.version = 0
         self.attempt = 0
         self._base_version = 0  # version when the current stage attempt began
+        self._start_clock = 0  # the first clock of the current stage attempt
         self._clock = clock
         self._cond = threading.Condition()
         self._pending: dict[int, _Clock] = {}
@@ -93,17 +101,47 @@ class ShardStore:
             self._closed = True
             self._cond.notify_all()
 
-    def begin_attempt(self, attempt: int) -> None:
-        """A (re-run) stage attempt connects: keep the weights, restart the clocks."""
+    def begin_attempt(self, attempt: int, start_clock: int = 0, state: dict[str, Any] | None = None) -> None:
+        """A (re-run) stage attempt connects; its clocks start at ``start_clock``.
+
+        Without ``state`` the weights are kept (the workers start afresh on them);
+        with one, the store first returns to that snapshot (the workers resumed from
+        the checkpoint it was taken with).
+        """
         with self._cond:
             if attempt < self.attempt:
                 raise PushRejected(f"stage attempt {attempt} is older than the current {self.attempt}")
-            if attempt > self.attempt:
-                self.attempt = attempt
-                self._pending.clear()
-                self._next_clock = [0] * self.num_workers
-                self._base_version = self.version
-                self._cond.notify_all()
+            if state is not None:
+                self._load(state)
+            self.attempt = attempt
+            self._pending.clear()
+            self._next_clock = [start_clock] * self.num_workers
+            self._start_clock = start_clock
+            self._base_version = self.version
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of the shard: weights, optimizer state, version (plain tensors)."""
+        with self._cond:
+            return {
+                "version": self.version,
+                "params": [p.detach().clone() for p in self.params],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        shapes = [tuple(t.shape) for t in state["params"]]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise PushRejected(
+                f"the snapshot holds parameters of shapes {shapes}, this shard "
+                f"{[tuple(p.shape) for p in self.params]}; resume with the model and ps_shards "
+                "the checkpoint was written with, or start afresh with a new checkpoint_dir"
+            )
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
 
     def push(self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor) -> int:
         """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0.
@@ -132,7 +170,7 @@ class ShardStore:
 
     def pull(self, rank: int, clock: int, timeout_s: float) -> tuple[int, torch.Tensor]:
         """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy)."""
-        needed = self._base_version + max(clock - self.staleness, 0)
+        needed = self._base_version + max(clock - self._start_clock - self.staleness, 0)
         deadline = self._clock() + timeout_s
         with self._cond:
             while self.mode is not PsMode.ASYNC and self.version < needed:
@@ -166,10 +204,11 @@ class ShardStore:
 
     def _apply_complete_clocks(self) -> None:
         while True:
-            entry = self._pending.get(self.version - self._base_version)
+            clock = self._start_clock + self.version - self._base_version
+            entry = self._pending.get(clock)
             if entry is None or len(entry.pushed) < self.num_workers:
                 return
-            del self._pending[self.version - self._base_version]
+            del self._pending[clock]
             self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
             self._cond.notify_all()
 
@@ -184,7 +223,7 @@ class ShardStore:
         self.version += 1
 
     def _timeout_message(self, rank: int, clock: int, needed: int, timeout_s: float) -> str:
-        clock_needed = needed - self._base_version
+        clock_needed = needed - self._base_version + self._start_clock
         behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
         at = [self._next_clock[r] for r in behind]
         return (

@@ -82,6 +82,7 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
         secrets.token_bytes(32),
         config.runtime.ps_timeout_s,
         int(config.runtime.ps_max_frame_mb * 1024 * 1024),
+        snapshot_dir=config.reliability.checkpoint_dir,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards",

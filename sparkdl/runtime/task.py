@@ -161,33 +161,43 @@ def run_worker(
     groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
     feed: PartitionFeed | None = None
     store: CheckpointStore | None = None
-    strategy = create_strategy(config, ps=spec.ps, attempt=attempt) if spec.ps else create_strategy(config)
+    strategy = None
+    reliability = config.reliability
     try:
         torch.manual_seed(config.training.seed)
         module = build_model(spec.model_fn).to(device)
-        ctx = WorkerContext(rank, world_size, device)
-        wrapped = strategy.setup(module, ctx)
-        optimizer = build_optimizer(wrapped.parameters(), spec.optimizer_fn, config.optimizer)
-        strategy.attach_optimizer(optimizer)
-        loss_fn, label_kind = resolve_loss(spec.loss)
-        trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
-        reliability = config.reliability
-        trainer.guard = NanGuard(reliability.on_nan_loss, reliability.max_nan_skips, rank)
-        trainer.drill = FaultDrill.parse(reliability.fault_injection)
-        resume = None
+        optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
+        checkpointer = resume = None
         if reliability.checkpoint_dir:
             store = CheckpointStore(reliability.checkpoint_dir)
             align = config.training.sync_every if config.training.strategy is Strategy.WEIGHT_AVERAGING else 1
-            trainer.checkpointer = Checkpointer(
-                store, reliability.checkpoint_every, rank, module, optimizer, align
-            )
-            trainer.reseed = config.training.seed
+            checkpointer = Checkpointer(store, reliability.checkpoint_every, rank, module, optimizer, align)
             # rank 0 picks the checkpoint, so that every rank loads the same one
             latest = store.latest() if rank == 0 else None
             chosen = int(all_gather(str(-1 if latest is None else latest))[0])
             if chosen >= 0:
-                resume = trainer.checkpointer.restore(chosen)
-                trainer.global_step = resume.position.global_steps_done
+                resume = checkpointer.restore(chosen)
+        start_step = resume.position.global_steps_done if resume else 0
+        resources = dict(ps=spec.ps, attempt=attempt, start_step=start_step) if spec.ps else {}
+        strategy = create_strategy(config, **resources)
+        ctx = WorkerContext(rank, world_size, device)
+        wrapped = strategy.setup(module, ctx)
+        strategy.attach_optimizer(optimizer)
+        loss_fn, label_kind = resolve_loss(spec.loss)
+        trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
+        trainer.guard = NanGuard(
+            reliability.on_nan_loss,
+            reliability.max_nan_skips,
+            rank,
+            agree=not strategy.shares_gradients,
+            group=groups.control,
+        )
+        trainer.drill = FaultDrill.parse(reliability.fault_injection)
+        if checkpointer is not None:
+            checkpointer.strategy = strategy
+            trainer.checkpointer = checkpointer
+            trainer.reseed = config.training.seed
+            trainer.global_step = start_step
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
         history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
         state = state_to_bytes(module) if rank == 0 else b""
@@ -197,7 +207,8 @@ def run_worker(
     finally:
         if store is not None:
             store.close()
-        strategy.teardown()
+        if strategy is not None:
+            strategy.teardown()
         if feed is not None:
             feed.close()
         groups.destroy()

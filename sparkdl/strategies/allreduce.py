@@ -26,6 +26,7 @@ class AllReduceStrategy(SyncStrategy):
     """w <- w - lr * mean_i(g_i): one gradient all-reduce per step."""
 
     name = Strategy.ALLREDUCE
+    shares_gradients = True
 
     def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
         runtime = self.config.runtime

@@ -51,6 +51,9 @@ class SyncStrategy(abc.ABC):
     #: Whether the strategy applies updates itself (the parameter server's optimizer
     #: runs on the driver), so the worker's optimizer must not step.
     applies_updates: ClassVar[bool] = False
+    #: Whether every rank steps on the same (averaged) gradients, so a non-finite value
+    #: on one rank is seen by all without another message.
+    shares_gradients: ClassVar[bool] = False
 
     def __init__(self, config: SparkDLConfig) -> None:
         self.config = config
@@ -72,6 +75,11 @@ class SyncStrategy(abc.ABC):
 
     def after_step(self, step: int, local_rows: int) -> None:  # noqa: B027 - optional hook
         """Step ``step`` is over; this worker trained on ``local_rows`` rows in it."""
+
+    def checkpoint_state(self, global_step: int) -> dict[str, Any]:
+        """Rank 0 is about to write the checkpoint of ``global_step``: save what the
+        strategy holds outside the worker, and return entries for the checkpoint."""
+        return {}
 
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Training is over: leave every worker with the same final weights."""

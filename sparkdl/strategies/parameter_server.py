@@ -11,6 +11,8 @@ every ``pull_every`` steps (n_fetch).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -29,12 +31,15 @@ class ParameterServerStrategy(SyncStrategy):
     steps_without_data = False
     applies_updates = True
 
-    def __init__(self, config: SparkDLConfig, ps: PsEndpoint | None = None, attempt: int = 0) -> None:
+    def __init__(
+        self, config: SparkDLConfig, ps: PsEndpoint | None = None, attempt: int = 0, start_step: int = 0
+    ) -> None:
         super().__init__(config)
         if ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
         self._endpoint = ps
         self._attempt = attempt
+        self._start_step = start_step  # > 0: resumed from the checkpoint of this global step
         training = config.training
         self._mode = training.ps_mode
         self._push_every = training.push_every if self._mode is PsMode.ASYNC else 1
@@ -44,11 +49,11 @@ class ParameterServerStrategy(SyncStrategy):
     def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
         params = list(module.parameters())
         self._shards = [[params[i] for i in shard] for shard in self._endpoint.shard_params]
-        self._client = PsClient(self._endpoint, ctx.rank, self._attempt)
+        self._client = PsClient(self._endpoint, ctx.rank, self._attempt, self._start_step)
         self._accumulated = [torch.zeros(sum(p.numel() for p in s)) for s in self._shards]
         self._rows = 0
         self._version = 0
-        self._pull(0)
+        self._pull(self._start_step)
         return module
 
     def loss_scale(self, local_rows: int, global_rows: int) -> float:
@@ -63,6 +68,12 @@ class ParameterServerStrategy(SyncStrategy):
             self._push(step)
         if (step + 1) % self._pull_every == 0:
             self._pull(step + 1)
+
+    def checkpoint_state(self, global_step: int) -> dict[str, Any]:
+        assert self._client is not None
+        if self._rows:  # async, between pushes: send what was accumulated so it is not lost
+            self._push(global_step - 1)
+        return {"ps_versions": self._client.snapshot(global_step)}
 
     def finish(self) -> None:
         if self._rows:

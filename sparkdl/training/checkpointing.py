@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.strategies.base import SyncStrategy
 from sparkdl.training.factory import cpu_state_dict
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Checkpointer:
         optimizer: the worker's optimizer.
         align: checkpoints only at global steps that are multiples of this
             (weight averaging: right after an average, when all workers agree).
+        strategy: saves its own state first (the parameter server's shards) and adds
+            entries to the checkpoint.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Checkpointer:
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
         align: int = 1,
+        strategy: SyncStrategy | None = None,
     ) -> None:
         self.store = store
         self.every = every
@@ -65,6 +69,7 @@ class Checkpointer:
         self.module = module
         self.optimizer = optimizer
         self.align = align
+        self.strategy = strategy
         self.history: list[dict[str, Any]] = []
         self.written = 0
 
@@ -81,7 +86,9 @@ class Checkpointer:
             self._save(position)
 
     def _save(self, position: Position) -> None:
+        extra = self.strategy.checkpoint_state(position.global_steps_done) if self.strategy else {}
         state = {
+            **extra,
             "format": 1,
             "model": cpu_state_dict(self.module),
             "optimizer": self.optimizer.state_dict(),

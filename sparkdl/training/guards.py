@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sparkdl.config import OnError
@@ -85,38 +86,71 @@ class NanGuard:
     """Decides what a step with a non-finite loss or gradient does, the same on every rank.
 
     With all-reduce the gradients are already averaged, so one rank's NaN is every
-    rank's NaN and all ranks decide alike without another message; the optimizer
-    step is what is skipped, so nothing non-finite ever reaches the weights.
+    rank's NaN and all ranks decide alike without another message. Strategies that
+    step on local gradients (weight averaging, parameter server) set ``agree``: one
+    all-reduce of a flag per rank per step then tells every rank which ranks saw a
+    non-finite value, so they skip the same step, or stop together (the stage then
+    ends without a task failure Spark would retry). Either way the optimizer step is
+    what is skipped, so nothing non-finite ever reaches the weights.
     """
 
-    def __init__(self, policy: OnError, max_skips: int, rank: int) -> None:
+    def __init__(
+        self,
+        policy: OnError,
+        max_skips: int,
+        rank: int,
+        agree: bool = False,
+        group: dist.ProcessGroup | None = None,  # None: the default group
+    ) -> None:
         self.policy = policy
         self.max_skips = max_skips
         self.rank = rank
+        self.agree = agree
+        self.group = group
         self.skipped = 0
         self._in_a_row = 0
 
-    def allows_step(self, loss: torch.Tensor, module: nn.Module, epoch: int, global_step: int) -> bool:
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        total = loss.detach().float().sum() + sum(
-            (g.float().sum() for g in grads), torch.zeros((), device=loss.device)
-        )
-        if bool(torch.isfinite(total)):
+    def allows_step(
+        self, loss: torch.Tensor | None, module: nn.Module | None, epoch: int, global_step: int
+    ) -> bool:
+        """Whether the step may be applied; ``loss`` None: this rank had no data this step."""
+        finite = loss is None or module is None or _all_finite(loss, module)
+        bad_ranks = [] if finite else [self.rank]
+        if self.agree:
+            flags = torch.zeros(dist.get_world_size(self.group))
+            flags[self.rank] = 0.0 if finite else 1.0
+            dist.all_reduce(flags, group=self.group)
+            bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if not bad_ranks:
             self._in_a_row = 0
             return True
-        where = f"rank {self.rank}, epoch {epoch}, step {global_step}"
+        ranks = f"rank {bad_ranks[0]}" if len(bad_ranks) == 1 else f"ranks {bad_ranks}"
+        where = f"{ranks}, epoch {epoch}, step {global_step}"
+        value = f" (loss {float(loss.detach()):.4g})" if loss is not None and not finite else ""
         if self.policy is OnError.ERROR:
-            raise TrainingFailedError(
-                f"non-finite loss or gradient at {where} (loss {float(loss):.4g}); the step was not "
-                "applied. Lower the learning rate, check the inputs, or set on_nan_loss = 'skip'",
-                {self.rank: "non-finite loss"},
+            self._stop(
+                f"non-finite loss or gradient at {where}{value}; the step was not applied. Lower "
+                "the learning rate, check the inputs, or set on_nan_loss = 'skip'"
             )
         self.skipped += 1
         self._in_a_row += 1
         if self._in_a_row > self.max_skips:
-            raise TrainingFailedError(
+            self._stop(
                 f"{self._in_a_row} steps in a row had a non-finite loss or gradient (last at {where}); "
-                f"stopping after max_nan_skips = {self.max_skips}",
-                {self.rank: "non-finite loss"},
+                f"stopping after max_nan_skips = {self.max_skips}"
             )
         return False
+
+    def _stop(self, message: str) -> None:
+        error = TrainingFailedError(message, {self.rank: "non-finite loss"})
+        # with the flag all-reduce every rank raises this at the same step
+        error.agreed_by_all_ranks = self.agree  # type: ignore[attr-defined]
+        raise error
+
+
+def _all_finite(loss: torch.Tensor, module: nn.Module) -> bool:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    total = loss.detach().float().sum() + sum(
+        (g.float().sum() for g in grads), torch.zeros((), device=loss.device)
+    )
+    return bool(torch.isfinite(total))

@@ -207,6 +207,7 @@ class Trainer:
         self.drill: FaultDrill | None = None
         self.checkpointer: Checkpointer | None = None
         self.reseed: int | None = None
+        self._classes: int | None = None  # outputs of the model, for the label check
 
     def run_epoch(
         self,
@@ -239,6 +240,8 @@ class Trainer:
                 coordinator.skip()
                 steps += 1
                 continue
+            if validate and rejected is None and batch is not None:
+                rejected = self._check_labels(batch)
             rows = len(batch[0]) if batch is not None else 0
             x_width = batch[0].shape[1] if batch is not None and batch[0].dim() > 1 else 0
             y_width = batch[1].shape[1] if batch is not None and batch[1].dim() > 1 else 1
@@ -251,12 +254,12 @@ class Trainer:
             steps += 1
             self._before_step()
             if batch is None and not self.strategy.steps_without_data:
+                if self.guard is not None:  # no data, nothing to check; still join the agreement
+                    self.guard.allows_step(None, None, epoch, self.global_step)
                 self.strategy.after_step(self.global_step, 0)
                 self.global_step += 1
             else:
-                loss = self._step(
-                    batch if batch is not None else self.filler.batch(plan), rows, plan, validate, epoch
-                )
+                loss = self._step(batch if batch is not None else self.filler.batch(plan), rows, plan, epoch)
                 loss_sum += loss.detach().double() * rows
                 local_samples += rows
             if self.checkpointer is not None:
@@ -311,17 +314,13 @@ class Trainer:
         if self.drill is not None:
             self.drill.maybe_fire(self.ctx.rank, self.global_step, self.module)
 
-    def _step(
-        self, batch: TensorBatch, rows: int, plan: StepPlan, validate: bool, epoch: int
-    ) -> torch.Tensor:
+    def _step(self, batch: TensorBatch, rows: int, plan: StepPlan, epoch: int) -> torch.Tensor:
         device = self.ctx.device
         x = batch[0].to(device, non_blocking=True)
         y = batch[1].to(device, non_blocking=True)
         output = self.module(x)
         if self.output_shape is None:
             self.output_shape = tuple(output.shape[1:])
-        if validate and rows and self.label_kind is LabelKind.CLASS_INDEX:
-            self._check_class_labels(y, output)
         loss = self.loss_fn(output, y)
         (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
         self.strategy.after_backward(self.global_step)
@@ -336,14 +335,33 @@ class Trainer:
         self.global_step += 1
         return loss
 
-    def _check_class_labels(self, y: torch.Tensor, output: torch.Tensor) -> None:
-        classes = output.shape[1] if output.dim() > 1 else 1
-        bad = int((y >= classes).sum())
-        if bad:
-            raise BadDataError(
-                f"rank {self.ctx.rank}: {bad} labels are >= {classes}, the number of classes the "
-                f"model outputs (largest label {int(y.max())}); widen the model's last layer "
-                "or re-index the labels",
-                column="label",
-                bad_rows=bad,
-            )
+    def _check_labels(self, batch: TensorBatch) -> BadDataError | None:
+        """Class labels the model has no output for, found before the step (so that the
+        rejection reaches every rank through the step's control all-reduce)."""
+        if self.label_kind is not LabelKind.CLASS_INDEX or not len(batch[1]):
+            return None
+        if self._classes is None:
+            self._classes = self._probe_classes(batch[0][:1])
+        labels = batch[1]
+        bad = int((labels >= self._classes).sum())
+        if not bad:
+            return None
+        return BadDataError(
+            f"rank {self.ctx.rank}: {bad} labels are >= {self._classes}, the number of classes the "
+            f"model outputs (largest label {int(labels.max())}); widen the model's last layer "
+            "or re-index the labels",
+            column="label",
+            bad_rows=bad,
+        )
+
+    def _probe_classes(self, x: torch.Tensor) -> int:
+        """The model's number of outputs, from one row through the bare module in eval mode
+        (no collective, no batch-norm statistics touched, no random numbers drawn)."""
+        bare = getattr(self.module, "module", self.module)  # DDP keeps the model in .module
+        bare.eval()
+        try:
+            with torch.no_grad():
+                output = bare(x.to(self.ctx.device))
+        finally:
+            bare.train()
+        return int(output.shape[1]) if output.dim() > 1 else 1

@@ -179,7 +179,22 @@ def test_a_label_beyond_the_model_outputs_names_the_count(spark):
     shards = make_shards([16, 16])
     shards[0][1][3] = 5  # the model has 3 outputs
     with pytest.raises(BadDataError, match=r"rank 0: 1 labels are >= 3, the number of classes"):
-        estimator().fit(shards_dataframe(spark, shards))
+        fit_in_one_attempt(spark, estimator(), shards_dataframe(spark, shards))
+
+
+def fit_in_one_attempt(spark, est, df):
+    """``est.fit(df)``, checking that the training stage was not re-run (no failed task)."""
+    sc = spark.sparkContext
+    group = f"one-attempt-{time.monotonic_ns()}"
+    sc.setJobGroup(group, "a fit whose stage must not be re-run")
+    try:
+        return est.fit(df)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        tracker = sc.statusTracker()
+        stages = [s for j in tracker.getJobIdsForGroup(group) for s in tracker.getJobInfo(j).stageIds]
+        infos = [info for info in map(tracker.getStageInfo, stages) if info]
+        assert infos and all(i.currentAttemptId == 0 and i.numFailedTasks == 0 for i in infos), infos
 
 
 def test_skipping_bad_rows_trains_exactly_as_on_the_clean_rows(spark):

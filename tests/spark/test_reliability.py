@@ -14,7 +14,7 @@ import torch
 from sparkdl import TrainingFailedError
 from sparkdl.checkpoint import CheckpointStore
 from tests.reference import make_shards, max_abs_diff
-from tests.spark.test_fit import estimator, shards_dataframe
+from tests.spark.test_fit import estimator, fit_in_one_attempt, shards_dataframe
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -120,10 +120,20 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_step_and_rank(spark):
         estimator(loss_fn=poisoned_loss, on_nan_loss="error").fit(poisoned_dataframe(spark))
 
 
-def test_nan_steps_are_skipped_everywhere_and_counted(spark):
-    model = estimator(loss_fn=poisoned_loss, on_nan_loss="skip", epochs=3).fit(poisoned_dataframe(spark))
-    assert [h["nan_skips"] for h in model.history] == [1, 1, 1]  # one poisoned batch per epoch
+@pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging", "parameter_server"])
+def test_nan_steps_are_skipped_everywhere_and_counted(spark, strategy):
+    est = estimator(loss_fn=poisoned_loss, on_nan_loss="skip", epochs=3, strategy=strategy, ps_timeout_s=15.0)
+    model = est.fit(poisoned_dataframe(spark))
+    # the poisoned row is on rank 1; the history is rank 0's: it skipped the same step
+    assert [h["nan_skips"] for h in model.history] == [1, 1, 1]
     assert all(torch.isfinite(v).all() for v in model.module.state_dict().values())
+
+
+@pytest.mark.parametrize("strategy", ["weight_averaging", "parameter_server"])
+def test_a_nan_on_one_rank_of_a_local_step_strategy_stops_every_rank_at_once(spark, strategy):
+    est = estimator(loss_fn=poisoned_loss, on_nan_loss="error", strategy=strategy, ps_timeout_s=15.0)
+    with pytest.raises(TrainingFailedError, match=r"non-finite loss or gradient at rank 1, epoch 1, step 0"):
+        fit_in_one_attempt(spark, est, poisoned_dataframe(spark))
 
 
 def test_a_parameter_server_keeps_its_weights_across_a_stage_re_run(spark, tmp_path):
@@ -139,6 +149,35 @@ def test_a_parameter_server_keeps_its_weights_across_a_stage_re_run(spark, tmp_p
     assert sum(h["pushes"] for h in drilled.history) == sum(h["pushes"] for h in clean.history)
     assert max_abs_diff(drilled.module.state_dict(), clean.module.state_dict()) > 0
     assert drilled.history[-1]["loss"] <= clean.history[-1]["loss"] * 1.5
+
+
+PS_SYNC = {"strategy": "parameter_server", "ps_mode": "sync", "ps_timeout_s": 15.0}
+
+
+def test_a_parameter_server_run_resumes_from_its_snapshots_with_identical_weights(spark, tmp_path):
+    """The server returns to its snapshot of the checkpoint's step; the workers continue from there."""
+    clean, _ = run(spark, tmp_path, "clean", **PS_SYNC)
+    model, _ = run(spark, tmp_path, "ckpt", f"raise:1:10:{tmp_path / 'fired'}", **PS_SYNC)
+    assert (tmp_path / "fired").exists()
+    assert max_abs_diff(model.module.state_dict(), clean.module.state_dict()) == 0.0
+    # the resumed attempt pushed only the steps after the checkpoint of step 8
+    assert sum(h["pushes"] for h in model.history) == sum(h["pushes"] for h in clean.history) - 8
+    _check_resume_record(model, 10)
+    shard_files = sorted(p.name for p in (tmp_path / "ckpt").glob("ps-shard-*.pt"))
+    assert shard_files and all(p.endswith(("000000020.pt", "000000024.pt")) for p in shard_files)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])
+def test_a_new_fit_on_the_same_checkpoint_dir_resumes_after_the_application_failed(
+    spark, tmp_path, clean_run, strategy
+):
+    settings = PS_SYNC if strategy == "parameter_server" else {}
+    clean = clean_run if strategy == "allreduce" else run(spark, tmp_path, "clean", **settings)[0]
+    with pytest.raises(TrainingFailedError, match="rank 1 raised at step 10"):
+        run(spark, tmp_path, "ckpt", "raise:1:10:", **settings)  # fails on every attempt: fit gives up
+    model, _ = run(spark, tmp_path, "ckpt", **settings)  # a new fit: new driver state, new server
+    assert max_abs_diff(model.module.state_dict(), clean.module.state_dict()) == 0.0
+    _check_resume_record(model, 10)
 
 
 def _python_listening_ports() -> set[int]:

@@ -101,6 +101,42 @@ def test_pushes_from_old_attempts_duplicates_and_wrong_shapes_are_rejected():
     assert s.version == 1
 
 
+def momentum_store(workers=2):
+    param = nn.Parameter(torch.tensor([1.0, 2.0]))
+    return ShardStore([param], lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9), PsMode.SYNC, workers)
+
+
+def sync_steps(s, clocks, grad=1.0):
+    for clock in clocks:
+        for rank in range(s.num_workers):
+            s.push(rank, s.attempt, clock, 1, torch.full((s.numel,), grad * (clock + 1)))
+
+
+def test_a_resumed_attempt_restores_the_snapshot_and_counts_clocks_from_the_resume_step():
+    s = momentum_store()
+    sync_steps(s, range(3))
+    snap = s.snapshot()  # version 3, with momentum buffers
+    sync_steps(s, range(3, 5))  # two more steps, lost with the failed attempt
+    s.begin_attempt(1, start_clock=3, state=snap)
+    assert s.version == 3
+    assert s.pull(0, 3, timeout_s=0.01)[0] == 3  # clock 3 needs no new update
+    with pytest.raises(PsTimeoutError, match="to push clock 3"):
+        s.pull(0, 4, timeout_s=0.05)
+    with pytest.raises(PushRejected, match="pushed clock 0, expected 3"):
+        s.push(0, 1, 0, 1, torch.ones(2))
+    sync_steps(s, range(3, 5))
+
+    reference = momentum_store()  # the same five steps with no failure
+    sync_steps(reference, range(5))
+    assert s.version == reference.version == 5
+    assert torch.equal(s.flat_weights(), reference.flat_weights())  # momentum came back too
+
+
+def test_a_snapshot_of_another_layout_is_refused():
+    with pytest.raises(PushRejected, match=r"shapes \[\(3,\)\].*ps_shards"):
+        momentum_store().begin_attempt(1, start_clock=2, state=store().snapshot())
+
+
 def test_shards_are_balanced_whole_tensors():
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 10, 60, 50, 5)]
     groups = split_into_shards(params, 2)
@@ -251,3 +287,47 @@ def test_spark_connect_sessions_are_told_which_strategies_work():
     connect_session = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})()
     with pytest.raises(ClusterConfigError, match="use strategy 'allreduce' or 'weight_averaging'"):
         start_parameter_server(connect_session, spec=None)  # type: ignore[arg-type]
+
+
+def test_a_new_server_resumes_from_the_snapshots_written_through_the_old_one(tmp_path):
+    """An application crash: a fresh server (new secret, version 0) picks up at the snapshot."""
+
+    def serve():
+        return ParameterServer(
+            [momentum_store(), momentum_store()], "127.0.0.1", SECRET, 2.0, 1 << 20, str(tmp_path)
+        )
+
+    def train(ps, attempt, clocks, start=0):
+        clients = [PsClient(endpoint(ps), rank, attempt, start) for rank in range(2)]
+        try:
+            for clock in clocks:
+                for c in clients:
+                    c.push(clock, 1, [torch.full((2,), clock + 1.0)] * 2)
+                if clock == 1:  # rank 0 checkpoints at step 2
+                    assert clients[0].snapshot(2) == [2, 2]
+            return clients[0].pull(clocks[-1] + 1)
+        finally:
+            for c in clients:
+                c.close()
+
+    first = serve()
+    train(first, 0, [0, 1, 2, 3])
+    first.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ps-shard-000-000000002.pt",
+        "ps-shard-001-000000002.pt",
+    ]
+    second = serve()
+    try:
+        with pytest.raises(PsClientError, match="no snapshot of it"):
+            PsClient(endpoint(second), 0, 5, start_clock=3)  # a step that was never snapshotted
+        resumed = train(second, 6, [2, 3], start=2)
+    finally:
+        second.stop()
+    clean = serve()
+    try:
+        expected = train(clean, 0, [0, 1, 2, 3])
+    finally:
+        clean.stop()
+    assert [v for v, _ in resumed] == [v for v, _ in expected] == [4, 4]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, expected, strict=True))
