@@ -167,10 +167,18 @@ class RuntimeConfig:
     ps_timeout_s: float = 120.0
     ps_shards: int = 4
     ps_max_frame_mb: float = 1024.0
+    progress: bool = True  # live progress bars and worker warnings on the driver
+    progress_interval_s: float = 0.5  # how often a worker reports, at most
 
     def __post_init__(self) -> None:
         _require_positive(
-            self, "collective_timeout_s", "bucket_cap_mb", "ps_timeout_s", "ps_shards", "ps_max_frame_mb"
+            self,
+            "collective_timeout_s",
+            "bucket_cap_mb",
+            "ps_timeout_s",
+            "ps_shards",
+            "ps_max_frame_mb",
+            "progress_interval_s",
         )
         if self.executor_wait_timeout_s < 0 or self.torch_threads < 0:
             raise ConfigError("runtime.executor_wait_timeout_s and runtime.torch_threads must be >= 0")

@@ -50,7 +50,15 @@ class BadDataError(SparkDLError, ValueError):
 
 
 class PeerStopped(SparkDLError):
-    """Another worker rejected its input; this worker stopped in step with it."""
+    """Another worker rejected its input or stopped training; this worker stopped with it."""
+
+
+def agreed(error: SparkDLError) -> SparkDLError:
+    """Mark ``error`` as raised by every rank at the same point of training: the task then
+    ends normally with the error in its result, and Spark does not re-run a stage that
+    would fail alike."""
+    error.agreed_by_all_ranks = True  # type: ignore[attr-defined]
+    return error
 
 
 class ClusterConfigError(SparkDLError):

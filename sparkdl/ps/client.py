@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparkdl.errors import SparkDLError
+from sparkdl.errors import PeerStopped, SparkDLError, agreed
 from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.ps.store import PsTimeoutError
@@ -103,6 +103,12 @@ class PsClient:
         channel.send(Frame(Kind.SNAPSHOT, shard, self.rank, self.attempt, step))
         return self._expect(channel, Kind.ACK).clock
 
+    def abort(self, reason: str) -> None:
+        """Tell the server this worker stops: every other worker's next pull or push fails."""
+        channel = self._channels[0]
+        channel.send(Frame(Kind.ABORT, 0, self.rank, self.attempt, payload=reason.encode()[:4000]))
+        self._expect(channel, Kind.ACK)
+
     def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
         """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
         channel = self._channels[shard]
@@ -125,6 +131,8 @@ class PsClient:
             raise PsClientError(f"rank {self.rank}: parameter server connection failed: {exc}") from exc
         if frame.kind is Kind.ERROR:
             reason = bytes(frame.payload).decode(errors="replace")
+            if reason.startswith("aborted: "):
+                raise agreed(PeerStopped(f"rank {self.rank}: {reason.removeprefix('aborted: ')}"))
             if "waited" in reason:
                 raise PsTimeoutError(reason)
             raise PsClientError(f"rank {self.rank}: parameter server refused the request: {reason}")

@@ -50,6 +50,10 @@ class Kind(enum.IntEnum):
     ACK = 5
     ERROR = 6  # server -> worker: payload is a UTF-8 reason
     SNAPSHOT = 7  # rank 0 -> server: save the shard as of global step ``clock``; ACK holds its version
+    ABORT = 10  # worker -> server: this worker stops (payload: why); every later pull and push fails
+    # The driver's progress channel (sparkdl.progress) speaks the same frames:
+    PROGRESS = 8  # worker -> driver: ``shard`` epoch, ``clock`` global step, payload a Report
+    LOG = 9  # worker -> driver: ``shard`` logging level, payload the UTF-8 message
 
 
 class ProtocolError(SparkDLError):

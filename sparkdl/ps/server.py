@@ -27,7 +27,7 @@ import torch
 
 from sparkdl.checkpoint import CheckpointError, CheckpointStore
 from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
-from sparkdl.ps.store import PsTimeoutError, PushRejected, ShardStore
+from sparkdl.ps.store import Aborted, PsTimeoutError, PushRejected, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,9 @@ class ParameterServer:
                     )
                 grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
                 staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
+            except Aborted as exc:
+                channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
+                return
             except PushRejected as exc:
                 self._reject(("rank", frame.rank), str(exc))
                 channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
@@ -199,10 +202,19 @@ class ParameterServer:
         elif frame.kind is Kind.PULL:
             try:
                 version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
+            except Aborted as exc:
+                channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
+                return
             except PsTimeoutError as exc:
                 channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
                 return
             channel.send(Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data))
+        elif frame.kind is Kind.ABORT:
+            reason = bytes(frame.payload).decode(errors="replace")
+            log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
+            for each in self.stores:
+                each.abort(f"rank {frame.rank} stopped: {reason}")
+            channel.send(Frame(Kind.ACK, shard=frame.shard))
         elif frame.kind is Kind.SNAPSHOT:
             try:
                 version = self._save_snapshot(frame.shard, frame.clock)

@@ -51,6 +51,10 @@ class PsTimeoutError(SparkDLError):
     """A pull waited longer than ``runtime.ps_timeout_s`` for other workers."""
 
 
+class Aborted(SparkDLError):
+    """A worker stopped training (e.g. a non-finite loss); the others must stop too."""
+
+
 @dataclass
 class _Clock:
     grad_sum: torch.Tensor
@@ -94,11 +98,18 @@ class ShardStore:
         self._pending: dict[int, _Clock] = {}
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
         self._closed = False
+        self._aborted = ""  # why a worker stopped this attempt
 
     def close(self) -> None:
         """Wake every waiting pull; they fail at once (the server is stopping)."""
         with self._cond:
             self._closed = True
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """A worker stopped: fail every waiting and later pull and push of this attempt."""
+        with self._cond:
+            self._aborted = reason
             self._cond.notify_all()
 
     def begin_attempt(self, attempt: int, start_clock: int = 0, state: dict[str, Any] | None = None) -> None:
@@ -114,6 +125,7 @@ class ShardStore:
             if state is not None:
                 self._load(state)
             self.attempt = attempt
+            self._aborted = ""
             self._pending.clear()
             self._next_clock = [start_clock] * self.num_workers
             self._start_clock = start_clock
@@ -150,6 +162,8 @@ class ShardStore:
         on a 10M-parameter model every avoided copy is 40 MB.
         """
         with self._cond:
+            if self._aborted:
+                raise Aborted(self._aborted)
             self._check_push(rank, attempt, clock, grad_sum)
             self._next_clock[rank] = clock + 1
             if self.mode is PsMode.ASYNC:
@@ -173,7 +187,9 @@ class ShardStore:
         needed = self._base_version + max(clock - self._start_clock - self.staleness, 0)
         deadline = self._clock() + timeout_s
         with self._cond:
-            while self.mode is not PsMode.ASYNC and self.version < needed:
+            while self._aborted or (self.mode is not PsMode.ASYNC and self.version < needed):
+                if self._aborted:
+                    raise Aborted(self._aborted)
                 if self._closed:
                     raise PsTimeoutError(
                         f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"

@@ -8,19 +8,23 @@ aborting the job as it does for a failed barrier ResultStage.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sparkdl import errors
-from sparkdl.config import Strategy
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
 from sparkdl.errors import SchemaError, SparkDLError, TrainingFailedError
+from sparkdl.progress.board import ProgressBoard
+from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
@@ -76,11 +80,14 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     n = config.training.num_workers
     spark = df.sparkSession
     check_cluster(spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s)
-    hosted = None
+    hosted = progress = None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
         hosted = start_parameter_server(spark, spec)
         spec = hosted.spec
     try:
+        progress = start_progress_channel(spark, config)
+        if progress is not None:
+            spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = df.select(*spec.plan.column_names)
         if is_connect(spark) or data.rdd.getNumPartitions() != n:
             data = data.repartition(n)
@@ -95,8 +102,24 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             result.state_dict.update(hosted.parameter_state())
         return result
     finally:
+        if progress is not None:
+            progress.stop()
         if hosted is not None:
             hosted.stop()
+
+
+def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer | None:
+    """Listen for the workers' progress and log records on the driver's address.
+
+    A Spark Connect client is not the driver, and executors cannot reach it, so it
+    gets no live progress (the result's history is complete all the same).
+    """
+    if is_connect(spark):
+        log.info("Spark Connect session: no live progress; fit's history holds every figure")
+        return None
+    board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
+    host = spark.conf.get("spark.driver.host", "127.0.0.1")
+    return ProgressServer(board, host, secrets.token_bytes(32), config.runtime.progress_interval_s)
 
 
 def _fit_result(rows: list[Any], n: int) -> FitResult:
@@ -111,6 +134,8 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
     for i, record in enumerate(history):
         record["worker_samples"] = [per_worker[r][i]["local_samples"] for r in range(n)]
         record["worker_seconds"] = [per_worker[r][i]["seconds"] for r in range(n)]
+        record["worker_nan_skips"] = [per_worker[r][i]["nan_skips"] for r in range(n)]
+        record["nan_skips"] = max(record["worker_nan_skips"])
         del record["local_samples"]
     return FitResult(
         state_dict=state,

@@ -21,7 +21,8 @@ from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import OnError, SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
-from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError
+from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError, agreed
+from sparkdl.progress.channel import ForwardToDriver, ProgressEndpoint, ProgressReporter
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
@@ -68,6 +69,7 @@ class TrainSpec:
     loss: str | LossFn
     plan: ColumnPlan
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
+    progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
 
 
 @dataclass
@@ -107,7 +109,7 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
     threads = spec.config.runtime.torch_threads or int(ctx.cpus() or 1)
     # One number per stage attempt, the same on every rank: a re-run stage gets a new one.
-    attempt = min(int(m) for m in ctx.allGather(str(ctx.taskAttemptId()))) if spec.ps else 0
+    attempt = min(int(m) for m in ctx.allGather(str(ctx.taskAttemptId()))) if spec.ps or spec.progress else 0
     try:
         result = run_worker(spec, batches, rank, len(infos), host, gpus, ctx.allGather, threads, attempt)
     except SparkDLError as exc:
@@ -148,6 +150,40 @@ def run_worker(
     attempt: int = 0,
 ) -> WorkerResult:
     """Train on this worker's partition and return its history (and weights on rank 0)."""
+    if spec.progress is None:
+        return _run_worker(
+            spec, batches, rank, world_size, host, gpu_addresses, all_gather, torch_threads, attempt
+        )
+    reporter = ProgressReporter(spec.progress, rank, attempt)
+    forward = ForwardToDriver(reporter)
+    root = logging.getLogger()
+    root.addHandler(forward)
+    logging.captureWarnings(True)
+    try:
+        return _run_worker(
+            spec, batches, rank, world_size, host, gpu_addresses, all_gather, torch_threads, attempt, reporter
+        )
+    except Exception as exc:
+        reporter.log(logging.ERROR, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(forward)
+        reporter.close()
+
+
+def _run_worker(
+    spec: TrainSpec,
+    batches: Iterator[pa.RecordBatch],
+    rank: int,
+    world_size: int,
+    host: str,
+    gpu_addresses: list[str],
+    all_gather: AllGather,
+    torch_threads: int,
+    attempt: int,
+    reporter: ProgressReporter | None = None,
+) -> WorkerResult:
     config = spec.config
     runtime = config.runtime
     torch.set_num_threads(torch_threads)
@@ -186,13 +222,10 @@ def run_worker(
         loss_fn, label_kind = resolve_loss(spec.loss)
         trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
         trainer.guard = NanGuard(
-            reliability.on_nan_loss,
-            reliability.max_nan_skips,
-            rank,
-            agree=not strategy.shares_gradients,
-            group=groups.control,
+            reliability.on_nan_loss, reliability.max_nan_skips, rank, strategy.shares_gradients
         )
         trainer.drill = FaultDrill.parse(reliability.fault_injection)
+        trainer.reporter = reporter
         if checkpointer is not None:
             checkpointer.strategy = strategy
             trainer.checkpointer = checkpointer
@@ -243,13 +276,13 @@ def _train_epochs(
         if source == "spark":
             partitions = exchange_partition_info(feed.cached_rows, feed.widths(), ctx, control)
             if sum(partitions.counts) == 0:
-                empty = BadDataError(
-                    "the DataFrame given to fit has no rows: every partition was empty. "
-                    "Check the filters and joins upstream of fit",
-                    bad_rows=0,
+                raise agreed(
+                    BadDataError(
+                        "the DataFrame given to fit has no rows: every partition was empty. "
+                        "Check the filters and joins upstream of fit",
+                        bad_rows=0,
+                    )
                 )
-                empty.agreed_by_all_ranks = True  # type: ignore[attr-defined]
-                raise empty
         record = _epoch_record(result)
         if resume is not None and epoch == start.epoch:
             record.update(

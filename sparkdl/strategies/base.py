@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import SparkDLConfig, Strategy
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, SparkDLError
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,11 @@ class SyncStrategy(abc.ABC):
 
     def after_step(self, step: int, local_rows: int) -> None:  # noqa: B027 - optional hook
         """Step ``step`` is over; this worker trained on ``local_rows`` rows in it."""
+
+    def stop(self, error: SparkDLError) -> None:
+        """This rank must stop training with ``error``; raise it on every rank together at
+        the strategy's next sync point (the default: at once, on this rank alone)."""
+        raise error
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         """Rank 0 is about to write the checkpoint of ``global_step``: save what the

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import PsMode, SparkDLConfig, Strategy
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext, register
@@ -68,6 +68,12 @@ class ParameterServerStrategy(SyncStrategy):
             self._push(step)
         if (step + 1) % self._pull_every == 0:
             self._pull(step + 1)
+
+    def stop(self, error: SparkDLError) -> None:
+        """Tell the server, which fails the other workers' next pull or push; stop together."""
+        assert self._client is not None
+        self._client.abort(f"{type(error).__name__}: {error}")
+        raise agreed(error)
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         assert self._client is not None

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparkdl.config import Strategy
+from sparkdl.errors import PeerStopped, SparkDLError, agreed
 from sparkdl.strategies.base import SyncStrategy, WorkerContext, register, ring_allreduce_bytes
 
 
@@ -48,6 +49,7 @@ class WeightAveragingStrategy(SyncStrategy):
         self._tau = self.config.training.sync_every
         self._bucket_bytes = int(self.config.runtime.bucket_cap_mb * 1024 * 1024)
         self._rows_since_sync = 0
+        self._stopping: SparkDLError | None = None
         self._steps_since_sync = 0
         for tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             dist.broadcast(tensor, src=0)
@@ -69,13 +71,26 @@ class WeightAveragingStrategy(SyncStrategy):
         if self._steps_since_sync:
             self._average()
 
+    def stop(self, error: SparkDLError) -> None:
+        self._stopping = error  # raised on every rank at the next average
+
     def _average(self) -> None:
+        # One small all-reduce carries the rows of this round and which ranks must stop.
+        message = torch.zeros(1 + self._ctx.world_size, dtype=torch.float64, device=self._ctx.device)
+        message[0] = float(self._rows_since_sync)
+        message[1 + self._ctx.rank] = 1.0 if self._stopping is not None else 0.0
+        dist.all_reduce(message)
+        values = message.tolist()
+        stopped = [rank for rank, flag in enumerate(values[1:]) if flag]
+        if stopped:
+            raise agreed(
+                self._stopping
+                or PeerStopped(f"rank {self._ctx.rank} stopped with rank(s) {stopped}, which failed")
+            )
         tensors = list(self._model_tensors())
         if self._include_optimizer_state():
             tensors += list(self._optimizer_tensors())
-        weight = torch.tensor([float(self._rows_since_sync)], dtype=torch.float64, device=self._ctx.device)
-        dist.all_reduce(weight)
-        total = float(weight.item())
+        total = values[0]
         if total > 0:
             self._weighted_all_reduce(tensors, self._rows_since_sync / total)
         self.stats.sync_rounds += 1

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from sparkdl.config import OnError
-from sparkdl.errors import TrainingFailedError
+from sparkdl.errors import PeerStopped, SparkDLError, TrainingFailedError, agreed
 
 _HANG_LIMIT_S = 900.0  # a drilled hang still ends by itself
 
@@ -83,74 +82,66 @@ def _executor_jvm_pid() -> int:
 
 
 class NanGuard:
-    """Decides what a step with a non-finite loss or gradient does, the same on every rank.
+    """Decides what a step with a non-finite loss or gradient does; never lets it reach
+    the weights (the optimizer step is what is skipped).
 
-    With all-reduce the gradients are already averaged, so one rank's NaN is every
-    rank's NaN and all ranks decide alike without another message. Strategies that
-    step on local gradients (weight averaging, parameter server) set ``agree``: one
-    all-reduce of a flag per rank per step then tells every rank which ranks saw a
-    non-finite value, so they skip the same step, or stop together (the stage then
-    ends without a task failure Spark would retry). Either way the optimizer step is
-    what is skipped, so nothing non-finite ever reaches the weights.
+    All-reduce (``shares_gradients``): every rank holds the same averaged gradient, so
+    a non-finite gradient is seen by all ranks at the same step and they stop together
+    with no further message; the rank whose own loss was non-finite names itself.
+
+    Local-step strategies (weight averaging, parameter server): a rank's step touches
+    only its own weights or push, so a non-finite step is skipped there and counted.
+    An error is not raised at once: the rank keeps skipping its steps and the strategy
+    raises it on every rank together at its next sync point (the next average; the
+    server's next answer), with no per-step message that would hold the ranks in
+    lockstep. ``failure`` holds that pending error.
     """
 
-    def __init__(
-        self,
-        policy: OnError,
-        max_skips: int,
-        rank: int,
-        agree: bool = False,
-        group: dist.ProcessGroup | None = None,  # None: the default group
-    ) -> None:
+    def __init__(self, policy: OnError, max_skips: int, rank: int, shares_gradients: bool = True) -> None:
         self.policy = policy
         self.max_skips = max_skips
         self.rank = rank
-        self.agree = agree
-        self.group = group
+        self.shares_gradients = shares_gradients
         self.skipped = 0
+        self.failure: SparkDLError | None = None
         self._in_a_row = 0
 
-    def allows_step(
-        self, loss: torch.Tensor | None, module: nn.Module | None, epoch: int, global_step: int
-    ) -> bool:
-        """Whether the step may be applied; ``loss`` None: this rank had no data this step."""
-        finite = loss is None or module is None or _all_finite(loss, module)
-        bad_ranks = [] if finite else [self.rank]
-        if self.agree:
-            flags = torch.zeros(dist.get_world_size(self.group))
-            flags[self.rank] = 0.0 if finite else 1.0
-            dist.all_reduce(flags, group=self.group)
-            bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
-        if not bad_ranks:
+    def allows_step(self, loss: torch.Tensor, module: nn.Module, epoch: int, global_step: int) -> bool:
+        if self.failure is not None:
+            return False  # stopping: skip until the strategy raises at its sync point
+        loss_finite = bool(torch.isfinite(loss.detach()).all())
+        grads_finite = _grads_finite(module)
+        if loss_finite and grads_finite:
             self._in_a_row = 0
             return True
-        ranks = f"rank {bad_ranks[0]}" if len(bad_ranks) == 1 else f"ranks {bad_ranks}"
-        where = f"{ranks}, epoch {epoch}, step {global_step}"
-        value = f" (loss {float(loss.detach()):.4g})" if loss is not None and not finite else ""
-        if self.policy is OnError.ERROR:
-            self._stop(
-                f"non-finite loss or gradient at {where}{value}; the step was not applied. Lower "
-                "the learning rate, check the inputs, or set on_nan_loss = 'skip'"
+        where = f"epoch {epoch}, step {global_step}"
+        if loss_finite:  # with all-reduce: another rank's gradient made the average non-finite
+            error: SparkDLError = PeerStopped(
+                f"non-finite averaged gradient at {where}; rank {self.rank}'s own loss was finite"
             )
-        self.skipped += 1
-        self._in_a_row += 1
-        if self._in_a_row > self.max_skips:
-            self._stop(
-                f"{self._in_a_row} steps in a row had a non-finite loss or gradient (last at {where}); "
-                f"stopping after max_nan_skips = {self.max_skips}"
+        else:
+            error = TrainingFailedError(
+                f"non-finite loss or gradient at rank {self.rank}, {where} (loss "
+                f"{float(loss.detach()):.4g}); the step was not applied. Lower the learning rate, "
+                "check the inputs, or set on_nan_loss = 'skip'",
+                {self.rank: "non-finite loss"},
             )
-        return False
+        if self.policy is OnError.SKIP:
+            self.skipped += 1
+            self._in_a_row += 1
+            if self._in_a_row <= self.max_skips:
+                return False
+            error = TrainingFailedError(
+                f"{self._in_a_row} steps in a row had a non-finite loss or gradient on rank "
+                f"{self.rank} (last at {where}); stopping after max_nan_skips = {self.max_skips}",
+                {self.rank: "non-finite loss"},
+            )
+        if not self.shares_gradients:
+            self.failure = error
+            return False
+        raise agreed(error) if not grads_finite else error
 
-    def _stop(self, message: str) -> None:
-        error = TrainingFailedError(message, {self.rank: "non-finite loss"})
-        # with the flag all-reduce every rank raises this at the same step
-        error.agreed_by_all_ranks = self.agree  # type: ignore[attr-defined]
-        raise error
 
-
-def _all_finite(loss: torch.Tensor, module: nn.Module) -> bool:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    total = loss.detach().float().sum() + sum(
-        (g.float().sum() for g in grads), torch.zeros((), device=loss.device)
-    )
-    return bool(torch.isfinite(total))
+def _grads_finite(module: nn.Module) -> bool:
+    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.stack(grads).sum()))

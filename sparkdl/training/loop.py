@@ -30,7 +30,9 @@ from torch import nn
 
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.columns import LabelKind
-from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError
+from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
+from sparkdl.progress.board import Report
+from sparkdl.progress.channel import ProgressReporter
 from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext
 from sparkdl.training.checkpointing import Checkpointer, Position
 from sparkdl.training.guards import FaultDrill, NanGuard
@@ -69,6 +71,11 @@ class StepCoordinator(abc.ABC):
     def skip(self) -> None:  # noqa: B027 - only a schedule has state to advance
         """A step done before a failure is skipped on resume (no messages)."""
 
+    @property
+    def total_steps(self) -> int:
+        """Steps in the epoch, or -1 while unknown (data still streaming)."""
+        return -1
+
 
 class StreamingCoordinator(StepCoordinator):
     """Epoch 1: one small all-reduce per step over the (gloo, CPU) control group."""
@@ -102,6 +109,10 @@ class ScheduledCoordinator(StepCoordinator):
 
     def skip(self) -> None:
         self._step += 1
+
+    @property
+    def total_steps(self) -> int:
+        return self._steps
 
     def next_step(self, local_rows: int, x_width: int, y_width: int, failed: bool = False) -> StepPlan | None:
         if self._step >= self._steps:
@@ -207,6 +218,7 @@ class Trainer:
         self.drill: FaultDrill | None = None
         self.checkpointer: Checkpointer | None = None
         self.reseed: int | None = None
+        self.reporter: ProgressReporter | None = None
         self._classes: int | None = None  # outputs of the model, for the label check
 
     def run_epoch(
@@ -254,8 +266,6 @@ class Trainer:
             steps += 1
             self._before_step()
             if batch is None and not self.strategy.steps_without_data:
-                if self.guard is not None:  # no data, nothing to check; still join the agreement
-                    self.guard.allows_step(None, None, epoch, self.global_step)
                 self.strategy.after_step(self.global_step, 0)
                 self.global_step += 1
             else:
@@ -264,6 +274,10 @@ class Trainer:
                 local_samples += rows
             if self.checkpointer is not None:
                 self.checkpointer.after_step(Position(epoch, steps, self.global_step))
+            if self.reporter is not None:
+                self._report(epoch, steps, coordinator, local_samples, loss_sum, started)
+        if self.reporter is not None:
+            self._report(epoch, steps, coordinator, local_samples, loss_sum, started, final=True)
         if final:
             self.strategy.finish()
         if next(iterator, None) is not None:
@@ -286,6 +300,25 @@ class Trainer:
             nan_skips=(self.guard.skipped if self.guard else 0) - skips_before,
         )
 
+    def _report(
+        self,
+        epoch: int,
+        steps: int,
+        coordinator: StepCoordinator,
+        samples: int,
+        loss_sum: torch.Tensor,
+        started: float,
+        final: bool = False,
+    ) -> None:
+        assert self.reporter is not None
+        if final or self.reporter.due():
+            total = steps if final else coordinator.total_steps
+            elapsed = time.perf_counter() - started
+            report = Report(
+                self.ctx.rank, epoch, self.reporter.attempt, steps, total, samples, float(loss_sum), elapsed
+            )
+            self.reporter.send(report)
+
     def _next_batch(
         self, iterator: Iterator[TensorBatch], coordinator: StepCoordinator
     ) -> tuple[TensorBatch | None, SparkDLError | None]:
@@ -303,8 +336,7 @@ class Trainer:
             if rejected is not None
             else PeerStopped(f"rank {self.ctx.rank} stopped because another worker rejected its input")
         )
-        error.agreed_by_all_ranks = True  # type: ignore[attr-defined]
-        return error
+        return agreed(error)
 
     def _before_step(self) -> None:
         if self.reseed is not None:
@@ -328,7 +360,9 @@ class Trainer:
             if not self.strategy.applies_updates:
                 self.optimizer.step()
             self.strategy.after_step(self.global_step, rows)
-        else:  # skipped on every rank: nothing of this step reaches the weights
+        else:  # skipped: nothing of this step reaches the weights
+            if self.guard.failure is not None:
+                self.strategy.stop(self.guard.failure)
             self.strategy.after_step(self.global_step, 0)
             loss = torch.zeros((), device=device)
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,116 @@
+"""What the driver shows while ``fit`` runs: one progress bar per epoch, fed by reports.
+
+Pure: no sockets. Each worker reports its own figures for the running epoch (steps
+done, rows, loss sum, seconds); the board adds them up across workers, so the bar
+shows the loss over every row trained so far in the epoch and the samples/s of the
+whole job. Bars come from ``tqdm.auto``: a text bar in a terminal, a widget in
+Jupyter or Databricks when ipywidgets is installed.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+_REPORT = struct.Struct("<qqqdd")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One worker's figures for the epoch so far."""
+
+    rank: int
+    epoch: int
+    attempt: int  # the stage attempt: a re-run stage's reports replace the failed one's
+    steps: int
+    total_steps: int  # -1 while unknown (epoch 1 streams from Spark)
+    samples: int
+    loss_sum: float
+    seconds: float
+
+    def pack(self) -> bytes:
+        return _REPORT.pack(self.steps, self.total_steps, self.samples, self.loss_sum, self.seconds)
+
+    @classmethod
+    def unpack(cls, rank: int, epoch: int, attempt: int, payload: bytes | bytearray | memoryview) -> Report:
+        if len(payload) != _REPORT.size:
+            raise ValueError(f"progress report of {len(payload)} bytes, expected {_REPORT.size}")
+        steps, total, samples, loss_sum, seconds = _REPORT.unpack(bytes(payload))
+        return cls(rank, epoch, attempt, steps, total, samples, loss_sum, seconds)
+
+
+class ProgressBoard:
+    """Aggregates reports per epoch and draws them.
+
+    Args:
+        num_workers: ranks that report.
+        epochs: epochs in the fit (for the bar's title).
+        show: draw bars; when False the board only keeps the figures.
+        bar_factory: builds a bar (``tqdm`` by default; tests pass their own).
+    """
+
+    def __init__(self, num_workers: int, epochs: int, show: bool = True, bar_factory: Any = None) -> None:
+        self.num_workers = num_workers
+        self.epochs = epochs
+        self.show = show
+        self._bar_factory = bar_factory or _tqdm_bar
+        self._lock = threading.Lock()
+        self._reports: dict[int, dict[int, Report]] = {}  # epoch -> rank -> latest
+        self._bar: Any = None
+        self._bar_epoch = 0
+
+    def update(self, report: Report) -> None:
+        with self._lock:
+            by_rank = self._reports.setdefault(report.epoch, {})
+            previous = by_rank.get(report.rank)
+            if previous is not None and previous.attempt > report.attempt:
+                return  # a late frame of a failed attempt
+            by_rank[report.rank] = report
+            if self.show and report.epoch >= self._bar_epoch:
+                self._draw(report.epoch)
+
+    def epoch_figures(self, epoch: int) -> dict[str, float]:
+        """Loss, samples, samples/s and steps of ``epoch`` so far, across workers."""
+        with self._lock:
+            return self._figures(self._reports.get(epoch, {}))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def _figures(self, by_rank: dict[int, Report]) -> dict[str, float]:
+        samples = sum(r.samples for r in by_rank.values())
+        seconds = max((r.seconds for r in by_rank.values()), default=0.0)
+        return {
+            "loss": sum(r.loss_sum for r in by_rank.values()) / samples if samples else float("nan"),
+            "samples": float(samples),
+            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "steps": float(min((r.steps for r in by_rank.values()), default=0)),
+            "total_steps": float(max((r.total_steps for r in by_rank.values()), default=-1)),
+        }
+
+    def _draw(self, epoch: int) -> None:
+        if epoch != self._bar_epoch:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = self._bar_factory(f"epoch {epoch}/{self.epochs}")
+            self._bar_epoch = epoch
+        figures = self._figures(self._reports[epoch])
+        total = int(figures["total_steps"])
+        if total > 0 and self._bar.total != total:
+            self._bar.total = total
+        self._bar.n = int(figures["steps"])
+        self._bar.set_postfix(
+            loss=f"{figures['loss']:.4f}", samples_s=f"{figures['samples_per_s']:,.0f}", refresh=False
+        )
+        self._bar.refresh()
+
+
+def _tqdm_bar(title: str) -> Any:
+    return tqdm(total=None, desc=title, unit="step", dynamic_ncols=True, leave=True)

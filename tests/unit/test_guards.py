@@ -1,0 +1,58 @@
+"""The non-finite step guard: what is skipped, what stops, and who raises when."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.config import OnError
+from sparkdl.errors import PeerStopped, TrainingFailedError
+from sparkdl.training.guards import NanGuard
+
+NAN = torch.tensor(float("nan"))
+FINE = torch.tensor(0.5)
+
+
+def model_with_grad(value: float) -> nn.Module:
+    layer = nn.Linear(2, 1)
+    for p in layer.parameters():
+        p.grad = torch.full_like(p, value)
+    return layer
+
+
+def test_skip_counts_and_stops_after_max_skips_in_a_row():
+    guard = NanGuard(OnError.SKIP, max_skips=2, rank=1)
+    assert not guard.allows_step(NAN, model_with_grad(1.0), 1, 0)
+    assert guard.allows_step(FINE, model_with_grad(1.0), 1, 1)  # a finite step resets the streak
+    assert not guard.allows_step(NAN, model_with_grad(1.0), 1, 2)
+    assert not guard.allows_step(NAN, model_with_grad(1.0), 1, 3)
+    with pytest.raises(TrainingFailedError, match=r"3 steps in a row .* rank 1 \(last at epoch 1, step 4\)"):
+        guard.allows_step(NAN, model_with_grad(1.0), 1, 4)
+    assert guard.skipped == 4
+
+
+def test_with_shared_gradients_a_non_finite_average_stops_every_rank_together():
+    culprit = NanGuard(OnError.ERROR, 10, rank=1, shares_gradients=True)
+    with pytest.raises(TrainingFailedError, match="at rank 1, epoch 2, step 7") as raised:
+        culprit.allows_step(NAN, model_with_grad(float("nan")), 2, 7)
+    assert raised.value.agreed_by_all_ranks  # type: ignore[attr-defined]
+    bystander = NanGuard(OnError.ERROR, 10, rank=0, shares_gradients=True)
+    with pytest.raises(PeerStopped, match="rank 0's own loss was finite") as raised:
+        bystander.allows_step(FINE, model_with_grad(float("inf")), 2, 7)
+    assert raised.value.agreed_by_all_ranks  # type: ignore[attr-defined]
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_this_rank_s_failure_alone():
+    guard = NanGuard(OnError.ERROR, 10, rank=1, shares_gradients=True)
+    with pytest.raises(TrainingFailedError) as raised:
+        guard.allows_step(NAN, model_with_grad(1.0), 1, 0)
+    assert not getattr(raised.value, "agreed_by_all_ranks", False)  # the others did not see it
+
+
+def test_with_local_steps_the_error_waits_for_the_strategy_and_every_later_step_is_skipped():
+    guard = NanGuard(OnError.ERROR, 10, rank=1, shares_gradients=False)
+    assert not guard.allows_step(NAN, model_with_grad(float("nan")), 1, 3)
+    assert isinstance(guard.failure, TrainingFailedError)
+    assert "at rank 1, epoch 1, step 3" in str(guard.failure)
+    assert not guard.allows_step(FINE, model_with_grad(1.0), 1, 4)  # stopping

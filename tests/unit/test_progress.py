@@ -1,0 +1,127 @@
+"""The progress board's arithmetic, and the real channel on loopback sockets."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from sparkdl.progress.board import ProgressBoard, Report
+from sparkdl.progress.channel import ForwardToDriver, ProgressReporter, ProgressServer
+
+SECRET = b"p" * 32
+
+
+class FakeBar:
+    """Records what a tqdm bar would have been told."""
+
+    def __init__(self, title):
+        self.title, self.total, self.n, self.postfix, self.closed = title, None, 0, {}, False
+
+    def set_postfix(self, refresh=True, **values):
+        self.postfix = values
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def board(**kwargs):
+    bars = []
+
+    def factory(title):
+        bars.append(FakeBar(title))
+        return bars[-1]
+
+    return ProgressBoard(2, 3, bar_factory=factory, **kwargs), bars
+
+
+def test_the_bar_shows_the_loss_over_every_row_and_the_samples_per_second_of_the_job():
+    b, bars = board()
+    b.update(Report(0, 1, 0, steps=4, total_steps=-1, samples=40, loss_sum=20.0, seconds=2.0))
+    b.update(Report(1, 1, 0, steps=3, total_steps=-1, samples=30, loss_sum=3.0, seconds=1.5))
+    assert bars[0].title == "epoch 1/3" and bars[0].total is None  # epoch 1: length unknown
+    assert bars[0].n == 3  # the slowest worker's steps
+    assert bars[0].postfix == {"loss": f"{23 / 70:.4f}", "samples_s": "35"}  # 70 rows / 2 s
+    b.update(Report(0, 2, 0, steps=1, total_steps=10, samples=8, loss_sum=1.0, seconds=0.1))
+    assert bars[0].closed and bars[1].title == "epoch 2/3" and bars[1].total == 10
+
+
+def test_reports_of_a_failed_attempt_do_not_overwrite_the_re_run():
+    b, _ = board()
+    b.update(Report(0, 1, 7, steps=2, total_steps=-1, samples=16, loss_sum=8.0, seconds=1.0))
+    b.update(Report(0, 1, 3, steps=9, total_steps=-1, samples=72, loss_sum=9.0, seconds=4.0))  # late
+    assert b.epoch_figures(1)["samples"] == 16
+
+
+def test_a_quiet_board_draws_nothing_but_keeps_the_figures():
+    b, bars = board(show=False)
+    b.update(Report(1, 1, 0, steps=1, total_steps=-1, samples=8, loss_sum=4.0, seconds=1.0))
+    assert bars == [] and b.epoch_figures(1)["loss"] == 0.5
+
+
+def test_reports_and_worker_warnings_reach_the_driver_over_the_socket(caplog):
+    b, _ = board(show=False)
+    server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
+    reporter = ProgressReporter(server.endpoint(), rank=1, attempt=0)
+    handler = ForwardToDriver(reporter)
+    worker_logger = logging.getLogger("sparkdl.some.worker.module")
+    worker_logger.addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sparkdl.worker"):
+            assert reporter.due()
+            reporter.send(Report(1, 1, 0, steps=5, total_steps=-1, samples=40, loss_sum=10.0, seconds=1.0))
+            assert not reporter.due()  # rate-limited
+            worker_logger.warning("the cache disk is %d%% full", 93)
+            worker_logger.info("not forwarded")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (
+                b.epoch_figures(1)["samples"] < 40 or "93%" not in caplog.text
+            ):
+                time.sleep(0.02)
+        assert b.epoch_figures(1)["loss"] == 0.25
+        assert "[rank 1] sparkdl.some.worker.module: the cache disk is 93% full" in caplog.text
+        assert "not forwarded" not in caplog.text
+    finally:
+        worker_logger.removeHandler(handler)
+        reporter.close()
+        server.stop()
+    assert not any(t.name.startswith("sparkdl-progress") and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_reporter_without_a_driver_trains_on_silently():
+    b, _ = board(show=False)
+    server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
+    endpoint = server.endpoint()
+    server.stop()  # the driver's port is closed
+    reporter = ProgressReporter(endpoint, rank=0, attempt=0)
+    assert not reporter.due()
+    reporter.send(Report(0, 1, 0, 1, -1, 8, 1.0, 0.1))  # no exception
+    reporter.log(logging.ERROR, "lost")
+
+
+def test_a_reporter_with_the_wrong_secret_is_refused(caplog):
+    b, _ = board(show=False)
+    server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
+    try:
+        endpoint = server.endpoint()
+        forged = type(endpoint)(endpoint.host, endpoint.port, b"x" * 32, endpoint.interval_s)
+        with caplog.at_level(logging.WARNING):
+            reporter = ProgressReporter(forged, rank=0, attempt=0)
+            assert not reporter.due()  # never connected
+        assert b.epoch_figures(1)["samples"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0])
+def test_the_report_interval_must_be_positive(interval):
+    from sparkdl import ConfigError
+    from sparkdl.config import SparkDLConfig
+
+    with pytest.raises(ConfigError, match="progress_interval_s"):
+        SparkDLConfig().replace(progress_interval_s=interval)
