@@ -217,6 +217,16 @@ class ReliabilityConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    """``[tracking]``: MLflow logging (needs the ``mlflow`` extra and a tracking URI)."""
+
+    mlflow: bool = True  # log when MLflow is installed and a tracking URI is set
+    mlflow_experiment: str = ""  # experiment name; "" = MLflow's active/default one
+    mlflow_run_name: str = ""
+    mlflow_log_model: bool = True
+
+
+@dataclass(frozen=True)
 class SparkDLConfig:
     """Every setting of a training run, grouped as in the TOML file."""
 
@@ -225,6 +235,7 @@ class SparkDLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         every, tau = self.reliability.checkpoint_every, self.training.sync_every

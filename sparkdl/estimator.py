@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from sparkdl.runtime import fs
 from sparkdl.runtime.driver import plan_columns, run_training
 from sparkdl.runtime.inference import PredictSpec, output_mode, predict_partition, prediction_schema
 from sparkdl.runtime.task import TrainSpec
+from sparkdl.tracking import log_fit
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_from_bytes, state_to_bytes
 from sparkdl.training.losses import LossFn, resolve_loss
 
@@ -134,6 +136,7 @@ class TorchEstimator(Estimator, _SparkDLParams):
         _, label_kind = resolve_loss(loss)
         plan = plan_columns(dataset, config.data.feature_cols, config.data.label_col, label_kind)
         spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan)
+        started = time.perf_counter()
         result = run_training(dataset, spec)
         module = build_model(self.model_fn)
         module.load_state_dict(result.state_dict)
@@ -143,10 +146,13 @@ class TorchEstimator(Estimator, _SparkDLParams):
             history=result.history,
             output_shape=result.output_shape,
             classifier=isinstance(loss, str) and loss == "cross_entropy",
+            input_shape=result.input_shape,
         )
         model.worker_rows = result.worker_rows
         model.bad_rows_skipped = result.bad_rows_skipped
-        return self._copyValues(model)
+        model = self._copyValues(model)
+        model.mlflow_run_id = log_fit(config, model, time.perf_counter() - started)
+        return model
 
 
 class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
@@ -164,6 +170,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         history: list[dict[str, Any]] | None = None,
         output_shape: tuple[int, ...] = (),
         classifier: bool = False,
+        input_shape: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self._init_defaults()
@@ -171,9 +178,11 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         self.model_fn = model_fn
         self.history = list(history or [])
         self.output_shape = tuple(output_shape)
+        self.input_shape = tuple(input_shape)
         self.classifier = classifier
         self.worker_rows: list[int] = []
         self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
+        self.mlflow_run_id: str | None = None  # the MLflow run fit logged to, if any
 
     def _transform(self, dataset: Any) -> Any:
         if self.module is None or self.model_fn is None:
@@ -193,6 +202,12 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         )
         schema = prediction_schema(dataset.schema, config.data.prediction_col, mode)
         return dataset.mapInArrow(functools.partial(predict_partition, spec), schema)
+
+    def plot_history(self, path: str | Path) -> Path:
+        """Write a PNG of the loss and samples/s per epoch (job and each worker) to ``path``."""
+        from sparkdl.plots import plot_history
+
+        return plot_history(self.history, path, title=f"sparkdl fit: {self.getOrDefault('strategy')}")
 
     def write(self) -> MLWriter:
         return _TorchModelWriter(self)
@@ -214,6 +229,7 @@ class _TorchModelWriter(MLWriter):
         extra = {
             "history": model.history,
             "output_shape": list(model.output_shape),
+            "input_shape": list(model.input_shape),
             "classifier": model.classifier,
         }
         DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, extraMetadata=extra)
@@ -237,6 +253,7 @@ class _TorchModelReader(MLReader):
             history=metadata["history"],
             output_shape=tuple(metadata["output_shape"]),
             classifier=metadata["classifier"],
+            input_shape=tuple(metadata.get("input_shape", ())),
         )
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)

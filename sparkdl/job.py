@@ -66,7 +66,8 @@ def load_job_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfi
 def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
     """Train on the bundled data set, evaluate on the held-out split, write the results.
 
-    Writes ``metrics.json`` and the saved model (``model/``) under ``output_dir``.
+    Writes ``metrics.json``, ``history.png`` (loss and samples/s per epoch) and the
+    saved model (``model/``) under ``output_dir``.
     Returns the metrics.
     """
     from sparkdl.datasets import load_arrays, to_dataframe, train_test_split
@@ -112,6 +113,7 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
         "job": dataclasses.asdict(config.job),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    model.plot_history(out / "history.png")
     model.write().overwrite().save(str((out / "model").resolve()))
     log.info(
         "held-out accuracy %.4f; wrote %s and %s",

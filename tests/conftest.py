@@ -14,6 +14,7 @@ import pytest
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network at test time
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,7 @@ class FitResult:
     state_dict: dict[str, torch.Tensor]
     history: list[dict[str, Any]]
     output_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]
     worker_rows: list[int]
     bad_rows_skipped: int = 0
 
@@ -141,6 +142,7 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
         state_dict=state,
         history=history,
         output_shape=tuple(json.loads(lead["output_shape"])),
+        input_shape=tuple(json.loads(lead["input_shape"])),
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
         bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
     )

@@ -44,7 +44,8 @@ from sparkdl.training.losses import LossFn, resolve_loss
 log = logging.getLogger(__name__)
 
 RESULT_SCHEMA = (
-    "rank int, rows long, bad_rows long, history string, state binary, output_shape string, error string"
+    "rank int, rows long, bad_rows long, history string, state binary, input_shape string, "
+    "output_shape string, error string"
 )
 RESULT_ARROW_SCHEMA = pa.schema(
     [
@@ -53,6 +54,7 @@ RESULT_ARROW_SCHEMA = pa.schema(
         ("bad_rows", pa.int64()),
         ("history", pa.string()),
         ("state", pa.binary()),
+        ("input_shape", pa.string()),
         ("output_shape", pa.string()),
         ("error", pa.string()),
     ]
@@ -81,6 +83,7 @@ class WorkerResult:
     state: bytes
     output_shape: tuple[int, ...]
     error: str = ""  # "ErrorClass: message" when every rank stopped together on bad input
+    input_shape: tuple[int, ...] = ()  # one row of features, as the model saw it
 
     def to_record_batch(self) -> pa.RecordBatch:
         return pa.RecordBatch.from_pydict(
@@ -90,6 +93,7 @@ class WorkerResult:
                 "bad_rows": [self.bad_rows],
                 "history": [json.dumps(self.history)],
                 "state": [self.state],
+                "input_shape": [json.dumps(list(self.input_shape))],
                 "output_shape": [json.dumps(list(self.output_shape))],
                 "error": [self.error],
             },
@@ -235,7 +239,13 @@ def _run_worker(
         history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
         state = state_to_bytes(module) if rank == 0 else b""
         return WorkerResult(
-            rank, feed.cached_rows, feed.bad_rows_dropped, history, state, trainer.output_shape or ()
+            rank,
+            feed.cached_rows,
+            feed.bad_rows_dropped,
+            history,
+            state,
+            trainer.output_shape or (),
+            input_shape=trainer.input_shape or (),
         )
     finally:
         if store is not None:

@@ -213,6 +213,7 @@ class Trainer:
         self.control_group = control_group
         self.filler = Filler(label_kind)
         self.output_shape: tuple[int, ...] | None = None
+        self.input_shape: tuple[int, ...] | None = None
         self.global_step = 0  # steps done since the start of training (set on resume)
         self.guard: NanGuard | None = None
         self.drill: FaultDrill | None = None
@@ -353,6 +354,7 @@ class Trainer:
         output = self.module(x)
         if self.output_shape is None:
             self.output_shape = tuple(output.shape[1:])
+            self.input_shape = tuple(x.shape[1:])
         loss = self.loss_fn(output, y)
         (loss * self.strategy.loss_scale(rows, plan.global_rows)).backward()
         self.strategy.after_backward(self.global_step)

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 
 from sparkdl import TorchModel
@@ -30,6 +31,8 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
     model = TorchModel.load(str(tmp_path / "model"))
     assert model.history == metrics["history"]
+    picture = plt.imread(tmp_path / "history.png")  # written next to metrics.json
+    assert picture.shape[:2] == (400, 1000)
 
 
 @pytest.mark.slow

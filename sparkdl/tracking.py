@@ -1,0 +1,111 @@
+"""MLflow logging of a fit, on the driver, when MLflow is installed and pointed somewhere.
+
+Logged: every setting as a param, each epoch's figures as metrics (step = epoch), and
+the trained model through ``mlflow.pytorch`` (the safe ``pt2`` graph format when the
+model exports with an example batch; pickled otherwise, with MLflow's warning). Inside
+an active run (a notebook's, or a pipeline's) the fit becomes a nested run.
+
+Nothing is logged unless a tracking URI was chosen (``MLFLOW_TRACKING_URI``,
+``mlflow.set_tracking_uri``, Databricks' own) or a run is active: sparkdl never
+creates an ``mlruns`` directory a user did not ask for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sparkdl.config import SparkDLConfig
+
+if TYPE_CHECKING:
+    from sparkdl.estimator import TorchModel
+
+log = logging.getLogger(__name__)
+
+_EPOCH_METRICS = (
+    "loss",
+    "samples",
+    "samples_per_s",
+    "seconds",
+    "steps",
+    "sync_rounds",
+    "bytes_sent",
+    "bytes_received",
+    "staleness_mean",
+    "staleness_max",
+    "wait_s",
+    "nan_skips",
+)
+
+
+def mlflow_if_configured(config: SparkDLConfig) -> Any | None:
+    """The ``mlflow`` module when fit should log to it, else None."""
+    if not config.tracking.mlflow:
+        return None
+    try:
+        import mlflow
+    except ImportError:
+        return None
+    if os.environ.get("MLFLOW_TRACKING_URI") or mlflow.active_run() is not None or _uri_was_set():
+        return mlflow
+    return None
+
+
+def _uri_was_set() -> bool:
+    try:
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+    except ImportError:  # a future MLflow moved it: fall back to the environment only
+        return False
+    return bool(is_tracking_uri_set())
+
+
+def log_fit(config: SparkDLConfig, model: TorchModel, fit_seconds: float) -> str | None:
+    """Log ``model``'s fit to MLflow if configured; return the run id."""
+    mlflow = mlflow_if_configured(config)
+    if mlflow is None:
+        return None
+    tracking = config.tracking
+    if tracking.mlflow_experiment:
+        mlflow.set_experiment(tracking.mlflow_experiment)
+    nested = mlflow.active_run() is not None
+    with mlflow.start_run(run_name=tracking.mlflow_run_name or None, nested=nested) as run:
+        params = {name: _param(value) for name, value in config.flat().items()}
+        mlflow.log_params(params)
+        for record in model.history:
+            metrics = {k: float(record[k]) for k in _EPOCH_METRICS if isinstance(record.get(k), int | float)}
+            mlflow.log_metrics(metrics, step=int(record["epoch"]))
+        mlflow.log_metric("fit_seconds", fit_seconds)
+        if tracking.mlflow_log_model and model.module is not None:
+            _log_model(mlflow, model)
+        log.info("logged the fit to MLflow run %s (%s)", run.info.run_id, mlflow.get_tracking_uri())
+        return str(run.info.run_id)
+
+
+def _log_model(mlflow: Any, model: TorchModel) -> None:
+    import mlflow.pytorch
+
+    assert model.module is not None
+    module = model.module.eval()
+    requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+    if model.input_shape:
+        example = torch.zeros((2, *model.input_shape))  # a batch of 1 would fix the batch size
+        try:
+            mlflow.pytorch.log_model(
+                module, name="model", input_example=example.numpy(), pip_requirements=requirements
+            )
+            return
+        except Exception as exc:  # torch.export cannot trace every model
+            log.warning("MLflow: the model does not export as pt2 (%s); logging it pickled", exc)
+    mlflow.pytorch.log_model(
+        module, name="model", serialization_format="pickle", pip_requirements=requirements
+    )
+
+
+def _param(value: Any) -> str:
+    text = (
+        ",".join(map(str, value)) if isinstance(value, list | tuple) else str(getattr(value, "value", value))
+    )
+    return text[:500]  # MLflow's limit on a param value

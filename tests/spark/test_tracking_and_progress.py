@@ -1,0 +1,79 @@
+"""What a user sees around a fit: live progress, worker warnings, MLflow, the history plot."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tests.reference import make_shards
+from tests.spark.test_fit import estimator, shards_dataframe
+
+pytestmark = pytest.mark.spark
+
+
+def test_a_fit_draws_live_bars_per_epoch_and_a_quiet_one_draws_none(spark, capsys):
+    df = shards_dataframe(spark, make_shards([96, 96]))
+    estimator(epochs=2, progress_interval_s=0.01).fit(df)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    bars = [line for line in err.splitlines() if line.startswith("epoch ")]
+    assert any(line.startswith("epoch 1/2") for line in bars)
+    # epoch 2 knows its length (12 steps: 96 rows / 8 per step) and ends full
+    assert any(line.startswith("epoch 2/2: 100%") and "12/12" in line for line in bars), bars[-3:]
+    assert all(
+        "loss=" in line and "samples_s=" in line for line in bars if "step" in line and "?" not in line
+    )
+    estimator(epochs=2, progress=False).fit(df)
+    assert "epoch 1/2" not in capsys.readouterr().err
+
+
+def warning_loss(output, target):
+    """Cross entropy that logs a warning from inside the worker on its first call."""
+    if not getattr(warning_loss, "warned", False):
+        warning_loss.warned = True
+        logging.getLogger("sparkdl.user_code").warning("label smoothing is off (from the loss)")
+    return torch.nn.functional.cross_entropy(output, target.long())
+
+
+def test_worker_warnings_reach_the_driver_log_with_their_rank(spark, caplog):
+    df = shards_dataframe(spark, make_shards([32, 32]))
+    with caplog.at_level(logging.WARNING, logger="sparkdl.worker"):
+        estimator(loss_fn=warning_loss, progress=False).fit(df)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sparkdl.worker"]
+    for rank in (0, 1):
+        assert f"[rank {rank}] sparkdl.user_code: label smoothing is off (from the loss)" in lines
+
+
+def test_mlflow_logs_params_epoch_metrics_and_a_loadable_model(spark, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    shards = make_shards([48, 48])
+    model = estimator(epochs=3, progress=False, mlflow_experiment="sparkdl-test").fit(
+        shards_dataframe(spark, shards)
+    )
+    assert model.mlflow_run_id
+    client = mlflow.tracking.MlflowClient()
+    run = client.get_run(model.mlflow_run_id)
+    assert run.data.params["strategy"] == "allreduce" and run.data.params["batch_size"] == "8"
+    losses = client.get_metric_history(model.mlflow_run_id, "loss")
+    assert [(m.step, m.value) for m in sorted(losses, key=lambda m: m.step)] == [
+        (h["epoch"], pytest.approx(h["loss"])) for h in model.history
+    ]
+    logged = mlflow.pytorch.load_model(f"runs:/{model.mlflow_run_id}/model")
+    x = torch.tensor(np.asarray(shards[0][0][:5], dtype=np.float32))
+    with torch.no_grad():
+        expected = model.module.eval()(x)
+        got = logged(x) if callable(logged) else logged.module()(x)
+    assert torch.allclose(torch.as_tensor(got), expected)
+
+
+def test_without_a_tracking_uri_nothing_is_logged(spark, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    model = estimator(progress=False).fit(shards_dataframe(spark, make_shards([16, 16])))
+    assert model.mlflow_run_id is None
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
