@@ -149,6 +149,7 @@ class TorchEstimator(Estimator, _SparkDLParams):
             input_shape=result.input_shape,
         )
         model.worker_rows = result.worker_rows
+        model.worker_devices = result.worker_devices
         model.bad_rows_skipped = result.bad_rows_skipped
         model = self._copyValues(model)
         model.mlflow_run_id = log_fit(config, model, time.perf_counter() - started)
@@ -181,6 +182,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         self.input_shape = tuple(input_shape)
         self.classifier = classifier
         self.worker_rows: list[int] = []
+        self.worker_devices: list[dict[str, Any]] = []  # per rank: device and Spark-assigned GPUs
         self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
         self.mlflow_run_id: str | None = None  # the MLflow run fit logged to, if any
 

@@ -25,8 +25,11 @@ def is_connect(spark: Any) -> bool:
     return "connect" in type(spark).__module__
 
 
-def check_cluster(spark: Any, num_workers: int, wait_s: float, collective_timeout_s: float) -> None:
-    """Raise ClusterConfigError unless ``num_workers`` barrier tasks can run at once."""
+def check_cluster(
+    spark: Any, num_workers: int, wait_s: float, collective_timeout_s: float, profile: Any = None
+) -> None:
+    """Raise ClusterConfigError unless ``num_workers`` barrier tasks can run at once
+    (with ``profile``: the training stage's own resource profile, e.g. one GPU per task)."""
     if is_connect(spark):
         return
     sc = spark.sparkContext
@@ -48,7 +51,7 @@ def check_cluster(spark: Any, num_workers: int, wait_s: float, collective_timeou
             int(barrier_timeout),
             int(collective_timeout_s),
         )
-    wait_for_slots(lambda: max_concurrent_tasks(sc), num_workers, wait_s, master)
+    wait_for_slots(lambda: max_concurrent_tasks(sc, profile), num_workers, wait_s, master)
 
 
 def check_static_conf(master: str, conf: dict[str, str]) -> None:
@@ -87,11 +90,16 @@ def wait_for_slots(
         sleep(min(0.5, max(deadline - clock(), 0.0)))
 
 
-def max_concurrent_tasks(sc: Any) -> int:
-    """Task slots of the default resource profile, as Spark's barrier check counts them."""
+def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:
+    """Task slots for ``profile`` (default: the default resource profile), as Spark's
+    barrier check counts them."""
     jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
+    if profile is None:
+        java_profile = jsc.resourceProfileManager().defaultResourceProfile()
+    else:
+        java_profile = profile._java_resource_profile
+        jsc.resourceProfileManager().addResourceProfile(java_profile)  # what the stage would do
+    return int(jsc.maxNumConcurrentTasks(java_profile))
 
 
 def _parse_seconds(text: str) -> float:

@@ -6,12 +6,15 @@ without either.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from sparkdl.config import Backend, UseGpu
 from sparkdl.errors import ClusterConfigError
+
+log = logging.getLogger(__name__)
 
 
 def choose_device(
@@ -34,10 +37,18 @@ def choose_device(
     if not gpu_addresses:
         if use_gpu is UseGpu.YES:
             raise ClusterConfigError(
-                f"rank {rank}: use_gpu = true but Spark assigned this task no GPU; set "
-                "spark.task.resource.gpu.amount=1 and spark.executor.resource.gpu.amount "
-                "(with a discovery script), or set use_gpu = 'auto' to train on CPU"
+                f"rank {rank}: use_gpu = true but Spark assigned this task no GPU; give the "
+                "executors GPUs (spark.executor.resource.gpu.amount with a discovery script; fit "
+                "then asks one per training task), or set use_gpu = 'auto' to train on CPU"
             )
+        return torch.device("cpu")
+    if cuda_device_count == 0 and use_gpu is UseGpu.AUTO:
+        log.warning(
+            "rank %d: Spark assigned GPU %s but this process sees no CUDA device (a CPU build of "
+            "torch, or no driver); training on CPU. Install torch with CUDA on the executors",
+            rank,
+            gpu_addresses[0],
+        )
         return torch.device("cpu")
     index = int(gpu_addresses[0])
     if index >= cuda_device_count:

@@ -27,6 +27,7 @@ from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
 from sparkdl.runtime.ps_host import start_parameter_server
+from sparkdl.runtime.resources import training_profile
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.training.factory import state_from_bytes
 
@@ -51,6 +52,7 @@ class FitResult:
     history: list[dict[str, Any]]
     output_shape: tuple[int, ...]
     input_shape: tuple[int, ...]
+    worker_devices: list[dict[str, Any]]  # per rank: the device it trained on, the GPUs Spark gave it
     worker_rows: list[int]
     bad_rows_skipped: int = 0
 
@@ -80,7 +82,10 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     config = spec.config
     n = config.training.num_workers
     spark = df.sparkSession
-    check_cluster(spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s)
+    profile = None if is_connect(spark) else training_profile(spark, config.runtime.use_gpu)
+    check_cluster(
+        spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
+    )
     hosted = progress = None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
         hosted = start_parameter_server(spark, spec)
@@ -92,7 +97,9 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         data = df.select(*spec.plan.column_names)
         if is_connect(spark) or data.rdd.getNumPartitions() != n:
             data = data.repartition(n)
-        stage = data.mapInArrow(functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True)
+        stage = data.mapInArrow(
+            functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
+        )
         _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
         try:
             rows = stage.repartition(1).collect()
@@ -143,6 +150,7 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
         history=history,
         output_shape=tuple(json.loads(lead["output_shape"])),
         input_shape=tuple(json.loads(lead["input_shape"])),
+        worker_devices=[json.loads(by_rank[r]["device"]) for r in range(n)],
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
         bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
     )

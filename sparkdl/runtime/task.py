@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 RESULT_SCHEMA = (
     "rank int, rows long, bad_rows long, history string, state binary, input_shape string, "
-    "output_shape string, error string"
+    "output_shape string, device string, error string"
 )
 RESULT_ARROW_SCHEMA = pa.schema(
     [
@@ -56,6 +56,7 @@ RESULT_ARROW_SCHEMA = pa.schema(
         ("state", pa.binary()),
         ("input_shape", pa.string()),
         ("output_shape", pa.string()),
+        ("device", pa.string()),
         ("error", pa.string()),
     ]
 )
@@ -84,6 +85,7 @@ class WorkerResult:
     output_shape: tuple[int, ...]
     error: str = ""  # "ErrorClass: message" when every rank stopped together on bad input
     input_shape: tuple[int, ...] = ()  # one row of features, as the model saw it
+    device: dict[str, Any] = field(default_factory=dict)  # {"device": "cuda:0", "gpus": ["0"]}
 
     def to_record_batch(self) -> pa.RecordBatch:
         return pa.RecordBatch.from_pydict(
@@ -95,6 +97,7 @@ class WorkerResult:
                 "state": [self.state],
                 "input_shape": [json.dumps(list(self.input_shape))],
                 "output_shape": [json.dumps(list(self.output_shape))],
+                "device": [json.dumps(self.device)],
                 "error": [self.error],
             },
             schema=RESULT_ARROW_SCHEMA,
@@ -246,6 +249,7 @@ def _run_worker(
             state,
             trainer.output_shape or (),
             input_shape=trainer.input_shape or (),
+            device={"device": str(device), "gpus": list(gpu_addresses)},
         )
     finally:
         if store is not None:

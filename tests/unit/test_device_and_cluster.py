@@ -12,11 +12,29 @@ def test_device_comes_from_the_task_gpu_resources():
     assert choose_device(UseGpu.AUTO, ["1"], 2, 0) == torch.device("cuda", 1)
     assert choose_device(UseGpu.AUTO, [], 0, 0) == torch.device("cpu")
     assert choose_device(UseGpu.NO, ["0"], 1, 0) == torch.device("cpu")
+    assert choose_device(UseGpu.AUTO, ["0"], 0, 0) == torch.device("cpu")  # given a GPU, no CUDA: warn
+
+
+def test_the_training_stage_asks_for_one_gpu_per_task_only_when_executors_have_gpus():
+    from sparkdl.runtime.resources import decide_gpu_request
+
+    assert decide_gpu_request(UseGpu.AUTO, 2, 0, 4, "spark://m:7077").gpus == 1
+    assert decide_gpu_request(UseGpu.YES, 1, 0, 1, "spark://m:7077").cpus == 1
+    assert decide_gpu_request(UseGpu.AUTO, 0, 0, 1, "local[2]").gpus == 0  # CPU cluster: CPU
+    assert decide_gpu_request(UseGpu.NO, 8, 0, 1, "spark://m:7077").gpus == 0
+    # every stage already holds a GPU: no profile of our own
+    assert decide_gpu_request(UseGpu.YES, 1, 1, 1, "spark://m:7077").gpus == 0
+    with pytest.raises(
+        ClusterConfigError, match=r"use_gpu = true but the executors of local\[2\] have no GPUs"
+    ):
+        decide_gpu_request(UseGpu.YES, 0, 0, 1, "local[2]")
 
 
 def test_required_gpu_missing_names_the_spark_setting():
-    with pytest.raises(ClusterConfigError, match=r"rank 3: .*spark.task.resource.gpu.amount"):
+    with pytest.raises(ClusterConfigError, match=r"rank 3: .*spark.executor.resource.gpu.amount"):
         choose_device(UseGpu.YES, [], 0, 3)
+    with pytest.raises(ClusterConfigError, match=r"address '0' but this process sees 0 CUDA"):
+        choose_device(UseGpu.YES, ["0"], 0, 0)  # required, and torch has no CUDA
     with pytest.raises(ClusterConfigError, match=r"address '2' but this process sees 1 CUDA"):
         choose_device(UseGpu.AUTO, ["2"], 1, 0)
 
