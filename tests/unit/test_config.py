@@ -16,8 +16,13 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_every_shipped_config_loads():
-    for path in sorted((ROOT / "conf").glob("*.toml")):
-        config = load_job_config(path)
+    from sparkdl.etl import load_etl_config
+
+    paths = sorted((ROOT / "conf").glob("*.toml"))
+    assert {p.name for p in paths} >= {"local.toml", "cluster.toml", "gpu.toml", "etl.toml"}
+    for path in paths:
+        loader = load_etl_config if path.name.startswith("etl") else load_job_config
+        config = loader(path)
         assert config.sparkdl.training.num_workers >= 1, path
 
 
