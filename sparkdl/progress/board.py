@@ -86,11 +86,12 @@ class ProgressBoard:
 
     def _figures(self, by_rank: dict[int, Report]) -> dict[str, float]:
         samples = sum(r.samples for r in by_rank.values())
-        seconds = max((r.seconds for r in by_rank.values()), default=0.0)
+        # each worker's own rate, summed: its reports arrive at other moments than its peers'
+        rate = sum(r.samples / r.seconds for r in by_rank.values() if r.seconds > 0)
         return {
             "loss": sum(r.loss_sum for r in by_rank.values()) / samples if samples else float("nan"),
             "samples": float(samples),
-            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "samples_per_s": rate,
             "steps": float(min((r.steps for r in by_rank.values()), default=0)),
             "total_steps": float(max((r.total_steps for r in by_rank.values()), default=-1)),
         }
@@ -105,6 +106,7 @@ class ProgressBoard:
         total = int(figures["total_steps"])
         if total > 0 and self._bar.total != total:
             self._bar.total = total
+            self._bar.bar_format = _KNOWN_LENGTH
         self._bar.n = int(figures["steps"])
         self._bar.set_postfix(
             loss=f"{figures['loss']:.4f}", samples_s=f"{figures['samples_per_s']:,.0f}", refresh=False
@@ -112,5 +114,13 @@ class ProgressBoard:
         self._bar.refresh()
 
 
+# tqdm's own rate would be wrong here (steps arrive in jumps, every interval_s): the
+# bars show the workers' samples/s from the postfix instead.
+_UNKNOWN_LENGTH = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
+_KNOWN_LENGTH = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}{postfix}]"
+
+
 def _tqdm_bar(title: str) -> Any:
-    return tqdm(total=None, desc=title, unit="step", dynamic_ncols=True, leave=True)
+    return tqdm(
+        total=None, desc=title, unit="step", dynamic_ncols=True, leave=True, bar_format=_UNKNOWN_LENGTH
+    )

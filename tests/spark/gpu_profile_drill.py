@@ -1,7 +1,11 @@
-"""Stage-level GPU scheduling on local-cluster with fake GPUs (a discovery script).
+"""Stage-level GPU scheduling on local-cluster, with fake GPUs or the machine's real ones.
 
 Run by tests/spark/test_gpu_scheduling.py in its own process (one SparkContext per
-process): python tests/spark/gpu_profile_drill.py OUT_DIR
+process): python tests/spark/gpu_profile_drill.py OUT_DIR [fake|real]
+
+fake: two workers, each with one GPU "0" from a discovery script (no CUDA needed).
+real: one worker holding every CUDA device (up to 2) from an nvidia-smi discovery
+script, one training task per GPU, NCCL.
 """
 
 from __future__ import annotations
@@ -32,12 +36,25 @@ def record_resources(batches):
     yield pa.RecordBatch.from_pydict({"gpus": [json.dumps(list(gpus.addresses) if gpus else [])]})
 
 
-def main(out: Path) -> None:
-    script = out / "fake_gpus.sh"
-    script.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0"]}\'\n')
+FAKE = '#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0"]}\'\n'
+REAL = (
+    "#!/usr/bin/env bash\n"
+    "ids=$(nvidia-smi --query-gpu=index --format=csv,noheader | head -n {n}"
+    " | sed 's/.*/\"&\"/' | paste -sd, -)\n"
+    'echo "{{\\"name\\": \\"gpu\\", \\"addresses\\": [$ids]}}"\n'
+)
+
+
+def main(out: Path, mode: str) -> None:
+    import torch
+
+    gpus = min(torch.cuda.device_count(), 2) if mode == "real" else 1
+    script = out / "gpus.sh"
+    script.write_text(REAL.format(n=gpus) if mode == "real" else FAKE)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    master = f"local-cluster[1,{gpus},4096]" if mode == "real" else "local-cluster[2,1,1024]"
     spark = build_session(
-        "local-cluster[2,1,1024]",
+        master,
         "sparkdl-gpu-profile",
         SparkDLConfig().replace(collective_timeout_s=60.0),
         {
@@ -45,9 +62,9 @@ def main(out: Path) -> None:
             "spark.driver.host": "127.0.0.1",
             # each worker has one (fake) GPU and gives it to its executor; no task-level
             # GPU amount: only the training stage asks for one
-            "spark.worker.resource.gpu.amount": "1",
+            "spark.worker.resource.gpu.amount": str(gpus),
             "spark.worker.resource.gpu.discoveryScript": str(script),
-            "spark.executor.resource.gpu.amount": "1",
+            "spark.executor.resource.gpu.amount": str(gpus),
         },
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -58,10 +75,14 @@ def main(out: Path) -> None:
     logging.getLogger("sparkdl.worker").addHandler(collect)
     etl = spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
     results["etl_stage_gpus"] = [json.loads(r.gpus) for r in etl]
-    df = shards_dataframe(spark, make_shards([64, 64]))
+    workers = 2 if mode == "fake" else gpus
+    df = shards_dataframe(spark, make_shards([64] * workers))
     for use_gpu in ("auto", "false"):
-        model = estimator(use_gpu=use_gpu, executor_wait_timeout_s=120.0, progress=False).fit(df)
+        model = estimator(
+            use_gpu=use_gpu, num_workers=workers, executor_wait_timeout_s=120.0, progress=False
+        ).fit(df)
         results[use_gpu] = model.worker_devices
+        results[f"{use_gpu}_state"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
     results["etl_after_fit_gpus"] = [
         json.loads(r.gpus)
         for r in spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
@@ -72,4 +93,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "fake")

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 
-def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_path):
+def run_drill(tmp_path, mode):
     env = {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
@@ -24,14 +25,18 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
         "PYTHONPATH": str(ROOT),
     }
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests/spark/gpu_profile_drill.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "tests/spark/gpu_profile_drill.py"), str(tmp_path), mode],
         env=env,
         capture_output=True,
         text=True,
         timeout=500,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_path):
+    result = run_drill(tmp_path, "fake")
     # ETL stages before and after fit run with the default profile: no GPU held
     assert result["etl_stage_gpus"] == [[], []]
     assert result["etl_after_fit_gpus"] == [[], []]
@@ -45,3 +50,15 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
         ), result["worker_warnings"]
     # use_gpu = false: no profile, no GPU
     assert result["false"] == [{"device": "cpu", "gpus": []}, {"device": "cpu", "gpus": []}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_real_gpus_each_task_trains_on_its_own_gpu_and_matches_the_cpu_run(tmp_path):
+    result = run_drill(tmp_path, "real")
+    gpus = min(torch.cuda.device_count(), 2)
+    assert result["auto"] == [{"device": f"cuda:{i}", "gpus": [str(i)]} for i in range(gpus)]
+    assert result["etl_stage_gpus"] == [[], []]
+    for name, cpu_value in result["false_state"].items():  # same data and seed on CPU
+        gpu_value = torch.tensor(result["auto_state"][name])
+        assert torch.allclose(gpu_value, torch.tensor(cpu_value), atol=1e-4), name

@@ -19,6 +19,7 @@ class FakeBar:
 
     def __init__(self, title):
         self.title, self.total, self.n, self.postfix, self.closed = title, None, 0, {}, False
+        self.bar_format = ""
 
     def set_postfix(self, refresh=True, **values):
         self.postfix = values
@@ -46,7 +47,8 @@ def test_the_bar_shows_the_loss_over_every_row_and_the_samples_per_second_of_the
     b.update(Report(1, 1, 0, steps=3, total_steps=-1, samples=30, loss_sum=3.0, seconds=1.5))
     assert bars[0].title == "epoch 1/3" and bars[0].total is None  # epoch 1: length unknown
     assert bars[0].n == 3  # the slowest worker's steps
-    assert bars[0].postfix == {"loss": f"{23 / 70:.4f}", "samples_s": "35"}  # 70 rows / 2 s
+    # the loss over all 70 rows; samples/s: each worker's own rate (20/s and 20/s), summed
+    assert bars[0].postfix == {"loss": f"{23 / 70:.4f}", "samples_s": "40"}
     b.update(Report(0, 2, 0, steps=1, total_steps=10, samples=8, loss_sum=1.0, seconds=0.1))
     assert bars[0].closed and bars[1].title == "epoch 2/3" and bars[1].total == 10
 
