@@ -58,13 +58,18 @@ class ProgressServer:
     def endpoint(self) -> ProgressEndpoint:
         return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Close the port and every connection, join the threads (bounded), close the bar."""
+    def stop(self, timeout: float = 5.0, drain_s: float = 2.0) -> None:
+        """Close the port; let each connection read what its worker sent before it closed
+        (up to ``drain_s``: the tasks are over, their sockets at EOF), then close every
+        connection, join the threads (bounded) and close the bar."""
         self._stop.set()
         self._acceptor.join(timeout)
         self._listener.close()
         with self._lock:
             sockets, threads = list(self._sockets), list(self._threads)
+        deadline = time.monotonic() + drain_s
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
         for sock in sockets:
             _close_quietly(sock)
         for thread in threads:
@@ -92,7 +97,7 @@ class ProgressServer:
             sock.settimeout(None)
             _, channel = server_hello(sock, self._secret)
             channel.send(Frame(Kind.ACK))
-            while not self._stop.is_set():
+            while True:  # until the worker closes (EOF) or stop() closes the socket
                 frame = channel.recv(_MAX_PAYLOAD)
                 if frame.kind is Kind.PROGRESS:
                     self.board.update(Report.unpack(frame.rank, frame.shard, frame.attempt, frame.payload))

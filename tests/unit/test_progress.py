@@ -81,12 +81,14 @@ def test_reports_and_worker_warnings_reach_the_driver_over_the_socket(caplog):
             worker_logger.warning("the cache disk is %d%% full", 93)
             worker_logger.info("not forwarded")
             deadline = time.monotonic() + 10
+            forwarded = "[rank 1] sparkdl.some.worker.module: the cache disk is 93% full"
+            # (caplog also holds the worker-side record itself: wait for the forwarded one)
             while time.monotonic() < deadline and (
-                b.epoch_figures(1)["samples"] < 40 or "93%" not in caplog.text
+                b.epoch_figures(1)["samples"] < 40 or forwarded not in caplog.text
             ):
                 time.sleep(0.02)
         assert b.epoch_figures(1)["loss"] == 0.25
-        assert "[rank 1] sparkdl.some.worker.module: the cache disk is 93% full" in caplog.text
+        assert forwarded in caplog.text
         assert "not forwarded" not in caplog.text
     finally:
         worker_logger.removeHandler(handler)
