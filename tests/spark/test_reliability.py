@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import threading
@@ -128,10 +129,17 @@ def test_nan_steps_are_skipped_everywhere_and_counted(spark, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging", "parameter_server"])
-def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_step_and_rank(spark, strategy):
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_step_and_rank(spark, strategy, caplog):
     est = estimator(loss_fn=poisoned_loss, on_nan_loss="error", strategy=strategy, ps_timeout_s=15.0)
-    with pytest.raises(TrainingFailedError, match=r"non-finite loss or gradient at rank 1, epoch 1, step 0"):
+    with (
+        caplog.at_level(logging.ERROR, logger="sparkdl.worker"),
+        pytest.raises(TrainingFailedError, match=r"non-finite loss or gradient at rank 1, epoch 1, step 0"),
+    ):
         fit_in_one_attempt(spark, est, poisoned_dataframe(spark))
+    # the worker's error also reached the driver's log, with its rank, while the stage ran
+    assert any(
+        r.getMessage().startswith("[rank 1] TrainingFailedError: non-finite loss") for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_a_parameter_server_keeps_its_weights_across_a_stage_re_run(spark, tmp_path):
