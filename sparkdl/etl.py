@@ -133,16 +133,17 @@ def run_etl_job(config: EtlConfig, output_dir: str | Path, spark: Any | None = N
     out.mkdir(parents=True, exist_ok=True)
     if spark is None:
         spark = build_session(config.spark.master or None, config.spark.app_name, sparkdl, config.spark.conf)
-    source = Path(etl.input_path)
-    if etl.write_sample and not source.exists():
-        log.info("no raw input at %s: writing the bundled digits there", source)
-        write_sample_input(source, etl.input_format)
-    reader = (
-        spark.read.option("header", True).option("inferSchema", True)
-        if etl.input_format == "csv"
-        else spark.read
-    )
-    raw = reader.format(etl.input_format).load(str(source.resolve()) if source.exists() else etl.input_path)
+    location = etl.input_path
+    if "://" not in location:  # a local path (the sample can only be written to one)
+        source = Path(location)
+        if etl.write_sample and not source.exists():
+            log.info("no raw input at %s: writing the bundled digits there", source)
+            write_sample_input(source, etl.input_format)
+        location = str(source.resolve())
+    reader = spark.read.format(etl.input_format)
+    if etl.input_format == "csv":
+        reader = reader.option("header", True).option("inferSchema", True)
+    raw = reader.load(location)
     features = list(etl.feature_columns) or _numeric_columns(raw, etl.label_column)
     classes = raw.select(etl.label_column).distinct().count()
     train, test = raw.randomSplit([1.0 - etl.test_fraction, etl.test_fraction], seed=sparkdl.training.seed)
