@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
 from sparkdl.errors import ConfigError, SchemaError
@@ -134,7 +135,7 @@ def run_etl_job(config: EtlConfig, output_dir: str | Path, spark: Any | None = N
     if spark is None:
         spark = build_session(config.spark.master or None, config.spark.app_name, sparkdl, config.spark.conf)
     location = etl.input_path
-    if "://" not in location:  # a local path (the sample can only be written to one)
+    if len(urlparse(location).scheme) <= 1:  # a local path (the sample is only written to one)
         source = Path(location)
         if etl.write_sample and not source.exists():
             log.info("no raw input at %s: writing the bundled digits there", source)
