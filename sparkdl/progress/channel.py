@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparkdl.progress.board import ProgressBoard, Report
+from sparkdl.ps.listener import ConnectionListener, close_quietly
 from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello, server_hello
 
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("sparkdl.worker")
 
-_ACCEPT_POLL_S = 0.2
 _MAX_PAYLOAD = 64 * 1024
 _MAX_LOG_CHARS = 8000
 
@@ -45,15 +45,8 @@ class ProgressServer:
         self.board = board
         self._secret = secret
         self._interval_s = interval_s
-        self._listener = socket.create_server((host, 0), backlog=64)
-        self._listener.settimeout(_ACCEPT_POLL_S)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="sparkdl-progress", daemon=True)
-        self._acceptor.start()
+        self._listener = ConnectionListener(host, self._serve, "sparkdl-progress")
+        self.host, self.port = self._listener.host, self._listener.port
 
     def endpoint(self) -> ProgressEndpoint:
         return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s)
@@ -62,39 +55,11 @@ class ProgressServer:
         """Close the port; let each connection read what its worker sent before it closed
         (up to ``drain_s``: the tasks are over, their sockets at EOF), then close every
         connection, join the threads (bounded) and close the bar."""
-        self._stop.set()
-        self._acceptor.join(timeout)
-        self._listener.close()
-        with self._lock:
-            sockets, threads = list(self._sockets), list(self._threads)
-        deadline = time.monotonic() + drain_s
-        for thread in threads:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-        for sock in sockets:
-            _close_quietly(sock)
-        for thread in threads:
-            thread.join(timeout)
+        self._listener.stop(timeout, drain_s)
         self.board.close()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(
-                target=self._serve, args=(sock, peer), name=f"sparkdl-progress-{peer[1]}", daemon=True
-            )
-            with self._lock:
-                self._sockets.append(sock)
-                self._threads.append(thread)
-            thread.start()
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
-            sock.settimeout(None)
             _, channel = server_hello(sock, self._secret)
             channel.send(Frame(Kind.ACK))
             while True:  # until the worker closes (EOF) or stop() closes the socket
@@ -107,12 +72,12 @@ class ProgressServer:
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame on the progress channel")
         except (ProtocolError, ValueError) as exc:
-            if not self._stop.is_set() and "closed after 0 of" not in str(exc):
+            if not self._listener.stopping and "closed after 0 of" not in str(exc):
                 log.warning("progress channel refused %s: %s", peer, exc)
         except OSError:
             pass  # the worker finished, or stop() closed the socket
         finally:
-            _close_quietly(sock)
+            close_quietly(sock)
 
 
 class ProgressReporter:
@@ -169,7 +134,7 @@ class ProgressReporter:
     def close(self) -> None:
         with self._lock:
             if self._channel is not None:
-                _close_quietly(self._channel.sock)
+                close_quietly(self._channel.sock)
                 self._channel = None
 
     def _send(self, frame: Frame) -> None:
@@ -180,7 +145,7 @@ class ProgressReporter:
                 self._channel.send(frame)
             except OSError as exc:  # the driver went away: train on, silently
                 log.info("rank %d: progress channel closed: %s", self.rank, exc)
-                _close_quietly(self._channel.sock)
+                close_quietly(self._channel.sock)
                 self._channel = None
 
 
@@ -199,11 +164,3 @@ class ForwardToDriver(logging.Handler):
             self.reporter.log(record.levelno, f"{record.name}: {self.format(record)}")
         except Exception:  # a log handler must never raise
             self.handleError(record)
-
-
-def _close_quietly(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

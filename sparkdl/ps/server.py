@@ -26,12 +26,11 @@ import numpy as np
 import torch
 
 from sparkdl.checkpoint import CheckpointError, CheckpointStore
+from sparkdl.ps.listener import ConnectionListener, close_quietly
 from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
 from sparkdl.ps.store import Aborted, PsTimeoutError, PushRejected, ShardStore
 
 log = logging.getLogger(__name__)
-
-_ACCEPT_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -78,47 +77,17 @@ class ParameterServer:
         self.timeout_s = timeout_s
         self.max_payload = max_payload
         self.rejected: list[str] = []  # reasons, for tests and logs
-        self._listener = socket.create_server((host, 0), backlog=64)
-        self._listener.settimeout(_ACCEPT_POLL_S)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: list[tuple[socket.socket, threading.Thread]] = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
-        self._acceptor.start()
+        self._listener = ConnectionListener(host, self._serve, "sparkdl-ps")
+        self.host, self.port = self._listener.host, self._listener.port
 
     def endpoint(self, shard_params: tuple[tuple[int, ...], ...]) -> PsEndpoint:
         return PsEndpoint(self.host, self.port, self.secret, shard_params, self.timeout_s, self.max_payload)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the port and every connection; join all threads (bounded)."""
-        self._stop.set()
+        """Wake waiting pulls, close the port and every connection; join all threads (bounded)."""
         for store in self.stores:
             store.close()
-        self._acceptor.join(timeout)
-        self._listener.close()
-        with self._lock:
-            connections = list(self._connections)
-        for sock, _ in connections:
-            _close_quietly(sock)
-        for _, thread in connections:
-            thread.join(timeout)
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(
-                target=self._serve, args=(sock, peer), name=f"sparkdl-ps-conn-{peer[1]}", daemon=True
-            )
-            with self._lock:
-                self._connections.append((sock, thread))
-            thread.start()
+        self._listener.stop(timeout)
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
@@ -129,15 +98,15 @@ class ParameterServer:
                 channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
                 raise PushRejected(str(exc)) from exc
             channel.send(Frame(Kind.ACK))
-            while not self._stop.is_set():
+            while not self._listener.stopping:
                 self._handle(channel, channel.recv(self.max_payload))
         except (ProtocolError, PushRejected) as exc:
-            if not self._stop.is_set() and "closed after 0 of" not in str(exc):
+            if not self._listener.stopping and "closed after 0 of" not in str(exc):
                 self._reject(peer, str(exc))
         except OSError:
             pass  # the worker went away, or stop() closed the socket
         finally:
-            _close_quietly(sock)
+            close_quietly(sock)
 
     def _begin_attempt(self, attempt: int, start_clock: int) -> None:
         """The first connection of a new stage attempt restarts the clocks (and restores
@@ -228,11 +197,3 @@ class ParameterServer:
     def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
         log.warning("parameter server refused %s: %s", peer, reason)
         self.rejected.append(reason)
-
-
-def _close_quietly(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
