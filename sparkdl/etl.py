@@ -20,16 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
+from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError, SchemaError
-from sparkdl.job import SparkSection
+from sparkdl.job import SparkSection, load_job_sections
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +65,8 @@ class EtlConfig:
 
 def load_etl_config(path: str | Path, overrides: Iterable[str] = ()) -> EtlConfig:
     """Load an ETL job TOML: ``[etl]``, ``[spark]`` and the sparkdl sections."""
-    raw = load_toml(path, overrides)
-    library = typing.get_type_hints(SparkDLConfig)
-    built = config_from_tables(raw, str(path), {"etl": EtlSection, "spark": SparkSection, **library})
-    sparkdl = SparkDLConfig(**{name: built[name] for name in library})
-    return EtlConfig(etl=built["etl"], spark=built["spark"], sparkdl=sparkdl)
+    sections, sparkdl = load_job_sections(path, overrides, {"etl": EtlSection})
+    return EtlConfig(etl=sections["etl"], spark=sections["spark"], sparkdl=sparkdl)
 
 
 def write_sample_input(path: str | Path, input_format: str) -> Path:

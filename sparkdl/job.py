@@ -6,18 +6,20 @@ the job does is here, so notebooks and tests can call it the same way.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
+import sys
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, SparkDLError
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,62 @@ class JobConfig:
     sparkdl: SparkDLConfig
 
 
-def load_job_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
-    """Load a job TOML: ``[job]``, ``[spark]`` and the sparkdl sections."""
+def load_job_sections(
+    path: str | Path, overrides: Iterable[str], own: dict[str, type[Any]]
+) -> tuple[dict[str, Any], SparkDLConfig]:
+    """Load a job TOML with the job's ``own`` sections, ``[spark]`` and the sparkdl ones.
+
+    Returns the job's sections (and ``spark``) by name, and the library's config.
+    """
     raw = load_toml(path, overrides)
     library = typing.get_type_hints(SparkDLConfig)
-    sections = {"job": JobSection, "spark": SparkSection, **library}
-    built = config_from_tables(raw, str(path), sections)
-    sparkdl = SparkDLConfig(**{name: built[name] for name in library})
-    return JobConfig(job=built["job"], spark=built["spark"], sparkdl=sparkdl)
+    built = config_from_tables(raw, str(path), {**own, "spark": SparkSection, **library})
+    sparkdl = SparkDLConfig(**{name: built.pop(name) for name in library})
+    return built, sparkdl
+
+
+def load_job_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
+    """Load a job TOML: ``[job]``, ``[spark]`` and the sparkdl sections."""
+    sections, sparkdl = load_job_sections(path, overrides, {"job": JobSection})
+    return JobConfig(job=sections["job"], spark=sections["spark"], sparkdl=sparkdl)
+
+
+def job_main(
+    argv: list[str] | None,
+    description: str,
+    defaults: tuple[str, str],
+    load: Callable[[str, list[str]], Any],
+    run: Callable[[Any, str], dict[str, Any]],
+    summary_keys: tuple[str, ...],
+) -> int:
+    """The command line of a job: ``--config``, repeatable ``--set``, ``--output``.
+
+    ``defaults`` are the config file and output directory. Prints the metrics named
+    by ``summary_keys`` as JSON; a SparkDLError is one line on stderr and exit code 2.
+    """
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=defaults[0], help="TOML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting (repeatable), e.g. --set training.epochs=3",
+    )
+    parser.add_argument("--output", default=defaults[1], help="directory for the results")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    try:
+        metrics = run(load(args.config, args.overrides), args.output)
+    except SparkDLError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: metrics[k] for k in summary_keys}, indent=2))
+    return 0
 
 
 def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
