@@ -157,8 +157,8 @@ def run_etl_job(config: EtlConfig, output_dir: str | Path, spark: Any | None = N
     )
     predictions.write.mode("overwrite").parquet(str(out / "predictions"))
     written = spark.read.parquet(str(out / "predictions"))
-    rows = written.count()
-    correct = written.filter(f"{etl.label_column} = predicted_{etl.label_column}").count()
+    hits = f"int({etl.label_column} = predicted_{etl.label_column})"
+    rows, correct = written.selectExpr("count(*)", f"coalesce(sum({hits}), 0)").first()
     fitted.write().overwrite().save(str(out / "pipeline"))
     torch_model.plot_history(out / "history.png")
     metrics = {

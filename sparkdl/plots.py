@@ -33,9 +33,8 @@ def plot_history(history: Sequence[dict[str, Any]], path: str | Path, title: str
     """
     if not history:
         raise ValueError("the history is empty: fit trained no epoch, so there is nothing to plot")
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)  # no display needed; a notebook keeps its own backend
+    # A bare Figure renders with Agg on savefig: no pyplot, no global backend switched
+    # (a notebook keeps its inline one).
     from matplotlib.figure import Figure
 
     series = history_series(history)

@@ -10,11 +10,12 @@ the driver; if the driver cannot be reached, the worker trains on without report
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from sparkdl.progress.board import ProgressBoard, Report
@@ -164,3 +165,29 @@ class ForwardToDriver(logging.Handler):
             self.reporter.log(record.levelno, f"{record.name}: {self.format(record)}")
         except Exception:  # a log handler must never raise
             self.handleError(record)
+
+
+@contextlib.contextmanager
+def reporting_to_driver(
+    endpoint: ProgressEndpoint | None, rank: int, attempt: int
+) -> Iterator[ProgressReporter | None]:
+    """For the length of a worker's task: a reporter to the driver (None without an
+    endpoint), with this process's warnings and errors forwarded to the driver's log,
+    and the task's own error sent there before it propagates."""
+    if endpoint is None:
+        yield None
+        return
+    reporter = ProgressReporter(endpoint, rank, attempt)
+    forward = ForwardToDriver(reporter)
+    root = logging.getLogger()
+    root.addHandler(forward)
+    logging.captureWarnings(True)
+    try:
+        yield reporter
+    except Exception as exc:
+        reporter.log(logging.ERROR, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(forward)
+        reporter.close()

@@ -51,6 +51,8 @@ def check_cluster(
             int(barrier_timeout),
             int(collective_timeout_s),
         )
+    if profile is not None:  # what submitting the stage would do; its slots are counted below
+        sc._jsc.sc().resourceProfileManager().addResourceProfile(profile._java_resource_profile)
     wait_for_slots(lambda: max_concurrent_tasks(sc, profile), num_workers, wait_s, master)
 
 
@@ -97,8 +99,7 @@ def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:
     if profile is None:
         java_profile = jsc.resourceProfileManager().defaultResourceProfile()
     else:
-        java_profile = profile._java_resource_profile
-        jsc.resourceProfileManager().addResourceProfile(java_profile)  # what the stage would do
+        java_profile = profile._java_resource_profile  # registered by check_cluster
     return int(jsc.maxNumConcurrentTasks(java_profile))
 
 

@@ -22,7 +22,7 @@ from sparkdl.config import OnError, SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError, agreed
-from sparkdl.progress.channel import ForwardToDriver, ProgressEndpoint, ProgressReporter
+from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
@@ -157,26 +157,10 @@ def run_worker(
     attempt: int = 0,
 ) -> WorkerResult:
     """Train on this worker's partition and return its history (and weights on rank 0)."""
-    if spec.progress is None:
-        return _run_worker(
-            spec, batches, rank, world_size, host, gpu_addresses, all_gather, torch_threads, attempt
-        )
-    reporter = ProgressReporter(spec.progress, rank, attempt)
-    forward = ForwardToDriver(reporter)
-    root = logging.getLogger()
-    root.addHandler(forward)
-    logging.captureWarnings(True)
-    try:
+    with reporting_to_driver(spec.progress, rank, attempt) as reporter:
         return _run_worker(
             spec, batches, rank, world_size, host, gpu_addresses, all_gather, torch_threads, attempt, reporter
         )
-    except Exception as exc:
-        reporter.log(logging.ERROR, f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        logging.captureWarnings(False)
-        root.removeHandler(forward)
-        reporter.close()
 
 
 def _run_worker(

@@ -109,8 +109,7 @@ class NanGuard:
     def allows_step(self, loss: torch.Tensor, module: nn.Module, epoch: int, global_step: int) -> bool:
         if self.failure is not None:
             return False  # stopping: skip until the strategy raises at its sync point
-        loss_finite = bool(torch.isfinite(loss.detach()).all())
-        grads_finite = _grads_finite(module)
+        loss_finite, grads_finite = _finite(loss, module)
         if loss_finite and grads_finite:
             self._in_a_row = 0
             return True
@@ -142,6 +141,10 @@ class NanGuard:
         raise agreed(error) if not grads_finite else error
 
 
-def _grads_finite(module: nn.Module) -> bool:
+def _finite(loss: torch.Tensor, module: nn.Module) -> tuple[bool, bool]:
+    """Whether the loss, and all gradients, are finite: one device sync per step."""
     grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.stack(grads).sum()))
+    grad_total = torch.stack(grads).sum() if grads else torch.zeros((), device=loss.device)
+    flags = torch.stack([torch.isfinite(loss.detach()).all(), torch.isfinite(grad_total)])
+    loss_finite, grads_finite = flags.tolist()
+    return bool(loss_finite), bool(grads_finite)
