@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.spark.test_standalone_cluster import free_port, port_open, wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.spark.processes import ROOT, free_port, port_open, spark_env, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -25,16 +22,13 @@ def connect_server(tmp_path):
 
     home = Path(pyspark.__file__).parent
     port = free_port()
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(home),
-        "SPARK_LOG_DIR": str(tmp_path / "logs"),
-        "SPARK_PID_DIR": str(tmp_path / "pids"),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_IDENT_STRING": "sparkdl-test",
-        "PYSPARK_PYTHON": sys.executable,
-        "PYTHONPATH": str(ROOT),
-    }
+    env = spark_env(
+        tmp_path,
+        SPARK_HOME=str(home),
+        SPARK_LOG_DIR=str(tmp_path / "logs"),
+        SPARK_PID_DIR=str(tmp_path / "pids"),
+        SPARK_IDENT_STRING="sparkdl-test",
+    )
     start = [
         "bash", str(home / "sbin/start-connect-server.sh"),
         "--master", "local[2]",
@@ -63,7 +57,7 @@ def test_fit_and_transform_work_over_spark_connect_and_the_parameter_server_says
     out = tmp_path / "connect.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests/spark/connect_client.py"), url, str(out)],
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env=env,
         capture_output=True,
         text=True,
         timeout=400,

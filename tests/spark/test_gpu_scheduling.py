@@ -2,41 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.spark.processes import run_drill
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 
-def run_drill(tmp_path, mode):
-    env = {
-        **os.environ,
-        "PYSPARK_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_WORKER_DIR": str(tmp_path / "work"),
-        "PYTHONPATH": str(ROOT),
-    }
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests/spark/gpu_profile_drill.py"), str(tmp_path), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((tmp_path / "result.json").read_text())
-
-
 def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_path):
-    result = run_drill(tmp_path, "fake")
+    result = run_drill("gpu_profile_drill.py", tmp_path, "fake")
     # ETL stages before and after fit run with the default profile: no GPU held
     assert result["etl_stage_gpus"] == [[], []]
     assert result["etl_after_fit_gpus"] == [[], []]
@@ -55,7 +30,7 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_real_gpus_each_task_trains_on_its_own_gpu_and_matches_the_cpu_run(tmp_path):
-    result = run_drill(tmp_path, "real")
+    result = run_drill("gpu_profile_drill.py", tmp_path, "real")
     gpus = min(torch.cuda.device_count(), 2)
     assert result["auto"] == [{"device": f"cuda:{i}", "gpus": [str(i)]} for i in range(gpus)]
     assert result["etl_stage_gpus"] == [[], []]

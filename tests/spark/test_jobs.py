@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import pytest
 
 from sparkdl import TorchModel
 from sparkdl.job import load_job_config, run_train_job
+from tests.spark.processes import spark_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,14 +90,7 @@ def test_parameter_server_modes_are_within_2_points_of_allreduce(
 def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
     """Separate executor JVMs and Python workers: the real multi-process path."""
     spark_submit = Path(sys.executable).with_name("spark-submit")
-    env = {
-        **os.environ,
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_WORKER_DIR": str(tmp_path / "work"),
-        "PYTHONPATH": str(ROOT),
-    }
+    env = spark_env(tmp_path, PYSPARK_DRIVER_PYTHON=sys.executable)
     command = [
         str(spark_submit),
         "--master",

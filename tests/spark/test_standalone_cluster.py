@@ -5,43 +5,19 @@ submitted to it with ``spark-submit``, then the cluster stopped."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.spark.processes import ROOT, free_port, port_open, spark_env, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 MASTER = "org.apache.spark.deploy.master.Master"
 WORKER = "org.apache.spark.deploy.worker.Worker"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_for(what: str, check, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s")
 
 
 class StandaloneCluster:
@@ -50,16 +26,13 @@ class StandaloneCluster:
 
         self.home = Path(pyspark.__file__).parent
         self.logs = base / "logs"
-        self.env = {
-            **os.environ,
-            "SPARK_HOME": str(self.home),
-            "SPARK_LOG_DIR": str(self.logs),
-            "SPARK_PID_DIR": str(base / "pids"),
-            "SPARK_WORKER_DIR": str(base / "work"),
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_IDENT_STRING": "sparkdl-test",
-            "PYSPARK_PYTHON": sys.executable,
-        }
+        self.env = spark_env(
+            base,
+            SPARK_HOME=str(self.home),
+            SPARK_LOG_DIR=str(self.logs),
+            SPARK_PID_DIR=str(base / "pids"),
+            SPARK_IDENT_STRING="sparkdl-test",
+        )
         self.port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
 
@@ -112,11 +85,7 @@ def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
 
 def test_spark_submit_trains_on_a_standalone_master_with_two_workers(cluster, tmp_path):
     spark_submit = Path(sys.executable).with_name("spark-submit")
-    env = {
-        **cluster.env,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "PYTHONPATH": str(ROOT),
-    }
+    env = {**cluster.env, "PYSPARK_DRIVER_PYTHON": sys.executable}
     command = [
         str(spark_submit),
         "--master", cluster.url,
