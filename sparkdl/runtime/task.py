@@ -22,7 +22,7 @@ from sparkdl.config import OnError, SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.errors import BadDataError, SparkDLError, TrainingFailedError, agreed
-from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
+from sparkdl.progress.channel import ProgressEndpoint, reporting_to_driver
 from sparkdl.ps.server import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, form_process_group
@@ -158,91 +158,78 @@ def run_worker(
 ) -> WorkerResult:
     """Train on this worker's partition and return its history (and weights on rank 0)."""
     with reporting_to_driver(spec.progress, rank, attempt) as reporter:
-        return _run_worker(
-            spec, batches, rank, world_size, host, gpu_addresses, all_gather, torch_threads, attempt, reporter
-        )
-
-
-def _run_worker(
-    spec: TrainSpec,
-    batches: Iterator[pa.RecordBatch],
-    rank: int,
-    world_size: int,
-    host: str,
-    gpu_addresses: list[str],
-    all_gather: AllGather,
-    torch_threads: int,
-    attempt: int,
-    reporter: ProgressReporter | None = None,
-) -> WorkerResult:
-    config = spec.config
-    runtime = config.runtime
-    torch.set_num_threads(torch_threads)
-    if runtime.network_interface:
-        os.environ["GLOO_SOCKET_IFNAME"] = runtime.network_interface
-        os.environ["NCCL_SOCKET_IFNAME"] = runtime.network_interface
-    device = choose_device(runtime.use_gpu, gpu_addresses, torch.cuda.device_count(), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = choose_backend(runtime.backend, device)
-    groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
-    feed: PartitionFeed | None = None
-    store: CheckpointStore | None = None
-    strategy = None
-    reliability = config.reliability
-    try:
-        torch.manual_seed(config.training.seed)
-        module = build_model(spec.model_fn).to(device)
-        optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
-        checkpointer = resume = None
-        if reliability.checkpoint_dir:
-            store = CheckpointStore(reliability.checkpoint_dir)
-            align = config.training.sync_every if config.training.strategy is Strategy.WEIGHT_AVERAGING else 1
-            checkpointer = Checkpointer(store, reliability.checkpoint_every, rank, module, optimizer, align)
-            # rank 0 picks the checkpoint, so that every rank loads the same one
-            latest = store.latest() if rank == 0 else None
-            chosen = int(all_gather(str(-1 if latest is None else latest))[0])
-            if chosen >= 0:
-                resume = checkpointer.restore(chosen)
-        start_step = resume.position.global_steps_done if resume else 0
-        resources = dict(ps=spec.ps, attempt=attempt, start_step=start_step) if spec.ps else {}
-        strategy = create_strategy(config, **resources)
-        ctx = WorkerContext(rank, world_size, device)
-        wrapped = strategy.setup(module, ctx)
-        strategy.attach_optimizer(optimizer)
-        loss_fn, label_kind = resolve_loss(spec.loss)
-        trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
-        trainer.guard = NanGuard(
-            reliability.on_nan_loss, reliability.max_nan_skips, rank, strategy.shares_gradients
-        )
-        trainer.drill = FaultDrill.parse(reliability.fault_injection)
-        trainer.reporter = reporter
-        if checkpointer is not None:
-            checkpointer.strategy = strategy
-            trainer.checkpointer = checkpointer
-            trainer.reseed = config.training.seed
-            trainer.global_step = start_step
-        feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
-        history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
-        state = state_to_bytes(module) if rank == 0 else b""
-        return WorkerResult(
-            rank,
-            feed.cached_rows,
-            feed.bad_rows_dropped,
-            history,
-            state,
-            trainer.output_shape or (),
-            input_shape=trainer.input_shape or (),
-            device={"device": str(device), "gpus": list(gpu_addresses)},
-        )
-    finally:
-        if store is not None:
-            store.close()
-        if strategy is not None:
-            strategy.teardown()
-        if feed is not None:
-            feed.close()
-        groups.destroy()
+        config = spec.config
+        runtime = config.runtime
+        torch.set_num_threads(torch_threads)
+        if runtime.network_interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = runtime.network_interface
+            os.environ["NCCL_SOCKET_IFNAME"] = runtime.network_interface
+        device = choose_device(runtime.use_gpu, gpu_addresses, torch.cuda.device_count(), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = choose_backend(runtime.backend, device)
+        groups = form_process_group(rank, world_size, host, backend, all_gather, runtime.collective_timeout_s)
+        feed: PartitionFeed | None = None
+        store: CheckpointStore | None = None
+        strategy = None
+        reliability = config.reliability
+        try:
+            torch.manual_seed(config.training.seed)
+            module = build_model(spec.model_fn).to(device)
+            optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
+            checkpointer = resume = None
+            if reliability.checkpoint_dir:
+                store = CheckpointStore(reliability.checkpoint_dir)
+                align = (
+                    config.training.sync_every if config.training.strategy is Strategy.WEIGHT_AVERAGING else 1
+                )
+                checkpointer = Checkpointer(
+                    store, reliability.checkpoint_every, rank, module, optimizer, align
+                )
+                # rank 0 picks the checkpoint, so that every rank loads the same one
+                latest = store.latest() if rank == 0 else None
+                chosen = int(all_gather(str(-1 if latest is None else latest))[0])
+                if chosen >= 0:
+                    resume = checkpointer.restore(chosen)
+            start_step = resume.position.global_steps_done if resume else 0
+            resources = dict(ps=spec.ps, attempt=attempt, start_step=start_step) if spec.ps else {}
+            strategy = create_strategy(config, **resources)
+            ctx = WorkerContext(rank, world_size, device)
+            wrapped = strategy.setup(module, ctx)
+            strategy.attach_optimizer(optimizer)
+            loss_fn, label_kind = resolve_loss(spec.loss)
+            trainer = Trainer(wrapped, optimizer, loss_fn, label_kind, strategy, ctx, groups.control)
+            trainer.guard = NanGuard(
+                reliability.on_nan_loss, reliability.max_nan_skips, rank, strategy.shares_gradients
+            )
+            trainer.drill = FaultDrill.parse(reliability.fault_injection)
+            trainer.reporter = reporter
+            if checkpointer is not None:
+                checkpointer.strategy = strategy
+                trainer.checkpointer = checkpointer
+                trainer.reseed = config.training.seed
+                trainer.global_step = start_step
+            feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
+            history = _train_epochs(trainer, feed, config, ctx, groups.control, resume)
+            state = state_to_bytes(module) if rank == 0 else b""
+            return WorkerResult(
+                rank,
+                feed.cached_rows,
+                feed.bad_rows_dropped,
+                history,
+                state,
+                trainer.output_shape or (),
+                input_shape=trainer.input_shape or (),
+                device={"device": str(device), "gpus": list(gpu_addresses)},
+            )
+        finally:
+            if store is not None:
+                store.close()
+            if strategy is not None:
+                strategy.teardown()
+            if feed is not None:
+                feed.close()
+            groups.destroy()
 
 
 def _train_epochs(
