@@ -22,15 +22,11 @@ from typing import Any
 
 import torch
 
-from sparkdl.errors import SparkDLError
+from sparkdl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
 KEEP = 2
-
-
-class CheckpointError(SparkDLError):
-    """A checkpoint could not be written, or a file in the checkpoint directory was refused."""
 
 
 @dataclass(frozen=True)

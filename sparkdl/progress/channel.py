@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from sparkdl.errors import ConnectionClosed
 from sparkdl.progress.board import ProgressBoard, Report
 from sparkdl.ps.listener import ConnectionListener, close_quietly
 from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello, server_hello
@@ -73,7 +74,7 @@ class ProgressServer:
                 else:
                     raise ProtocolError(f"unexpected {frame.kind.name} frame on the progress channel")
         except (ProtocolError, ValueError) as exc:
-            if not self._listener.stopping and "closed after 0 of" not in str(exc):
+            if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 log.warning("progress channel refused %s: %s", peer, exc)
         except OSError:
             pass  # the worker finished, or stop() closed the socket

@@ -10,14 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparkdl.errors import PeerStopped, SparkDLError, agreed
+from sparkdl.errors import ParameterServerError, PeerStopped, PsTimeoutError, agreed
 from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello
 from sparkdl.ps.server import PsEndpoint
-from sparkdl.ps.store import PsTimeoutError
 
 
-class PsClientError(SparkDLError):
-    """The server refused a request or could not be reached."""
+PsClientError = ParameterServerError  # the name older code and tests use
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from sparkdl.errors import SparkDLError
+from sparkdl.errors import ConnectionClosed, ProtocolError
 
 Payload = bytes | bytearray | memoryview
 
@@ -54,10 +54,6 @@ class Kind(enum.IntEnum):
     # The driver's progress channel (sparkdl.progress) speaks the same frames:
     PROGRESS = 8  # worker -> driver: ``shard`` epoch, ``clock`` global step, payload a Report
     LOG = 9  # worker -> driver: ``shard`` logging level, payload the UTF-8 message
-
-
-class ProtocolError(SparkDLError):
-    """A frame was malformed, unauthenticated, too large, or out of order."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +168,7 @@ def server_hello(sock: socket.socket, secret: bytes) -> tuple[Frame, Channel]:
 
 def read_raw(sock: socket.socket, max_payload: int, tag_bytes: int) -> tuple[bytearray, bytearray, bytearray]:
     """Header, payload and tag of one frame; only magic and length are looked at."""
-    header = _recv_exactly(sock, HEADER.size)
+    header = _recv_exactly(sock, HEADER.size, at_frame_start=True)
     magic = bytes(header[:4])
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a sparkdl parameter-server client")
@@ -209,13 +205,15 @@ def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
             parts[0] = parts[0][sent:]
 
 
-def _recv_exactly(sock: socket.socket, count: int) -> bytearray:
+def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False) -> bytearray:
     buffer = bytearray(count)
     view = memoryview(buffer)
     received = 0
     while received < count:
         n = sock.recv_into(view[received:], count - received)
         if n == 0:
+            if received == 0 and at_frame_start:
+                raise ConnectionClosed("the peer closed the connection")
             raise ProtocolError(f"connection closed after {received} of {count} bytes (truncated frame)")
         received += n
     return buffer

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparkdl.checkpoint import CheckpointError, CheckpointStore
+from sparkdl.checkpoint import CheckpointStore
+from sparkdl.errors import CheckpointError, ConnectionClosed, PsAborted, PsTimeoutError, PushRejected
 from sparkdl.ps.listener import ConnectionListener, close_quietly
 from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
-from sparkdl.ps.store import Aborted, PsTimeoutError, PushRejected, ShardStore
+from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ParameterServer:
             while not self._listener.stopping:
                 self._handle(channel, channel.recv(self.max_payload))
         except (ProtocolError, PushRejected) as exc:
-            if not self._listener.stopping and "closed after 0 of" not in str(exc):
+            if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 self._reject(peer, str(exc))
         except OSError:
             pass  # the worker went away, or stop() closed the socket
@@ -160,7 +161,7 @@ class ParameterServer:
                     )
                 grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
                 staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
-            except Aborted as exc:
+            except PsAborted as exc:
                 channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
                 return
             except PushRejected as exc:
@@ -171,7 +172,7 @@ class ParameterServer:
         elif frame.kind is Kind.PULL:
             try:
                 version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
-            except Aborted as exc:
+            except PsAborted as exc:
                 channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
                 return
             except PsTimeoutError as exc:

@@ -38,21 +38,9 @@ import torch
 from torch import nn
 
 from sparkdl.config import PsMode
-from sparkdl.errors import SparkDLError
+from sparkdl.errors import PsAborted, PsTimeoutError, PushRejected
 
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-class PushRejected(SparkDLError):
-    """A push was refused (stale attempt, duplicate clock, wrong size, unknown rank)."""
-
-
-class PsTimeoutError(SparkDLError):
-    """A pull waited longer than ``runtime.ps_timeout_s`` for other workers."""
-
-
-class Aborted(SparkDLError):
-    """A worker stopped training (e.g. a non-finite loss); the others must stop too."""
 
 
 @dataclass
@@ -163,7 +151,7 @@ class ShardStore:
         """
         with self._cond:
             if self._aborted:
-                raise Aborted(self._aborted)
+                raise PsAborted(self._aborted)
             self._check_push(rank, attempt, clock, grad_sum)
             self._next_clock[rank] = clock + 1
             if self.mode is PsMode.ASYNC:
@@ -189,7 +177,7 @@ class ShardStore:
         with self._cond:
             while self._aborted or (self.mode is not PsMode.ASYNC and self.version < needed):
                 if self._aborted:
-                    raise Aborted(self._aborted)
+                    raise PsAborted(self._aborted)
                 if self._closed:
                     raise PsTimeoutError(
                         f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"

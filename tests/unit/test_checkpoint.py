@@ -3,7 +3,8 @@ import pickle
 import pytest
 import torch
 
-from sparkdl.checkpoint import CheckpointError, CheckpointStore
+from sparkdl.checkpoint import CheckpointStore
+from sparkdl.errors import CheckpointError
 
 
 def state(step):
