@@ -27,12 +27,20 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
-from sparkdl.config import SparkDLConfig, flat_field_owners, load_config
+from sparkdl.config import (
+    DEFAULT_LOSS,
+    SECTIONS,
+    SparkDLConfig,
+    check_setting_names,
+    flat_field_owners,
+    load_config,
+)
 from sparkdl.errors import ConfigError
 from sparkdl.runtime import fs
 from sparkdl.runtime.driver import plan_columns, run_training
 from sparkdl.runtime.inference import PredictSpec, output_mode, predict_partition, prediction_schema
-from sparkdl.runtime.task import TrainSpec
+from sparkdl.runtime.worker import TrainSpec
+from sparkdl.settings import library_settings, param_doc, with_settings_section
 from sparkdl.tracking import log_fit
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_from_bytes, state_to_bytes
 from sparkdl.training.losses import LossFn, resolve_loss
@@ -54,12 +62,35 @@ def _converter(hint: Any) -> Any:
 
 
 def _config_params() -> dict[str, Param]:
+    """One Param per setting; its doc is the setting's row of the settings table."""
     params = {}
-    for section_name, section_type in typing.get_type_hints(SparkDLConfig).items():
-        for name, hint in typing.get_type_hints(section_type).items():
-            doc = f"[{section_name}] {name} (default {_DEFAULTS[name]!r}); see conf/local.toml"
-            params[name] = Param(Params._dummy(), name, doc, typeConverter=_converter(hint))
+    for setting in library_settings():
+        hint = typing.get_type_hints(SECTIONS[setting.section])[setting.name]
+        params[setting.name] = Param(
+            Params._dummy(), setting.name, param_doc(setting), typeConverter=_converter(hint)
+        )
     return params
+
+
+def choose_loss(loss_fn: str | LossFn | None, loss: str) -> str | LossFn:
+    """The one loss of a fit, from the ``loss_fn`` argument and the ``loss`` setting.
+
+    ``loss_fn`` (a name or a callable) wins when ``loss`` is left at its default or
+    names the same loss; without ``loss_fn``, ``loss`` is the loss.
+
+    Raises:
+        ConfigError: both are given and name different losses (the message says which to drop).
+    """
+    if loss_fn is None:
+        return loss
+    if loss == DEFAULT_LOSS or (isinstance(loss_fn, str) and loss_fn == loss):
+        return loss_fn
+    shown = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raise ConfigError(
+        f"loss_fn = {shown!r} and the setting loss = {loss!r} name different losses; drop one: "
+        f"remove loss = {loss!r} (keyword, [training] loss in the config file, or --set "
+        "training.loss) to train with loss_fn, or drop loss_fn to train with the setting"
+    )
 
 
 class _SparkDLParams(Params):
@@ -72,12 +103,7 @@ class _SparkDLParams(Params):
         if config is not None:
             loaded = config if isinstance(config, SparkDLConfig) else load_config(config)
             self._set(**{k: list(v) if isinstance(v, tuple) else v for k, v in loaded.flat().items()})
-        owners = flat_field_owners()
-        unknown = sorted(set(settings) - set(owners))
-        if unknown:
-            raise ConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(sorted(owners))}"
-            )
+        check_setting_names(settings)
         self.get_config().replace(**settings)  # validate values and cross-field rules now
         self._set(**{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()})
 
@@ -98,14 +124,16 @@ class TorchEstimator(Estimator, _SparkDLParams):
         model_fn: ``() -> torch.nn.Module``, called on every worker (cloudpickled).
         optimizer_fn: ``(params) -> torch.optim.Optimizer``; default: ``[optimizer]`` settings.
         loss_fn: "cross_entropy", "mse", "bce_with_logits", or ``callable(output, target)``
-            returning the mean loss (it then gets float32 targets).
+            returning the mean loss (it then gets float32 targets). Overrides the ``loss``
+            setting only while that is at its default or names the same loss.
         config: a :class:`SparkDLConfig` or the path of a TOML file; keyword settings
             override it.
         **settings: any setting of :class:`SparkDLConfig` by name, e.g. ``num_workers=2,
             batch_size=64, epochs=5, seed=0, strategy="allreduce", feature_cols=["x"]``.
 
     Raises:
-        ConfigError: an unknown setting, or a value of the wrong type or range.
+        ConfigError: an unknown setting, a value of the wrong type or range, or a
+            ``loss_fn`` that contradicts the ``loss`` setting.
     """
 
     def __init__(
@@ -118,15 +146,16 @@ class TorchEstimator(Estimator, _SparkDLParams):
     ) -> None:
         super().__init__()
         self._init_defaults()
-        if isinstance(loss_fn, str):
-            settings.setdefault("loss", loss_fn)
         self._apply_settings(config, settings)
+        chosen = choose_loss(loss_fn, self.get_config().training.loss)
+        if isinstance(chosen, str):  # a named loss is the setting, so Params and persistence show it
+            self._apply_settings(None, {"loss": chosen})
         self.model_fn = model_fn
         self.optimizer_fn = optimizer_fn
-        self.loss_fn: str | LossFn | None = None if isinstance(loss_fn, str) else loss_fn
+        self.loss_fn: LossFn | None = None if isinstance(chosen, str) else chosen
 
     def _loss(self) -> str | LossFn:
-        return self.loss_fn if self.loss_fn is not None else self.get_config().training.loss
+        return choose_loss(self.loss_fn, self.get_config().training.loss)
 
     def _fit(self, dataset: Any) -> TorchModel:
         if self.model_fn is None:
@@ -154,6 +183,9 @@ class TorchEstimator(Estimator, _SparkDLParams):
         model = self._copyValues(model)
         model.mlflow_run_id = log_fit(config, model, time.perf_counter() - started)
         return model
+
+
+TorchEstimator.__doc__ = with_settings_section(TorchEstimator.__doc__)
 
 
 class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):

@@ -21,12 +21,13 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.config_loading import about
 from sparkdl.errors import ConfigError, SchemaError
 from sparkdl.job import SparkSection, load_job_sections
 
@@ -37,15 +38,40 @@ log = logging.getLogger(__name__)
 class EtlSection:
     """``[etl]``: where the raw rows are, how to turn them into features, where results go."""
 
-    input_path: str = "data/raw/digits.csv"
-    input_format: str = "csv"  # csv (with a header row) | parquet
-    write_sample: bool = True  # input_path missing: write the bundled digits there first
-    label_column: str = "digit"
-    feature_columns: tuple[str, ...] = ()  # () = every numeric column but the label
-    feature_sql: str = "SELECT * FROM __THIS__"  # a SQLTransformer statement
-    test_fraction: float = 0.2
-    hidden: tuple[int, ...] = (128,)
-    dropout: float = 0.0
+    input_path: str = field(
+        default="data/raw/digits.csv",
+        metadata=about(
+            "Raw rows: a file or directory, local or a URI every executor can read (hdfs://, s3a://, dbfs:/)."
+        ),
+    )
+    input_format: str = field(
+        default="csv",
+        metadata=about("Format of the raw rows (csv with a header row).", valid="csv or parquet"),
+    )
+    write_sample: bool = field(
+        default=True, metadata=about("When input_path is missing, write the bundled digits there first.")
+    )
+    label_column: str = field(
+        default="digit", metadata=about("Raw label column (text labels are indexed alphabetically).")
+    )
+    feature_columns: tuple[str, ...] = field(
+        default=(),
+        metadata=about("Raw numeric columns to assemble; [] = every numeric column but the label."),
+    )
+    feature_sql: str = field(
+        default="SELECT * FROM __THIS__",
+        metadata=about(
+            "A Spark SQL step over the raw rows (drop rows, derive columns).", valid="reads FROM __THIS__"
+        ),
+    )
+    test_fraction: float = field(
+        default=0.2,
+        metadata=about("Held-out share of the rows for the accuracy figure.", valid="between 0 and 1"),
+    )
+    hidden: tuple[int, ...] = field(default=(128,), metadata=about("Hidden layer sizes of the MLP."))
+    dropout: float = field(
+        default=0.0, metadata=about("Dropout after each hidden layer.", valid="0 <= p < 1")
+    )
 
     def __post_init__(self) -> None:
         if self.input_format not in ("csv", "parquet"):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
+from sparkdl.config_loading import about, check_bounds
 from sparkdl.errors import ConfigError, SparkDLError
 
 log = logging.getLogger(__name__)
@@ -28,24 +29,46 @@ log = logging.getLogger(__name__)
 class JobSection:
     """``[job]``: the data set and the model of the main job."""
 
-    dataset: str = "digits"
-    test_fraction: float = 0.2
-    hidden: tuple[int, ...] = (128,)
-    dropout: float = 0.0
-    input_partitions: int = 4
+    dataset: str = field(
+        default="digits",
+        metadata=about(
+            "Bundled data set to train on (offline).", valid="a name sparkdl.datasets knows, e.g. digits"
+        ),
+    )
+    test_fraction: float = field(
+        default=0.2,
+        metadata=about("Held-out share of the rows for the accuracy figure.", valid="between 0 and 1"),
+    )
+    hidden: tuple[int, ...] = field(default=(128,), metadata=about("Hidden layer sizes of the MLP."))
+    dropout: float = field(
+        default=0.0, metadata=about("Dropout after each hidden layer.", valid="0 <= p < 1")
+    )
+    input_partitions: int = field(
+        default=4,
+        metadata=about("Partitions of the input DataFrame before sparkdl repartitions it.", bound="> 0"),
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.test_fraction < 1.0:
             raise ConfigError(f"job.test_fraction = {self.test_fraction} must be between 0 and 1")
+        check_bounds(self, "job")
 
 
 @dataclass(frozen=True)
 class SparkSection:
     """``[spark]``: the session. ``master = ""`` keeps what spark-submit set."""
 
-    master: str = "local[2]"
-    app_name: str = "sparkdl-train"
-    conf: dict[str, str] = field(default_factory=dict)
+    master: str = field(
+        default="local[2]",
+        metadata=about('Spark master of the job\'s session; "" keeps what spark-submit --master set.'),
+    )
+    app_name: str = field(default="sparkdl-train", metadata=about("Spark application name."))
+    conf: dict[str, str] = field(
+        default_factory=dict,
+        metadata=about(
+            "Spark properties set on the session ([spark.conf] table).", valid="a table of strings"
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,40 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     session.stop()
 
 
+# Set by pytest, torch and Spark themselves; not ours to restore.
+_TOOL_OWNED_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYSPARK_GATEWAY_", "SPARK_")
+
+
 @pytest.fixture(autouse=True)
-def no_leaked_process_group_or_threads() -> Iterator[None]:
-    """Fail a test that leaves a torch.distributed group or a prefetch thread behind."""
+def no_leaked_process_group_threads_or_environment() -> Iterator[None]:
+    """Fail a test that leaves a torch.distributed group, a sparkdl thread or a changed
+    environment variable (e.g. GLOO_SOCKET_IFNAME set by a worker) behind."""
     import torch.distributed as dist
 
+    before = dict(os.environ)
     yield
     assert not (dist.is_available() and dist.is_initialized()), "test leaked a process group"
     leaked = [t.name for t in threading.enumerate() if t.name.startswith("sparkdl-") and t.is_alive()]
     assert not leaked, f"test leaked threads: {leaked}"
+    after = dict(os.environ)
+    changed = {
+        name: (before.get(name), after.get(name))
+        for name in set(before) | set(after)
+        if before.get(name) != after.get(name) and not name.startswith(_TOOL_OWNED_ENV)
+    }
+    assert not changed, f"test leaked environment variables (before, after): {changed}"
+
+
+@pytest.fixture
+def gloo_group() -> Iterator[None]:
+    """A one-process gloo process group on loopback (the default group), destroyed after."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

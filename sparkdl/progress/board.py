@@ -9,14 +9,11 @@ Jupyter or Databricks when ipywidgets is installed.
 
 from __future__ import annotations
 
-import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
-
-_REPORT = struct.Struct("<qqqdd")
 
 
 @dataclass(frozen=True)
@@ -31,16 +28,6 @@ class Report:
     samples: int
     loss_sum: float
     seconds: float
-
-    def pack(self) -> bytes:
-        return _REPORT.pack(self.steps, self.total_steps, self.samples, self.loss_sum, self.seconds)
-
-    @classmethod
-    def unpack(cls, rank: int, epoch: int, attempt: int, payload: bytes | bytearray | memoryview) -> Report:
-        if len(payload) != _REPORT.size:
-            raise ValueError(f"progress report of {len(payload)} bytes, expected {_REPORT.size}")
-        steps, total, samples, loss_sum, seconds = _REPORT.unpack(bytes(payload))
-        return cls(rank, epoch, attempt, steps, total, samples, loss_sum, seconds)
 
 
 class ProgressBoard:

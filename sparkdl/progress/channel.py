@@ -2,10 +2,13 @@
 
 The driver listens on its own address (port chosen by the OS) for the length of one
 ``fit``; each worker opens one connection, says HELLO under the fit's secret (the
-parameter server's frame format, :mod:`sparkdl.ps.protocol`), then sends PROGRESS
-frames at most every ``progress_interval_s`` and LOG frames for its warnings and
-errors. Nothing is ever answered after the HELLO's ACK, so a worker never waits on
-the driver; if the driver cannot be reached, the worker trains on without reports.
+progress protocol, :mod:`sparkdl.progress.protocol`, on the shared framing of
+:mod:`sparkdl.net`), then sends REPORT frames at most every ``progress_interval_s``,
+LOG frames for its warnings and errors and, when asked to, a HEARTBEAT whenever it
+sent nothing else for ``heartbeat_s``. Nothing is answered after the HELLO's ACK, so
+a worker never waits on the driver; if the driver cannot be reached, the worker
+trains on without reports. The driver keeps when it last heard from each rank of
+the newest stage attempt (:meth:`ProgressServer.silence`).
 """
 
 from __future__ import annotations
@@ -18,16 +21,26 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from sparkdl.errors import ConnectionClosed
+from sparkdl.errors import ConfigError, ConnectionClosed, ProtocolError
+from sparkdl.net.listener import ConnectionListener, close_quietly
 from sparkdl.progress.board import ProgressBoard, Report
-from sparkdl.ps.listener import ConnectionListener, close_quietly
-from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello, server_hello
+from sparkdl.progress.protocol import (
+    MAX_LOG_CHARS,
+    MAX_PAYLOAD,
+    Ack,
+    Heartbeat,
+    Hello,
+    Log,
+    Message,
+    ProgressChannel,
+    client_hello,
+    server_hello,
+)
 
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("sparkdl.worker")
 
-_MAX_PAYLOAD = 64 * 1024
-_MAX_LOG_CHARS = 8000
+_JOIN_S = 15.0  # a heartbeat blocked in a send gives up after the socket's 10 s timeout
 
 
 @dataclass(frozen=True)
@@ -41,17 +54,43 @@ class ProgressEndpoint:
 
 
 class ProgressServer:
-    """Receives reports and worker log records on the driver until :meth:`stop`."""
+    """Receives reports, heartbeats and worker log records on the driver until :meth:`stop`.
 
-    def __init__(self, board: ProgressBoard, host: str, secret: bytes, interval_s: float) -> None:
+    Args:
+        board: where reports go.
+        host: address to bind (the driver's address that executors reach).
+        secret: the per-fit secret.
+        interval_s: how often workers report (shipped to them in the endpoint).
+        clock: monotonic clock for :meth:`silence` (patched in tests).
+    """
+
+    def __init__(
+        self,
+        board: ProgressBoard,
+        host: str,
+        secret: bytes,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.board = board
         self._secret = secret
         self._interval_s = interval_s
+        self._clock = clock
+        self._heard_lock = threading.Lock()
+        self._attempt = -1  # the newest stage attempt that said HELLO
+        self._last_heard: dict[int, float] = {}  # rank -> clock of its last frame, in that attempt
         self._listener = ConnectionListener(host, self._serve, "sparkdl-progress")
         self.host, self.port = self._listener.host, self._listener.port
 
     def endpoint(self) -> ProgressEndpoint:
         return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s)
+
+    def silence(self) -> dict[int, float]:
+        """Seconds since the last frame (of any kind) of each rank that said HELLO in the
+        newest stage attempt; ranks of older attempts are forgotten when a newer one connects."""
+        now = self._clock()
+        with self._heard_lock:
+            return {rank: now - last for rank, last in sorted(self._last_heard.items())}
 
     def stop(self, timeout: float = 5.0, drain_s: float = 2.0) -> None:
         """Close the port; let each connection read what its worker sent before it closed
@@ -62,18 +101,12 @@ class ProgressServer:
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
-            _, channel = server_hello(sock, self._secret)
-            channel.send(Frame(Kind.ACK))
+            hello, channel = server_hello(sock, self._secret)
+            self._heard(hello.rank, hello.attempt)
+            channel.send(Ack(hello.rank, hello.attempt))
             while True:  # until the worker closes (EOF) or stop() closes the socket
-                frame = channel.recv(_MAX_PAYLOAD)
-                if frame.kind is Kind.PROGRESS:
-                    self.board.update(Report.unpack(frame.rank, frame.shard, frame.attempt, frame.payload))
-                elif frame.kind is Kind.LOG:
-                    text = bytes(frame.payload).decode(errors="replace")
-                    worker_log.log(frame.shard or logging.WARNING, "[rank %d] %s", frame.rank, text)
-                else:
-                    raise ProtocolError(f"unexpected {frame.kind.name} frame on the progress channel")
-        except (ProtocolError, ValueError) as exc:
+                self._receive(hello, channel.recv(MAX_PAYLOAD))
+        except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 log.warning("progress channel refused %s: %s", peer, exc)
         except OSError:
@@ -81,70 +114,134 @@ class ProgressServer:
         finally:
             close_quietly(sock)
 
+    def _receive(self, hello: Hello, message: Message) -> None:
+        """Apply one frame from the worker that said ``hello`` on this connection."""
+        if (message.rank, message.attempt) != (hello.rank, hello.attempt):
+            raise ProtocolError(
+                f"a frame of rank {message.rank} attempt {message.attempt} on the connection of "
+                f"rank {hello.rank} attempt {hello.attempt}"
+            )
+        self._heard(hello.rank, hello.attempt)
+        if isinstance(message, Report):
+            self.board.update(message)
+        elif isinstance(message, Log):
+            worker_log.log(message.level or logging.WARNING, "[rank %d] %s", message.rank, message.text)
+        elif not isinstance(message, Heartbeat):
+            raise ProtocolError(f"unexpected {type(message).__name__} from a worker on the progress channel")
+
+    def _heard(self, rank: int, attempt: int) -> None:
+        now = self._clock()
+        with self._heard_lock:
+            if attempt > self._attempt:  # a re-run stage: the failed attempt's ranks are gone
+                self._attempt, self._last_heard = attempt, {}
+            if attempt == self._attempt:
+                self._last_heard[rank] = now
+
 
 class ProgressReporter:
-    """A worker's side: rate-limited reports, log records, never an exception.
+    """A worker's side: rate-limited reports, log records, heartbeats, never an exception.
 
     Args:
         endpoint: the driver's progress channel.
         rank: this worker's rank.
         attempt: the stage attempt.
-        clock: monotonic clock (patched in tests).
+        clock: monotonic clock of the report rate limit (patched in tests).
+        heartbeat_s: when set, a daemon thread sends a HEARTBEAT whenever this many
+            seconds passed without any other frame; :meth:`close` stops it.
+
+    Raises:
+        ConfigError: ``heartbeat_s`` is not a positive number of seconds.
     """
 
     def __init__(
-        self, endpoint: ProgressEndpoint, rank: int, attempt: int, clock: Callable[[], float] = time.monotonic
+        self,
+        endpoint: ProgressEndpoint,
+        rank: int,
+        attempt: int,
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_s: float | None = None,
     ) -> None:
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ConfigError(f"heartbeat_s must be a positive number of seconds, got {heartbeat_s!r}")
         self.rank = rank
         self.attempt = attempt
         self._interval = endpoint.interval_s
         self._clock = clock
         self._last = -float("inf")
-        self._lock = threading.Lock()  # log records may come from other threads
-        self._channel: Channel | None = None
+        self._last_sent = time.monotonic()  # of any frame: heartbeats fill the gaps
+        self._lock = threading.Lock()  # log records and heartbeats come from other threads
+        self._stopping = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._channel = self._connect(endpoint)
+        if self._channel is not None and heartbeat_s is not None:
+            self._heartbeat = threading.Thread(
+                target=self._beat, args=(heartbeat_s,), name=f"sparkdl-progress-heartbeat-{rank}", daemon=True
+            )
+            self._heartbeat.start()
+
+    def _connect(self, endpoint: ProgressEndpoint) -> ProgressChannel | None:
+        """The channel to the driver after its ACK, or None (logged) when it cannot be reached."""
         try:
             sock = socket.create_connection((endpoint.host, endpoint.port), timeout=10)
+        except OSError as exc:
+            log.warning("rank %d: no progress reports, the driver is not reachable: %s", self.rank, exc)
+            return None
+        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = client_hello(sock, endpoint.secret, rank, attempt)
-            if channel.recv(_MAX_PAYLOAD).kind is Kind.ACK:
-                sock.settimeout(10)
-                self._channel = channel
+            channel = client_hello(sock, endpoint.secret, self.rank, self.attempt)
+            if isinstance(channel.recv(MAX_PAYLOAD), Ack):
+                self._last_sent = time.monotonic()
+                return channel
+            raise ProtocolError("the driver answered the HELLO with something other than an ACK")
         except (OSError, ProtocolError) as exc:
-            log.warning("rank %d: no progress reports, the driver is not reachable: %s", rank, exc)
+            log.warning("rank %d: no progress reports, the driver refused the channel: %s", self.rank, exc)
+            close_quietly(sock)
+            return None
 
     def due(self) -> bool:
         """Whether ``interval_s`` has passed since the last report (cheap: call every step)."""
         return self._channel is not None and self._clock() - self._last >= self._interval
 
     def send(self, report: Report) -> None:
+        """Send this worker's figures for the running epoch (rank and attempt must be its own)."""
         self._last = self._clock()
-        frame = Frame(
-            Kind.PROGRESS,
-            shard=report.epoch,
-            rank=self.rank,
-            attempt=self.attempt,
-            clock=report.steps,
-            payload=report.pack(),
-        )
-        self._send(frame)
+        self._send(report)
 
     def log(self, level: int, message: str) -> None:
+        """Send a log record; the driver logs it again as ``sparkdl.worker`` with the rank."""
         if self._channel is not None:
-            payload = message[:_MAX_LOG_CHARS].encode()
-            self._send(Frame(Kind.LOG, shard=level, rank=self.rank, attempt=self.attempt, payload=payload))
+            self._send(Log(self.rank, self.attempt, level, message[:MAX_LOG_CHARS]))
 
     def close(self) -> None:
+        """Stop and join the heartbeat thread (bounded), then close the connection."""
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(_JOIN_S)
+            self._heartbeat = None
         with self._lock:
             if self._channel is not None:
                 close_quietly(self._channel.sock)
                 self._channel = None
 
-    def _send(self, frame: Frame) -> None:
+    def _beat(self, every: float) -> None:
+        """Runs on the heartbeat thread: a HEARTBEAT whenever ``every`` seconds passed
+        without a frame, until :meth:`close` or the driver goes away."""
+        wait = every
+        while not self._stopping.wait(wait) and self._channel is not None:
+            idle = time.monotonic() - self._last_sent
+            if idle >= every:
+                self._send(Heartbeat(self.rank, self.attempt))
+                wait = every
+            else:
+                wait = every - idle
+
+    def _send(self, message: Message) -> None:
         with self._lock:
             if self._channel is None:
                 return
             try:
-                self._channel.send(frame)
+                self._channel.send(message)
+                self._last_sent = time.monotonic()
             except OSError as exc:  # the driver went away: train on, silently
                 log.info("rank %d: progress channel closed: %s", self.rank, exc)
                 close_quietly(self._channel.sock)
@@ -170,15 +267,23 @@ class ForwardToDriver(logging.Handler):
 
 @contextlib.contextmanager
 def reporting_to_driver(
-    endpoint: ProgressEndpoint | None, rank: int, attempt: int
+    endpoint: ProgressEndpoint | None, rank: int, attempt: int, *, heartbeat_s: float | None = None
 ) -> Iterator[ProgressReporter | None]:
     """For the length of a worker's task: a reporter to the driver (None without an
     endpoint), with this process's warnings and errors forwarded to the driver's log,
-    and the task's own error sent there before it propagates."""
+    and the task's own error sent there before it propagates.
+
+    Args:
+        endpoint: the driver's progress channel, or None when it does not listen.
+        rank: this worker's rank.
+        attempt: the stage attempt.
+        heartbeat_s: send a HEARTBEAT whenever the worker said nothing for this long
+            (None: no heartbeats).
+    """
     if endpoint is None:
         yield None
         return
-    reporter = ProgressReporter(endpoint, rank, attempt)
+    reporter = ProgressReporter(endpoint, rank, attempt, heartbeat_s=heartbeat_s)
     forward = ForwardToDriver(reporter)
     root = logging.getLogger()
     root.addHandler(forward)

@@ -10,12 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparkdl.errors import ParameterServerError, PeerStopped, PsTimeoutError, agreed
-from sparkdl.ps.protocol import Channel, Frame, Kind, ProtocolError, client_hello
+from sparkdl.errors import ParameterServerError, ProtocolError
+from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
 from sparkdl.ps.server import PsEndpoint
-
-
-PsClientError = ParameterServerError  # the name older code and tests use
 
 
 @dataclass
@@ -47,22 +44,33 @@ class PsClient:
         self.start_clock = start_clock
         self.stats = ClientStats()
         shards = len(endpoint.shard_params)
-        self._channels = [self._connect() for _ in range(shards)]
+        self._channels: list[PsChannel] = []
+        try:
+            for _ in range(shards):
+                self._channels.append(self._connect())
+        except BaseException:  # a refused or failed connection: close the ones already open
+            for channel in self._channels:
+                channel.sock.close()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
-    def _connect(self) -> Channel:
+    def _connect(self) -> PsChannel:
         try:
             sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=30)
         except OSError as exc:
-            raise PsClientError(
+            raise ParameterServerError(
                 f"rank {self.rank}: cannot reach the parameter server at "
                 f"{self.endpoint.host}:{self.endpoint.port} ({exc}); executors must reach the driver "
                 "on spark.driver.host"
             ) from exc
         sock.settimeout(self.endpoint.timeout_s + 30)  # the server answers a stuck pull itself
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock)
-        self._expect(channel, Kind.ACK)
+        try:
+            channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock)
+            self._expect(channel, Kind.ACK)
+        except BaseException:
+            sock.close()
+            raise
         return channel
 
     def push(self, clock: int, rows: int, grads: list[torch.Tensor]) -> None:
@@ -99,7 +107,7 @@ class PsClient:
     def _snapshot_one(self, shard: int, step: int) -> int:
         channel = self._channels[shard]
         channel.send(Frame(Kind.SNAPSHOT, shard, self.rank, self.attempt, step))
-        return self._expect(channel, Kind.ACK).clock
+        return self._expect(channel, Kind.ACK).version
 
     def abort(self, reason: str) -> None:
         """Tell the server this worker stops: every other worker's next pull or push fails."""
@@ -112,7 +120,7 @@ class PsClient:
         channel = self._channels[shard]
         frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data)
         sent = channel.send(frame)
-        return sent, self._expect(channel, Kind.ACK).clock
+        return sent, self._expect(channel, Kind.ACK).staleness
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor]:
         """Runs on a pool thread: returns (bytes sent, bytes received, version, weights)."""
@@ -120,22 +128,20 @@ class PsClient:
         sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
         reply = self._expect(channel, Kind.WEIGHTS)
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
-        return sent, len(reply.payload), reply.clock, weights
+        return sent, len(reply.payload), reply.version, weights
 
-    def _expect(self, channel: Channel, kind: Kind) -> Frame:
+    def _expect(self, channel: PsChannel, kind: Kind) -> Frame:
+        """The server's answer of ``kind``; an ERROR frame raises the class its code names."""
         try:
             frame = channel.recv(self.endpoint.max_payload)
         except (ProtocolError, OSError) as exc:
-            raise PsClientError(f"rank {self.rank}: parameter server connection failed: {exc}") from exc
+            raise ParameterServerError(
+                f"rank {self.rank}: parameter server connection failed: {exc}"
+            ) from exc
         if frame.kind is Kind.ERROR:
-            reason = bytes(frame.payload).decode(errors="replace")
-            if reason.startswith("aborted: "):
-                raise agreed(PeerStopped(f"rank {self.rank}: {reason.removeprefix('aborted: ')}"))
-            if "waited" in reason:
-                raise PsTimeoutError(reason)
-            raise PsClientError(f"rank {self.rank}: parameter server refused the request: {reason}")
+            raise error_of(frame, self.rank)
         if frame.kind is not kind:
-            raise PsClientError(
+            raise ParameterServerError(
                 f"rank {self.rank}: expected {kind.name} from the server, got {frame.kind.name}"
             )
         return frame

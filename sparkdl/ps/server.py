@@ -4,8 +4,9 @@ worker connection, shards served in parallel (each shard has its own lock).
 Every connection must open with an authenticated HELLO. A frame that fails
 authentication, is truncated, or announces an oversized payload closes that
 connection (and is logged with the peer's address); the other workers are not
-affected. A rejected push (stale attempt, duplicate clock, wrong size or dtype) is
-answered with an ERROR frame and logged.
+affected. A request that fails is answered with an ERROR frame whose code names the
+error (:class:`sparkdl.ps.protocol.ErrorCode`); a rejected push (stale attempt,
+duplicate clock, wrong size or dtype) is also logged.
 
 Snapshots. With a checkpoint directory, rank 0 asks every shard for a SNAPSHOT
 right before it writes the worker checkpoint of global step ``s``; each shard
@@ -26,9 +27,15 @@ import numpy as np
 import torch
 
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.errors import CheckpointError, ConnectionClosed, PsAborted, PsTimeoutError, PushRejected
-from sparkdl.ps.listener import ConnectionListener, close_quietly
-from sparkdl.ps.protocol import FLOAT32, Channel, Frame, Kind, ProtocolError, server_hello
+from sparkdl.errors import (
+    CheckpointError,
+    ConnectionClosed,
+    ParameterServerError,
+    ProtocolError,
+    PushRejected,
+)
+from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.ps.protocol import FLOAT32, Frame, Kind, PsChannel, error_frame, server_hello
 from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -96,12 +103,13 @@ class ParameterServer:
             try:
                 self._begin_attempt(hello.attempt, hello.clock)
             except (PushRejected, CheckpointError) as exc:
-                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
-                raise PushRejected(str(exc)) from exc
+                channel.send(error_frame(exc))
+                self._reject(peer, str(exc))
+                return
             channel.send(Frame(Kind.ACK))
             while not self._listener.stopping:
                 self._handle(channel, channel.recv(self.max_payload))
-        except (ProtocolError, PushRejected) as exc:
+        except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 self._reject(peer, str(exc))
         except OSError:
@@ -148,52 +156,42 @@ class ParameterServer:
         snapshots.save(step, {"format": 1, **state})
         return int(state["version"])
 
-    def _handle(self, channel: Channel, frame: Frame) -> None:
+    def _handle(self, channel: PsChannel, frame: Frame) -> None:
+        """Answer one request: its result, or an ERROR frame with the error's code."""
         if not 0 <= frame.shard < len(self.stores):
             raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
+        try:
+            reply = self._answer(frame)
+        except (ParameterServerError, CheckpointError) as exc:
+            if isinstance(exc, PushRejected):
+                self._reject(("rank", frame.rank), str(exc))
+            reply = error_frame(exc, frame.shard)
+        channel.send(reply)
+
+    def _answer(self, frame: Frame) -> Frame:
         store = self.stores[frame.shard]
         if frame.kind is Kind.PUSH:
-            try:
-                if frame.dtype != FLOAT32 or len(frame.payload) != store.numel * 4:
-                    raise PushRejected(
-                        f"push of {len(frame.payload)} bytes (dtype code {frame.dtype}) to shard "
-                        f"{frame.shard}, which takes {store.numel * 4} bytes of float32"
-                    )
-                grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
-                staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
-            except PsAborted as exc:
-                channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
-                return
-            except PushRejected as exc:
-                self._reject(("rank", frame.rank), str(exc))
-                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
-                return
-            channel.send(Frame(Kind.ACK, shard=frame.shard, clock=staleness))
-        elif frame.kind is Kind.PULL:
-            try:
-                version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
-            except PsAborted as exc:
-                channel.send(Frame(Kind.ERROR, payload=f"aborted: {exc}".encode()))
-                return
-            except PsTimeoutError as exc:
-                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
-                return
-            channel.send(Frame(Kind.WEIGHTS, shard=frame.shard, clock=version, payload=weights.numpy().data))
-        elif frame.kind is Kind.ABORT:
+            if frame.dtype != FLOAT32 or len(frame.payload) != store.numel * 4:
+                raise PushRejected(
+                    f"push of {len(frame.payload)} bytes (dtype code {frame.dtype}) to shard "
+                    f"{frame.shard}, which takes {store.numel * 4} bytes of float32"
+                )
+            grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
+            staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
+            return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
+        if frame.kind is Kind.PULL:
+            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
+            return Frame(Kind.WEIGHTS, shard=frame.shard, version=version, payload=weights.numpy().data)
+        if frame.kind is Kind.ABORT:
             reason = bytes(frame.payload).decode(errors="replace")
             log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
             for each in self.stores:
                 each.abort(f"rank {frame.rank} stopped: {reason}")
-            channel.send(Frame(Kind.ACK, shard=frame.shard))
-        elif frame.kind is Kind.SNAPSHOT:
-            try:
-                version = self._save_snapshot(frame.shard, frame.clock)
-            except CheckpointError as exc:
-                channel.send(Frame(Kind.ERROR, payload=str(exc).encode()))
-                return
-            channel.send(Frame(Kind.ACK, shard=frame.shard, clock=version))
-        else:
-            raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
+            return Frame(Kind.ACK, shard=frame.shard)
+        if frame.kind is Kind.SNAPSHOT:
+            version = self._save_snapshot(frame.shard, frame.clock)
+            return Frame(Kind.ACK, shard=frame.shard, version=version)
+        raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
 
     def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
         log.warning("parameter server refused %s: %s", peer, reason)

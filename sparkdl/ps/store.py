@@ -233,7 +233,7 @@ class ShardStore:
         return (
             f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
             f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
-            "Raise runtime.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
+            "Raise parameter_server.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
         )
 
 

@@ -56,17 +56,6 @@ def check_cluster(
     wait_for_slots(lambda: max_concurrent_tasks(sc, profile), num_workers, wait_s, master)
 
 
-def check_static_conf(master: str, conf: dict[str, str]) -> None:
-    """Settings that make a barrier stage impossible, whatever the cluster's size."""
-    dynamic = conf.get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true"
-    if dynamic and not master.startswith("local"):
-        raise ClusterConfigError(
-            f"spark.dynamicAllocation.enabled = true on {master}, but barrier-mode training needs a "
-            "fixed set of executors; start the session with spark.dynamicAllocation.enabled=false "
-            "(and spark.executor.instances set), or train on a cluster without it"
-        )
-
-
 def wait_for_slots(
     probe: Callable[[], int],
     required: int,

@@ -12,17 +12,15 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sparkdl import errors
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
-from sparkdl.errors import SchemaError, SparkDLError, TrainingFailedError
+from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
@@ -32,16 +30,6 @@ from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.training.factory import state_from_bytes
 
 log = logging.getLogger(__name__)
-
-_ERROR_LINE = re.compile(r"sparkdl\.errors\.(\w+): (.*)")
-_PYTHON_ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
-_HINTS = {
-    "ModuleNotFoundError": (
-        "executors cannot import a module that model_fn, optimizer_fn or loss_fn refers to; "
-        "install it on every executor, ship it with spark.submit.pyFiles / sc.addPyFile, or "
-        "call pyspark.cloudpickle.register_pickle_by_value(module) before fit"
-    ),
-}
 
 
 @dataclass
@@ -158,35 +146,29 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
 
 def _raise_agreed_error(rows: list[Any]) -> None:
     """Raise the error that made every rank stop together (the rejecting rank's, not its peers')."""
-    reported = sorted(
-        (row["error"] for row in rows if row["error"]), key=lambda e: e.startswith("PeerStopped")
-    )
-    if not reported:
-        return
-    name, _, message = reported[0].partition(": ")
-    cls = getattr(errors, name, TrainingFailedError)
-    raise cls(message)
+    records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
+    if records:
+        records.sort(key=lambda r: r.error_type == "PeerStopped")
+        raise located(records[0].to_error())
 
 
 def _translate(exc: Exception) -> SparkDLError:
-    """Turn a Spark job failure into the sparkdl error a worker raised, when there is one."""
-    text = str(exc)
-    found = _ERROR_LINE.findall(text)
-    if found:
-        name, message = found[-1]
-        cls = getattr(errors, name, TrainingFailedError)
-        if isinstance(cls, type) and issubclass(cls, SparkDLError):
-            return cls(message.strip())
-    python_errors = [
-        m for m in _PYTHON_ERROR_LINE.findall(text) if not m[0].startswith(("org.", "java.", "py4j."))
-    ]
-    if python_errors:
-        name, message = python_errors[-1]
-        hint = _HINTS.get(name.rsplit(".", 1)[-1], "")
-        detail = f"{name}: {message.strip()}" + (f"; {hint}" if hint else "")
-    else:
-        detail = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    """The error a worker raised, rebuilt from the record its failed task carried; the
+    Spark failure itself (first line) when no worker's record is in it."""
+    records = ErrorRecord.find_embedded(str(exc))
+    if records:
+        return located(records[-1].to_error())
+    text = str(exc).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
     return TrainingFailedError(f"the training stage failed: {detail[:2000]}")
+
+
+def located(error: SparkDLError) -> SparkDLError:
+    """The same error, its message prefixed with the rank it happened on (when known)."""
+    if error.rank is not None and not error.message.startswith(f"rank {error.rank}"):
+        error.message = f"rank {error.rank}: {error.message}"
+        error.args = (error.message,)
+    return error
 
 
 def _describe_job(spark: Any, text: str) -> None:

@@ -15,7 +15,7 @@ from sparkdl.errors import ClusterConfigError
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.store import ShardStore, split_into_shards
 from sparkdl.runtime.cluster import is_connect
-from sparkdl.runtime.task import TrainSpec
+from sparkdl.runtime.worker import TrainSpec
 from sparkdl.training.factory import build_model, build_optimizer
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
     torch.manual_seed(config.training.seed)
     model = build_model(spec.model_fn)
     params = list(model.parameters())
-    groups = split_into_shards(params, config.runtime.ps_shards)
+    groups = split_into_shards(params, config.parameter_server.ps_shards)
 
     def optimizer_fn(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return build_optimizer(shard, spec.optimizer_fn, config.optimizer)
@@ -70,9 +70,9 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
         ShardStore(
             [params[i] for i in group],
             optimizer_fn,
-            config.training.ps_mode,
+            config.parameter_server.ps_mode,
             config.training.num_workers,
-            config.training.staleness,
+            config.parameter_server.staleness,
         )
         for group in groups
     ]
@@ -80,8 +80,8 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
         stores,
         host,
         secrets.token_bytes(32),
-        config.runtime.ps_timeout_s,
-        int(config.runtime.ps_max_frame_mb * 1024 * 1024),
+        config.parameter_server.ps_timeout_s,
+        int(config.parameter_server.ps_max_frame_mb * 1024 * 1024),
         snapshot_dir=config.reliability.checkpoint_dir,
     )
     log.info(

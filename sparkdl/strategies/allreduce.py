@@ -3,18 +3,26 @@
 DDP buckets gradients and starts each bucket's all-reduce while backward is still
 running, so communication overlaps compute. With compression = "fp16" DDP's own
 communication hook halves the bytes on the wire.
+
+Every worker scales its mean loss by ``world * local_rows / global_rows``: after DDP's
+mean over workers the gradient is exactly the mean over every row of the step, as
+single-process SGD on the union of the workers' batches would compute, however
+unevenly the rows are spread. A worker without rows steps on a zero-weight filler,
+because it must join the step's all-reduce.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sparkdl.config import Compression, Strategy
 from sparkdl.strategies.base import (
+    StepInput,
+    StrategyContext,
     SyncStrategy,
-    WorkerContext,
     parameter_bytes,
     register,
     ring_allreduce_bytes,
@@ -28,30 +36,42 @@ class AllReduceStrategy(SyncStrategy):
     name = Strategy.ALLREDUCE
     shares_gradients = True
 
-    def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
-        runtime = self.config.runtime
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        runtime = ctx.config.runtime
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (e.g. batch-norm statistics) follow rank 0 at every forward; that is
         # DDP's default, so we leave the (version-dependent) flag alone.
-        ddp = DistributedDataParallel(
-            module,
+        self._ddp: DistributedDataParallel | None = DistributedDataParallel(
+            ctx.module,
             device_ids=device_ids,
             bucket_cap_mb=runtime.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
-        bytes_per_grad = parameter_bytes(module)
+        bytes_per_grad = parameter_bytes(ctx.module)
         if runtime.compression is Compression.FP16:
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            self._ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             bytes_per_grad //= 2
         self._step_bytes = ring_allreduce_bytes(bytes_per_grad, ctx.world_size)
-        self._world_size = ctx.world_size
-        return ddp
 
-    def loss_scale(self, local_rows: int, global_rows: int) -> float:
-        # DDP divides the summed gradients by the world size; this factor turns that
-        # into the mean over every row of the step, however unevenly they are spread.
-        return self._world_size * local_rows / global_rows
+    @property
+    def model(self) -> nn.Module:
+        return self._ddp if self._ddp is not None else self.ctx.module
 
-    def after_backward(self, step: int) -> None:
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        batch = step.batch if step.batch is not None else step.filler()
+        scale = self.ctx.world_size * step.rows / step.global_rows
+        loss = self._backward(step, batch, scale)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes
+        if self._judged_step(step, loss):
+            self.ctx.optimizer.step()
+        else:  # skipped: nothing of this step reaches the weights
+            loss = torch.zeros((), device=self.ctx.device)
+        self.ctx.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self) -> None:
+        # Drop DDP's reducer while the process group is still registered, so that the
+        # group's own teardown (which joins gloo's threads) does not run inside it.
+        self._ddp = None

@@ -1,30 +1,82 @@
 """The protocol every sync strategy follows, and the registry that picks one.
 
-A strategy sees the training loop at four points: ``setup`` (wrap the module),
-``after_backward`` (gradients are ready), ``after_step`` (the optimizer stepped),
-and ``end_epoch`` (report what it sent). The loop never knows which one runs.
+A strategy is built complete by its constructor from a :class:`StrategyContext`, and
+owns how a step is taken (:meth:`SyncStrategy.train_step`: forward on its model,
+backward, what happens after it, whether and how the optimizer steps). What it needs
+from the rest of the worker it declares as typed properties (``checkpoint_multiple``).
+The loop never asks which strategy runs; adding one is one new file and a
+``@register``.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.ps.server import PsEndpoint
+from sparkdl.training.guards import NanGuard
+
+TensorBatch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class WorkerContext:
-    """Where one worker runs: its rank, the world and its device."""
+class StrategyContext:
+    """Everything a strategy is built from, on one worker.
 
+    Attributes:
+        config: the run's settings.
+        rank, world_size: this worker and the world.
+        device: where the model lives.
+        module: the bare model, already on ``device``.
+        optimizer: the worker's optimizer over ``module``'s parameters.
+        control_group: the gloo group for small CPU messages (None: the default group).
+        ps: the parameter server's endpoint (strategy "parameter_server" only).
+        attempt: the stage attempt, the same on every rank.
+        resume_step: the global step the run resumed from (0: a fresh start).
+    """
+
+    config: SparkDLConfig
     rank: int
     world_size: int
     device: torch.device
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    control_group: dist.ProcessGroup | None = None
+    ps: PsEndpoint | None = None
+    attempt: int = 0
+    resume_step: int = 0
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step as the loop hands it to the strategy.
+
+    Attributes:
+        step: the global step index (0-based, counted across epochs).
+        epoch: the 1-based epoch.
+        batch: this worker's rows, or None once its partition has run out.
+        rows: rows in ``batch`` (0 without one).
+        global_rows: rows of this step over every worker.
+        loss_of: runs the strategy's model and the loss on a batch: the mean loss.
+        filler: a zero-weight batch, for a worker without rows whose strategy must
+            still join the step's collectives.
+    """
+
+    step: int
+    epoch: int
+    batch: TensorBatch | None
+    rows: int
+    global_rows: int
+    loss_of: Callable[[nn.Module, TensorBatch], torch.Tensor]
+    filler: Callable[[], TensorBatch]
 
 
 @dataclass
@@ -42,51 +94,45 @@ class SyncStats:
 
 
 class SyncStrategy(abc.ABC):
-    """Keeps the workers' models consistent. One instance per worker per fit."""
+    """Keeps the workers' models consistent. One instance per worker per fit.
+
+    Args:
+        ctx: what the strategy is built from.
+    """
 
     name: ClassVar[Strategy]
-    #: Whether a worker without rows must still run forward/backward (on a zero-weight
-    #: filler batch) because the step contains a collective every worker must join.
-    steps_without_data: ClassVar[bool] = True
-    #: Whether the strategy applies updates itself (the parameter server's optimizer
-    #: runs on the driver), so the worker's optimizer must not step.
-    applies_updates: ClassVar[bool] = False
-    #: Whether every rank steps on the same (averaged) gradients, so a non-finite value
-    #: on one rank is seen by all without another message.
+    #: Whether every rank steps on the same averaged gradient, so a non-finite value on
+    #: one rank is seen by all at the same step with no further message.
     shares_gradients: ClassVar[bool] = False
 
-    def __init__(self, config: SparkDLConfig) -> None:
-        self.config = config
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        reliability = ctx.config.reliability
+        self.guard = NanGuard(
+            reliability.on_nan_loss, reliability.max_nan_skips, ctx.rank, self.shares_gradients
+        )
         self.stats = SyncStats()
 
+    @property
+    def model(self) -> nn.Module:
+        """The module forward and backward run on (may wrap ``ctx.module``)."""
+        return self.ctx.module
+
+    @property
+    def checkpoint_multiple(self) -> int:
+        """Checkpoints fall only on global steps that are multiples of this."""
+        return 1
+
     @abc.abstractmethod
-    def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
-        """Return the module the loop runs forward/backward on (may wrap ``module``)."""
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - optional hook
-        """The optimizer has been built over the module's parameters."""
-
-    @abc.abstractmethod
-    def loss_scale(self, local_rows: int, global_rows: int) -> float:
-        """Factor on this worker's mean loss before backward."""
-
-    def after_backward(self, step: int) -> None:  # noqa: B027 - optional hook
-        """Gradients of this step are ready (and, for all-reduce, already averaged)."""
-
-    def after_step(self, step: int, local_rows: int) -> None:  # noqa: B027 - optional hook
-        """Step ``step`` is over; this worker trained on ``local_rows`` rows in it."""
-
-    def stop(self, error: SparkDLError) -> None:
-        """This rank must stop training with ``error``; raise it on every rank together at
-        the strategy's next sync point (the default: at once, on this rank alone)."""
-        raise error
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        """Take one step; return this worker's mean loss on its rows (0 without rows)."""
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         """Rank 0 is about to write the checkpoint of ``global_step``: save what the
         strategy holds outside the worker, and return entries for the checkpoint."""
         return {}
 
-    def finish(self) -> None:  # noqa: B027 - optional hook
+    def finish(self) -> None:  # noqa: B027 - only local-step strategies have work left
         """Training is over: leave every worker with the same final weights."""
 
     def end_epoch(self) -> SyncStats:
@@ -94,8 +140,30 @@ class SyncStrategy(abc.ABC):
         stats, self.stats = self.stats, SyncStats()
         return stats
 
-    def teardown(self) -> None:  # noqa: B027 - optional hook
-        """Release what ``setup`` acquired."""
+    def close(self) -> None:  # noqa: B027 - only strategies holding resources release them
+        """Release what the constructor acquired (called once, by the worker's exit stack)."""
+
+    # ----------------------------------------------------------- shared step pieces
+
+    def _backward(self, step: StepInput, batch: TensorBatch, scale: float) -> torch.Tensor:
+        """Forward, loss and backward of ``scale * loss``; return the unscaled loss."""
+        loss = step.loss_of(self.model, batch)
+        (loss * scale).backward()
+        return loss
+
+    def _judged_step(self, step: StepInput, loss: torch.Tensor) -> bool:
+        """Ask the guard whether this step may reach the weights; if it may not and a
+        failure is pending, hand it to :meth:`_stop`. The gradients are cleared either way
+        by the caller."""
+        if self.guard.allows_step(loss, self.model, step.epoch, step.step):
+            return True
+        if self.guard.failure is not None:
+            self._stop(self.guard.failure)
+        return False
+
+    def _stop(self, error: SparkDLError) -> None:
+        """This rank must stop with ``error``: by default at once, on this rank alone."""
+        raise error
 
 
 _REGISTRY: dict[Strategy, type[SyncStrategy]] = {}
@@ -107,19 +175,15 @@ def register(cls: type[SyncStrategy]) -> type[SyncStrategy]:
     return cls
 
 
-def create_strategy(config: SparkDLConfig, **resources: Any) -> SyncStrategy:
-    """Build the strategy named by ``config.training.strategy``.
-
-    ``resources`` are handed to strategies that need more than the config (the
-    parameter server's endpoint and the stage attempt).
-    """
-    name = config.training.strategy
+def create_strategy(ctx: StrategyContext) -> SyncStrategy:
+    """Build the strategy named by ``ctx.config.training.strategy``."""
+    name = ctx.config.training.strategy
     try:
         cls = _REGISTRY[name]
     except KeyError:
         valid = ", ".join(s.value for s in _REGISTRY)
         raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
-    return cls(config, **resources) if resources else cls(config)
+    return cls(ctx)
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.config import PsMode, SparkDLConfig, Strategy
+from sparkdl.config import PsMode, Strategy
 from sparkdl.errors import ConfigError, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
-from sparkdl.ps.server import PsEndpoint
-from sparkdl.strategies.base import SyncStats, SyncStrategy, WorkerContext, register
+from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy, register
 
 
 @register
@@ -28,55 +27,52 @@ class ParameterServerStrategy(SyncStrategy):
     """Gradients to the driver, weights back, by clock (sync / ssp) or as they come (async)."""
 
     name = Strategy.PARAMETER_SERVER
-    steps_without_data = False
-    applies_updates = True
 
-    def __init__(
-        self, config: SparkDLConfig, ps: PsEndpoint | None = None, attempt: int = 0, start_step: int = 0
-    ) -> None:
-        super().__init__(config)
-        if ps is None:
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        if ctx.ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
-        self._endpoint = ps
-        self._attempt = attempt
-        self._start_step = start_step  # > 0: resumed from the checkpoint of this global step
-        training = config.training
-        self._mode = training.ps_mode
-        self._push_every = training.push_every if self._mode is PsMode.ASYNC else 1
-        self._pull_every = training.pull_every if self._mode is PsMode.ASYNC else 1
-        self._client: PsClient | None = None
-
-    def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
-        params = list(module.parameters())
-        self._shards = [[params[i] for i in shard] for shard in self._endpoint.shard_params]
-        self._client = PsClient(self._endpoint, ctx.rank, self._attempt, self._start_step)
+        settings = ctx.config.parameter_server
+        self._mode = settings.ps_mode
+        self._push_every = settings.push_every if self._mode is PsMode.ASYNC else 1
+        self._pull_every = settings.pull_every if self._mode is PsMode.ASYNC else 1
+        params = list(ctx.module.parameters())
+        self._shards = [[params[i] for i in shard] for shard in ctx.ps.shard_params]
         self._accumulated = [torch.zeros(sum(p.numel() for p in s)) for s in self._shards]
         self._rows = 0
         self._version = 0
-        self._pull(self._start_step)
-        return module
+        # ctx.resume_step > 0: resumed from the checkpoint of that global step; the server
+        # returns to its snapshot of it, and its weights win over the checkpoint's copy.
+        self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step)
+        try:
+            self._pull(ctx.resume_step)
+        except BaseException:
+            self._client.close()
+            raise
 
-    def loss_scale(self, local_rows: int, global_rows: int) -> float:
-        return 1.0
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        loss = torch.zeros((), device=self.ctx.device)
+        if step.batch is not None:  # the optimizer runs on the server: the worker only computes gradients
+            loss = self._backward(step, step.batch, 1.0)
+            if self._judged_step(step, loss):
+                for acc, shard in zip(self._accumulated, self._shards, strict=True):
+                    acc += _flat_grad(shard) * step.rows
+                self._rows += step.rows
+            else:
+                loss = torch.zeros((), device=self.ctx.device)
+            self.ctx.optimizer.zero_grad(set_to_none=True)
+        if (step.step + 1) % self._push_every == 0:
+            self._push(step.step)
+        if (step.step + 1) % self._pull_every == 0:
+            self._pull(step.step + 1)
+        return loss
 
-    def after_step(self, step: int, local_rows: int) -> None:
-        if local_rows:
-            for acc, shard in zip(self._accumulated, self._shards, strict=True):
-                acc += _flat_grad(shard) * local_rows
-            self._rows += local_rows
-        if (step + 1) % self._push_every == 0:
-            self._push(step)
-        if (step + 1) % self._pull_every == 0:
-            self._pull(step + 1)
-
-    def stop(self, error: SparkDLError) -> None:
+    def _stop(self, error: SparkDLError) -> None:
         """Tell the server, which fails the other workers' next pull or push; stop together."""
-        assert self._client is not None
         self._client.abort(f"{type(error).__name__}: {error}")
         raise agreed(error)
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
-        assert self._client is not None
         if self._rows:  # async, between pushes: send what was accumulated so it is not lost
             self._push(global_step - 1)
         return {"ps_versions": self._client.snapshot(global_step)}
@@ -86,7 +82,6 @@ class ParameterServerStrategy(SyncStrategy):
             self._push(-1)
 
     def end_epoch(self) -> SyncStats:
-        assert self._client is not None
         client = self._client.stats
         shard_pushes = client.pushes * len(self._shards)
         stats = SyncStats(
@@ -102,12 +97,10 @@ class ParameterServerStrategy(SyncStrategy):
         self._client.stats = ClientStats()
         return stats
 
-    def teardown(self) -> None:
-        if self._client is not None:
-            self._client.close()
+    def close(self) -> None:
+        self._client.close()
 
     def _push(self, step: int) -> None:
-        assert self._client is not None
         # sync/ssp push the clock they computed; async pushes the version it computed on
         clock = self._version if self._mode is PsMode.ASYNC else step
         self._client.push(clock, self._rows, self._accumulated)
@@ -116,7 +109,6 @@ class ParameterServerStrategy(SyncStrategy):
         self._rows = 0
 
     def _pull(self, clock: int) -> None:
-        assert self._client is not None
         results = self._client.pull(clock)
         with torch.no_grad():
             for (_, flat), shard in zip(results, self._shards, strict=True):

@@ -28,11 +28,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from sparkdl.config import Strategy
 from sparkdl.errors import PeerStopped, SparkDLError, agreed
-from sparkdl.strategies.base import SyncStrategy, WorkerContext, register, ring_allreduce_bytes
+from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, register, ring_allreduce_bytes
 
 
 @register
@@ -40,52 +39,60 @@ class WeightAveragingStrategy(SyncStrategy):
     """w <- weighted mean_i(w_i) every ``sync_every`` steps; no traffic in between."""
 
     name = Strategy.WEIGHT_AVERAGING
-    steps_without_data = False
 
-    def setup(self, module: nn.Module, ctx: WorkerContext) -> nn.Module:
-        self._module = module
-        self._ctx = ctx
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._tau = self.config.training.sync_every
-        self._bucket_bytes = int(self.config.runtime.bucket_cap_mb * 1024 * 1024)
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self._tau = ctx.config.weight_averaging.sync_every
+        self._average_state = ctx.config.weight_averaging.average_optimizer_state
+        self._bucket_bytes = int(ctx.config.runtime.bucket_cap_mb * 1024 * 1024)
         self._rows_since_sync = 0
-        self._stopping: SparkDLError | None = None
         self._steps_since_sync = 0
+        self._stopping: SparkDLError | None = None
         for tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             dist.broadcast(tensor, src=0)
-        return module
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer = optimizer
+    @property
+    def checkpoint_multiple(self) -> int:
+        # Right after an average every worker holds the same weights: the only steps
+        # at which one checkpoint (rank 0's) stands for all of them.
+        return self._tau
 
-    def loss_scale(self, local_rows: int, global_rows: int) -> float:
-        return 1.0  # every worker steps on its own mean loss
-
-    def after_step(self, step: int, local_rows: int) -> None:
-        self._rows_since_sync += local_rows
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        rows = 0
+        loss = torch.zeros((), device=self.ctx.device)
+        if step.batch is not None:  # a worker without rows only joins the averages
+            loss = self._backward(step, step.batch, 1.0)  # each worker steps on its own mean loss
+            if self._judged_step(step, loss):
+                self.ctx.optimizer.step()
+                rows = step.rows
+            else:
+                loss = torch.zeros((), device=self.ctx.device)
+            self.ctx.optimizer.zero_grad(set_to_none=True)
+        self._rows_since_sync += rows
         self._steps_since_sync += 1
-        if (step + 1) % self._tau == 0:
+        if (step.step + 1) % self._tau == 0:
             self._average()
+        return loss
 
     def finish(self) -> None:
         if self._steps_since_sync:
             self._average()
 
-    def stop(self, error: SparkDLError) -> None:
+    def _stop(self, error: SparkDLError) -> None:
         self._stopping = error  # raised on every rank at the next average
 
     def _average(self) -> None:
         # One small all-reduce carries the rows of this round and which ranks must stop.
-        message = torch.zeros(1 + self._ctx.world_size, dtype=torch.float64, device=self._ctx.device)
+        world, rank = self.ctx.world_size, self.ctx.rank
+        message = torch.zeros(1 + world, dtype=torch.float64, device=self.ctx.device)
         message[0] = float(self._rows_since_sync)
-        message[1 + self._ctx.rank] = 1.0 if self._stopping is not None else 0.0
+        message[1 + rank] = 1.0 if self._stopping is not None else 0.0
         dist.all_reduce(message)
         values = message.tolist()
-        stopped = [rank for rank, flag in enumerate(values[1:]) if flag]
+        stopped = [r for r, flag in enumerate(values[1:]) if flag]
         if stopped:
             raise agreed(
-                self._stopping
-                or PeerStopped(f"rank {self._ctx.rank} stopped with rank(s) {stopped}, which failed")
+                self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
             )
         tensors = list(self._model_tensors())
         if self._include_optimizer_state():
@@ -95,7 +102,7 @@ class WeightAveragingStrategy(SyncStrategy):
             self._weighted_all_reduce(tensors, self._rows_since_sync / total)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += ring_allreduce_bytes(
-            sum(t.numel() * t.element_size() for t in tensors), self._ctx.world_size
+            sum(t.numel() * t.element_size() for t in tensors), world
         )
         self._rows_since_sync = self._steps_since_sync = 0
 
@@ -106,8 +113,8 @@ class WeightAveragingStrategy(SyncStrategy):
             flat = torch.cat([t.detach().reshape(-1) for t in bucket]).mul_(own_weight)
             pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
         for bucket, flat, work in pending:
-            assert work is not None
-            work.wait()
+            if work is not None:
+                work.wait()
             offset = 0
             with torch.no_grad():
                 for tensor in bucket:
@@ -115,14 +122,15 @@ class WeightAveragingStrategy(SyncStrategy):
                     offset += tensor.numel()
 
     def _model_tensors(self) -> Iterator[torch.Tensor]:
-        yield from (p.data for p in self._module.parameters())
-        yield from (b for b in self._module.buffers() if b.is_floating_point())
+        module = self.ctx.module
+        yield from (p.data for p in module.parameters())
+        yield from (b for b in module.buffers() if b.is_floating_point())
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        assert self._optimizer is not None
-        for group in self._optimizer.param_groups:
+        optimizer = self.ctx.optimizer
+        for group in optimizer.param_groups:
             for param in group["params"]:
-                state = self._optimizer.state.get(param, {})
+                state = optimizer.state.get(param, {})
                 for key in sorted(state):
                     value = state[key]
                     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
@@ -130,12 +138,12 @@ class WeightAveragingStrategy(SyncStrategy):
 
     def _include_optimizer_state(self) -> bool:
         """True when state is averaged and every worker holds the same set of state tensors."""
-        if not self.config.training.average_optimizer_state or self._optimizer is None:
+        if not self._average_state:
             return False
         count = sum(t.numel() for t in self._optimizer_tensors())
-        agreed = torch.tensor([count, -count], dtype=torch.float64, device=self._ctx.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return count > 0 and agreed[0].item() == count and -agreed[1].item() == count
+        counts = torch.tensor([count, -count], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        return count > 0 and counts[0].item() == count and -counts[1].item() == count
 
 
 def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:

@@ -6,14 +6,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.strategies.base import SyncStrategy
 from sparkdl.training.factory import cpu_state_dict
+
+if TYPE_CHECKING:
+    from sparkdl.strategies.base import SyncStrategy
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class Resume:
 
 
 class Checkpointer:
-    """Writes checkpoints on rank 0 and restores them on every rank.
+    """Writes checkpoints on rank 0.
 
     Args:
         store: the run's checkpoint directory.
@@ -47,10 +49,10 @@ class Checkpointer:
         rank: this worker's rank; only rank 0 writes.
         module: the unwrapped model.
         optimizer: the worker's optimizer.
-        align: checkpoints only at global steps that are multiples of this
-            (weight averaging: right after an average, when all workers agree).
-        strategy: saves its own state first (the parameter server's shards) and adds
-            entries to the checkpoint.
+        strategy: saves its own state first (the parameter server's shards), adds
+            entries to the checkpoint, and says on which steps checkpoints may fall
+            (``checkpoint_multiple``: weight averaging only right after an average,
+            when all workers agree).
     """
 
     def __init__(
@@ -60,16 +62,15 @@ class Checkpointer:
         rank: int,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        align: int = 1,
-        strategy: SyncStrategy | None = None,
+        strategy: SyncStrategy,
     ) -> None:
         self.store = store
         self.every = every
         self.rank = rank
         self.module = module
         self.optimizer = optimizer
-        self.align = align
         self.strategy = strategy
+        self.align = strategy.checkpoint_multiple
         self.history: list[dict[str, Any]] = []
         self.written = 0
 
@@ -86,7 +87,7 @@ class Checkpointer:
             self._save(position)
 
     def _save(self, position: Position) -> None:
-        extra = self.strategy.checkpoint_state(position.global_steps_done) if self.strategy else {}
+        extra = self.strategy.checkpoint_state(position.global_steps_done)
         state = {
             **extra,
             "format": 1,
@@ -100,20 +101,23 @@ class Checkpointer:
         self.store.save(position.global_steps_done, state)
         self.written += 1
 
-    def restore(self, global_steps_done: int) -> Resume:
-        """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank)."""
-        started = time.time()
-        state = self.store.load(global_steps_done)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        position = Position(
-            int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"])
-        )
-        self.history = json.loads(state["history"])
-        progress = self.store.progress()
-        redone = max(progress.step - position.global_steps_done, 0) if progress else 0
-        since = progress.wall_time if progress else started
-        log.info(
-            "rank %d resumed from step %d (%d steps to redo)", self.rank, position.global_steps_done, redone
-        )
-        return Resume(position, list(self.history), redone, since, time.time())
+
+def restore(
+    store: CheckpointStore,
+    global_steps_done: int,
+    rank: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> Resume:
+    """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank)."""
+    started = time.time()
+    state = store.load(global_steps_done)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    position = Position(int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"]))
+    history = json.loads(state["history"])
+    progress = store.progress()
+    redone = max(progress.step - position.global_steps_done, 0) if progress else 0
+    since = progress.wall_time if progress else started
+    log.info("rank %d resumed from step %d (%d steps to redo)", rank, position.global_steps_done, redone)
+    return Resume(position, list(history), redone, since, time.time())

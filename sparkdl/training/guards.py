@@ -5,6 +5,7 @@ Pure torch; the training loop calls these, so the rules are tested without Spark
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import time
@@ -14,55 +15,40 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sparkdl.config import OnError
-from sparkdl.errors import PeerStopped, SparkDLError, TrainingFailedError, agreed
+from sparkdl.config import DrillKind, FaultDrillSpec, OnError
+from sparkdl.errors import BadDataError, PeerStopped, SparkDLError, TrainingFailedError, agreed
 
 _HANG_LIMIT_S = 900.0  # a drilled hang still ends by itself
 
 
-@dataclass(frozen=True)
-class FaultDrill:
-    """A fault injected on purpose: ``kind:rank:step:marker``.
+def fire_drill(drill: FaultDrillSpec, rank: int, global_step: int, module: nn.Module) -> None:
+    """Inject the configured fault if this is its rank and step (``reliability.fault_injection``).
 
-    ``raise`` raises an exception before the step; ``exit`` kills the worker process
-    in the middle of backward, while gradient all-reduces are in flight; ``hang``
-    stops responding; ``killjvm`` kills the executor JVM that runs this task (only
-    where executors are separate JVMs: local-cluster or a real cluster). The drill
-    fires once: it creates ``marker`` first, and does not fire while ``marker`` exists
-    (an empty marker fires on every attempt).
+    ``raise`` raises an exception before the step; ``exit`` kills the worker process in
+    the middle of backward, while gradient all-reduces are in flight; ``hang`` stops
+    responding; ``killjvm`` kills the executor JVM that runs this task (only where
+    executors are separate JVMs: local-cluster or a real cluster). The drill fires once:
+    it creates ``marker`` first, and does not fire while ``marker`` exists (an empty
+    marker fires on every attempt).
     """
-
-    kind: str
-    rank: int
-    step: int
-    marker: str
-
-    @classmethod
-    def parse(cls, text: str) -> FaultDrill | None:
-        if not text:
-            return None
-        kind, rank, step, marker = text.split(":", 3)
-        return cls(kind, int(rank), int(step), marker)
-
-    def maybe_fire(self, rank: int, global_step: int, module: nn.Module) -> None:
-        if rank != self.rank or global_step != self.step:
+    if rank != drill.rank or global_step != drill.step:
+        return
+    if drill.marker:
+        if Path(drill.marker).exists():
             return
-        if self.marker:
-            if Path(self.marker).exists():
-                return
-            Path(self.marker).write_text(f"rank {rank} step {global_step} pid {os.getpid()}\n")
-        if self.kind == "raise":
-            raise RuntimeError(f"fault drill: rank {rank} raised at step {global_step}")
-        if self.kind == "exit":
-            first = next(module.parameters())  # its gradient comes last: other buckets are in flight
-            first.register_hook(lambda grad: os._exit(17))
-        elif self.kind == "killjvm":
-            os.kill(_executor_jvm_pid(), signal.SIGKILL)
-            time.sleep(_HANG_LIMIT_S)  # the JVM's death takes this process down with it
-        elif self.kind == "hang":
-            deadline = time.monotonic() + _HANG_LIMIT_S
-            while time.monotonic() < deadline:
-                time.sleep(0.1)
+        Path(drill.marker).write_text(f"rank {rank} step {global_step} pid {os.getpid()}\n")
+    if drill.kind is DrillKind.RAISE:
+        raise RuntimeError(f"fault drill: rank {rank} raised at step {global_step}")
+    if drill.kind is DrillKind.EXIT:
+        first = next(module.parameters())  # its gradient comes last: other buckets are in flight
+        first.register_hook(lambda grad: os._exit(17))
+    elif drill.kind is DrillKind.KILLJVM:
+        os.kill(_executor_jvm_pid(), signal.SIGKILL)
+        time.sleep(_HANG_LIMIT_S)  # the JVM's death takes this process down with it
+    elif drill.kind is DrillKind.HANG:
+        deadline = time.monotonic() + _HANG_LIMIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _executor_jvm_pid() -> int:
@@ -81,20 +67,79 @@ def _executor_jvm_pid() -> int:
     )
 
 
+class Action(enum.Enum):
+    """What a step with the given finiteness does."""
+
+    APPLY = "apply"  # the optimizer steps
+    SKIP = "skip"  # nothing of this step reaches the weights
+    STOP = "stop"  # raise ``error`` now (on every rank alike when ``agreed``)
+    DEFER = "defer"  # skip, and raise ``error`` on every rank at the strategy's next sync point
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    error: SparkDLError | None = None
+    agreed: bool = False
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """The facts a decision is made from."""
+
+    loss_finite: bool
+    grads_finite: bool
+    loss_value: float
+    rank: int
+    epoch: int
+    step: int
+
+
+def decide(
+    health: StepHealth, policy: OnError, max_skips: int, in_a_row: int, shares_gradients: bool
+) -> Decision:
+    """What a step does, given whether its loss and gradients are finite (pure).
+
+    ``in_a_row`` counts the non-finite steps right before this one. With shared
+    gradients (all-reduce) a non-finite gradient is seen by every rank at the same step,
+    so they stop together with no further message; a non-finite loss with finite
+    gradients is this rank's own. Local-step strategies defer the error to their next
+    sync point, so that no per-step message holds the ranks in lockstep.
+    """
+    if health.loss_finite and health.grads_finite:
+        return Decision(Action.APPLY)
+    where = f"epoch {health.epoch}, step {health.step}"
+    error: SparkDLError
+    if health.loss_finite:  # with all-reduce: another rank's gradient made the average non-finite
+        error = PeerStopped(
+            f"non-finite averaged gradient at {where}; rank {health.rank}'s own loss was finite"
+        )
+    else:
+        error = TrainingFailedError(
+            f"non-finite loss or gradient at rank {health.rank}, {where} (loss "
+            f"{health.loss_value:.4g}); the step was not applied. Lower the learning rate, "
+            "check the inputs, or set on_nan_loss = 'skip'",
+            {health.rank: "non-finite loss"},
+        )
+    if policy is OnError.SKIP:
+        if in_a_row + 1 <= max_skips:
+            return Decision(Action.SKIP)
+        error = TrainingFailedError(
+            f"{in_a_row + 1} steps in a row had a non-finite loss or gradient on rank "
+            f"{health.rank} (last at {where}); stopping after max_nan_skips = {max_skips}",
+            {health.rank: "non-finite loss"},
+        )
+    if not shares_gradients:
+        return Decision(Action.DEFER, error)
+    return Decision(Action.STOP, error, agreed=not health.grads_finite)
+
+
 class NanGuard:
-    """Decides what a step with a non-finite loss or gradient does; never lets it reach
-    the weights (the optimizer step is what is skipped).
+    """Applies :func:`decide` step after step and keeps its counts; never lets a
+    non-finite step reach the weights (the optimizer step is what is skipped).
 
-    All-reduce (``shares_gradients``): every rank holds the same averaged gradient, so
-    a non-finite gradient is seen by all ranks at the same step and they stop together
-    with no further message; the rank whose own loss was non-finite names itself.
-
-    Local-step strategies (weight averaging, parameter server): a rank's step touches
-    only its own weights or push, so a non-finite step is skipped there and counted.
-    An error is not raised at once: the rank keeps skipping its steps and the strategy
-    raises it on every rank together at its next sync point (the next average; the
-    server's next answer), with no per-step message that would hold the ranks in
-    lockstep. ``failure`` holds that pending error.
+    ``failure`` holds a deferred error (local-step strategies): the rank keeps skipping
+    its steps until the strategy raises it at its next sync point.
     """
 
     def __init__(self, policy: OnError, max_skips: int, rank: int, shares_gradients: bool = True) -> None:
@@ -107,38 +152,33 @@ class NanGuard:
         self._in_a_row = 0
 
     def allows_step(self, loss: torch.Tensor, module: nn.Module, epoch: int, global_step: int) -> bool:
+        """Whether the optimizer may step; raises when every rank (or this one) must stop."""
         if self.failure is not None:
             return False  # stopping: skip until the strategy raises at its sync point
         loss_finite, grads_finite = _finite(loss, module)
-        if loss_finite and grads_finite:
+        health = StepHealth(
+            loss_finite,
+            grads_finite,
+            float(loss.detach()) if not loss_finite else 0.0,
+            self.rank,
+            epoch,
+            global_step,
+        )
+        decision = decide(health, self.policy, self.max_skips, self._in_a_row, self.shares_gradients)
+        if decision.action is Action.APPLY:
             self._in_a_row = 0
             return True
-        where = f"epoch {epoch}, step {global_step}"
-        if loss_finite:  # with all-reduce: another rank's gradient made the average non-finite
-            error: SparkDLError = PeerStopped(
-                f"non-finite averaged gradient at {where}; rank {self.rank}'s own loss was finite"
-            )
-        else:
-            error = TrainingFailedError(
-                f"non-finite loss or gradient at rank {self.rank}, {where} (loss "
-                f"{float(loss.detach()):.4g}); the step was not applied. Lower the learning rate, "
-                "check the inputs, or set on_nan_loss = 'skip'",
-                {self.rank: "non-finite loss"},
-            )
+        self._in_a_row += 1
+        if decision.action is Action.SKIP:
+            self.skipped += 1
+            return False
+        assert decision.error is not None
         if self.policy is OnError.SKIP:
             self.skipped += 1
-            self._in_a_row += 1
-            if self._in_a_row <= self.max_skips:
-                return False
-            error = TrainingFailedError(
-                f"{self._in_a_row} steps in a row had a non-finite loss or gradient on rank "
-                f"{self.rank} (last at {where}); stopping after max_nan_skips = {self.max_skips}",
-                {self.rank: "non-finite loss"},
-            )
-        if not self.shares_gradients:
-            self.failure = error
+        if decision.action is Action.DEFER:
+            self.failure = decision.error
             return False
-        raise agreed(error) if not grads_finite else error
+        raise agreed(decision.error) if decision.agreed else decision.error
 
 
 def _finite(loss: torch.Tensor, module: nn.Module) -> tuple[bool, bool]:
@@ -148,3 +188,55 @@ def _finite(loss: torch.Tensor, module: nn.Module) -> tuple[bool, bool]:
     flags = torch.stack([torch.isfinite(loss.detach()).all(), torch.isfinite(grad_total)])
     loss_finite, grads_finite = flags.tolist()
     return bool(loss_finite), bool(grads_finite)
+
+
+class LabelRangeCheck:
+    """Finds class labels the model has no output for, before the step (so that the
+    rejection reaches every rank through the step's control all-reduce).
+
+    Args:
+        module: the bare model (not DDP: the probe must not join a collective).
+        device: where the model lives.
+        rank: this worker's rank, for the message.
+        column: the label column's name.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, rank: int, column: str = "label") -> None:
+        self._module = module
+        self._device = device
+        self._rank = rank
+        self._column = column
+        self._classes: int | None = None
+
+    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> BadDataError | None:
+        x, labels = batch
+        if not len(labels):
+            return None
+        if self._classes is None:
+            self._classes = self._probe_classes(x[:1])
+        bad = int((labels >= self._classes).sum())
+        if not bad:
+            return None
+        return BadDataError(
+            f"rank {self._rank}: {bad} labels are >= {self._classes}, the number of classes the "
+            f"model outputs (largest label {int(labels.max())}); widen the model's last layer "
+            "or re-index the labels",
+            column=self._column,
+            bad_rows=bad,
+        )
+
+    def _probe_classes(self, x: torch.Tensor) -> int:
+        """The model's number of outputs, from one row in eval mode (no collective, no
+        batch-norm statistics touched, no random numbers drawn)."""
+        self._module.eval()
+        try:
+            with torch.no_grad():
+                output = self._module(x.to(self._device))
+        finally:
+            self._module.train()
+        return int(output.shape[1]) if output.dim() > 1 else 1
+
+
+def no_label_check(batch: tuple[torch.Tensor, torch.Tensor]) -> BadDataError | None:
+    """Labels of a regression loss take any value."""
+    return None

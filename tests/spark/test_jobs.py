@@ -38,7 +38,7 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
 @pytest.mark.slow
 def test_weight_averaging_every_8_steps_is_within_2_points_of_allreduce(spark, tmp_path):
     base = run_train_job(load_job_config(ROOT / "conf/local.toml"), tmp_path / "allreduce", spark=spark)
-    overrides = ['training.strategy="weight_averaging"', "training.sync_every=8"]
+    overrides = ['training.strategy="weight_averaging"', "weight_averaging.sync_every=8"]
     local_sgd = run_train_job(
         load_job_config(ROOT / "conf/local.toml", overrides), tmp_path / "wa", spark=spark
     )
@@ -66,9 +66,13 @@ def allreduce_accuracy(spark, tmp_path_factory):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ['training.ps_mode="sync"'],
-        ['training.ps_mode="async"', "training.push_every=2", "training.pull_every=2"],
-        ['training.ps_mode="ssp"', "training.staleness=2"],
+        ['parameter_server.ps_mode="sync"'],
+        [
+            'parameter_server.ps_mode="async"',
+            "parameter_server.push_every=2",
+            "parameter_server.pull_every=2",
+        ],
+        ['parameter_server.ps_mode="ssp"', "parameter_server.staleness=2"],
     ],
     ids=["sync", "async", "ssp"],
 )
@@ -80,7 +84,7 @@ def test_parameter_server_modes_are_within_2_points_of_allreduce(
     assert abs(metrics["test_accuracy"] - allreduce_accuracy) <= 0.02
     history = metrics["history"]
     assert all(h["pushes"] > 0 and h["pulls"] > 0 and h["bytes_received"] > 0 for h in history)
-    if config.sparkdl.training.ps_mode.value == "sync":
+    if config.sparkdl.parameter_server.ps_mode.value == "sync":
         assert all(h["staleness_max"] == 0 for h in history)
     # the server stopped with fit: its thread and port are gone
     assert not any(t.name.startswith("sparkdl-ps") and t.is_alive() for t in threading.enumerate())
@@ -129,4 +133,4 @@ def test_python_job_reports_config_errors_without_a_traceback(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2
-    assert "unknown key(s) epochz" in done.stderr and "Traceback" not in done.stderr
+    assert "unknown key 'epochz'; did you mean 'epochs'?" in done.stderr and "Traceback" not in done.stderr

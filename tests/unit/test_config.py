@@ -1,9 +1,21 @@
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from sparkdl import ConfigError, SparkDLConfig, TorchEstimator, load_config
-from sparkdl.config import Compression, Strategy, parse_override
+from sparkdl.config import (
+    SECTIONS,
+    Compression,
+    DrillKind,
+    FaultDrillSpec,
+    PsMode,
+    Strategy,
+    flat_field_owners,
+    parse_override,
+)
+from sparkdl.config_loading import section_owners
 from sparkdl.job import load_job_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,14 +56,135 @@ def test_file_values_land_in_typed_fields(tmp_path):
 def test_unknown_key_names_the_file_section_and_key(tmp_path):
     path = write(tmp_path, "[training]\nbatch_sise = 16\n")
     with pytest.raises(
-        ConfigError, match=r"c\.toml \[training\]: unknown key\(s\) batch_sise; valid keys: .*batch_size"
+        ConfigError, match=r"c\.toml \[training\]: unknown key 'batch_sise'; did you mean 'batch_size'\?$"
     ):
         load_config(path)
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz'; valid keys: batch_size, epochs, loss"):
+        load_config(write(tmp_path, "[training]\nzzz = 1\n"))
 
 
 def test_unknown_section_is_an_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown section.*trainig"):
+    with pytest.raises(ConfigError, match=r"unknown section 'trainig'; did you mean 'training'\?"):
         load_config(write(tmp_path, "[trainig]\nepochs = 1\n"))
+
+
+def test_a_job_file_given_to_the_library_loader_says_which_loader_reads_it():
+    with pytest.raises(
+        ConfigError, match=r"\[job\], \[spark\] belong to a job's config file.*load_job_config"
+    ):
+        load_config(ROOT / "conf/local.toml")
+
+
+def test_strategy_settings_live_in_the_section_named_after_their_strategy(tmp_path):
+    path = write(
+        tmp_path,
+        "[weight_averaging]\nsync_every = 4\naverage_optimizer_state = false\n"
+        '[parameter_server]\nps_mode = "ssp"\nstaleness = 3\nps_shards = 2\nps_timeout_s = 9\n',
+    )
+    config = load_config(path, ["parameter_server.push_every=5"])
+    assert config.weight_averaging.sync_every == 4
+    assert config.weight_averaging.average_optimizer_state is False
+    assert config.parameter_server.ps_mode is PsMode.SSP
+    assert (config.parameter_server.staleness, config.parameter_server.ps_shards) == (3, 2)
+    assert config.parameter_server.ps_timeout_s == 9.0
+    assert config.parameter_server.push_every == 5
+    owners = flat_field_owners()
+    assert {owners[n] for n in ("sync_every", "average_optimizer_state")} == {"weight_averaging"}
+    moved = (
+        "ps_mode",
+        "staleness",
+        "push_every",
+        "pull_every",
+        "ps_timeout_s",
+        "ps_shards",
+        "ps_max_frame_mb",
+    )
+    assert {owners[n] for n in moved} == {"parameter_server"}
+    assert owners["compression"] == owners["bucket_cap_mb"] == owners["teardown_timeout_s"] == "runtime"
+
+
+@pytest.mark.parametrize(
+    ("override", "owner"),
+    [
+        ("training.sync_every=8", "weight_averaging"),
+        ("training.average_optimizer_state=false", "weight_averaging"),
+        ('training.ps_mode="async"', "parameter_server"),
+        ("training.staleness=1", "parameter_server"),
+        ("runtime.ps_timeout_s=5", "parameter_server"),
+        ("runtime.ps_shards=2", "parameter_server"),
+        ('parameter_server.compression="fp16"', "runtime"),
+    ],
+)
+def test_a_key_in_the_wrong_section_names_the_section_it_belongs_in(tmp_path, override, owner):
+    section, key = override.split("=")[0].split(".")
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}: {key} belongs in \[{owner}\]"):
+        load_config(write(tmp_path, ""), [override])
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}: {key} belongs in \[{owner}\]"):
+        load_config(write(tmp_path, f"[{section}]\n{key} = {override.split('=')[1]}\n"))
+
+
+def test_a_misspelt_key_is_matched_across_sections(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'ps_timout_s'; did you mean parameter_server\.ps_timeout_s"
+    ):
+        load_config(write(tmp_path, "[runtime]\nps_timout_s = 5\n"))
+
+
+def test_the_flat_surface_is_unchanged_by_the_sections():
+    config = SparkDLConfig().replace(sync_every=3, ps_mode="async", staleness=0, teardown_timeout_s=5)
+    assert config.weight_averaging.sync_every == 3
+    assert config.parameter_server.ps_mode is PsMode.ASYNC
+    assert config.parameter_server.staleness == 0
+    assert config.runtime.teardown_timeout_s == 5.0
+    flat = config.flat()
+    assert (flat["sync_every"], flat["ps_mode"], flat["teardown_timeout_s"]) == (3, "async", 5.0)
+    assert set(flat) == set(flat_field_owners())
+    assert len(flat) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+
+
+def test_teardown_timeout_defaults_to_a_minute_and_must_be_positive():
+    assert SparkDLConfig().runtime.teardown_timeout_s == 60.0
+    with pytest.raises(ConfigError, match=r"runtime\.teardown_timeout_s = 0\.0 must be > 0"):
+        SparkDLConfig().replace(teardown_timeout_s=0.0)
+
+
+def test_a_setting_name_declared_by_two_sections_fails_naming_both():
+    @dataclasses.dataclass(frozen=True)
+    class Averaging:
+        sync_every: int = 8
+
+    @dataclasses.dataclass(frozen=True)
+    class Training:
+        epochs: int = 1
+        sync_every: int = 4
+
+    with pytest.raises(ConfigError, match=r"'sync_every' is declared in both \[averaging\] and \[training\]"):
+        section_owners({"averaging": Averaging, "training": Training})
+    assert section_owners(SECTIONS) == flat_field_owners()  # the library's own sections pass
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rasie:1:5:/tmp/m", r"'rasie' is not a drill kind.*KIND one of raise, exit, hang, killjvm"),
+        ("raise:one:5:/tmp/m", r"RANK = 'one' must be an integer >= 0"),
+        ("exit:1:5.5:/tmp/m", r"STEP = '5\.5' must be an integer >= 0"),
+        ("hang:1:-2:", r"STEP = '-2' must be an integer >= 0"),
+        ("raise:1:5", r"the form is KIND:RANK:STEP:MARKER_FILE"),
+    ],
+)
+def test_a_bad_fault_drill_fails_when_the_config_is_built(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=rf"reliability\.fault_injection = '{re.escape(text)}'.*{message}"):
+        SparkDLConfig().replace(fault_injection=text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, f'[reliability]\nfault_injection = "{text}"\n'))
+
+
+def test_the_fault_drill_is_parsed_into_a_typed_spec():
+    assert SparkDLConfig().reliability.drill is None
+    config = SparkDLConfig().replace(fault_injection="KillJVM:1:12:/tmp/fired:once")
+    assert config.reliability.drill == FaultDrillSpec(DrillKind.KILLJVM, 1, 12, "/tmp/fired:once")
+    assert FaultDrillSpec.parse("raise:0:3:") == FaultDrillSpec(DrillKind.RAISE, 0, 3, "")
 
 
 def test_wrong_type_and_bad_choice_are_errors(tmp_path):
@@ -95,8 +228,10 @@ def test_estimator_kwargs_and_config_describe_the_same_settings(tmp_path):
     assert est.getOrDefault("batch_size") == 4
 
 
-def test_estimator_rejects_unknown_settings_listing_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown setting.*batchsize.*valid settings: .*batch_size"):
+def test_estimator_rejects_unknown_settings_naming_the_close_one():
+    with pytest.raises(ConfigError, match=r"^unknown setting 'batchsize'; did you mean 'batch_size'\?$"):
         TorchEstimator(model_fn=lambda: None, batchsize=3)
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) 'qqq'; valid settings: .*batch_size"):
+        TorchEstimator(model_fn=lambda: None, qqq=3)
     with pytest.raises(ConfigError, match="loss"):
         TorchEstimator(model_fn=lambda: None, loss_fn="hinge")

@@ -4,7 +4,7 @@ import torch
 from sparkdl import ClusterConfigError
 from sparkdl.config import Backend, UseGpu
 from sparkdl.errors import BadDataError, TrainingFailedError
-from sparkdl.runtime.cluster import _parse_seconds, check_static_conf, wait_for_slots
+from sparkdl.runtime.cluster import _parse_seconds, wait_for_slots
 from sparkdl.runtime.device import choose_backend, choose_device
 
 
@@ -86,10 +86,3 @@ def test_errors_pickle_with_their_fields():
     assert (type(err), str(err), err.column, err.bad_rows) == (BadDataError, "bad", "x", 3)
     failed = pickle.loads(pickle.dumps(TrainingFailedError("t", {1: "boom"})))
     assert failed.causes == {1: "boom"}
-
-
-def test_dynamic_allocation_on_a_cluster_is_refused_with_the_setting_to_change():
-    with pytest.raises(ClusterConfigError, match=r"spark.dynamicAllocation.enabled=false"):
-        check_static_conf("yarn", {"spark.dynamicAllocation.enabled": "true"})
-    check_static_conf("local[2]", {"spark.dynamicAllocation.enabled": "true"})  # Spark ignores it locally
-    check_static_conf("yarn", {})

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 import pytest
 
+from sparkdl.errors import ConnectionClosed
+from sparkdl.net.framing import Channel
 from sparkdl.progress.board import ProgressBoard, Report
 from sparkdl.progress.channel import ForwardToDriver, ProgressReporter, ProgressServer
+from sparkdl.progress.protocol import (
+    MAX_PAYLOAD,
+    PROGRESS_WIRE,
+    REPORT_PAYLOAD,
+    Ack,
+    Heartbeat,
+    Log,
+    client_hello,
+)
 
 SECRET = b"p" * 32
 
@@ -129,3 +141,46 @@ def test_the_report_interval_must_be_positive(interval):
 
     with pytest.raises(ConfigError, match="progress_interval_s"):
         SparkDLConfig().replace(progress_interval_s=interval)
+
+
+# --- the progress protocol ------------------------------------------------------------
+
+
+def channel_pair(a, b, protocol):
+    return (
+        Channel(a, SECRET, protocol, b"n" * 16, client=True),
+        Channel(b, SECRET, protocol, b"n" * 16, client=False),
+    )
+
+
+def test_a_report_and_a_log_record_cross_the_wire_with_every_field():
+    report = Report(3, epoch=7, attempt=2, steps=11, total_steps=-1, samples=88, loss_sum=4.25, seconds=1.5)
+    a, b = socket.socketpair()
+    with a, b:
+        worker, driver = channel_pair(a, b, PROGRESS_WIRE)
+        sent = worker.send(report)
+        assert sent == PROGRESS_WIRE.header.size + REPORT_PAYLOAD.size + 16  # header, 48 bytes, tag
+        assert driver.recv(MAX_PAYLOAD) == report
+        worker.send(Log(3, 2, logging.ERROR, "disk full: 93%"))
+        assert driver.recv(MAX_PAYLOAD) == Log(3, 2, logging.ERROR, "disk full: 93%")
+        worker.send(Heartbeat(3, 2))
+        assert driver.recv(MAX_PAYLOAD) == Heartbeat(3, 2)
+
+
+def test_a_frame_naming_another_rank_than_its_hello_is_refused(caplog):
+    b, _ = board(show=False)
+    server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="sparkdl.progress"),
+            socket.create_connection((server.host, server.port), timeout=5) as sock,
+        ):
+            channel = client_hello(sock, SECRET, rank=1, attempt=0)
+            assert channel.recv(MAX_PAYLOAD) == Ack(1, 0)
+            channel.send(Report(2, 1, 0, steps=1, total_steps=-1, samples=8, loss_sum=1.0, seconds=0.1))
+            with pytest.raises(ConnectionClosed):  # the driver closed the connection
+                channel.recv(MAX_PAYLOAD)
+        assert "a frame of rank 2 attempt 0 on the connection of rank 1 attempt 0" in caplog.text
+        assert b.epoch_figures(1)["samples"] == 0
+    finally:
+        server.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 import socket
-import struct
 import threading
 import time
 
@@ -12,17 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.ps.client import PsClient, PsClientError
-from sparkdl.ps.protocol import (
-    HEADER,
-    MAGIC,
-    Channel,
-    Frame,
-    Kind,
-    ProtocolError,
-    client_hello,
-    pack_header,
-)
+from sparkdl.errors import CheckpointError, ParameterServerError, PeerStopped
+from sparkdl.ps.client import PsClient
+from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, split_into_shards
 
@@ -178,8 +169,14 @@ def raw_connection(ps):
     return socket.create_connection((ps.host, ps.port), timeout=5)
 
 
+def header(frame, length):
+    """The header of ``frame`` announcing ``length`` payload bytes."""
+    kind, fields, _ = PS_WIRE.encode(frame)
+    return PS_WIRE.pack(kind, fields, length)
+
+
 def test_a_client_with_the_wrong_secret_is_refused_and_logged(server, caplog):
-    with pytest.raises(PsClientError, match="connection failed"):
+    with pytest.raises(ParameterServerError, match="connection failed"):
         PsClient(endpoint(server, secret=b"x" * 32), 0, 0)
     assert any("authentication" in r for r in server.rejected)
     real_workers_still_train(server)
@@ -190,11 +187,11 @@ def test_no_credentials_truncated_and_oversized_frames_are_refused(server):
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
         assert sock.recv(10) == b""
     with raw_connection(server) as sock:  # a truncated HELLO, then the peer goes away
-        sock.sendall(pack_header(Frame(Kind.HELLO), 16) + b"n" * 16 + b"tag")
+        sock.sendall(header(Frame(Kind.HELLO), 16) + b"n" * 16 + b"tag")
         sock.shutdown(socket.SHUT_WR)
         assert sock.recv(10) == b""
     with raw_connection(server) as sock:  # announces 1 GiB
-        sock.sendall(HEADER.pack(MAGIC, 1, int(Kind.PUSH), 1, 0, 0, 0, 0, 0, 1 << 30))
+        sock.sendall(header(Frame(Kind.PUSH), 1 << 30))
         assert sock.recv(10) == b""
     reasons = " | ".join(server.rejected)
     assert "bad magic" in reasons and "truncated" in reasons and "over the cap" in reasons
@@ -211,7 +208,8 @@ def test_a_pickled_payload_is_never_unpickled(server):
         assert channel.recv(1 << 20).kind is Kind.ACK
         channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=pickle.dumps(Boom())))
         reply = channel.recv(1 << 20)
-    assert reply.kind is Kind.ERROR and b"takes 8 bytes of float32" in bytes(reply.payload)
+    assert reply.kind is Kind.ERROR and reply.error is ErrorCode.REJECTED
+    assert b"takes 8 bytes of float32" in bytes(reply.payload)
     real_workers_still_train(server)
 
 
@@ -227,55 +225,18 @@ def test_a_stuck_sync_pull_fails_with_the_workers_waited_for(server):
         client.close()
 
 
-def test_frame_round_trip_and_tamper_and_replay_detection():
-    a, b = socket.socketpair()
-    with a, b:
-        client, server = (
-            Channel(a, SECRET, b"n" * 16, client=True),
-            Channel(b, SECRET, b"n" * 16, client=False),
-        )
-        client.send(Frame(Kind.PUSH, 1, 2, 3, 4, 5, torch.arange(4.0).numpy()))
-        frame = server.recv(1024)
-        fields = (frame.kind, frame.shard, frame.rank, frame.attempt, frame.clock, frame.rows)
-        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5)
-        assert struct.unpack("<4f", frame.payload) == (0.0, 1.0, 2.0, 3.0)
-        # a flipped bit in the header
-        sent = _capture(
-            lambda sock: Channel(sock, SECRET, b"n" * 16, client=True), Frame(Kind.PULL, clock=7), 2
-        )
-        a.sendall(sent[:-30] + bytes([sent[-30] ^ 1]) + sent[-29:])
-        with pytest.raises(ProtocolError, match="authentication"):
-            server.recv(1024)
-    a, b = socket.socketpair()
-    with a, b:
-        server = Channel(b, SECRET, b"n" * 16, client=False)
-        first = _capture(lambda sock: Channel(sock, SECRET, b"n" * 16, client=True), Frame(Kind.PULL), 1)
-        a.sendall(first)
-        assert server.recv(1024).kind is Kind.PULL
-        a.sendall(first)  # the same frame again: its sequence number is spent
-        with pytest.raises(ProtocolError, match="replayed"):
-            server.recv(1024)
-
-
-def _capture(make_channel, frame, nth):
-    """The bytes of the ``nth`` frame a fresh client channel would send."""
-    x, y = socket.socketpair()
-    with x, y:
-        channel = make_channel(x)
-        for _ in range(nth):
-            channel.send(frame)
-        data = b""
-        while True:
-            y.settimeout(0.2)
-            try:
-                chunk = y.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            data += chunk
-    size = len(data) // nth
-    return data[(nth - 1) * size :]
+def test_a_stopped_worker_stops_its_peers_and_an_old_attempt_is_rejected_by_typed_errors(server):
+    clients = [PsClient(endpoint(server), rank, 1) for rank in range(2)]
+    try:
+        with pytest.raises(PushRejected, match="stage attempt 0 is older than the current 1"):
+            PsClient(endpoint(server), 0, 0)
+        clients[0].abort("its loss was nan")
+        with pytest.raises(PeerStopped, match=r"^rank 1: rank 0 stopped: its loss was nan$") as raised:
+            clients[1].pull(0)
+        assert raised.value.agreed_by_all_ranks
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_spark_connect_sessions_are_told_which_strategies_work():
@@ -319,7 +280,7 @@ def test_a_new_server_resumes_from_the_snapshots_written_through_the_old_one(tmp
     ]
     second = serve()
     try:
-        with pytest.raises(PsClientError, match="no snapshot of it"):
+        with pytest.raises(CheckpointError, match="no snapshot of it"):
             PsClient(endpoint(second), 0, 5, start_clock=3)  # a step that was never snapshotted
         resumed = train(second, 6, [2, 3], start=2)
     finally:

@@ -16,7 +16,7 @@ import torch
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
 from sparkdl.runtime.ps_host import host_parameter_server
-from sparkdl.runtime.task import TrainSpec, run_worker
+from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd, shard_to_batch
 
 LR, MOMENTUM = 0.1, 0.9
@@ -53,9 +53,8 @@ def _worker(rank, world, shards, spec, store_path, out):
     x, y = shards[rank]
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
-        result = run_worker(
-            spec, batches, rank, world, "127.0.0.1", [], _file_all_gather(store_path, rank, world)
-        )
+        placement = Placement(rank, world, "127.0.0.1")
+        result = run_worker(spec, batches, placement, _file_all_gather(store_path, rank, world))
         out.put((rank, result.state, result.history, None))
     except Exception as exc:  # reported to the test process
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))

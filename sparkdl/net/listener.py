@@ -1,6 +1,7 @@
 """A listening socket on the driver with a thread per connection, stopped in bounded time.
 
-Both driver-side servers use it: the parameter server and the progress channel.
+Both driver-side servers use it: the parameter server (:mod:`sparkdl.ps.server`) and the
+progress channel (:mod:`sparkdl.progress.channel`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ConnectionListener:
 
     @property
     def stopping(self) -> bool:
+        """Whether :meth:`stop` was called: a connection's end is then expected, not an error."""
         return self._stopping.is_set()
 
     def stop(self, timeout: float = 10.0, drain_s: float = 0.0) -> None:

@@ -1,0 +1,121 @@
+"""The choices a setting can name: enums, loss names, and the fault-drill form.
+
+Kept apart from the sections (:mod:`sparkdl.config`, which re-exports all of them) so
+that both stay small; everything here is validated when a config is built.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from sparkdl.errors import ConfigError
+
+
+class Strategy(str, enum.Enum):
+    """How workers keep their models in sync."""
+
+    ALLREDUCE = "allreduce"
+    WEIGHT_AVERAGING = "weight_averaging"
+    PARAMETER_SERVER = "parameter_server"
+
+
+class PsMode(str, enum.Enum):
+    """Parameter-server consistency: synchronous, asynchronous (Downpour), stale-synchronous."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    SSP = "ssp"
+
+
+class Backend(str, enum.Enum):
+    """torch.distributed backend; ``auto`` is NCCL on GPU, gloo on CPU."""
+
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class UseGpu(str, enum.Enum):
+    """Whether to train on GPU; ``auto`` uses one when the task was given one."""
+
+    AUTO = "auto"
+    YES = "true"
+    NO = "false"
+
+
+class OnError(str, enum.Enum):
+    """What to do with bad input rows or a non-finite loss."""
+
+    ERROR = "error"
+    SKIP = "skip"
+
+
+class Compression(str, enum.Enum):
+    """Gradient compression applied by the all-reduce communication hook."""
+
+    NONE = "none"
+    FP16 = "fp16"
+
+
+class OptimizerName(str, enum.Enum):
+    """Optimizers that can be named in a config file (``optimizer_fn`` takes any)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    ADAGRAD = "adagrad"
+
+
+class DrillKind(str, enum.Enum):
+    """What a fault drill does: raise before the step, exit mid-backward, hang, kill the executor JVM."""
+
+    RAISE = "raise"
+    EXIT = "exit"
+    HANG = "hang"
+    KILLJVM = "killjvm"
+
+
+LOSS_NAMES = ("cross_entropy", "mse", "bce_with_logits")
+DEFAULT_LOSS = "cross_entropy"
+DRILL_FORM = "KIND:RANK:STEP:MARKER_FILE with KIND one of " + ", ".join(k.value for k in DrillKind)
+
+
+@dataclass(frozen=True)
+class FaultDrillSpec:
+    """A fault injected on purpose (``reliability.fault_injection``), parsed and validated.
+
+    Fires once, on ``rank`` at global step ``step``, unless ``marker`` exists (the drill
+    creates it when it fires; an empty marker fires on every attempt).
+    """
+
+    kind: DrillKind
+    rank: int
+    step: int
+    marker: str
+
+    @classmethod
+    def parse(cls, text: str) -> FaultDrillSpec:
+        """Parse ``kind:rank:step:marker`` (the marker may itself contain ``:``).
+
+        Raises:
+            ConfigError: naming the value, the valid form and the valid kinds.
+        """
+        where = f"reliability.fault_injection = {text!r}"
+        parts = text.split(":", 3)
+        if len(parts) != 4:
+            raise ConfigError(
+                f"{where}; the form is {DRILL_FORM} (a drill fires once, when MARKER_FILE is absent)"
+            )
+        kind, rank, step, marker = parts
+        try:
+            drill_kind = DrillKind(kind.strip().lower())
+        except ValueError:
+            raise ConfigError(f"{where}: {kind!r} is not a drill kind; the form is {DRILL_FORM}") from None
+        return cls(drill_kind, _index(where, "RANK", rank), _index(where, "STEP", step), marker)
+
+
+def _index(where: str, label: str, text: str) -> int:
+    if not text.strip().isdigit():
+        raise ConfigError(f"{where}: {label} = {text!r} must be an integer >= 0; the form is {DRILL_FORM}")
+    return int(text)

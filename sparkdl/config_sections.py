@@ -1,0 +1,350 @@
+"""The sections of the library's settings: one frozen dataclass per ``[section]``.
+
+Every field says what it means and which values are valid (``metadata=about(...)``);
+:mod:`sparkdl.settings` builds the settings table from them. Rules about one section live
+in its ``__post_init__``; rules across sections in :class:`sparkdl.config.SparkDLConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparkdl.config_choices import (
+    DEFAULT_LOSS,
+    DRILL_FORM,
+    LOSS_NAMES,
+    Backend,
+    Compression,
+    FaultDrillSpec,
+    OnError,
+    OptimizerName,
+    PsMode,
+    Strategy,
+    UseGpu,
+)
+from sparkdl.config_loading import about, check_bounds
+from sparkdl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """``[training]``: what to train and for how long."""
+
+    num_workers: int = field(
+        default=2,
+        metadata=about(
+            "Barrier tasks that train at once, one model replica each (needs that many slots).", bound="> 0"
+        ),
+    )
+    batch_size: int = field(
+        default=64,
+        metadata=about(
+            "Rows per optimizer step on each worker; a step sees batch_size x num_workers.", bound="> 0"
+        ),
+    )
+    epochs: int = field(default=5, metadata=about("Passes over the training rows.", bound="> 0"))
+    seed: int = field(
+        default=0, metadata=about("Seeds the initial weights, the shuffle and the jobs' train/test split.")
+    )
+    strategy: Strategy = field(
+        default=Strategy.ALLREDUCE,
+        metadata=about(
+            "How workers keep their models in sync: all-reduce gradients every step, average weights "
+            "([weight_averaging]), or push gradients to a server on the driver ([parameter_server])."
+        ),
+    )
+    shuffle: bool = field(
+        default=True,
+        metadata=about("Reshuffle each worker's rows every epoch (seeded); false keeps their order."),
+    )
+    loss: str = field(
+        default=DEFAULT_LOSS,
+        metadata=about(
+            "The loss by name, used when TorchEstimator gets no loss_fn; "
+            "set both only if they name the same loss.",
+            valid="one of " + ", ".join(LOSS_NAMES),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "training")
+        if self.loss not in LOSS_NAMES:
+            raise ConfigError(
+                f"training.loss = {self.loss!r} is not a known loss; choose one of "
+                f"{', '.join(LOSS_NAMES)}, or pass a callable loss_fn to TorchEstimator"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``[optimizer]``: used when no ``optimizer_fn`` is given."""
+
+    optimizer: OptimizerName = field(
+        default=OptimizerName.SGD,
+        metadata=about("The optimizer built from this section when TorchEstimator gets no optimizer_fn."),
+    )
+    lr: float = field(default=0.1, metadata=about("Learning rate of that optimizer.", bound="> 0"))
+    momentum: float = field(
+        default=0.0, metadata=about("Momentum of sgd (the other optimizers ignore it).", bound=">= 0")
+    )
+    weight_decay: float = field(
+        default=0.0, metadata=about("Weight decay of that optimizer (decoupled for adamw).", bound=">= 0")
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "optimizer")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``[data]``: which columns feed the model and how batches are fed."""
+
+    feature_cols: tuple[str, ...] = field(
+        default=("features",),
+        metadata=about(
+            "Columns fed to the model, in order (numbers, arrays or ML vectors), "
+            "joined into one float32 row.",
+            valid="one or more column names, none of them label_col",
+        ),
+    )
+    label_col: str = field(
+        default="label",
+        metadata=about(
+            "Column of the target: a class index for cross_entropy, numbers for the other losses.",
+            valid="a column name not in feature_cols",
+        ),
+    )
+    prediction_col: str = field(
+        default="prediction", metadata=about("Column that TorchModel.transform adds with the model's output.")
+    )
+    cache_dir: str = field(
+        default="",
+        metadata=about(
+            "Where each worker caches its decoded rows after epoch 1, so later epochs skip the Spark "
+            'query; "" = the executor\'s first local dir.',
+            valid='a local directory on every executor, or ""',
+        ),
+    )
+    prefetch_batches: int = field(
+        default=4,
+        metadata=about(
+            "Batches a background thread prepares ahead of the training step; 0 = none.", bound=">= 0"
+        ),
+    )
+    inference_batch_size: int = field(
+        default=1024, metadata=about("Rows per forward pass in TorchModel.transform.", bound="> 0")
+    )
+
+    def __post_init__(self) -> None:
+        if not self.feature_cols:
+            raise ConfigError("data.feature_cols is empty; name at least one feature column")
+        if self.label_col in self.feature_cols:
+            raise ConfigError(
+                f"data.label_col = {self.label_col!r} is also a feature column; "
+                "a model must not see its own label"
+            )
+        check_bounds(self, "data")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """``[runtime]``: devices, process group and the timeouts of every wait."""
+
+    backend: Backend = field(
+        default=Backend.AUTO,
+        metadata=about("torch.distributed backend of the workers; auto is nccl on GPU and gloo on CPU."),
+    )
+    use_gpu: UseGpu = field(
+        default=UseGpu.AUTO,
+        metadata=about(
+            "Train on GPU: true fails fast without one, false stays on CPU, "
+            "auto uses the GPU Spark gave the task."
+        ),
+    )
+    collective_timeout_s: float = field(
+        default=300.0,
+        metadata=about(
+            "Longest a worker waits in the rendezvous or a collective before failing.", bound="> 0"
+        ),
+    )
+    executor_wait_timeout_s: float = field(
+        default=30.0,
+        metadata=about(
+            "How long fit waits for enough free task slots (executors still starting).", bound=">= 0"
+        ),
+    )
+    torch_threads: int = field(
+        default=0, metadata=about("torch intra-op threads per worker; 0 = spark.task.cpus.", bound=">= 0")
+    )
+    network_interface: str = field(
+        default="",
+        metadata=about(
+            "Network interface of the process group (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); "
+            '"" lets torch choose.',
+            valid='an interface name such as "eth0", or ""',
+        ),
+    )
+    compression: Compression = field(
+        default=Compression.NONE,
+        metadata=about("Gradient compression of the allreduce strategy (a DDP hook); fp16 halves the bytes."),
+    )
+    bucket_cap_mb: float = field(
+        default=25.0,
+        metadata=about(
+            "Size of the buckets gradients (allreduce) or weights (weight_averaging) travel in.", bound="> 0"
+        ),
+    )
+    teardown_timeout_s: float = field(
+        default=60.0,
+        metadata=about(
+            "How long a worker may take to release its process groups, sockets and threads after the "
+            "last step before it is ended with a clear error.",
+            bound="> 0",
+        ),
+    )
+    progress: bool = field(
+        default=True,
+        metadata=about("Live progress bars on the driver (worker warnings are forwarded either way)."),
+    )
+    progress_interval_s: float = field(
+        default=0.5, metadata=about("Shortest time between two progress reports of a worker.", bound="> 0")
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "runtime")
+        if self.backend is Backend.NCCL and self.use_gpu is UseGpu.NO:
+            raise ConfigError(
+                "runtime.backend = 'nccl' needs GPUs but runtime.use_gpu = false; "
+                "set backend = 'gloo' or 'auto', or use_gpu = 'auto'"
+            )
+
+
+@dataclass(frozen=True)
+class WeightAveragingConfig:
+    """``[weight_averaging]``: local steps, then an average of the weights (local SGD)."""
+
+    sync_every: int = field(
+        default=8,
+        metadata=about("Local optimizer steps between two averages of the weights (tau).", bound="> 0"),
+    )
+    average_optimizer_state: bool = field(
+        default=True,
+        metadata=about(
+            "Average the optimizer state (momentum, Adam moments) too; false keeps it per worker."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "weight_averaging")
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    """``[parameter_server]``: the server on the driver and how workers talk to it."""
+
+    ps_mode: PsMode = field(
+        default=PsMode.SYNC,
+        metadata=about(
+            "sync waits for every worker each step, ssp lets a worker run up to staleness clocks ahead, "
+            "async applies each push as it arrives (Downpour)."
+        ),
+    )
+    staleness: int = field(
+        default=2,
+        metadata=about("ssp: clocks a worker may run ahead of the slowest; 0 = sync.", bound=">= 0"),
+    )
+    push_every: int = field(
+        default=1, metadata=about("async: steps whose gradients a worker sums before one push.", bound="> 0")
+    )
+    pull_every: int = field(
+        default=1, metadata=about("async: steps between two fetches of fresh weights.", bound="> 0")
+    )
+    ps_timeout_s: float = field(
+        default=120.0,
+        metadata=about(
+            "Longest a pull waits for other workers before failing with their ranks.", bound="> 0"
+        ),
+    )
+    ps_shards: int = field(
+        default=4, metadata=about("Shards of the parameters, each served on its own connection.", bound="> 0")
+    )
+    ps_max_frame_mb: float = field(
+        default=1024.0,
+        metadata=about(
+            "Largest frame the server or a worker accepts; raise it for a bigger shard.", bound="> 0"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "parameter_server")
+
+
+@dataclass(frozen=True)
+class ReliabilityConfig:
+    """``[reliability]``: checkpoints, resume, and what to do about bad input."""
+
+    checkpoint_dir: str = field(
+        default="",
+        metadata=about(
+            'Directory of the checkpoints a rerun of fit resumes from; "" = no checkpoints.',
+            valid='a directory every executor and the driver can reach, or ""',
+        ),
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata=about(
+            "Optimizer steps between checkpoints; 0 = at epoch ends only (with checkpoint_dir).", bound=">= 0"
+        ),
+    )
+    on_bad_rows: OnError = field(
+        default=OnError.ERROR,
+        metadata=about(
+            "Rows with nulls, NaN, wrong lengths or bad labels: stop the fit, or skip and count them."
+        ),
+    )
+    on_nan_loss: OnError = field(
+        default=OnError.ERROR,
+        metadata=about("A non-finite loss: stop the fit, or skip that step and count it (on every rank)."),
+    )
+    max_nan_skips: int = field(
+        default=10,
+        metadata=about("With on_nan_loss = skip: stop after this many skipped steps in a row.", bound=">= 0"),
+    )
+    fault_injection: str = field(
+        default="",
+        metadata=about(
+            'A fault drill, fired once on one rank at one step; "" = none.', valid=f'"" or {DRILL_FORM}'
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "reliability")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(
+                f"reliability.checkpoint_every = {self.checkpoint_every} but no checkpoint_dir is set; "
+                "set checkpoint_dir to a directory every executor and the driver can reach"
+            )
+        if self.fault_injection:
+            FaultDrillSpec.parse(self.fault_injection)
+
+    @property
+    def drill(self) -> FaultDrillSpec | None:
+        """The fault drill named by ``fault_injection``, or None when there is none."""
+        return FaultDrillSpec.parse(self.fault_injection) if self.fault_injection else None
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """``[tracking]``: MLflow logging (needs the ``mlflow`` extra and a tracking URI)."""
+
+    mlflow: bool = field(
+        default=True,
+        metadata=about("Log the fit to MLflow when mlflow is installed and a tracking URI is set."),
+    )
+    mlflow_experiment: str = field(
+        default="", metadata=about('MLflow experiment to log to; "" = the active or default one.')
+    )
+    mlflow_run_name: str = field(default="", metadata=about('Name of the MLflow run; "" lets MLflow choose.'))
+    mlflow_log_model: bool = field(
+        default=True, metadata=about("Log the trained model to the run (mlflow.pytorch).")
+    )

@@ -1,0 +1,130 @@
+"""Driver side of the preflight: a few rows of the DataFrame through the user's model, before
+the barrier stage starts.
+
+The rows are fetched with ``limit(n).toArrow()`` (one small job, or none when Spark can
+answer from a partition's head) and decoded by :class:`~sparkdl.data.feed.PartitionFeed`
+itself, so the preflight batch has exactly the dtypes and shapes a worker's first batch has.
+The model check itself is :func:`sparkdl.training.preflight.preflight` (pure torch).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import torch
+
+from sparkdl.config import OnError, UseGpu
+from sparkdl.data.columns import ColumnPlan
+from sparkdl.data.feed import FeedOptions, PartitionFeed, TensorBatch
+from sparkdl.runtime.cluster import is_connect
+from sparkdl.training.preflight import PreflightReport, preflight
+
+if TYPE_CHECKING:
+    from sparkdl.runtime.task import TrainSpec
+
+log = logging.getLogger(__name__)
+
+PREFLIGHT_ROWS = 8
+_GPU_KEYS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount")
+
+
+def check_model(df: Any, spec: TrainSpec, rows: int = PREFLIGHT_ROWS) -> PreflightReport | None:
+    """Run the model, loss and one backward on ``rows`` rows of ``df`` on the driver.
+
+    Call it before the barrier stage: a model that does not fit the data then fails in
+    seconds, once, with a message naming the columns and the layer.
+
+    Args:
+        df: the DataFrame given to fit.
+        spec: the training spec (model_fn, optimizer_fn, loss, column plan, settings).
+        rows: how many rows to try.
+
+    Returns:
+        the report (output shape, parameter count), or None when ``df`` has no rows (the
+        training stage then raises its own empty-data error).
+
+    Raises:
+        ModelMismatchError: the model, the loss and the data do not fit together.
+        BadDataError: the sampled rows hold nulls, NaNs or ragged arrays (the error a worker
+            would raise), unless ``on_bad_rows = "skip"``.
+    """
+    table = fetch_rows(df, spec.plan, rows)
+    skip = spec.config.reliability.on_bad_rows is OnError.SKIP
+    batch = batch_from_arrow(table, spec.plan, skip)
+    if batch is None:
+        log.info("preflight skipped: no usable rows in the first %d rows of the DataFrame", rows)
+        return None
+    label = spec.plan.label
+    label_integer = None
+    if label is not None:
+        label_type = table.schema.field(label.name).type
+        label_integer = pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)
+    report = preflight(
+        spec.model_fn,
+        spec.optimizer_fn,
+        spec.loss,
+        batch,
+        f"the feature columns {[c.name for c in spec.plan.features]}",
+        f"the label column {label.name!r}" if label is not None else "the label",
+        label_integer=label_integer,
+        strict=_strict(df.sparkSession, spec),
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def sample_batch(df: Any, plan: ColumnPlan, rows: int = PREFLIGHT_ROWS) -> TensorBatch | None:
+    """The first ``rows`` rows of ``df`` as (features, labels) tensors, decoded as a worker's
+    feed decodes them; None when ``df`` has no rows."""
+    return batch_from_arrow(fetch_rows(df, plan, rows), plan)
+
+
+def fetch_rows(df: Any, plan: ColumnPlan, rows: int) -> pa.Table:
+    """The first ``rows`` rows of the planned columns, as Arrow (classic and Connect alike)."""
+    query = df.select(*plan.column_names).limit(rows)
+    if is_connect(df.sparkSession):
+        return query.toArrow()
+    sc = df.sparkSession.sparkContext
+    previous = sc.getLocalProperty("spark.job.description")
+    sc.setJobDescription(f"sparkdl fit: preflight on {rows} rows")
+    try:
+        return query.toArrow()
+    finally:
+        sc.setJobDescription(previous)  # None clears it
+
+
+def batch_from_arrow(table: pa.Table, plan: ColumnPlan, skip_bad_rows: bool = False) -> TensorBatch | None:
+    """All rows of ``table`` as one (features, labels) batch, through :class:`PartitionFeed`
+    (the same decoding, checks and tensors as training); None when no row is left."""
+    if table.num_rows == 0:
+        return None
+    options = FeedOptions(
+        batch_size=table.num_rows,
+        shuffle=False,
+        seed=0,
+        rank=0,
+        prefetch_batches=0,  # no thread: decode here
+        skip_bad_rows=skip_bad_rows,
+    )
+    feed = PartitionFeed(iter(table.to_batches()), plan, options)
+    try:
+        batches, _ = feed.epoch(1)
+        return next(iter(batches), None)
+    finally:
+        feed.close()
+
+
+def _strict(spark: Any, spec: TrainSpec) -> bool:
+    """Whether a failure preflight cannot explain is an error: not when the workers may train
+    on GPUs and this driver has none (the failure may be the CPU's, e.g. a CUDA-only layer)."""
+    if spec.config.runtime.use_gpu is UseGpu.NO or torch.cuda.is_available():
+        return True
+    for key in _GPU_KEYS:
+        try:
+            if float(spark.conf.get(key, "0") or 0) > 0:
+                return False
+        except Exception:  # a Connect server that will not tell: assume no GPUs
+            continue
+    return True

@@ -1,0 +1,316 @@
+"""One place assembles a worker: device, process groups, model, optimizer, checkpoint
+restore, strategy, feed, hooks, trainer, progress; one exit stack tears it down.
+
+No Spark here: :func:`run_worker` takes plain arguments (the barrier's allGather among
+them), so tests drive it in-process or in spawned processes.
+
+Teardown order (the exit stack runs it in reverse of assembly, on success and on
+error alike): the teardown watchdog is armed; the feed's prefetch thread stops; the
+strategy lets go of DDP's reducer and its sockets; the checkpoint store closes; gloo's
+threads are given the GIL to drop their last works, then the process groups are
+destroyed; the progress reporter closes last, so a teardown error still reaches the
+driver. Destroying a gloo group joins its threads while holding the GIL; a thread
+still freeing a work needs the GIL too, and the worker would hang forever (seen once
+in 150 fits). Releasing the GIL before the destroy removes that race; the watchdog
+bounds whatever else might block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import gc
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from sparkdl.checkpoint import CheckpointStore
+from sparkdl.config import OnError, SparkDLConfig
+from sparkdl.data.columns import ColumnPlan, LabelKind
+from sparkdl.data.feed import FeedOptions, PartitionFeed
+from sparkdl.progress.board import Report
+from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
+from sparkdl.ps.server import PsEndpoint
+from sparkdl.runtime.device import choose_backend, choose_device
+from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer, state_to_bytes
+from sparkdl.training.guards import LabelRangeCheck, no_label_check
+from sparkdl.training.hooks import (
+    CheckpointHook,
+    DrillHook,
+    ProgressHook,
+    ProgressUpdate,
+    ReseedHook,
+    StepHook,
+)
+from sparkdl.training.loop import Schedule, Trainer
+from sparkdl.training.losses import LossFn, resolve_loss
+from sparkdl.training.planning import Filler
+
+log = logging.getLogger(__name__)
+
+#: How long gloo's threads get, with the GIL released, to drop their last works.
+_SETTLE_S = 0.05
+_HEARTBEAT_S = 5.0
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything a worker needs, shipped to executors with the task (cloudpickled)."""
+
+    config: SparkDLConfig
+    model_fn: ModelFn
+    optimizer_fn: OptimizerFn | None
+    loss: str | LossFn
+    plan: ColumnPlan
+    ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
+    progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs, as its barrier task sees it."""
+
+    rank: int
+    world_size: int
+    host: str  # this worker's address that the others can reach
+    gpu_addresses: tuple[str, ...] = ()
+    torch_threads: int = 1
+    attempt: int = 0  # the stage attempt, the same on every rank
+
+
+@dataclass
+class WorkerResult:
+    """What one worker sends back: its figures, and the weights on rank 0."""
+
+    rank: int
+    rows: int
+    bad_rows: int
+    history: list[dict[str, Any]]
+    state: bytes
+    output_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] = ()  # one row of features, as the model saw it
+    device: dict[str, Any] = field(default_factory=dict)  # {"device": "cuda:0", "gpus": ["0"]}
+
+
+def run_worker(
+    spec: TrainSpec, batches: Iterator[pa.RecordBatch], placement: Placement, all_gather: AllGather
+) -> WorkerResult:
+    """Train on this worker's partition; return its history (and the weights on rank 0)."""
+    config, rank = spec.config, placement.rank
+    with contextlib.ExitStack() as stack:
+        reporter = stack.enter_context(
+            reporting_to_driver(spec.progress, rank, placement.attempt, heartbeat_s=_HEARTBEAT_S)
+        )
+        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
+        stack.callback(watchdog.disarm)
+        stack.enter_context(_socket_interface(config.runtime.network_interface))
+        torch.set_num_threads(placement.torch_threads)
+        device = choose_device(
+            config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), rank
+        )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        groups = form_process_group(
+            rank,
+            placement.world_size,
+            placement.host,
+            choose_backend(config.runtime.backend, device),
+            all_gather,
+            config.runtime.collective_timeout_s,
+        )
+        stack.callback(release_process_groups, groups)
+        torch.manual_seed(config.training.seed)
+        module = build_model(spec.model_fn).to(device)
+        optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
+        store = _checkpoint_store(config, stack)
+        resume = _resume(store, rank, module, optimizer, all_gather)
+        start = resume.position if resume else Position()
+        strategy = create_strategy(
+            StrategyContext(
+                config,
+                rank,
+                placement.world_size,
+                device,
+                module,
+                optimizer,
+                groups.control,
+                spec.ps,
+                placement.attempt,
+                start.global_steps_done,
+            )
+        )
+        stack.callback(_close_strategy, strategy)
+        feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
+        stack.callback(feed.close)
+        loss_fn, label_kind = resolve_loss(spec.loss)
+        label_name = spec.plan.label.name if spec.plan.label else "label"
+        trainer = Trainer(
+            strategy,
+            loss_fn,
+            LabelRangeCheck(module, device, rank, label_name)
+            if label_kind is LabelKind.CLASS_INDEX
+            else no_label_check,
+            Filler(label_kind),
+            feed,
+            Schedule(config.training.epochs, config.training.batch_size, start, resume),
+            groups.control,
+            _hooks(spec, rank, module, optimizer, strategy, store, reporter),
+        )
+        stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+        history = trainer.run()
+        return WorkerResult(
+            rank,
+            feed.cached_rows,
+            feed.bad_rows_dropped,
+            history,
+            state_to_bytes(module) if rank == 0 else b"",
+            trainer.output_shape,
+            trainer.input_shape,
+            {"device": str(device), "gpus": list(placement.gpu_addresses)},
+        )
+    raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _hooks(
+    spec: TrainSpec,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    strategy: SyncStrategy,
+    store: CheckpointStore | None,
+    reporter: ProgressReporter | None,
+) -> list[StepHook]:
+    """The per-step extras this worker runs, in order."""
+    config = spec.config
+    hooks: list[StepHook] = []
+    if store is not None:
+        hooks.append(ReseedHook(config.training.seed, rank))
+    drill = config.reliability.drill
+    if drill is not None:
+        hooks.append(DrillHook(drill, rank, module))
+    if store is not None:
+        checkpointer = Checkpointer(
+            store, config.reliability.checkpoint_every, rank, module, optimizer, strategy
+        )
+        hooks.append(CheckpointHook(checkpointer))
+    if reporter is not None:
+        hooks.append(ProgressHook(_sender(reporter), reporter.due))
+    return hooks
+
+
+def _sender(reporter: ProgressReporter) -> Any:
+    def send(update: ProgressUpdate) -> None:
+        reporter.send(
+            Report(
+                reporter.rank,
+                update.epoch,
+                reporter.attempt,
+                update.steps,
+                update.total_steps,
+                update.samples,
+                update.loss_sum,
+                update.seconds,
+            )
+        )
+
+    return send
+
+
+def _checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> CheckpointStore | None:
+    if not config.reliability.checkpoint_dir:
+        return None
+    store = CheckpointStore(config.reliability.checkpoint_dir)
+    stack.callback(store.close)
+    return store
+
+
+def _resume(
+    store: CheckpointStore | None,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    all_gather: AllGather,
+) -> Resume | None:
+    """Rank 0 picks the checkpoint, so that every rank loads the same one."""
+    if store is None:
+        return None
+    latest = store.latest() if rank == 0 else None
+    chosen = int(all_gather(str(-1 if latest is None else latest))[0])
+    return restore(store, chosen, rank, module, optimizer) if chosen >= 0 else None
+
+
+def _close_strategy(strategy: SyncStrategy) -> None:
+    strategy.close()
+    gc.collect()  # DDP's reducer may sit in a reference cycle: free it while its group lives
+
+
+def release_process_groups(groups: ProcessGroups) -> None:
+    """Give gloo's threads the GIL to drop their last works, then destroy the groups."""
+    time.sleep(_SETTLE_S)  # releases the GIL
+    groups.destroy()
+
+
+class TeardownWatchdog:
+    """Bounds a worker's teardown: if releasing its resources takes longer than
+    ``timeout_s`` (``runtime.teardown_timeout_s``), the worker process ends with every
+    thread's stack on stderr (the executor's log), rather than hang its task forever.
+
+    Python cannot run a timer while another thread holds the GIL in a destructor, so
+    the bound is faulthandler's C-level timer; it is cancelled when the teardown ends.
+    """
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self._timeout_s = timeout_s
+        self._rank = rank
+
+    def arm(self) -> None:
+        """Start the clock; the exit stack cancels it once every resource is released."""
+        log.debug(
+            "rank %d: teardown bounded by runtime.teardown_timeout_s = %gs", self._rank, self._timeout_s
+        )
+        faulthandler.dump_traceback_later(self._timeout_s, exit=True, file=sys.stderr)
+
+    @staticmethod
+    def disarm() -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.contextmanager
+def _socket_interface(interface: str) -> Iterator[None]:
+    """Point gloo and NCCL at ``interface`` for this worker only; restore the environment."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    saved = {name: os.environ.get(name) for name in names}
+    if interface:
+        for name in names:
+            os.environ[name] = interface
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
+    return FeedOptions(
+        batch_size=config.training.batch_size,
+        shuffle=config.training.shuffle,
+        seed=config.training.seed,
+        rank=rank,
+        prefetch_batches=config.data.prefetch_batches,
+        cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
+        pin_memory=device.type == "cuda",
+        skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
+    )

@@ -1,0 +1,125 @@
+"""Per-step extras the loop calls in one place: reseeding, the fault drill, checkpoints,
+progress reports. Torch only: progress leaves through a plain callable.
+
+A hook sees the loop at three points: before a step, after a step, after an epoch.
+The worker picks the hooks it needs when it is assembled; the loop runs them all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.config import FaultDrillSpec
+from sparkdl.training.checkpointing import Checkpointer, Position
+from sparkdl.training.guards import fire_drill
+
+
+@dataclass
+class EpochTally:
+    """The running figures of one worker's epoch."""
+
+    epoch: int
+    total_steps: int  # -1 while unknown (epoch 1 streams from Spark)
+    started: float
+    steps: int = 0
+    samples: int = 0
+    loss_sum: torch.Tensor | None = None  # rows-weighted, on the device: read only when reported
+
+    def loss_value(self) -> float:
+        return float(self.loss_sum) if self.loss_sum is not None else 0.0
+
+
+@dataclass(frozen=True)
+class ProgressUpdate:
+    """What a worker reports of its running epoch."""
+
+    epoch: int
+    steps: int
+    total_steps: int
+    samples: int
+    loss_sum: float
+    seconds: float
+
+
+class StepHook:
+    """Does nothing by default; a hook overrides the points it needs."""
+
+    def before_step(self, position: Position) -> None:
+        """``position`` is where training stands before the step."""
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        """``position`` counts the step just taken."""
+
+    def after_epoch(self, position: Position, tally: EpochTally, history: list[dict[str, Any]]) -> None:
+        """``position`` is the start of the next epoch; ``history`` includes this one."""
+
+
+class ReseedHook(StepHook):
+    """The random stream of a step depends only on (seed, rank, step): a resumed run draws
+    the same dropout masks as one that never failed."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self._base = seed * 1_000_003 + rank * 7_919
+
+    def before_step(self, position: Position) -> None:
+        torch.manual_seed(self._base + position.global_steps_done)
+
+
+class DrillHook(StepHook):
+    """Fires the configured fault drill at its rank and step."""
+
+    def __init__(self, drill: FaultDrillSpec, rank: int, module: nn.Module) -> None:
+        self._drill = drill
+        self._rank = rank
+        self._module = module
+
+    def before_step(self, position: Position) -> None:
+        fire_drill(self._drill, self._rank, position.global_steps_done, self._module)
+
+
+class CheckpointHook(StepHook):
+    """Rank 0 checkpoints every ``checkpoint_every`` steps and at epoch ends."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self._checkpointer = checkpointer
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        self._checkpointer.after_step(position)
+
+    def after_epoch(self, position: Position, tally: EpochTally, history: list[dict[str, Any]]) -> None:
+        self._checkpointer.history = history
+        self._checkpointer.after_epoch(position)
+
+
+class ProgressHook(StepHook):
+    """Reports the running epoch through ``send`` whenever ``due()`` says so, and once at
+    its end. The loss is read from the device only when a report goes out."""
+
+    def __init__(
+        self,
+        send: Callable[[ProgressUpdate], None],
+        due: Callable[[], bool],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._send = send
+        self._due = due
+        self._clock = clock
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        if self._due():
+            self._report(tally, tally.total_steps)
+
+    def after_epoch(self, position: Position, tally: EpochTally, history: list[dict[str, Any]]) -> None:
+        self._report(tally, tally.steps)
+
+    def _report(self, tally: EpochTally, total: int) -> None:
+        seconds = self._clock() - tally.started
+        self._send(
+            ProgressUpdate(tally.epoch, tally.steps, total, tally.samples, tally.loss_value(), seconds)
+        )

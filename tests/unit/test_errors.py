@@ -1,0 +1,98 @@
+"""Errors are data: every error class crosses from a worker to the driver with its fields."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from sparkdl import errors
+from sparkdl.errors import (
+    BadDataError,
+    ErrorRecord,
+    PeerStopped,
+    SparkDLError,
+    TrainingFailedError,
+    WorkerFailed,
+    agreed,
+)
+
+
+def every_error_class() -> list[type[SparkDLError]]:
+    found: list[type[SparkDLError]] = []
+    pending: list[type[SparkDLError]] = [SparkDLError]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def sample(cls: type[SparkDLError]) -> SparkDLError:
+    values = {"column": "age", "bad_rows": 7, "causes": {1: "RuntimeError: boom", 3: "x"}}
+    return cls(f"{cls.__name__} happened", *(values[name] for name in cls.fields))
+
+
+def test_every_error_class_lives_in_sparkdl_errors_and_is_found_by_name():
+    import sparkdl.ps.client
+    import sparkdl.runtime.driver  # noqa: F401
+
+    for cls in every_error_class():
+        assert cls.__module__ == "sparkdl.errors", f"{cls.__qualname__} is defined in {cls.__module__}"
+        assert errors.error_class(cls.__name__) is cls
+
+
+@pytest.mark.parametrize("cls", every_error_class(), ids=lambda c: c.__name__)
+def test_each_error_class_survives_the_record_and_pickle_with_its_fields(cls):
+    error = sample(cls)
+    record = ErrorRecord.of(error, rank=2, partition=2, attempt=1)
+    back = ErrorRecord.from_json(record.to_json()).to_error()
+    assert type(back) is cls
+    assert back.message == error.message
+    assert back.field_values() == error.field_values()
+    assert (back.rank, back.partition, back.attempt, back.agreed_by_all_ranks) == (2, 2, 1, False)
+    unpickled = pickle.loads(pickle.dumps(back))
+    assert type(unpickled) is cls and unpickled.field_values() == error.field_values()
+    assert unpickled.rank == 2
+
+
+def test_bad_data_fields_and_the_agreed_mark_cross_intact():
+    error = agreed(BadDataError("3 nulls in 'age'", column="age", bad_rows=3))
+    back = ErrorRecord.of(error, rank=1).to_error()
+    assert isinstance(back, BadDataError)
+    assert (back.column, back.bad_rows, back.agreed_by_all_ranks, back.rank) == ("age", 3, True, 1)
+
+
+def test_a_foreign_exception_becomes_training_failed_with_its_type_and_rank():
+    record = ErrorRecord.of(ZeroDivisionError("division by zero"), rank=3, partition=3, attempt=0)
+    back = record.to_error()
+    assert type(back) is TrainingFailedError
+    assert back.causes == {3: "ZeroDivisionError: division by zero"}
+    assert record.python_type == "ZeroDivisionError"
+    assert "rank 3 failed: ZeroDivisionError: division by zero" == back.message
+
+
+def test_a_record_embedded_in_a_long_spark_failure_text_is_found_again():
+    record = ErrorRecord.of(BadDataError("ragged 'tags'", column="tags", bad_rows=5), rank=0)
+    failure = WorkerFailed(record)
+    spark_text = (
+        "org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 3.0 "
+        "failed 4 times ...\nTraceback (most recent call last):\n  ...\n"
+        f"sparkdl.errors.WorkerFailed: {failure}\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner...\n"
+    )
+    (found,) = ErrorRecord.find_embedded(spark_text)
+    assert found == record
+    assert pickle.loads(pickle.dumps(failure)).record == record
+
+
+def test_a_truncated_record_is_ignored_not_misread():
+    text = WorkerFailed(ErrorRecord.of(PeerStopped("stopped"), rank=1)).args[0]
+    cut = text[: text.index("sparkdl-error-record:") + 40] + "]"
+    assert ErrorRecord.find_embedded(cut) == []
+
+
+def test_a_record_of_an_unknown_class_keeps_its_message():
+    record = ErrorRecord("NoSuchError", "what happened", {}, rank=0)
+    back = record.to_error()
+    assert type(back) is TrainingFailedError and back.message == "what happened"

@@ -1,0 +1,505 @@
+"""The wire under the driver's servers: the listener, the authenticated framing, the
+parameter server's typed errors, and the progress channel's heartbeats. Real sockets,
+loopback only; every wait is bounded."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparkdl.errors import (
+    CheckpointError,
+    ConfigError,
+    ConnectionClosed,
+    ParameterServerError,
+    PeerStopped,
+    ProtocolError,
+    PsAborted,
+    PsTimeoutError,
+    PushRejected,
+)
+from sparkdl.net.framing import (
+    PREFIX,
+    Channel,
+    WireProtocol,
+    client_hello,
+    member,
+    read_raw,
+    server_hello,
+)
+from sparkdl.net.listener import ConnectionListener
+from sparkdl.progress.board import ProgressBoard
+from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, ProgressServer, reporting_to_driver
+from sparkdl.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Heartbeat, Hello, Log
+from sparkdl.progress.protocol import server_hello as progress_server_hello
+from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, error_frame, error_of
+
+SECRET = b"s" * 32
+NONCE = b"n" * 16
+
+
+def wait_until(condition, timeout=5.0):
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; return whether it held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+class EchoKind(enum.IntEnum):
+    HELLO = 1
+    DATA = 2
+
+
+class Echo(WireProtocol[tuple[int, tuple[int, ...], bytes]]):
+    """A test protocol: header fields (a: uint32, b: uint64), messages as plain tuples."""
+
+    def encode(self, message):
+        return message
+
+    def decode(self, kind, fields, payload):
+        return member(EchoKind, kind, self.name), fields, bytes(payload)
+
+
+ECHO = Echo("test-echo", ident=9, fields="IQ", hello_kind=EchoKind.HELLO)
+
+
+def pair(protocol=ECHO, client_protocol=None):
+    """Two connected sockets and a client and server channel on them (no HELLO)."""
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    client = Channel(a, SECRET, client_protocol or protocol, NONCE, client=True)
+    server = Channel(b, SECRET, protocol, NONCE, client=False)
+    return a, b, client, server
+
+
+def sent_bytes(protocol, messages, client=True):
+    """The bytes a fresh channel sends for ``messages``, one ``bytes`` per frame."""
+    x, y = socket.socketpair()
+    with x, y:
+        channel = Channel(x, SECRET, protocol, NONCE, client=client)
+        sizes = [channel.send(m) for m in messages]
+        y.settimeout(5)
+        data = b""
+        while len(data) < sum(sizes):
+            data += y.recv(65536)
+    frames, offset = [], 0
+    for size in sizes:
+        frames.append(data[offset : offset + size])
+        offset += size
+    return frames
+
+
+# --- the listener ---------------------------------------------------------------------
+
+
+def test_the_listener_serves_each_connection_on_its_own_thread():
+    release = threading.Event()
+    served: list[str] = []
+
+    def serve(sock, peer):
+        served.append(threading.current_thread().name)
+        sock.sendall(b"hi")
+        release.wait(5)
+        sock.close()
+
+    listener = ConnectionListener("127.0.0.1", serve, "test-net")
+    clients = [socket.create_connection((listener.host, listener.port), timeout=5) for _ in range(3)]
+    try:
+        assert [c.recv(2) for c in clients] == [b"hi"] * 3  # all three served at once
+        assert len(set(served)) == 3 and all(name.startswith("test-net-") for name in served)
+    finally:
+        release.set()
+        listener.stop(timeout=5)
+        for c in clients:
+            c.close()
+    assert not any(t.name.startswith("test-net") and t.is_alive() for t in threading.enumerate())
+
+
+def test_stop_closes_open_connections_and_the_port_in_bounded_time():
+    def serve(sock, peer):
+        try:
+            sock.recv(10)  # blocks until stop() closes the socket
+        except OSError:
+            pass
+
+    listener = ConnectionListener("127.0.0.1", serve, "test-net-idle")
+    client = socket.create_connection((listener.host, listener.port), timeout=5)
+    with client:
+        assert wait_until(lambda: any(t.name.startswith("test-net-idle-") for t in threading.enumerate()))
+        started = time.monotonic()
+        listener.stop(timeout=5)
+        assert time.monotonic() - started < 3
+        assert client.recv(10) == b""  # the server closed our connection
+    with pytest.raises(OSError):
+        socket.create_connection((listener.host, listener.port), timeout=2).close()
+    assert not any(t.name.startswith("test-net-idle") and t.is_alive() for t in threading.enumerate())
+
+
+def test_stop_is_bounded_even_when_a_connection_ignores_the_close():
+    release = threading.Event()
+    listener = ConnectionListener("127.0.0.1", lambda sock, peer: release.wait(10), "test-net-stuck")
+    with socket.create_connection((listener.host, listener.port), timeout=5):
+        assert wait_until(lambda: any(t.name.startswith("test-net-stuck-") for t in threading.enumerate()))
+        started = time.monotonic()
+        listener.stop(timeout=0.3)
+        assert time.monotonic() - started < 2
+    release.set()
+
+
+@pytest.mark.parametrize("drain_s, finished", [(3.0, True), (0.0, False)])
+def test_drain_lets_a_connection_read_what_its_peer_sent_before_it_is_closed(drain_s, finished):
+    received: list[bytes | None] = []
+
+    def serve(sock, peer):
+        time.sleep(0.3)  # a slow reader: the peer is done long before
+        try:
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            received.append(data)
+        except OSError:
+            received.append(None)  # closed by stop() before it was done
+
+    listener = ConnectionListener("127.0.0.1", serve, "test-net-drain")
+    with socket.create_connection((listener.host, listener.port), timeout=5) as client:
+        client.sendall(b"x" * 100_000)
+        client.shutdown(socket.SHUT_WR)
+        assert wait_until(lambda: any(t.name.startswith("test-net-drain-") for t in threading.enumerate()))
+        listener.stop(timeout=5, drain_s=drain_s)
+    assert wait_until(lambda: received)
+    assert (received == [b"x" * 100_000]) is finished
+
+
+# --- the framing ----------------------------------------------------------------------
+
+
+def test_frames_round_trip_with_their_kind_fields_and_payload():
+    a, b, client, server = pair()
+    with a, b:
+        weights = np.arange(4, dtype=np.float32)
+        sent = client.send((EchoKind.DATA, (7, 2**40), weights.data))
+        assert sent == ECHO.header.size + 16 + 16  # header, 4 floats, tag
+        assert server.recv(1024) == (EchoKind.DATA, (7, 2**40), weights.tobytes())
+        server.send((EchoKind.DATA, (1, 2), b""))  # the other direction, empty payload
+        assert client.recv(1024) == (EchoKind.DATA, (1, 2), b"")
+
+
+def test_a_parameter_server_frame_keeps_every_named_field():
+    a, b, client, server = pair(PS_WIRE)
+    with a, b:
+        frame = Frame(Kind.PUSH, 1, 2, 3, 4, 5, np.arange(4, dtype=np.float32).data, version=6, staleness=7)
+        client.send(frame)
+        got = server.recv(1024)
+        fields = (got.kind, got.shard, got.rank, got.attempt, got.clock, got.rows, got.version, got.staleness)
+        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5, 6, 7) and got.error is ErrorCode.NONE
+        assert struct.unpack("<4f", got.payload) == (0.0, 1.0, 2.0, 3.0)
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "tag"])
+def test_a_flipped_bit_anywhere_fails_authentication(where):
+    (frame,) = sent_bytes(ECHO, [(EchoKind.DATA, (7, 8), b"p" * 32)])
+    index = {"header": ECHO.header.size - 3, "payload": ECHO.header.size + 5, "tag": len(frame) - 1}[where]
+    a, b, _, server = pair()
+    with a, b:
+        a.sendall(frame[:index] + bytes([frame[index] ^ 1]) + frame[index + 1 :])
+        with pytest.raises(ProtocolError, match="authentication"):
+            server.recv(1024)
+
+
+def test_a_replayed_frame_fails():
+    first, _ = sent_bytes(ECHO, [(EchoKind.DATA, (1, 0), b"a"), (EchoKind.DATA, (2, 0), b"b")])
+    a, b, _, server = pair()
+    with a, b:
+        a.sendall(first)
+        assert server.recv(1024)[1] == (1, 0)
+        a.sendall(first)  # the same frame again: its sequence number is spent
+        with pytest.raises(ProtocolError, match="replayed"):
+            server.recv(1024)
+
+
+def test_reordered_frames_fail():
+    first, second = sent_bytes(ECHO, [(EchoKind.DATA, (1, 0), b"a"), (EchoKind.DATA, (2, 0), b"b")])
+    a, b, _, server = pair()
+    with a, b:
+        a.sendall(second + first)
+        with pytest.raises(ProtocolError, match="reordered"):
+            server.recv(1024)
+
+
+def test_a_reflected_frame_fails():
+    """The server's own frame sent back to it: same nonce and sequence, other direction."""
+    (reflected,) = sent_bytes(ECHO, [(EchoKind.DATA, (1, 0), b"a")], client=False)
+    a, b, _, server = pair()
+    with a, b:
+        a.sendall(reflected)
+        with pytest.raises(ProtocolError, match="reflected"):
+            server.recv(1024)
+
+
+def test_frames_of_one_protocol_never_pass_as_the_other():
+    # a progress HELLO at a parameter server: refused by its protocol id, before any payload
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        client_hello(a, SECRET, PROGRESS_WIRE, Hello(0, 0))
+        with pytest.raises(ProtocolError, match="protocol 2 on a sparkdl-ps connection"):
+            server_hello(b, SECRET, PS_WIRE)
+    # a forger that copies the parameter server's id and layout under another name: the
+    # keys differ, so neither its HELLO nor its frames verify
+    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQ", Kind.HELLO)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        client_hello(a, SECRET, forged, Frame(Kind.HELLO))
+        with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
+            server_hello(b, SECRET, PS_WIRE)
+    a, b, client, server = pair(PS_WIRE, client_protocol=forged)
+    with a, b:
+        client.send(Frame(Kind.PULL, clock=3))
+        with pytest.raises(ProtocolError, match="authentication"):
+            server.recv(1024)
+
+
+def test_a_clean_eof_is_connection_closed_but_a_truncated_frame_is_a_protocol_error():
+    a, b, _, server = pair()
+    with b:
+        a.close()
+        with pytest.raises(ConnectionClosed):
+            server.recv(1024)
+    (frame,) = sent_bytes(ECHO, [(EchoKind.DATA, (1, 0), b"abc")])
+    for cut in (5, ECHO.header.size + 1, len(frame) - 1):  # in the header, payload and tag
+        a, b, _, server = pair()
+        with b:
+            a.sendall(frame[:cut])
+            a.close()
+            with pytest.raises(ProtocolError, match="truncated") as raised:
+                server.recv(1024)
+            assert not isinstance(raised.value, ConnectionClosed)
+
+
+def test_an_oversized_frame_is_refused_before_its_payload_is_read():
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)  # were the payload awaited, this would time out instead
+        a.sendall(ECHO.pack(EchoKind.DATA, (0, 0), 1 << 30) + b"first payload bytes")
+        with pytest.raises(ProtocolError, match=r"announces 1073741824 payload bytes, over the cap of 64"):
+            read_raw(b, ECHO, 64, 16)
+        assert b.recv(100) == b"first payload bytes"  # still unread
+
+
+def test_a_hello_under_another_secret_is_refused():
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        client_hello(a, b"x" * 32, ECHO, (EchoKind.HELLO, (0, 0), b""))
+        with pytest.raises(ProtocolError, match="HELLO failed authentication"):
+            server_hello(b, SECRET, ECHO)
+
+
+# --- the parameter server's errors are data -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error, code, raised",
+    [
+        (PsAborted("rank 0 stopped: loss was nan"), ErrorCode.ABORTED, PeerStopped),
+        (PsTimeoutError("rank 3: pull of clock 2 waited 5s"), ErrorCode.TIMEOUT, PsTimeoutError),
+        (PushRejected("duplicate clock"), ErrorCode.REJECTED, PushRejected),
+        (CheckpointError("no snapshot of step 4"), ErrorCode.CHECKPOINT, CheckpointError),
+        (ParameterServerError("anything else"), ErrorCode.REFUSED, ParameterServerError),
+    ],
+)
+def test_each_error_crosses_the_wire_as_its_code_and_comes_back_as_its_class(error, code, raised):
+    a, b, client, server = pair(PS_WIRE)
+    with a, b:
+        server.send(error_frame(error, shard=1))
+        frame = client.recv(1024)
+    assert frame.kind is Kind.ERROR and frame.error is code and frame.shard == 1
+    result = error_of(frame, rank=3)
+    assert type(result) is raised
+    assert result.message.startswith("rank 3: ") and result.message.endswith(error.message)
+    assert result.agreed_by_all_ranks is (code is ErrorCode.ABORTED)
+
+
+def test_the_class_follows_the_code_never_the_wording():
+    wording = "aborted: waited 5s"  # what the old client matched on
+    frame = Frame(Kind.ERROR, payload=wording.encode(), error=ErrorCode.REFUSED)
+    assert type(error_of(frame, 0)) is ParameterServerError
+    assert type(error_of(Frame(Kind.ERROR, payload=b"slow", error=ErrorCode.TIMEOUT), 0)) is PsTimeoutError
+
+
+@pytest.mark.parametrize(
+    "frame, refusal",
+    [
+        (Frame(Kind.ERROR), "ERROR frame with error code NONE"),
+        (Frame(Kind.ACK, error=ErrorCode.TIMEOUT), "ACK frame with error code TIMEOUT"),
+    ],
+)
+def test_an_error_code_only_comes_with_an_error_frame(frame, refusal):
+    a, b, client, server = pair(PS_WIRE)
+    with a, b:
+        server.send(frame)
+        with pytest.raises(ProtocolError, match=refusal):
+            client.recv(1024)
+
+
+class Raw(WireProtocol):
+    """Speaks another protocol's name and layout with raw (kind, fields, payload) tuples."""
+
+    def __init__(self, like):
+        super().__init__(like.name, like.ident, like.header.format[len(PREFIX.format) :], like.hello_kind)
+
+    def encode(self, message):
+        return message
+
+    def decode(self, kind, fields, payload):
+        return kind, fields, payload
+
+
+@pytest.mark.parametrize(
+    "kind, error, refusal",
+    [(Kind.ERROR, 99, "unknown sparkdl-ps ErrorCode 99"), (42, 0, "unknown sparkdl-ps Kind 42")],
+)
+def test_an_authentic_frame_of_an_unknown_kind_or_error_code_is_refused(kind, error, refusal):
+    a, b, client, _ = pair(PS_WIRE)
+    with a, b:
+        Channel(b, SECRET, Raw(PS_WIRE), NONCE, client=False).send(
+            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0), b"")
+        )
+        with pytest.raises(ProtocolError, match=refusal):
+            client.recv(1024)
+
+
+# --- progress heartbeats and silence --------------------------------------------------
+
+
+class Recorder:
+    """A driver that records every progress message with the time it arrived."""
+
+    def __init__(self):
+        self.messages: list[tuple[float, object]] = []
+        self.listener = ConnectionListener("127.0.0.1", self._serve, "test-net-progress")
+
+    def endpoint(self, interval_s=10.0):
+        return ProgressEndpoint(self.listener.host, self.listener.port, SECRET, interval_s)
+
+    def _serve(self, sock, peer):
+        with sock:
+            try:
+                hello, channel = progress_server_hello(sock, SECRET)
+                channel.send(Ack(hello.rank, hello.attempt))
+                while True:
+                    message = channel.recv(MAX_PAYLOAD)
+                    self.messages.append((time.monotonic(), message))
+            except (ProtocolError, OSError):
+                pass
+
+    def kinds(self):
+        return [type(m).__name__ for _, m in self.messages]
+
+
+def test_a_reporter_sends_heartbeats_only_while_it_has_nothing_else_to_say():
+    driver = Recorder()
+    reporter = ProgressReporter(driver.endpoint(), rank=2, attempt=1, heartbeat_s=0.5)
+    try:
+        busy_until = time.monotonic() + 1.2
+        while time.monotonic() < busy_until:  # a frame every 50 ms: no gap for a heartbeat
+            reporter.log(logging.WARNING, "busy")
+            time.sleep(0.05)
+        assert wait_until(lambda: driver.kinds()[-3:] == ["Heartbeat"] * 3, timeout=10)
+    finally:
+        reporter.close()
+        driver.listener.stop(timeout=5)
+    kinds = driver.kinds()
+    first_beat = kinds.index("Heartbeat")
+    assert set(kinds[:first_beat]) == {"Log"} and first_beat >= 15
+    assert all(
+        isinstance(m, Heartbeat) and (m.rank, m.attempt) == (2, 1) for _, m in driver.messages[first_beat:]
+    )
+    times = [t for t, _ in driver.messages[first_beat - 1 :]]  # the last log, then the beats
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert all(gap > 0.3 for gap in gaps), gaps  # one heartbeat per heartbeat_s of silence
+    assert not any(
+        t.name.startswith("sparkdl-progress-heartbeat") and t.is_alive() for t in threading.enumerate()
+    )
+
+
+def test_heartbeats_keep_a_rank_from_going_silent_on_the_driver():
+    now = [100.0]
+    server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", SECRET, 10.0, clock=lambda: now[0])
+    quiet = ProgressReporter(server.endpoint(), rank=0, attempt=0)
+    beating = ProgressReporter(server.endpoint(), rank=1, attempt=0, heartbeat_s=0.05)
+    try:
+        assert wait_until(lambda: set(server.silence()) == {0, 1})
+        assert server.silence() == {0: 0.0, 1: 0.0}
+        now[0] = 130.0  # half a minute on the driver's clock
+        assert wait_until(lambda: server.silence()[1] == 0.0)  # a heartbeat arrived since
+        time.sleep(0.3)
+        assert server.silence()[0] == 30.0  # rank 0 sent nothing
+        quiet.log(logging.WARNING, "still here")
+        assert wait_until(lambda: server.silence()[0] == 0.0)  # any frame counts
+    finally:
+        beating.close()
+        quiet.close()
+        server.stop()
+    threads = [t.name for t in threading.enumerate() if t.is_alive()]
+    assert not any(name.startswith("sparkdl-progress") for name in threads), threads
+
+
+def test_silence_covers_only_the_ranks_of_the_newest_stage_attempt():
+    now = [0.0]
+    server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", SECRET, 10.0, clock=lambda: now[0])
+    old = ProgressReporter(server.endpoint(), rank=0, attempt=3)
+    try:
+        assert wait_until(lambda: server.silence() == {0: 0.0})
+        new = ProgressReporter(server.endpoint(), rank=1, attempt=4)
+        try:
+            assert wait_until(lambda: server.silence() == {1: 0.0})
+            now[0] = 5.0
+            old.log(logging.WARNING, "a late record of the failed attempt")
+            time.sleep(0.3)
+            assert server.silence() == {1: 5.0}  # rank 0 never said HELLO in attempt 4
+        finally:
+            new.close()
+    finally:
+        old.close()
+        server.stop()
+
+
+def test_reporting_to_driver_passes_the_heartbeat_on_and_stops_it():
+    driver = Recorder()
+    try:
+        with reporting_to_driver(driver.endpoint(), rank=3, attempt=0, heartbeat_s=0.05) as reporter:
+            assert reporter is not None
+            assert wait_until(lambda: "Heartbeat" in driver.kinds())
+            beat = [t for t in threading.enumerate() if t.name.startswith("sparkdl-progress-heartbeat")]
+            assert len(beat) == 1 and beat[0].daemon
+        assert not beat[0].is_alive()
+        with reporting_to_driver(driver.endpoint(), rank=4, attempt=0) as reporter:
+            time.sleep(0.2)
+            assert not any(t.name.startswith("sparkdl-progress-heartbeat") for t in threading.enumerate())
+    finally:
+        driver.listener.stop(timeout=5)
+    assert all(isinstance(m, Heartbeat | Log) for _, m in driver.messages)
+
+
+@pytest.mark.parametrize("heartbeat_s", [0.0, -1.0])
+def test_the_heartbeat_interval_must_be_positive(heartbeat_s):
+    driver = Recorder()
+    try:
+        with pytest.raises(ConfigError, match="heartbeat_s must be a positive number of seconds"):
+            ProgressReporter(driver.endpoint(), rank=0, attempt=0, heartbeat_s=heartbeat_s)
+    finally:
+        driver.listener.stop(timeout=5)

@@ -1,0 +1,149 @@
+"""Each strategy alone on a one-process gloo group, against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import TrainingFailedError
+from sparkdl.strategies import StepInput, StrategyContext, create_strategy
+from sparkdl.strategies.allreduce import AllReduceStrategy
+from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
+from tests.reference import make_tiny_net
+
+X = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+Y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+
+def loss_of(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def context(config: SparkDLConfig, module, lr: float = 0.1, ps=None) -> StrategyContext:
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    return StrategyContext(config, 0, 1, torch.device("cpu"), module, optimizer, None, ps)
+
+
+def step_input(step: int, batch=(X, Y), rows: int | None = None) -> StepInput:
+    n = len(batch[0]) if batch is not None else 0
+    rows = n if rows is None else rows
+    return StepInput(step, 1, batch, rows, max(rows, 1), loss_of, lambda: (X[:2], Y[:2]))
+
+
+def reference_after(steps: int, model, lr: float = 0.1):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_of(model, (X, Y)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def assert_same_weights(module, expected):
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging"])
+def test_one_worker_takes_exactly_plain_sgd_steps(gloo_group, strategy):
+    module = make_tiny_net()
+    expected = reference_after(3, module)
+    config = SparkDLConfig().replace(num_workers=1, strategy=strategy, sync_every=2)
+    built = create_strategy(context(config, module))
+    try:
+        losses = [float(built.train_step(step_input(s)).detach()) for s in range(3)]
+        built.finish()
+    finally:
+        built.close()
+    assert_same_weights(module, expected)
+    assert losses[0] > 0
+    stats = built.end_epoch()
+    assert stats.sync_rounds == (3 if strategy == "allreduce" else 2)  # tau 2: after step 2, then finish
+
+
+def test_all_reduce_runs_a_worker_without_rows_on_a_zero_weight_filler(gloo_group):
+    module = make_tiny_net()
+    before = copy.deepcopy(module.state_dict())
+    built = create_strategy(context(SparkDLConfig().replace(num_workers=1), module))
+    try:
+        assert isinstance(built, AllReduceStrategy) and built.model is not module  # DDP wraps it
+        loss = built.train_step(StepInput(0, 1, None, 0, 8, loss_of, lambda: (X[:2], Y[:2])))
+    finally:
+        built.close()
+    assert float(loss.detach()) > 0  # the filler's forward ran, so the all-reduce was joined
+    assert_same_weights(module, before)  # and nothing of it reached the weights
+    assert built.model is module  # close let go of DDP
+
+
+def test_weight_averaging_checkpoints_only_right_after_an_average(gloo_group):
+    config = SparkDLConfig().replace(num_workers=1, strategy="weight_averaging", sync_every=4)
+    built = create_strategy(context(config, make_tiny_net()))
+    assert isinstance(built, WeightAveragingStrategy) and built.checkpoint_multiple == 4
+    assert (
+        create_strategy(context(SparkDLConfig().replace(num_workers=1), make_tiny_net())).checkpoint_multiple
+        == 1
+    )
+
+
+def test_weight_averaging_defers_a_non_finite_step_to_the_next_average(gloo_group):
+    config = SparkDLConfig().replace(num_workers=1, strategy="weight_averaging", sync_every=3)
+    module = make_tiny_net()
+    built = create_strategy(context(config, module))
+    poisoned = (torch.full_like(X, float("nan")), Y)
+    before = copy.deepcopy(module.state_dict())
+    built.train_step(step_input(0, poisoned))  # skipped; the error waits for the average
+    built.train_step(step_input(1))  # stopping: skipped too
+    assert_same_weights(module, before)
+    with pytest.raises(
+        TrainingFailedError, match="non-finite loss or gradient at rank 0, epoch 1, step 0"
+    ) as raised:
+        built.train_step(step_input(2))  # step 3 of tau 3: the average raises on every rank
+    assert raised.value.agreed_by_all_ranks
+
+
+def test_all_reduce_stops_at_once_on_a_non_finite_average(gloo_group):
+    built = create_strategy(context(SparkDLConfig().replace(num_workers=1), make_tiny_net()))
+    try:
+        with pytest.raises(TrainingFailedError) as raised:
+            built.train_step(step_input(0, (torch.full_like(X, float("inf")), Y)))
+    finally:
+        built.close()
+    assert raised.value.agreed_by_all_ranks  # every rank holds the same non-finite average
+
+
+def test_the_parameter_server_strategy_pushes_gradients_and_pulls_the_servers_step(gloo_group):
+    from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
+    from sparkdl.runtime.ps_host import host_parameter_server
+    from sparkdl.runtime.worker import TrainSpec
+    from tests.reference import shard_to_batch
+
+    config = SparkDLConfig().replace(num_workers=1, strategy="parameter_server", ps_shards=2)
+    plan = plan_from_arrow_schema(
+        shard_to_batch(X.numpy(), Y.numpy()).schema, ("features",), "label", LabelKind.CLASS_INDEX
+    )
+    spec = TrainSpec(config, make_tiny_net, _sgd, "cross_entropy", plan)
+    hosted = host_parameter_server(spec, "127.0.0.1")
+    try:
+        module = make_tiny_net()
+        built = create_strategy(context(config, module, ps=hosted.spec.ps))
+        try:
+            expected = reference_after(2, module)  # from the weights it pulled from the server
+            for s in range(2):
+                built.train_step(step_input(s))
+            stats = built.end_epoch()
+        finally:
+            built.close()
+        assert (stats.pushes, stats.pulls) == (2, 3)  # + the initial pull
+        assert_same_weights(module, expected)  # the server's optimizer stepped, the worker's did not
+        assert not module.state_dict().keys() - hosted.parameter_state().keys()
+    finally:
+        hosted.stop()
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
