@@ -202,6 +202,14 @@ class RuntimeConfig:
             bound="> 0",
         ),
     )
+    preflight: bool = field(
+        default=True,
+        metadata=about(
+            "Before the training stage, check on the driver that a few rows go through model_fn, the "
+            "loss and one backward (fails in seconds, once, in the terms of the columns), and that the "
+            "executors' Python can import torch and sparkdl; turn off for a model too big for the driver."
+        ),
+    )
     progress: bool = field(
         default=True,
         metadata=about("Live progress bars on the driver (worker warnings are forwarded either way)."),

@@ -100,14 +100,18 @@ class ProgressServer:
         self.board.close()
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        hello: Hello | None = None
         try:
             hello, channel = server_hello(sock, self._secret)
             self._heard(hello.rank, hello.attempt)
             channel.send(Ack(hello.rank, hello.attempt))
             while True:  # until the worker closes (EOF) or stop() closes the socket
                 self._receive(hello, channel.recv(MAX_PAYLOAD))
+        except ConnectionClosed:
+            if hello is not None:  # the worker is done (or gone): its silence means nothing now
+                self._forget(hello.rank, hello.attempt)
         except ProtocolError as exc:
-            if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
+            if not self._listener.stopping:
                 log.warning("progress channel refused %s: %s", peer, exc)
         except OSError:
             pass  # the worker finished, or stop() closed the socket
@@ -128,6 +132,11 @@ class ProgressServer:
             worker_log.log(message.level or logging.WARNING, "[rank %d] %s", message.rank, message.text)
         elif not isinstance(message, Heartbeat):
             raise ProtocolError(f"unexpected {type(message).__name__} from a worker on the progress channel")
+
+    def _forget(self, rank: int, attempt: int) -> None:
+        with self._heard_lock:
+            if attempt == self._attempt:
+                self._last_heard.pop(rank, None)
 
     def _heard(self, rank: int, attempt: int) -> None:
         now = self._clock()

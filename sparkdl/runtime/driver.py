@@ -20,13 +20,16 @@ import torch
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
-from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, TrainingFailedError
+from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
+from sparkdl.runtime.environment import check_executor_environment
+from sparkdl.runtime.preflight import check_model
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.resources import training_profile
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
+from sparkdl.runtime.watch import MARGIN_S, collect_watched
 from sparkdl.training.factory import state_from_bytes
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,9 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     check_cluster(
         spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
     )
+    if config.runtime.preflight:  # mistakes that fail on every attempt fail here, once, in seconds
+        check_executor_environment(spark, max(config.runtime.executor_wait_timeout_s, 60.0))
+        check_model(df, spec)
     hosted = progress = None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
         hosted = start_parameter_server(spark, spec)
@@ -89,8 +95,13 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
         )
         _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+        runtime = config.runtime
+        bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
+        silence = progress.silence if progress is not None else None
         try:
-            rows = stage.repartition(1).collect()
+            rows = collect_watched(spark, stage.repartition(1), silence, bound_s)
+        except StageStalledError:
+            raise
         except Exception as exc:
             raise _translate(exc) from exc
         result = _fit_result(rows, n)

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import torch
 
-from sparkdl.config import OnError, UseGpu
+from sparkdl.config import UseGpu
 from sparkdl.data.columns import ColumnPlan
 from sparkdl.data.feed import FeedOptions, PartitionFeed, TensorBatch
 from sparkdl.runtime.cluster import is_connect
 from sparkdl.training.preflight import PreflightReport, preflight
 
 if TYPE_CHECKING:
-    from sparkdl.runtime.task import TrainSpec
+    from sparkdl.runtime.worker import TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,12 @@ def check_model(df: Any, spec: TrainSpec, rows: int = PREFLIGHT_ROWS) -> Preflig
 
     Raises:
         ModelMismatchError: the model, the loss and the data do not fit together.
-        BadDataError: the sampled rows hold nulls, NaNs or ragged arrays (the error a worker
-            would raise), unless ``on_bad_rows = "skip"``.
+
+    Bad rows in the sample (nulls, NaNs, ragged arrays) are left out here: the workers find
+    them over the whole DataFrame and report the column and the full count.
     """
     table = fetch_rows(df, spec.plan, rows)
-    skip = spec.config.reliability.on_bad_rows is OnError.SKIP
-    batch = batch_from_arrow(table, spec.plan, skip)
+    batch = batch_from_arrow(table, spec.plan, skip_bad_rows=True)
     if batch is None:
         log.info("preflight skipped: no usable rows in the first %d rows of the DataFrame", rows)
         return None

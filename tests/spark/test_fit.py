@@ -155,8 +155,11 @@ def test_nulls_in_a_feature_fail_with_column_and_count(spark):
     df = spark.createDataFrame(
         [([1.0, 2.0], 0), (None, 1), ([1.0, 2.0], 1), (None, 0)] * 4, "features array<float>, label long"
     ).repartition(2)
-    with pytest.raises(BadDataError, match=r"rank \d: column .features. has \d+ null rows"):
+    with pytest.raises(BadDataError, match=r"rank \d: column .features. has \d+ null rows") as raised:
         estimator(model_fn=lambda: torch.nn.Linear(2, 2)).fit(df)
+    # the error's own fields reach the user, not only its text
+    assert raised.value.column == "features" and raised.value.bad_rows > 0
+    assert raised.value.rank in (0, 1) and raised.value.agreed_by_all_ranks
 
 
 def test_more_workers_than_slots_fails_in_seconds_with_the_fix(spark):
@@ -178,8 +181,9 @@ def test_an_empty_dataframe_fails_with_a_clear_error(spark):
 def test_a_label_beyond_the_model_outputs_names_the_count(spark):
     shards = make_shards([16, 16])
     shards[0][1][3] = 5  # the model has 3 outputs
-    with pytest.raises(BadDataError, match=r"rank 0: 1 labels are >= 3, the number of classes"):
+    with pytest.raises(BadDataError, match=r"rank 0: 1 labels are >= 3, the number of classes") as raised:
         fit_in_one_attempt(spark, estimator(), shards_dataframe(spark, shards))
+    assert (raised.value.column, raised.value.bad_rows, raised.value.rank) == ("label", 1, 0)
 
 
 def fit_in_one_attempt(spark, est, df):

@@ -21,7 +21,7 @@ from sparkdl.errors import ModelMismatchError
 from sparkdl.runtime.driver import plan_columns
 from sparkdl.runtime.environment import check_executor_environment, environment_job_group
 from sparkdl.runtime.preflight import check_model, sample_batch
-from sparkdl.runtime.task import TrainSpec
+from sparkdl.runtime.worker import TrainSpec
 from tests.spark.processes import ROOT, spark_env, wait_for
 
 pytestmark = pytest.mark.spark

@@ -14,6 +14,7 @@ import torch
 
 from sparkdl import TrainingFailedError
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.errors import CheckpointError
 from tests.reference import make_shards, max_abs_diff
 from tests.spark.test_fit import estimator, fit_in_one_attempt, shards_dataframe
 
@@ -100,7 +101,7 @@ def test_a_tampered_checkpoint_is_refused(spark, tmp_path):
             return (print, ("pickled code ran",))
 
     torch.save({"format": 1, "evil": Payload()}, store.path_for(8))
-    with pytest.raises(TrainingFailedError, match=r"refused checkpoint .*checkpoint-000000008\.pt"):
+    with pytest.raises(CheckpointError, match=r"refused checkpoint .*checkpoint-000000008\.pt"):
         run(spark, tmp_path, "ckpt")
 
 
