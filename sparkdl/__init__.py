@@ -6,12 +6,16 @@ from sparkdl.errors import (
     ClusterConfigError,
     CollectiveError,
     ConfigError,
+    ExecutorEnvironmentError,
+    ModelMismatchError,
     RendezvousError,
     SchemaError,
     SparkDLError,
+    StageStalledError,
     TrainingFailedError,
 )
 from sparkdl.estimator import TorchEstimator, TorchModel
+from sparkdl.runtime.session import session
 
 __version__ = "0.1.0"
 
@@ -20,12 +24,16 @@ __all__ = [
     "ClusterConfigError",
     "CollectiveError",
     "ConfigError",
+    "ExecutorEnvironmentError",
+    "ModelMismatchError",
     "RendezvousError",
     "SchemaError",
     "SparkDLConfig",
     "SparkDLError",
+    "StageStalledError",
     "TorchEstimator",
     "TorchModel",
     "TrainingFailedError",
     "load_config",
+    "session",
 ]

@@ -68,10 +68,17 @@ def log_fit(config: SparkDLConfig, model: TorchModel, fit_seconds: float) -> str
     if mlflow is None:
         return None
     tracking = config.tracking
-    if tracking.mlflow_experiment:
-        mlflow.set_experiment(tracking.mlflow_experiment)
     nested = mlflow.active_run() is not None
-    with mlflow.start_run(run_name=tracking.mlflow_run_name or None, nested=nested) as run:
+    # The experiment is chosen for this run only: mlflow.set_experiment would change the
+    # caller's process-wide MLflow state (and MLFLOW_EXPERIMENT_ID) behind their back.
+    experiment_id = (
+        _experiment_id(mlflow, tracking.mlflow_experiment)
+        if tracking.mlflow_experiment and not nested
+        else None
+    )
+    with mlflow.start_run(
+        run_name=tracking.mlflow_run_name or None, nested=nested, experiment_id=experiment_id
+    ) as run:
         params = {name: _param(value) for name, value in config.flat().items()}
         mlflow.log_params(params)
         for record in model.history:
@@ -82,6 +89,11 @@ def log_fit(config: SparkDLConfig, model: TorchModel, fit_seconds: float) -> str
             _log_model(mlflow, model)
         log.info("logged the fit to MLflow run %s (%s)", run.info.run_id, mlflow.get_tracking_uri())
         return str(run.info.run_id)
+
+
+def _experiment_id(mlflow: Any, name: str) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    return str(experiment.experiment_id) if experiment is not None else str(mlflow.create_experiment(name))
 
 
 def _log_model(mlflow: Any, model: TorchModel) -> None:

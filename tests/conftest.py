@@ -40,8 +40,22 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     session.stop()
 
 
-# Set by pytest, torch and Spark themselves; not ours to restore.
-_TOOL_OWNED_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYSPARK_GATEWAY_", "SPARK_")
+# What a worker or fit could set and must restore (libraries set others of their own at
+# import, e.g. KMP_* and TORCHINDUCTOR_CACHE_DIR, which are not ours to police).
+_WATCHED_ENV = (
+    "GLOO_",
+    "NCCL_",
+    "TORCH_NCCL_",
+    "MASTER_",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "PYSPARK_PYTHON",
+    "PYSPARK_DRIVER_PYTHON",
+    "MLFLOW_",
+    "SPARKDL_",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +73,7 @@ def no_leaked_process_group_threads_or_environment() -> Iterator[None]:
     changed = {
         name: (before.get(name), after.get(name))
         for name in set(before) | set(after)
-        if before.get(name) != after.get(name) and not name.startswith(_TOOL_OWNED_ENV)
+        if before.get(name) != after.get(name) and name.startswith(_WATCHED_ENV)
     }
     assert not changed, f"test leaked environment variables (before, after): {changed}"
 

@@ -49,3 +49,27 @@ def build_session(
     for key, value in {**recommended_conf(config), **(extra or {})}.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def session(
+    master: str | None = "local[2]",
+    app_name: str = "sparkdl",
+    config: SparkDLConfig | None = None,
+    **spark_conf: str,
+) -> Any:
+    """A SparkSession that suits barrier training: timeouts set from ``config``, local
+    executors on this interpreter (``PYSPARK_PYTHON``), plus more Spark settings by their
+    full names (``**{"spark.driver.memory": "4g"}``).
+
+    Example::
+
+        import sparkdl
+        spark = sparkdl.session("local[2]", "my-app")
+
+    Args:
+        master: the Spark master; None keeps what spark-submit or the notebook configured.
+        app_name: the application's name.
+        config: the settings whose timeouts the session should match (defaults if None).
+        spark_conf: more Spark settings, by their full names.
+    """
+    return build_session(master, app_name, config or SparkDLConfig(), spark_conf)

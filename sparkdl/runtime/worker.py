@@ -114,57 +114,37 @@ def run_worker(
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
         stack.enter_context(_socket_interface(config.runtime.network_interface))
-        torch.set_num_threads(placement.torch_threads)
-        device = choose_device(
-            config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), rank
-        )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        groups = form_process_group(
-            rank,
-            placement.world_size,
-            placement.host,
-            choose_backend(config.runtime.backend, device),
-            all_gather,
-            config.runtime.collective_timeout_s,
-        )
-        stack.callback(release_process_groups, groups)
+        device, groups = _join(config, placement, all_gather, stack)
         torch.manual_seed(config.training.seed)
         module = build_model(spec.model_fn).to(device)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, all_gather)
         start = resume.position if resume else Position()
-        strategy = create_strategy(
-            StrategyContext(
-                config,
-                rank,
-                placement.world_size,
-                device,
-                module,
-                optimizer,
-                groups.control,
-                spec.ps,
-                placement.attempt,
-                start.global_steps_done,
-            )
+        context = StrategyContext(
+            config,
+            rank,
+            placement.world_size,
+            device,
+            module,
+            optimizer,
+            groups.control,
+            spec.ps,
+            placement.attempt,
+            start.global_steps_done,
         )
+        strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
         feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
         stack.callback(feed.close)
-        loss_fn, label_kind = resolve_loss(spec.loss)
-        label_name = spec.plan.label.name if spec.plan.label else "label"
-        trainer = Trainer(
+        hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
+        trainer = _trainer(
+            spec,
+            context,
             strategy,
-            loss_fn,
-            LabelRangeCheck(module, device, rank, label_name)
-            if label_kind is LabelKind.CLASS_INDEX
-            else no_label_check,
-            Filler(label_kind),
             feed,
             Schedule(config.training.epochs, config.training.batch_size, start, resume),
-            groups.control,
-            _hooks(spec, rank, module, optimizer, strategy, store, reporter),
+            hooks,
         )
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         history = trainer.run()
@@ -179,6 +159,48 @@ def run_worker(
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _join(
+    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
+) -> tuple[torch.device, ProcessGroups]:
+    """This worker's device, and the process groups it forms with the others."""
+    torch.set_num_threads(placement.torch_threads)
+    device = choose_device(
+        config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), placement.rank
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = form_process_group(
+        placement.rank,
+        placement.world_size,
+        placement.host,
+        choose_backend(config.runtime.backend, device),
+        all_gather,
+        config.runtime.collective_timeout_s,
+    )
+    stack.callback(release_process_groups, groups)
+    return device, groups
+
+
+def _trainer(
+    spec: TrainSpec,
+    context: StrategyContext,
+    strategy: SyncStrategy,
+    feed: PartitionFeed,
+    schedule: Schedule,
+    hooks: list[StepHook],
+) -> Trainer:
+    loss_fn, label_kind = resolve_loss(spec.loss)
+    label_name = spec.plan.label.name if spec.plan.label else "label"
+    check_labels = (
+        LabelRangeCheck(context.module, context.device, context.rank, label_name)
+        if label_kind is LabelKind.CLASS_INDEX
+        else no_label_check
+    )
+    return Trainer(
+        strategy, loss_fn, check_labels, Filler(label_kind), feed, schedule, context.control_group, hooks
+    )
 
 
 def _hooks(

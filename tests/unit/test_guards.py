@@ -56,3 +56,38 @@ def test_with_local_steps_the_error_waits_for_the_strategy_and_every_later_step_
     assert isinstance(guard.failure, TrainingFailedError)
     assert "at rank 1, epoch 1, step 3" in str(guard.failure)
     assert not guard.allows_step(FINE, model_with_grad(1.0), 1, 4)  # stopping
+
+
+def health(loss_finite: bool, grads_finite: bool):
+    from sparkdl.training.guards import StepHealth
+
+    return StepHealth(loss_finite, grads_finite, float("nan"), rank=1, epoch=2, step=7)
+
+
+@pytest.mark.parametrize(
+    ("loss_ok", "grads_ok", "policy", "in_a_row", "shares", "action", "error", "agreed"),
+    [
+        (True, True, OnError.ERROR, 0, True, "apply", None, False),
+        (True, True, OnError.SKIP, 5, False, "apply", None, False),
+        # all-reduce: a non-finite average is seen by every rank at once
+        (False, False, OnError.ERROR, 0, True, "stop", TrainingFailedError, True),
+        (True, False, OnError.ERROR, 0, True, "stop", PeerStopped, True),
+        # a non-finite loss with finite gradients is this rank's own
+        (False, True, OnError.ERROR, 0, True, "stop", TrainingFailedError, False),
+        # local steps: the error waits for the strategy's next sync point
+        (False, False, OnError.ERROR, 0, False, "defer", TrainingFailedError, False),
+        # skipping, within and beyond max_skips (3)
+        (False, False, OnError.SKIP, 2, True, "skip", None, False),
+        (False, False, OnError.SKIP, 3, True, "stop", TrainingFailedError, True),
+        (False, True, OnError.SKIP, 3, False, "defer", TrainingFailedError, False),
+    ],
+)
+def test_the_non_finite_decision_table(loss_ok, grads_ok, policy, in_a_row, shares, action, error, agreed):
+    from sparkdl.training.guards import decide
+
+    decision = decide(health(loss_ok, grads_ok), policy, 3, in_a_row, shares)
+    assert decision.action.value == action
+    assert (type(decision.error) if decision.error else None) is error
+    assert decision.agreed is agreed
+    if action == "stop" and policy is OnError.SKIP:
+        assert "4 steps in a row" in decision.error.message and "max_nan_skips = 3" in decision.error.message
