@@ -1,23 +1,35 @@
-"""sparkdl: train PyTorch models on Spark DataFrames, as a pyspark.ml Estimator."""
+"""sparkdl: train PyTorch models on Spark DataFrames, as a pyspark.ml Estimator.
 
-from sparkdl.config import SparkDLConfig, load_config
-from sparkdl.errors import (
-    BadDataError,
-    ClusterConfigError,
-    CollectiveError,
-    ConfigError,
-    ExecutorEnvironmentError,
-    ModelMismatchError,
-    RendezvousError,
-    SchemaError,
-    SparkDLError,
-    StageStalledError,
-    TrainingFailedError,
-)
-from sparkdl.estimator import TorchEstimator, TorchModel
-from sparkdl.runtime.session import session
+The public names load on first use, so that code shipped to executors (and the
+torch-only training loop) does not import pyspark.ml, the estimator or the driver's
+servers just because it lives in this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "BadDataError": "sparkdl.errors",
+    "ClusterConfigError": "sparkdl.errors",
+    "CollectiveError": "sparkdl.errors",
+    "ConfigError": "sparkdl.errors",
+    "ExecutorEnvironmentError": "sparkdl.errors",
+    "ModelMismatchError": "sparkdl.errors",
+    "RendezvousError": "sparkdl.errors",
+    "SchemaError": "sparkdl.errors",
+    "SparkDLError": "sparkdl.errors",
+    "StageStalledError": "sparkdl.errors",
+    "TrainingFailedError": "sparkdl.errors",
+    "SparkDLConfig": "sparkdl.config",
+    "load_config": "sparkdl.config",
+    "TorchEstimator": "sparkdl.estimator",
+    "TorchModel": "sparkdl.estimator",
+    "session": "sparkdl.runtime.session",
+}
 
 __all__ = [
     "BadDataError",
@@ -37,3 +49,34 @@ __all__ = [
     "load_config",
     "session",
 ]
+
+if TYPE_CHECKING:
+    from sparkdl.config import SparkDLConfig, load_config
+    from sparkdl.errors import (
+        BadDataError,
+        ClusterConfigError,
+        CollectiveError,
+        ConfigError,
+        ExecutorEnvironmentError,
+        ModelMismatchError,
+        RendezvousError,
+        SchemaError,
+        SparkDLError,
+        StageStalledError,
+        TrainingFailedError,
+    )
+    from sparkdl.estimator import TorchEstimator, TorchModel
+    from sparkdl.runtime.session import session
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sparkdl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

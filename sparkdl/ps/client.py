@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from sparkdl.errors import ParameterServerError, ProtocolError
+from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
-from sparkdl.ps.server import PsEndpoint
 
 
 @dataclass

@@ -21,7 +21,6 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,22 +34,11 @@ from sparkdl.errors import (
     PushRejected,
 )
 from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import FLOAT32, Frame, Kind, PsChannel, error_frame, server_hello
 from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PsEndpoint:
-    """What workers need to reach the server; shipped inside the task spec, never in SparkConf."""
-
-    host: str
-    port: int
-    secret: bytes
-    shard_params: tuple[tuple[int, ...], ...]  # parameter indices of each shard
-    timeout_s: float
-    max_payload: int
 
 
 class ParameterServer:

@@ -37,7 +37,7 @@ from sparkdl.data.columns import ColumnPlan, LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.progress.board import Report
 from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
-from sparkdl.ps.server import PsEndpoint
+from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy

@@ -1,8 +1,22 @@
-"""Sync strategies: how workers keep their models consistent."""
+"""Sync strategies: how workers keep their models consistent (one module each, loaded
+when chosen; see :data:`sparkdl.strategies.base.REGISTRY`)."""
 
-from sparkdl.strategies import allreduce as _allreduce  # noqa: F401  (registers itself)
-from sparkdl.strategies import parameter_server as _parameter_server  # noqa: F401
-from sparkdl.strategies import weight_averaging as _weight_averaging  # noqa: F401
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy, create_strategy
+from sparkdl.strategies.base import (
+    REGISTRY,
+    StepInput,
+    StrategyContext,
+    SyncStats,
+    SyncStrategy,
+    create_strategy,
+    strategy_class,
+)
 
-__all__ = ["StepInput", "StrategyContext", "SyncStats", "SyncStrategy", "create_strategy"]
+__all__ = [
+    "REGISTRY",
+    "StepInput",
+    "StrategyContext",
+    "SyncStats",
+    "SyncStrategy",
+    "create_strategy",
+    "strategy_class",
+]

@@ -24,12 +24,10 @@ from sparkdl.strategies.base import (
     StrategyContext,
     SyncStrategy,
     parameter_bytes,
-    register,
     ring_allreduce_bytes,
 )
 
 
-@register
 class AllReduceStrategy(SyncStrategy):
     """w <- w - lr * mean_i(g_i): one gradient all-reduce per step."""
 

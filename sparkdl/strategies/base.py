@@ -4,13 +4,14 @@ A strategy is built complete by its constructor from a :class:`StrategyContext`,
 owns how a step is taken (:meth:`SyncStrategy.train_step`: forward on its model,
 backward, what happens after it, whether and how the optimizer steps). What it needs
 from the rest of the worker it declares as typed properties (``checkpoint_multiple``).
-The loop never asks which strategy runs; adding one is one new file and a
-``@register``.
+The loop never asks which strategy runs; adding one is one new file and a line in
+:data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -21,7 +22,7 @@ from torch import nn
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, SparkDLError
-from sparkdl.ps.server import PsEndpoint
+from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.training.guards import NanGuard
 
 TensorBatch = tuple[torch.Tensor, torch.Tensor]
@@ -166,24 +167,29 @@ class SyncStrategy(abc.ABC):
         raise error
 
 
-_REGISTRY: dict[Strategy, type[SyncStrategy]] = {}
+#: Each strategy's class, by module and name: a module is imported only when its strategy
+#: is chosen, so that the loop does not pull in the parameter server's sockets.
+REGISTRY: dict[Strategy, str] = {
+    Strategy.ALLREDUCE: "sparkdl.strategies.allreduce:AllReduceStrategy",
+    Strategy.WEIGHT_AVERAGING: "sparkdl.strategies.weight_averaging:WeightAveragingStrategy",
+    Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
+}
 
 
-def register(cls: type[SyncStrategy]) -> type[SyncStrategy]:
-    """Class decorator adding a strategy to the registry under ``cls.name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
+def strategy_class(name: Strategy) -> type[SyncStrategy]:
+    """The class registered for ``name``."""
+    try:
+        module, _, cls = REGISTRY[name].partition(":")
+    except KeyError:
+        valid = ", ".join(s.value for s in REGISTRY)
+        raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
+    found: type[SyncStrategy] = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def create_strategy(ctx: StrategyContext) -> SyncStrategy:
     """Build the strategy named by ``ctx.config.training.strategy``."""
-    name = ctx.config.training.strategy
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        valid = ", ".join(s.value for s in _REGISTRY)
-        raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
-    return cls(ctx)
+    return strategy_class(ctx.config.training.strategy)(ctx)
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -19,10 +19,9 @@ from torch import nn
 from sparkdl.config import PsMode, Strategy
 from sparkdl.errors import ConfigError, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy, register
+from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy
 
 
-@register
 class ParameterServerStrategy(SyncStrategy):
     """Gradients to the driver, weights back, by clock (sync / ssp) or as they come (async)."""
 

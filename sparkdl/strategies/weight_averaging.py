@@ -25,16 +25,16 @@ bookkeeping (Adam's step count) is the same on every worker and left alone. With
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from sparkdl.config import Strategy
 from sparkdl.errors import PeerStopped, SparkDLError, agreed
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, register, ring_allreduce_bytes
+from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
 
 
-@register
 class WeightAveragingStrategy(SyncStrategy):
     """w <- weighted mean_i(w_i) every ``sync_every`` steps; no traffic in between."""
 
@@ -82,14 +82,11 @@ class WeightAveragingStrategy(SyncStrategy):
         self._stopping = error  # raised on every rank at the next average
 
     def _average(self) -> None:
-        # One small all-reduce carries the rows of this round and which ranks must stop.
         world, rank = self.ctx.world_size, self.ctx.rank
-        message = torch.zeros(1 + world, dtype=torch.float64, device=self.ctx.device)
-        message[0] = float(self._rows_since_sync)
-        message[1 + rank] = 1.0 if self._stopping is not None else 0.0
-        dist.all_reduce(message)
-        values = message.tolist()
-        stopped = [r for r, flag in enumerate(values[1:]) if flag]
+        round_ = RoundMessage(world)
+        vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, self.ctx.device)
+        dist.all_reduce(vector)
+        total, stopped = round_.unpack(vector)
         if stopped:
             raise agreed(
                 self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
@@ -97,7 +94,6 @@ class WeightAveragingStrategy(SyncStrategy):
         tensors = list(self._model_tensors())
         if self._include_optimizer_state():
             tensors += list(self._optimizer_tensors())
-        total = values[0]
         if total > 0:
             self._weighted_all_reduce(tensors, self._rows_since_sync / total)
         self.stats.sync_rounds += 1
@@ -144,6 +140,25 @@ class WeightAveragingStrategy(SyncStrategy):
         counts = torch.tensor([count, -count], dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         return count > 0 and counts[0].item() == count and -counts[1].item() == count
+
+
+@dataclass(frozen=True)
+class RoundMessage:
+    """The one small all-reduce before an average: the rows of the round, and which ranks
+    must stop. Layout: ``[rows, stop flag of rank 0 .. stop flag of rank N-1]``."""
+
+    world_size: int
+
+    def pack(self, rank: int, rows: int, stopping: bool, device: torch.device) -> torch.Tensor:
+        vector = torch.zeros(1 + self.world_size, dtype=torch.float64, device=device)
+        vector[0] = float(rows)
+        vector[1 + rank] = 1.0 if stopping else 0.0
+        return vector
+
+    def unpack(self, vector: torch.Tensor) -> tuple[float, list[int]]:
+        """The round's total rows, and the ranks that must stop."""
+        values = vector.tolist()
+        return values[0], [r for r, flag in enumerate(values[1:]) if flag]
 
 
 def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:

@@ -15,7 +15,6 @@ involved. Values are not judged: a NaN output is not a mismatch. Pure torch: no 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -29,15 +28,21 @@ from sparkdl.config import OptimizerConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.errors import ModelMismatchError, SparkDLError
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer
+from sparkdl.training.layer_checks import (
+    CONV_LAYERS,
+    Sample,
+    Trace,
+    describe,
+    dtype_text,
+    layer_problem,
+    shape_text,
+)
 from sparkdl.training.losses import LossFn, resolve_loss
 
 log = logging.getLogger(__name__)
 
 TensorBatch = tuple[torch.Tensor, torch.Tensor]
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_EMBEDDING = (nn.Embedding, nn.EmbeddingBag)
-_LAYOUTS = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
 _TEXT_LIMIT = 500
 
 
@@ -68,56 +73,14 @@ class PreflightReport:
         if self.skipped:
             return f"preflight skipped: {self.skipped}"
         return (
-            f"preflight on {self.rows} rows: features {_shape(self.input_shape)} -> output "
-            f"{_shape(self.output_shape)}, {self.parameters:,} parameters "
+            f"preflight on {self.rows} rows: features {shape_text(self.input_shape)} -> output "
+            f"{shape_text(self.output_shape)}, {self.parameters:,} parameters "
             f"({self.trainable_parameters:,} trainable), loss {self.loss:.4g}, {self.seconds:.2f}s"
         )
 
 
-@dataclass(frozen=True)
-class _Sample:
-    """The preflight batch and how to name its parts to the user."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    features: str  # e.g. "the feature columns ['x']"
-    label: str  # e.g. "the label column 'y'"
-    label_integer: bool
-
-
 class _Unrecognised(Exception):
     """A failure preflight has no diagnosis for: an error when strict, else a skipped check."""
-
-
-@dataclass(frozen=True)
-class _Call:
-    name: str
-    module: nn.Module
-    input: Any
-    first: bool  # the first layer with parameters that ran
-
-
-class _Trace:
-    """Follows the leaf modules a forward pass runs (hooks on the throwaway model)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.running: _Call | None = None
-        self.first: _Call | None = None
-        self.last_done: tuple[str, Any] | None = None
-        for name, sub in module.named_modules():
-            if next(sub.children(), None) is None:
-                sub.register_forward_pre_hook(functools.partial(self._enter, name))
-                sub.register_forward_hook(functools.partial(self._exit, name))
-
-    def _enter(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        first = self.first is None and next(module.parameters(recurse=False), None) is not None
-        self.running = _Call(name, module, args[0] if args else None, first)
-        if first:
-            self.first = self.running
-
-    def _exit(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self.running = None
-        self.last_done = (name, output)
 
 
 def preflight(
@@ -154,7 +117,7 @@ def preflight(
     started = time.perf_counter()
     x, y = batch
     integer = _is_integral(y) if label_integer is None else label_integer
-    sample = _Sample(x, y, feature_desc, label_desc, integer)
+    sample = Sample(x, y, feature_desc, label_desc, integer)
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             report = _run(model_fn, optimizer_fn, loss, sample)
@@ -167,7 +130,7 @@ def preflight(
 
 
 def _run(
-    model_fn: ModelFn, optimizer_fn: OptimizerFn | None, loss: str | LossFn, sample: _Sample
+    model_fn: ModelFn, optimizer_fn: OptimizerFn | None, loss: str | LossFn, sample: Sample
 ) -> PreflightReport:
     loss_fn, label_kind = resolve_loss(loss)
     try:
@@ -201,48 +164,46 @@ def _run(
     )
 
 
-def _forward(module: nn.Module, sample: _Sample) -> Any:
+def _forward(module: nn.Module, sample: Sample) -> Any:
     """The model's output; a failure is diagnosed from the layer that was running."""
-    trace = _Trace(module)
+    trace = Trace(module)
     try:
         output = module(sample.x)
     except Exception as exc:
         call = trace.running
-        problem = _layer_problem(call, sample) if call is not None else None
+        problem = layer_problem(call, sample) if call is not None else None
         if problem:
             raise ModelMismatchError(problem) from exc
         where = ""
         if call is not None:
-            where = f" in layer {call.name!r} ({call.module!r}), given {_describe(call.input)}"
+            where = f" in layer {call.name!r} ({call.module!r}), given {describe(call.input)}"
         elif trace.last_done is not None:
-            where = f" after layer {trace.last_done[0]!r} returned {_describe(trace.last_done[1])}"
+            where = f" after layer {trace.last_done[0]!r} returned {describe(trace.last_done[1])}"
         raise _Unrecognised(
             f"the model's forward failed on {len(sample.x)} rows of {sample.features} (features "
-            f"{_describe(sample.x)}, label {_describe(sample.y)} from {sample.label}): "
+            f"{describe(sample.x)}, label {describe(sample.y)} from {sample.label}): "
             f"{_error_text(exc)}{where}"
         ) from exc
     # A flat (N, F) batch is a valid *unbatched* input of a Conv1d or an RNN: torch may not
     # fail, but it would read the rows as channels or time steps.
     first = trace.first
-    if first is not None and isinstance(first.module, (*_CONV, nn.RNNBase)):
-        problem = _layer_problem(first, sample)
+    if first is not None and isinstance(first.module, (*CONV_LAYERS, nn.RNNBase)):
+        problem = layer_problem(first, sample)
         if problem:
             raise ModelMismatchError(problem)
     return output
 
 
 def _loss_and_backward(
-    module: nn.Module, loss_fn: LossFn, name: str, output: torch.Tensor, sample: _Sample
+    module: nn.Module, loss_fn: LossFn, name: str, output: torch.Tensor, sample: Sample
 ) -> torch.Tensor:
-    shapes = (
-        f"the model's output {_describe(output)} and the target {_describe(sample.y)} from {sample.label}"
-    )
+    shapes = f"the model's output {describe(output)} and the target {describe(sample.y)} from {sample.label}"
     try:
         value = loss_fn(output, sample.y)
     except Exception as exc:
         raise _Unrecognised(f"loss {name} raised {_error_text(exc)} on {shapes}") from exc
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = _describe(value)
+        got = describe(value)
         raise ModelMismatchError(
             f"loss {name} returned {got} on {shapes}; it must return the mean loss of the batch, "
             "one value (e.g. end it with .mean())"
@@ -267,125 +228,7 @@ def _loss_and_backward(
 # --------------------------------------------------------------------------- the model's layers
 
 
-def _layer_problem(call: _Call, sample: _Sample) -> str | None:
-    """Why the input of the layer ``call`` cannot work, in the user's terms; None if nothing
-    recognisable (the original error is then reported as it is)."""
-    layer, inp = call.module, call.input
-    if not isinstance(inp, torch.Tensor):
-        return None
-    features = call.first and inp.shape == sample.x.shape  # the features, reshaped by no one
-    if isinstance(layer, _EMBEDDING):
-        return _embedding_problem(call, inp, features, sample)
-    params = list(layer.parameters(recurse=False))
-    if params and params[0].is_floating_point() and inp.dtype != params[0].dtype:
-        return (
-            f"layer {call.name!r} ({layer!r}) holds {_dtype(params[0])} weights but gets "
-            f"{_dtype(inp)} inputs{'; the feed gives float32 features' if features else ''}; build "
-            "the model in float32 (no .double() or .half() in model_fn) or cast the input in forward"
-        )
-    if isinstance(layer, _CONV):
-        return _conv_problem(call, layer, inp, features, sample)
-    if isinstance(layer, nn.RNNBase):
-        return _rnn_problem(call, layer, inp, features, sample)
-    # A LazyLinear not yet run has in_features 0: it takes any width.
-    expected = layer.in_features if isinstance(layer, nn.Linear) else 0
-    if not expected or inp.ndim < 1 or inp.shape[-1] == expected:
-        return None
-    got = inp.shape[-1]
-    if features:
-        return (
-            f"{sample.features} give {got} values per row; the model's first layer expects {expected} "
-            f"({layer!r}); make model_fn's first layer take {got} inputs or change feature_cols"
-        )
-    return (
-        f"layer {call.name!r} ({layer!r}) expects {expected} values per row, but the layers before it "
-        f"give {got} (its input is {_describe(inp)}); make that layer take {got} inputs in model_fn, "
-        "or change the layer before it"
-    )
-
-
-def _embedding_problem(call: _Call, inp: torch.Tensor, features: bool, sample: _Sample) -> str | None:
-    layer = call.module
-    if inp.is_floating_point() or inp.is_complex():
-        if features:
-            return (
-                f"{sample.features} reach the model as {_dtype(inp)} values (the feed gives float32 "
-                f"features), but the model's first layer {layer!r} takes integer ids; convert them "
-                "with x.long() in forward before the embedding"
-            )
-        return (
-            f"layer {call.name!r} ({layer!r}) takes integer ids but gets {_dtype(inp)} values; "
-            "convert them with .long() before it"
-        )
-    count = int(getattr(layer, "num_embeddings", 0))
-    if inp.numel() and (int(inp.min()) < 0 or int(inp.max()) >= count):
-        return (
-            f"layer {call.name!r} ({layer!r}) holds ids 0..{count - 1} but gets ids from "
-            f"{int(inp.min())} to {int(inp.max())}{f' from {sample.features}' if features else ''}; "
-            f"make num_embeddings at least {int(inp.max()) + 1} or re-index the ids"
-        )
-    return None
-
-
-def _conv_problem(
-    call: _Call, layer: nn.Module, inp: torch.Tensor, features: bool, sample: _Sample
-) -> str | None:
-    dims = len(getattr(layer, "kernel_size", ()))
-    channels = int(getattr(layer, "in_channels", 0))
-    layout = _LAYOUTS[dims].replace("C", str(channels))
-    if features and inp.ndim < dims + 2:
-        width = inp.shape[-1]
-        return (
-            f"{sample.features} give {width} values per row, as a flat {_shape((width,))} batch; the "
-            f"model's first layer {layer!r} expects {layout}; {_unflatten_hint(width, channels, dims)}"
-        )
-    if inp.ndim not in (dims + 1, dims + 2):
-        return f"layer {call.name!r} ({layer!r}) expects {layout} but gets {_describe(inp)}"
-    got = inp.shape[1] if inp.ndim == dims + 2 else inp.shape[0]
-    if got == channels:
-        return None
-    return (
-        f"layer {call.name!r} ({layer!r}) expects {channels} input channels, {layout}, but gets "
-        f"{_describe(inp)} ({got} channels); make its in_channels {got} or fix the reshape before it"
-    )
-
-
-def _unflatten_hint(width: int, channels: int, dims: int) -> str:
-    per_channel, rest = divmod(width, channels)
-    if rest:
-        return f"{width} values cannot be split into {channels} channels: change in_channels or feature_cols"
-    side = round(per_channel ** (1 / dims))
-    shape = (channels, per_channel) if dims == 1 else (channels, *[side] * dims)
-    if math.prod(shape) != width:
-        return (
-            f"reshape them first in model_fn (nn.Unflatten) into {channels} channels of {per_channel} values"
-        )
-    return f"reshape them first, e.g. with nn.Unflatten(1, {shape}) as model_fn's first layer"
-
-
-def _rnn_problem(
-    call: _Call, layer: nn.RNNBase, inp: torch.Tensor, features: bool, sample: _Sample
-) -> str | None:
-    size = layer.input_size
-    layout = f"(N, L, {size})" if layer.batch_first else f"(L, N, {size}), or (N, L, {size}) with batch_first"
-    if features and inp.ndim == 2:
-        return (
-            f"{sample.features} give {inp.shape[-1]} values per row, as a flat {_shape(inp.shape[1:])} "
-            f"batch; the model's first layer {layer!r} expects sequences {layout}; reshape them in "
-            f"forward, e.g. x.view(len(x), -1, {size}) with batch_first=True"
-        )
-    if inp.shape[-1] == size:
-        return None
-    return (
-        f"layer {call.name!r} ({layer!r}) expects {size} values per step, {layout}, but gets "
-        f"{_describe(inp)}; make its input_size {inp.shape[-1]} or fix the reshape before it"
-    )
-
-
-# --------------------------------------------------------------------------- output vs. label
-
-
-def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: _Sample) -> str | None:
+def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: Sample) -> str | None:
     """Why the model's output cannot work with the loss and the label; None if it can."""
     rows = len(sample.x)
     if not isinstance(output, torch.Tensor):
@@ -395,13 +238,13 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: _S
         )
     if output.ndim == 0 or output.shape[0] != rows:
         return (
-            f"the model returns {_describe(output)} for a batch of {rows} rows; its first dimension "
+            f"the model returns {describe(output)} for a batch of {rows} rows; its first dimension "
             "must be the batch (one output row per input row): check reshapes in forward such as "
             "view(-1, ...) or a flatten over the whole batch"
         )
     if not (output.is_floating_point() or output.is_complex()):
         return (
-            f"the model returns {_dtype(output)} values; training needs floating-point outputs "
+            f"the model returns {dtype_text(output)} values; training needs floating-point outputs "
             "(forward must not end in argmax, round or .long())"
         )
     if not isinstance(loss, str):
@@ -412,7 +255,7 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: _S
         other = ", or use loss_fn='bce_with_logits' for one logit per row" if output.ndim == 1 else ""
         return (
             f"{loss} needs the model to output one score per class, (N, C), for {sample.label} (one "
-            f"class id per row); the model outputs {_shape(output.shape[1:])}: make its last layer "
+            f"class id per row); the model outputs {shape_text(output.shape[1:])}: make its last layer "
             f"output C values (C = the number of classes){other}"
         )
     y = sample.y
@@ -420,7 +263,7 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: _S
         return None  # the named losses view [N] targets as [N, 1] outputs
     outputs, width = math.prod(output.shape[1:]), math.prod(y.shape[1:])
     if y.ndim > 1:
-        kind_text = f"{width} values per row, {_shape(y.shape[1:])}"
+        kind_text = f"{width} values per row, {shape_text(y.shape[1:])}"
         fix = f"make the model's last layer output {width} values, or change label_col"
     else:
         kind_text = f"one {'integer' if sample.label_integer else 'number'} per row"
@@ -428,7 +271,7 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: _S
         if sample.label_integer and outputs > 1:
             fix = "use loss_fn='cross_entropy' or one-hot the label"
     return (
-        f"{loss} needs a label of shape {_shape(output.shape[1:])} for a {outputs}-output model; "
+        f"{loss} needs a label of shape {shape_text(output.shape[1:])} for a {outputs}-output model; "
         f"{sample.label} is {kind_text}; {fix}"
     )
 
@@ -441,23 +284,6 @@ def _is_integral(values: torch.Tensor) -> bool:
         return True
     finite = values[torch.isfinite(values)]
     return bool(finite.numel()) and bool(torch.equal(finite, torch.round(finite)))
-
-
-def _shape(row_shape: tuple[int, ...] | torch.Size) -> str:
-    """A batch shape in the user's terms: ``(N, 2)`` for rows of 2 values."""
-    return "(" + ", ".join(["N", *(str(d) for d in row_shape)]) + (",)" if not row_shape else ")")
-
-
-def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {_dtype(value)}"
-    if isinstance(value, (tuple, list)):
-        return type(value).__name__ + "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
 
 
 def _error_text(exc: BaseException) -> str:

@@ -1,0 +1,21 @@
+"""Where workers reach the parameter server: a plain value, shipped inside the task spec.
+
+Kept apart from the server and the wire so that code which only passes the endpoint
+along (the strategy context, the training loop) imports no sockets or cryptography.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PsEndpoint:
+    """What workers need to reach the server; shipped inside the task spec, never in SparkConf."""
+
+    host: str
+    port: int
+    secret: bytes
+    shard_params: tuple[tuple[int, ...], ...]  # parameter indices of each shard
+    timeout_s: float
+    max_payload: int
