@@ -103,7 +103,7 @@ class ProgressBoard:
 
 # tqdm's own rate would be wrong here (steps arrive in jumps, every interval_s): the
 # bars show the workers' samples/s from the postfix instead.
-_UNKNOWN_LENGTH = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
+_UNKNOWN_LENGTH = "{desc}: step {n_fmt} [{elapsed}{postfix}]"
 _KNOWN_LENGTH = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}{postfix}]"
 
 

@@ -71,9 +71,11 @@ def _probe_interpreter(_rows: Iterable[Any]) -> Iterator[str]:
     import sys
 
     facts = {"executable": sys.executable, "python": ".".join(str(v) for v in sys.version_info[:3])}
-    for name in ("torch", "sparkdl"):
+    # sparkdl's package imports lazily: import what a training task runs, not just the name
+    for name, needed in (("torch", "torch"), ("sparkdl", "sparkdl.runtime.task")):
         try:
-            module = importlib.import_module(name)
+            importlib.import_module(needed)
+            module = sys.modules[name]
             facts[name], facts[name + "_error"] = str(getattr(module, "__version__", "unknown")), ""
         except Exception as exc:  # the report must come back as data, not as a task failure
             facts[name], facts[name + "_error"] = "", f"{type(exc).__name__}: {exc}"

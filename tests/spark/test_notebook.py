@@ -32,3 +32,32 @@ def test_the_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images  # the history plot rendered inline
     assert not (tmp_path / "history.png").exists()  # nothing left where the notebook runs
+
+
+def test_python_m_sparkdl_notebook_prints_what_the_cells_print_and_fails_with_a_failing_cell(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    import subprocess
+    import sys
+
+    def notebook(*sources: str) -> str:
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        path = tmp_path / f"nb{len(list(tmp_path.iterdir()))}.ipynb"
+        nbformat.write(nb, path)
+        return str(path)
+
+    def run(path: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sparkdl", "notebook", path, "--timeout", "120"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+
+    good = notebook("x = 6 * 7", "print('held-out accuracy:', x)")
+    done = run(good)
+    assert (done.returncode, done.stdout) == (0, "held-out accuracy: 42\n")
+    bad = run(notebook("print('before')", "raise ValueError('cell two broke')"))
+    assert bad.returncode == 1 and bad.stdout == "before\n" and "cell two broke" in bad.stderr
