@@ -132,8 +132,32 @@ def job_main(
     except SparkDLError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        stop_job_session()
     print(json.dumps({k: metrics[k] for k in summary_keys}, indent=2))
     return 0
+
+
+def stop_job_session() -> None:
+    """Stop the session a job started, before the interpreter exits.
+
+    On ``local-cluster`` the embedded cluster's workers run in this JVM; while the
+    application stops they try to relaunch the executors it just released and log each
+    refusal as an ERROR, which would bury a successful job's output. Those records say
+    nothing wrong, so the embedded workers' logger is silenced for the stop.
+    """
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        return
+    sc = spark.sparkContext
+    jvm: Any = sc._jvm
+    if (sc.master or "").startswith("local-cluster") and jvm is not None:
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            "org.apache.spark.deploy.worker", jvm.org.apache.logging.log4j.Level.OFF
+        )
+    spark.stop()
 
 
 def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:

@@ -121,6 +121,8 @@ def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
     assert metrics["test_accuracy"] >= 0.93
     summary = json.loads(done.stdout[done.stdout.index("{") :])
     assert summary["test_accuracy"] == metrics["test_accuracy"]
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert errors == []  # a successful job's log is clean at the default level
 
 
 def test_python_job_reports_config_errors_without_a_traceback(tmp_path):
