@@ -127,13 +127,17 @@ def job_main(
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    from pyspark.sql import SparkSession
+
+    session_before = SparkSession.getActiveSession()
     try:
         metrics = run(load(args.config, args.overrides), args.output)
     except SparkDLError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        stop_job_session()
+        if session_before is None:  # only a session this job started is its to stop
+            stop_job_session()
     print(json.dumps({k: metrics[k] for k in summary_keys}, indent=2))
     return 0
 
