@@ -18,13 +18,14 @@ bounds whatever else might block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,20 +231,11 @@ def _hooks(
     return hooks
 
 
-def _sender(reporter: ProgressReporter) -> Any:
+def _sender(reporter: ProgressReporter) -> Callable[[ProgressUpdate], None]:
+    """The loop's progress callable: its update, stamped with this worker's rank and attempt."""
+
     def send(update: ProgressUpdate) -> None:
-        reporter.send(
-            Report(
-                reporter.rank,
-                update.epoch,
-                reporter.attempt,
-                update.steps,
-                update.total_steps,
-                update.samples,
-                update.loss_sum,
-                update.seconds,
-            )
-        )
+        reporter.send(Report(rank=reporter.rank, attempt=reporter.attempt, **dataclasses.asdict(update)))
 
     return send
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,10 +29,11 @@ class EpochTally:
     started: float
     steps: int = 0
     samples: int = 0
-    loss_sum: torch.Tensor | None = None  # rows-weighted, on the device: read only when reported
+    # rows-weighted, on the device: read (a device sync) only when reported
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
     def loss_value(self) -> float:
-        return float(self.loss_sum) if self.loss_sum is not None else 0.0
+        return float(self.loss_sum)
 
 
 @dataclass(frozen=True)

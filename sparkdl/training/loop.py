@@ -122,6 +122,7 @@ class Trainer:
         self.global_step = schedule.start.global_steps_done
         self.output_shape: tuple[int, ...] = ()
         self.input_shape: tuple[int, ...] = ()
+        self._shapes_seen = False
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the schedule's start to its last epoch; return the history."""
@@ -185,8 +186,8 @@ class Trainer:
         ``skip_steps`` steps (done before a failure, restored from a checkpoint) only
         consume their batches.
         """
-        tally = EpochTally(epoch, coordinator.total_steps, time.perf_counter())
-        tally.loss_sum = torch.zeros((), dtype=torch.float64, device=self._ctx.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._ctx.device)
+        tally = EpochTally(epoch, coordinator.total_steps, time.perf_counter(), loss_sum=loss_sum)
         skips_before = self.strategy.guard.skipped
         self.strategy.model.train()
         iterator = iter(batches)
@@ -238,8 +239,9 @@ class Trainer:
         shape: BatchShape,
         plan: StepPlan,
     ) -> None:
+        before = Position(tally.epoch, tally.steps, self.global_step)
         for hook in self._hooks:
-            hook.before_step(Position(tally.epoch, tally.steps, self.global_step))
+            hook.before_step(before)
         step = StepInput(
             self.global_step,
             tally.epoch,
@@ -250,21 +252,22 @@ class Trainer:
             functools.partial(self._filler.batch, plan),
         )
         loss = self.strategy.train_step(step)
-        assert tally.loss_sum is not None
         tally.loss_sum += loss.detach().double() * shape.rows
         tally.samples += shape.rows
         tally.steps += 1
         self.global_step += 1
+        after = Position(tally.epoch, tally.steps, self.global_step)
         for hook in self._hooks:
-            hook.after_step(Position(tally.epoch, tally.steps, self.global_step), tally)
+            hook.after_step(after, tally)
 
     def _loss_of(self, model: nn.Module, batch: TensorBatch) -> torch.Tensor:
         device = self._ctx.device
         x = batch[0].to(device, non_blocking=True)
         y = batch[1].to(device, non_blocking=True)
         output = model(x)
-        if not self.output_shape:
+        if not self._shapes_seen:  # once: a model with scalar outputs has output_shape ()
             self.output_shape, self.input_shape = tuple(output.shape[1:]), tuple(x.shape[1:])
+            self._shapes_seen = True
         return self._loss_fn(output, y)
 
     def _exchange_partition_info(self) -> PartitionInfo:
