@@ -58,6 +58,23 @@ class Compression(str, enum.Enum):
     FP16 = "fp16"
 
 
+class LrSchedule(str, enum.Enum):
+    """How the learning rate changes over the run."""
+
+    CONSTANT = "constant"
+    WARMUP_COSINE = "warmup_cosine"
+    WARMUP_LINEAR = "warmup_linear"
+    STEP = "step"
+
+
+class Precision(str, enum.Enum):
+    """The dtype of the forward pass (autocast); weights and optimizer stay float32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
 class OptimizerName(str, enum.Enum):
     """Optimizers that can be named in a config file (``optimizer_fn`` takes any)."""
 

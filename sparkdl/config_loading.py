@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -209,12 +210,28 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where} = {value!r} must be a table")
-        return {str(k): str(v) for k, v in value.items()}
+        (_, value_type) = typing.get_args(hint)
+        return {str(k): _coerce(v, value_type, f"{where}.{k}") for k, v in value.items()}
+    if origin in (types.UnionType, typing.Union):
+        members: tuple[Any, ...] = typing.get_args(hint)
+        if str in members and isinstance(value, str):
+            return value
+        for member in members:
+            if typing.get_origin(member) is tuple and isinstance(value, list | tuple):
+                return _coerce(value, member, where)
+        names = " or ".join(_hint_name(m) for m in members)
+        raise ConfigError(f"{where} = {value!r} must be {names}")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and not _is_exact(value, hint):
         raise ConfigError(f"{where} = {value!r} must be of type {hint.__name__}")
     return value
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    return f"a {getattr(hint, '__name__', hint)}"
 
 
 def _is_exact(value: Any, hint: type) -> bool:

@@ -16,8 +16,10 @@ from sparkdl.config_choices import (
     Backend,
     Compression,
     FaultDrillSpec,
+    LrSchedule,
     OnError,
     OptimizerName,
+    Precision,
     PsMode,
     Strategy,
     UseGpu,
@@ -66,8 +68,53 @@ class TrainingConfig:
         ),
     )
 
+    accumulate_steps: int = field(
+        default=1,
+        metadata=about(
+            "Local batches whose gradients add up before one optimizer step (a step then sees "
+            "batch_size x accumulate_steps rows per worker, in the memory of one batch).",
+            bound="> 0",
+        ),
+    )
+    validation_fraction: float = field(
+        default=0.0,
+        metadata=about(
+            "Share of the rows held out (seeded) to measure val_loss and val_accuracy or val_rmse "
+            "after every epoch, on the executors; 0 = none.",
+            valid="0 <= value < 1",
+        ),
+    )
+    validation_col: str = field(
+        default="",
+        metadata=about('A boolean column: its true rows validate instead of training; "" = none.'),
+    )
+    early_stopping_patience: int = field(
+        default=0,
+        metadata=about(
+            "Stop after this many epochs without a lower val_loss and keep the best epoch's weights; "
+            "0 = train every epoch.",
+            bound=">= 0",
+        ),
+    )
+    precision: Precision = field(
+        default=Precision.FP32,
+        metadata=about(
+            "Autocast dtype of forward and loss: bf16 (CPU and GPU) or fp16 (with a gradient scaler; "
+            "not with the parameter server); weights and optimizer state stay float32."
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_bounds(self, "training")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(
+                f"training.validation_fraction = {self.validation_fraction} must be >= 0 and < 1"
+            )
+        if self.validation_fraction and self.validation_col:
+            raise ConfigError(
+                f"validation_fraction = {self.validation_fraction} and validation_col = "
+                f"{self.validation_col!r} both choose validation rows; set one"
+            )
         if self.loss not in LOSS_NAMES:
             raise ConfigError(
                 f"training.loss = {self.loss!r} is not a known loss; choose one of "
@@ -89,6 +136,40 @@ class OptimizerConfig:
     )
     weight_decay: float = field(
         default=0.0, metadata=about("Weight decay of that optimizer (decoupled for adamw).", bound=">= 0")
+    )
+
+    lr_schedule: LrSchedule = field(
+        default=LrSchedule.CONSTANT,
+        metadata=about(
+            "How lr changes: constant (after any warm-up), warm-up then cosine or linear decay to 0 "
+            "over the run, or step (times lr_gamma at each epoch in lr_milestones)."
+        ),
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata=about("Optimizer steps over which lr rises linearly to its peak.", bound=">= 0"),
+    )
+    lr_milestones: tuple[int, ...] = field(
+        default=(),
+        metadata=about("Epochs (1-based) at whose start a step schedule multiplies lr by lr_gamma."),
+    )
+    lr_gamma: float = field(
+        default=0.1, metadata=about("A step schedule's factor per milestone.", bound="> 0")
+    )
+    scale_lr: bool = field(
+        default=False,
+        metadata=about(
+            "The large-batch rule: peak lr = lr x num_workers, reached by a linear warm-up from lr "
+            "over warmup_steps (Goyal et al.)."
+        ),
+    )
+    grad_clip_norm: float = field(
+        default=0.0,
+        metadata=about(
+            "Clip the gradient's global L2 norm to this before each step (the parameter server clips "
+            "each worker's gradient before it is pushed); 0 = off.",
+            bound=">= 0",
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -114,8 +195,65 @@ class DataConfig:
             valid="a column name not in feature_cols",
         ),
     )
+    inputs: dict[str, str | tuple[str, ...]] = field(
+        default_factory=dict,
+        metadata=about(
+            "Named model inputs, the model called as model(**inputs): name -> one column (kept in its "
+            "own type and shape: integers int64, numbers, arrays, nested arrays, ml Vectors float32, "
+            "images CHW) or a list of columns (one float32 matrix). Empty: feature_cols feed model(x).",
+            valid='a table, e.g. {user = "user_id", dense = ["age", "income"]}',
+        ),
+    )
+    input_shapes: dict[str, tuple[int, ...]] = field(
+        default_factory=dict,
+        metadata=about(
+            "Per-row shape of single-column inputs whose arrays hold a flattened tensor.",
+            valid="a table of input name -> list of ints, e.g. {image = [1, 28, 28]}",
+        ),
+    )
+    sequence_cols: tuple[str, ...] = field(
+        default=(),
+        metadata=about(
+            "Array columns whose rows differ in length (token ids): padded per batch to the longest "
+            "row, with a boolean <input>_mask input.",
+            valid="columns that are single-column inputs",
+        ),
+    )
+    max_sequence_length: int = field(
+        default=0,
+        metadata=about("Longer sequences keep their first values; 0 = no cap.", bound=">= 0"),
+    )
+    weight_col: str = field(
+        default="",
+        metadata=about(
+            "Column of per-row loss weights (finite, >= 0): the loss is the mean of weight x row loss; "
+            '"" = every row weighs 1.'
+        ),
+    )
+    cache_transformed: bool = field(
+        default=False,
+        metadata=about(
+            "Cache transform_fn's output after epoch 1 instead of running it on the raw rows every "
+            "epoch (faster; no fresh random augmentation)."
+        ),
+    )
     prediction_col: str = field(
         default="prediction", metadata=about("Column that TorchModel.transform adds with the model's output.")
+    )
+    raw_prediction_col: str = field(
+        default="rawPrediction",
+        metadata=about(
+            "Vector column of a classifier's raw outputs (for one logit z: [-z, z]) that transform adds.",
+            valid='a column name, or "" to leave it out',
+        ),
+    )
+    probability_col: str = field(
+        default="probability",
+        metadata=about(
+            "Vector column of a classifier's class probabilities (softmax, or sigmoid for one logit) "
+            "that transform adds.",
+            valid='a column name, or "" to leave it out',
+        ),
     )
     cache_dir: str = field(
         default="",
@@ -136,9 +274,9 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.feature_cols:
-            raise ConfigError("data.feature_cols is empty; name at least one feature column")
-        if self.label_col in self.feature_cols:
+        if not self.feature_cols and not self.inputs:
+            raise ConfigError("data.feature_cols is empty; name at least one feature column (or set inputs)")
+        if not self.inputs and self.label_col in self.feature_cols:
             raise ConfigError(
                 f"data.label_col = {self.label_col!r} is also a feature column; "
                 "a model must not see its own label"

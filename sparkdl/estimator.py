@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import time
 import typing
 from pathlib import Path
@@ -35,15 +36,25 @@ from sparkdl.config import (
     flat_field_owners,
     load_config,
 )
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.runtime import fs
-from sparkdl.runtime.driver import plan_columns, run_training
-from sparkdl.runtime.inference import PredictSpec, output_mode, predict_partition, prediction_schema
+from sparkdl.runtime.driver import plan_inputs, run_training, with_validation
+from sparkdl.runtime.inference import (
+    OutputCols,
+    PredictSpec,
+    output_mode,
+    predict_partition,
+    prediction_schema,
+)
 from sparkdl.runtime.worker import TrainSpec
 from sparkdl.settings import library_settings, param_doc, with_settings_section
+from sparkdl.strategies.base import SchedulerFn
 from sparkdl.tracking import log_fit
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_from_bytes, state_to_bytes
-from sparkdl.training.losses import LossFn, resolve_loss
+from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
+from sparkdl.training.schedules import lr_plan
 
 _DEFAULTS = SparkDLConfig().flat()
 
@@ -51,6 +62,8 @@ _DEFAULTS = SparkDLConfig().flat()
 def _converter(hint: Any) -> Any:
     if typing.get_origin(hint) is tuple:
         return TypeConverters.toListString
+    if typing.get_origin(hint) is dict:
+        return _to_table
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return lambda v: TypeConverters.toString(v.value if isinstance(v, enum.Enum) else v)
     return {
@@ -59,6 +72,13 @@ def _converter(hint: Any) -> Any:
         bool: TypeConverters.toBoolean,
         str: TypeConverters.toString,
     }[hint]
+
+
+def _to_table(value: Any) -> dict[str, Any]:
+    """A table setting as a Param value: a dict whose lists are lists (JSON-persistable)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a dict, got {type(value).__name__}")
+    return {str(k): list(v) if isinstance(v, tuple) else v for k, v in value.items()}
 
 
 def _config_params() -> dict[str, Param]:
@@ -117,7 +137,7 @@ for _name, _param in _config_params().items():
     setattr(_SparkDLParams, _name, _param)
 
 
-class TorchEstimator(Estimator, _SparkDLParams):
+class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
     """Trains a PyTorch model on a Spark DataFrame with one barrier task per worker.
 
     Args:
@@ -126,6 +146,19 @@ class TorchEstimator(Estimator, _SparkDLParams):
         loss_fn: "cross_entropy", "mse", "bce_with_logits", or ``callable(output, target)``
             returning the mean loss (it then gets float32 targets). Overrides the ``loss``
             setting only while that is at its default or names the same loss.
+        transform_fn: optional ``(pyarrow.RecordBatch) -> {name: numpy array}``, run on the
+            executors (every epoch, on the raw rows, unless ``cache_transformed``) and in
+            ``transform``; it decodes what no built-in decoder reads (image bytes, text). Its
+            keys other than the label and weight columns are model inputs, and the model is
+            called as ``model(**inputs)``. It may take ``training: bool`` (False in transform).
+        scheduler_fn: optional ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped
+            after every optimizer step (on the server's optimizers for the parameter server),
+            instead of the ``lr_schedule`` setting.
+        validation: rows to measure after every epoch (val_loss, and val_accuracy or val_rmse,
+            in ``history``): a fraction of the rows (the ``validation_fraction`` setting), a
+            boolean column's name (``validation_col``), or a DataFrame with the same columns.
+            With ``early_stopping_patience`` training stops when val_loss stops improving and
+            the best epoch's weights are kept.
         config: a :class:`SparkDLConfig` or the path of a TOML file; keyword settings
             override it.
         **settings: any setting of :class:`SparkDLConfig` by name, e.g. ``num_workers=2,
@@ -141,11 +174,25 @@ class TorchEstimator(Estimator, _SparkDLParams):
         model_fn: ModelFn | None = None,
         optimizer_fn: OptimizerFn | None = None,
         loss_fn: str | LossFn | None = None,
+        transform_fn: TransformFn | None = None,
+        scheduler_fn: SchedulerFn | None = None,
+        validation: float | str | Any = None,
         config: SparkDLConfig | str | Path | None = None,
         **settings: Any,
     ) -> None:
         super().__init__()
         self._init_defaults()
+        self.validation_df: Any = None
+        if isinstance(validation, bool):
+            raise ConfigError(
+                "validation must be a fraction, a boolean column's name or a DataFrame, not a bool"
+            )
+        if isinstance(validation, int | float):
+            settings = {**settings, "validation_fraction": float(validation)}
+        elif isinstance(validation, str):
+            settings = {**settings, "validation_col": validation}
+        elif validation is not None:
+            self.validation_df = validation
         self._apply_settings(config, settings)
         chosen = choose_loss(loss_fn, self.get_config().training.loss)
         if isinstance(chosen, str):  # a named loss is the setting, so Params and persistence show it
@@ -153,9 +200,18 @@ class TorchEstimator(Estimator, _SparkDLParams):
         self.model_fn = model_fn
         self.optimizer_fn = optimizer_fn
         self.loss_fn: LossFn | None = None if isinstance(chosen, str) else chosen
+        self.transform_fn = transform_fn
+        self.scheduler_fn = scheduler_fn
 
     def _loss(self) -> str | LossFn:
         return choose_loss(self.loss_fn, self.get_config().training.loss)
+
+    def write(self) -> MLWriter:
+        return _TorchEstimatorWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader:
+        return _TorchEstimatorReader()
 
     def _fit(self, dataset: Any) -> TorchModel:
         if self.model_fn is None:
@@ -163,8 +219,19 @@ class TorchEstimator(Estimator, _SparkDLParams):
         config = self.get_config()
         loss = self._loss()
         _, label_kind = resolve_loss(loss)
-        plan = plan_columns(dataset, config.data.feature_cols, config.data.label_col, label_kind)
-        spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan)
+        if config.data.weight_col and not takes_weight(loss):
+            raise ConfigError(
+                f"weight_col = {config.data.weight_col!r} but loss_fn takes no weight; give it a third "
+                "parameter `weight` (per-row weights) or unset weight_col"
+            )
+        if self.scheduler_fn is not None and not lr_plan(config).is_constant:
+            raise ConfigError(
+                "scheduler_fn and the lr_schedule / warmup_steps / scale_lr settings both set the "
+                "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
+            )
+        dataset, validation_col = with_validation(dataset, config, self.validation_df)
+        plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
+        spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)
         started = time.perf_counter()
         result = run_training(dataset, spec)
         module = build_model(self.model_fn)
@@ -175,7 +242,8 @@ class TorchEstimator(Estimator, _SparkDLParams):
             history=result.history,
             output_shape=result.output_shape,
             classifier=isinstance(loss, str) and loss == "cross_entropy",
-            input_shape=result.input_shape,
+            trained_input_shapes=result.input_shapes,
+            transform_fn=self.transform_fn,
         )
         model.worker_rows = result.worker_rows
         model.worker_devices = result.worker_devices
@@ -191,6 +259,12 @@ TorchEstimator.__doc__ = with_settings_section(TorchEstimator.__doc__)
 class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
     """A trained model: ``transform`` adds predictions, computed on the executors.
 
+    Like pyspark.ml's classifiers, a classifier (trained with cross_entropy, or with
+    bce_with_logits and one output) adds ``prediction`` (the class index), ``rawPrediction``
+    and ``probability`` (ml Vectors), so the stock evaluators read them on their defaults;
+    a regression adds ``prediction`` only. The names are the settings ``prediction_col``,
+    ``raw_prediction_col`` and ``probability_col`` ("" leaves a column out).
+
     Attributes:
         module: the trained ``torch.nn.Module`` (on CPU).
         history: one dict per epoch with at least epoch, loss, samples, seconds.
@@ -203,38 +277,54 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         history: list[dict[str, Any]] | None = None,
         output_shape: tuple[int, ...] = (),
         classifier: bool = False,
-        input_shape: tuple[int, ...] = (),
+        trained_input_shapes: dict[str, tuple[int, ...]] | None = None,
+        transform_fn: TransformFn | None = None,
     ) -> None:
         super().__init__()
         self._init_defaults()
         self.module = module
         self.model_fn = model_fn
+        self.transform_fn = transform_fn  # the estimator's, run on every batch transform reads
         self.history = list(history or [])
         self.output_shape = tuple(output_shape)
-        self.input_shape = tuple(input_shape)
+        # one row of each input as the model saw it (the setting input_shapes is a Param)
+        self.trained_input_shapes = {
+            name: tuple(shape) for name, shape in (trained_input_shapes or {}).items()
+        }
         self.classifier = classifier
         self.worker_rows: list[int] = []
         self.worker_devices: list[dict[str, Any]] = []  # per rank: device and Spark-assigned GPUs
         self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
         self.mlflow_run_id: str | None = None  # the MLflow run fit logged to, if any
 
+    @property
+    def keyword_inputs(self) -> bool:
+        """Whether the model takes named inputs (``inputs`` or ``transform_fn``), not ``model(x)``."""
+        return bool(self.getOrDefault("inputs")) or self.transform_fn is not None
+
     def _transform(self, dataset: Any) -> Any:
         if self.module is None or self.model_fn is None:
             raise ConfigError("this TorchModel holds no trained module; fit or load one first")
         config = self.get_config()
-        plan = plan_columns(dataset, config.data.feature_cols, None, resolve_loss("mse")[1])
-        mode = output_mode(self.classifier, self.output_shape)
+        mode = output_mode(
+            self.classifier, self.output_shape, binary=config.training.loss == "bce_with_logits"
+        )
+        columns = OutputCols(
+            config.data.prediction_col, config.data.raw_prediction_col, config.data.probability_col
+        )
+        schema = prediction_schema(dataset.schema, columns, mode)
+        state = state_to_bytes(self.module)
         spec = PredictSpec(
             model_fn=self.model_fn,
-            state=state_to_bytes(self.module),
-            plan=plan,
-            prediction_col=config.data.prediction_col,
+            state=state,
+            state_key=hashlib.sha256(state).hexdigest(),  # once here, not in every task
+            plan=plan_inputs(dataset, config.data, LabelKind.REAL, self.transform_fn, with_label=False),
+            columns=columns,
             mode=mode,
             batch_size=config.data.inference_batch_size,
             use_gpu=config.runtime.use_gpu,
             torch_threads=config.runtime.torch_threads,
         )
-        schema = prediction_schema(dataset.schema, config.data.prediction_col, mode)
         return dataset.mapInArrow(functools.partial(predict_partition, spec), schema)
 
     def plot_history(self, path: str | Path) -> Path:
@@ -263,22 +353,38 @@ class _TorchModelWriter(MLWriter):
         extra = {
             "history": model.history,
             "output_shape": list(model.output_shape),
-            "input_shape": list(model.input_shape),
+            "trained_input_shapes": {name: list(shape) for name, shape in model.trained_input_shapes.items()},
             "classifier": model.classifier,
+            "transform_fn": model.transform_fn is not None,
         }
         DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, extraMetadata=extra)
         assert model.module is not None
         fs.write_bytes(self.sparkSession, f"{path}/weights.pt", state_to_bytes(model.module))
         fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
+        if model.transform_fn is not None:
+            data = cloudpickle.dumps(model.transform_fn)
+            fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
+
+
+def _legacy_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A model saved before named inputs recorded one ``input_shape``: feature_cols' matrix."""
+    shape = metadata.get("input_shape")
+    return {"features": tuple(shape)} if shape else {}
 
 
 class _TorchModelReader(MLReader):
-    """Loads a TorchModel. The model factory is unpickled: load only models you trust."""
+    """Loads a TorchModel. The model factory (and transform_fn) is unpickled: load only
+    models you trust."""
 
     def load(self, path: str) -> TorchModel:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         model_fn = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle"))
         state = state_from_bytes(fs.read_bytes(self.sparkSession, f"{path}/weights.pt"))
+        transform_fn = None
+        if metadata.get("transform_fn"):
+            transform_fn = cloudpickle.loads(
+                fs.read_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle")
+            )
         module = build_model(model_fn)
         module.load_state_dict(state)
         model = TorchModel(
@@ -287,8 +393,38 @@ class _TorchModelReader(MLReader):
             history=metadata["history"],
             output_shape=tuple(metadata["output_shape"]),
             classifier=metadata["classifier"],
-            input_shape=tuple(metadata.get("input_shape", ())),
+            trained_input_shapes=metadata.get("trained_input_shapes") or _legacy_shapes(metadata),
+            transform_fn=transform_fn,
         )
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
         return model
+
+
+class _TorchEstimatorWriter(MLWriter):
+    """Saves an unfitted estimator (e.g. inside a saved Pipeline or CrossValidatorModel):
+    its settings as Spark ML metadata and its functions cloudpickled."""
+
+    def __init__(self, instance: TorchEstimator) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
+        # every user function (model_fn, optimizer_fn, loss_fn, ...): what is not a Param
+        functions = {name: value for name, value in vars(self.instance).items() if name.endswith("_fn")}
+        fs.write_bytes(self.sparkSession, f"{path}/functions.cloudpickle", cloudpickle.dumps(functions))
+
+
+class _TorchEstimatorReader(MLReader):
+    """Loads a TorchEstimator. Its functions are unpickled: load only estimators you trust."""
+
+    def load(self, path: str) -> TorchEstimator:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        functions = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/functions.cloudpickle"))
+        estimator = TorchEstimator()
+        for name, value in functions.items():
+            setattr(estimator, name, value)
+        estimator._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(estimator, metadata)
+        return estimator

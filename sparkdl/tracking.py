@@ -102,8 +102,9 @@ def _log_model(mlflow: Any, model: TorchModel) -> None:
     assert model.module is not None
     module = model.module.eval()
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    if model.input_shape:
-        example = torch.zeros((2, *model.input_shape))  # a batch of 1 would fix the batch size
+    shapes = model.trained_input_shapes
+    if len(shapes) == 1 and not model.keyword_inputs:  # model(x): an example export can trace
+        example = torch.zeros((2, *next(iter(shapes.values()))))  # a batch of 1 would fix the batch size
         try:
             mlflow.pytorch.log_model(
                 module, name="model", input_example=example.numpy(), pip_requirements=requirements

@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkdl.data.batching import epoch_rng
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import DataPlan, decode_block, plan_data
+from sparkdl.data.tensors import Batch, to_batch
 
 
 class TinyNet(nn.Module):
@@ -73,3 +76,62 @@ def reference_sgd(
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def shard_plan(shards) -> tuple[DataPlan, Batch]:
+    """The plan of the shards' columns (feature_cols = features, a class label) and the
+    template batch the driver would decode: the first two rows of the first shard with rows."""
+    first = next((shard_to_batch(*s) for s in shards if len(s[1])), shard_to_batch(*shards[0]))
+    plan = plan_data(
+        first.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
+    )
+    return plan, to_batch(decode_block(first.slice(0, 2), plan), plan)
+
+
+class TwoInputNet(nn.Module):
+    """A user id through an embedding, joined with a dense row: ``model(user=..., dense=...)``."""
+
+    def __init__(self, users: int = 12, width: int = 6, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(users, 4)
+        self.body = nn.Sequential(nn.Linear(4 + width, 16), nn.Tanh(), nn.Linear(16, classes))
+
+    def forward(self, user: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.cat([self.embed(user), dense], dim=1))
+
+
+def make_two_input_net() -> nn.Module:
+    return TwoInputNet()
+
+
+def make_two_input_shards(sizes: Sequence[int], users: int = 12, seed: int = 11):
+    """Per worker: (user ids int64, dense float32 [n, 6], class labels int64)."""
+    rng = np.random.default_rng(seed)
+    shards = []
+    for n in sizes:
+        user = rng.integers(0, users, n).astype(np.int64)
+        dense = rng.normal(size=(n, 6)).astype(np.float32)
+        label = ((user % 3) + (dense[:, 0] > 0)).astype(np.int64) % 3
+        shards.append((user, dense, label))
+    return shards
+
+
+def reference_sgd_two_inputs(
+    shards, batch_size: int, epochs: int, seed: int, lr: float, momentum: float
+) -> dict[str, torch.Tensor]:
+    """:func:`reference_sgd` for :class:`TwoInputNet` (rows in order, no shuffle)."""
+    torch.manual_seed(seed)
+    model = make_two_input_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    steps = max((len(s[2]) + batch_size - 1) // batch_size for s in shards)
+    for _ in range(epochs):
+        for step in range(steps):
+            rows = slice(step * batch_size, (step + 1) * batch_size)
+            user, dense, label = (
+                torch.from_numpy(np.concatenate([s[i][rows] for s in shards])) for i in range(3)
+            )
+            loss = F.cross_entropy(model(user=user, dense=dense), label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

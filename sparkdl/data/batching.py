@@ -1,51 +1,46 @@
 """Turning a stream of decoded chunks into fixed-size batches, and seeded shuffles.
 
-Pure numpy: no Spark, no torch, so every rule here is unit-tested directly.
+Pure numpy (on :class:`~sparkdl.data.blocks.Block`): no Spark, no torch, so every rule
+here is unit-tested directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-Arrays = tuple[np.ndarray, np.ndarray]
-A = TypeVar("A", bound=Any)
+from sparkdl.data.blocks import Block
 
 
-def rebatch(
-    chunks: Iterable[tuple[A, A]], batch_size: int, concat: Callable[[list[A]], A]
-) -> Iterator[tuple[A, A]]:
-    """Yield batches of exactly ``batch_size`` rows (the last one may be smaller).
+def rebatch(chunks: Iterable[Block], batch_size: int) -> Iterator[Block]:
+    """Yield blocks of exactly ``batch_size`` rows (the last one may be smaller).
 
     Chunks arrive in whatever sizes Arrow delivers them; rows keep their order.
     Batches inside a chunk are slices (views, no copy); only a batch that spans two
-    chunks is concatenated. Works on numpy arrays (``concat=np.concatenate``) and
-    on tensors (``concat=torch.cat``).
+    chunks is concatenated.
     """
-    pending_x: list[A] = []
-    pending_y: list[A] = []
-    pending = 0
-    for x, y in chunks:
+    pending: list[Block] = []
+    held = 0
+    for chunk in chunks:
+        rows = len(chunk)
         start = 0
-        if pending:
-            take = min(batch_size - pending, len(x))
-            pending_x.append(x[:take])
-            pending_y.append(y[:take])
-            pending += take
+        if held:
+            take = min(batch_size - held, rows)
+            pending.append(chunk.rows(slice(0, take)))
+            held += take
             start = take
-            if pending < batch_size:
+            if held < batch_size:
                 continue
-            yield concat(pending_x), concat(pending_y)
-            pending_x, pending_y, pending = [], [], 0
-        while len(x) - start >= batch_size:
-            yield x[start : start + batch_size], y[start : start + batch_size]
+            yield Block.concat(pending)
+            pending, held = [], 0
+        while rows - start >= batch_size:
+            yield chunk.rows(slice(start, start + batch_size))
             start += batch_size
-        if start < len(x):
-            pending_x, pending_y, pending = [x[start:]], [y[start:]], len(x) - start
-    if pending:
-        yield concat(pending_x), concat(pending_y)
+        if start < rows:
+            pending, held = [chunk.rows(slice(start, rows))], rows - start
+    if held:
+        yield Block.concat(pending)
 
 
 def epoch_rng(seed: int, epoch: int, rank: int) -> np.random.Generator:
@@ -53,11 +48,10 @@ def epoch_rng(seed: int, epoch: int, rank: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, rank])
 
 
-def shuffle_chunks(chunks: Iterable[Arrays], rng: np.random.Generator) -> Iterator[Arrays]:
+def shuffle_chunks(chunks: Iterable[Block], rng: np.random.Generator) -> Iterator[Block]:
     """Permute rows within each chunk (epoch 1, while the data still streams from Spark)."""
-    for x, y in chunks:
-        order = rng.permutation(len(x))
-        yield x[order], y[order]
+    for chunk in chunks:
+        yield chunk.rows(rng.permutation(len(chunk)))
 
 
 def steps_in_epoch(counts: Sequence[int], batch_size: int) -> int:

@@ -1,4 +1,4 @@
-"""Arrow record batch -> numpy arrays, column by column, straight from Arrow buffers.
+"""Arrow columns -> numpy arrays, straight from Arrow buffers.
 
 Pure: depends on pyarrow and numpy only. No pandas, no per-row Python. Every
 check names the column and counts the bad rows, and nothing is silently coerced
@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkdl.data.blocks import Ragged
 from sparkdl.errors import BadDataError, SchemaError
 
 
@@ -21,8 +22,11 @@ class ColumnKind(str, enum.Enum):
     """How one column turns into feature or label values."""
 
     SCALAR = "scalar"  # a numeric column: one value per row
-    ARRAY = "array"  # array<numeric>: fixed length per row
+    ARRAY = "array"  # array<numeric>: fixed length per row (or a declared sequence)
+    NESTED = "nested"  # array<array<...numeric>>: an N-d block per row
     VECTOR = "vector"  # pyspark.ml Vector (dense or sparse), as its Arrow struct
+    IMAGE = "image"  # Spark's image data source struct (height, width, nChannels, data)
+    BYTES = "bytes"  # binary or string: only transform_fn can read it
 
 
 class LabelKind(str, enum.Enum):
@@ -38,85 +42,49 @@ class ColumnSpec:
     kind: ColumnKind
 
 
-@dataclass(frozen=True)
-class ColumnPlan:
-    """Which columns are features and label, and how to decode each."""
-
-    features: tuple[ColumnSpec, ...]
-    label: ColumnSpec | None
-    label_kind: LabelKind = LabelKind.REAL
-
-    @property
-    def column_names(self) -> list[str]:
-        names = [c.name for c in self.features]
-        return names + ([self.label.name] if self.label else [])
+IMAGE_FIELDS = frozenset({"height", "width", "nChannels", "data"})
+VECTOR_FIELDS = frozenset({"type", "values", "indices", "size"})
 
 
 def kind_of_arrow_type(name: str, typ: pa.DataType) -> ColumnKind:
     """Classify an Arrow type, or raise a SchemaError saying which types are accepted."""
     if _is_numeric(typ):
         return ColumnKind.SCALAR
-    if (pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)) and (
-        _is_numeric(typ.value_type)
-    ):
+    if _is_list(typ) and _is_numeric(typ.value_type):
         return ColumnKind.ARRAY
-    if pa.types.is_struct(typ) and {typ.field(i).name for i in range(typ.num_fields)} >= {
-        "type",
-        "values",
-        "indices",
-        "size",
-    }:
-        return ColumnKind.VECTOR
+    if _is_list(typ) and _is_list(typ.value_type):
+        inner = typ.value_type
+        while _is_list(inner):
+            inner = inner.value_type
+        if _is_numeric(inner):
+            return ColumnKind.NESTED
+    if pa.types.is_struct(typ):
+        fields = {typ.field(i).name for i in range(typ.num_fields)}
+        if fields >= VECTOR_FIELDS:
+            return ColumnKind.VECTOR
+        if fields >= IMAGE_FIELDS:
+            return ColumnKind.IMAGE
+    if any(
+        check(typ)
+        for check in (
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+            pa.types.is_string,
+            pa.types.is_large_string,
+        )
+    ):
+        return ColumnKind.BYTES
     raise SchemaError(
-        f"column {name!r} has type {typ}, which cannot feed a model; use a numeric column, "
-        "an array of numbers, or a pyspark.ml Vector (e.g. from VectorAssembler)"
+        f"column {name!r} has type {typ}, which cannot feed a model; use a numeric column, an "
+        "array of numbers (nested arrays too), a pyspark.ml Vector (e.g. from VectorAssembler), "
+        "an image column (spark.read.format('image')), or decode it in transform_fn"
     )
 
 
-def plan_from_arrow_schema(
-    schema: pa.Schema, feature_cols: tuple[str, ...], label_col: str | None, label_kind: LabelKind
-) -> ColumnPlan:
-    """Check that the columns exist and have usable types; return how to decode them."""
-    missing = [c for c in (*feature_cols, *([label_col] if label_col else [])) if c not in schema.names]
-    if missing:
-        raise SchemaError(
-            f"column(s) {missing} not found; the DataFrame has {schema.names}. "
-            "Set feature_cols/label_col to existing columns"
-        )
-    features = tuple(ColumnSpec(c, kind_of_arrow_type(c, schema.field(c).type)) for c in feature_cols)
-    label = None
-    if label_col:
-        kind = kind_of_arrow_type(label_col, schema.field(label_col).type)
-        if kind is ColumnKind.VECTOR or (kind is ColumnKind.ARRAY and label_kind is LabelKind.CLASS_INDEX):
-            raise SchemaError(
-                f"label column {label_col!r} has type {schema.field(label_col).type}; "
-                f"a {label_kind.value} label must be a numeric column"
-            )
-        label = ColumnSpec(label_col, kind)
-    return ColumnPlan(features, label, label_kind)
-
-
-def decode_features(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
-    """Concatenate the feature columns of a batch into one float32 matrix [rows, width]."""
-    matrix = feature_matrix(batch, plan)
-    bad = nonfinite_rows(matrix)
-    if bad is not None:
-        names = [s.name for s in plan.features]
-        raise BadDataError(
-            f"feature column(s) {names} hold NaN or infinite values in {int(bad.sum())} of "
-            f"{batch.num_rows} rows of this batch; clean or impute them before fit "
-            "(or set on_bad_rows = 'skip')",
-            column=",".join(names),
-            bad_rows=int(bad.sum()),
-        )
-    return matrix
-
-
-def feature_matrix(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
-    """The features as float32 [rows, width], without the NaN check."""
-    parts = [decode_column(batch.column(spec.name), spec) for spec in plan.features]
-    matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    return np.ascontiguousarray(matrix, dtype=np.float32)
+def flat_rows(values: np.ndarray) -> np.ndarray:
+    """``[rows, ...]`` as ``[rows, values per row]``; unlike ``reshape(rows, -1)`` this also
+    works for no rows or empty rows (an empty batch, a batch of empty sequences)."""
+    return values.reshape(len(values), int(np.prod(values.shape[1:])))
 
 
 def nonfinite_rows(matrix: np.ndarray) -> np.ndarray | None:
@@ -125,15 +93,18 @@ def nonfinite_rows(matrix: np.ndarray) -> np.ndarray | None:
     # (float32 values cannot overflow a float64 sum); only then find the bad rows.
     if not matrix.size or np.isfinite(matrix.sum(axis=1, dtype=np.float64)).all():
         return None
-    return ~np.isfinite(matrix.reshape(len(matrix), -1)).all(axis=1)
+    return ~np.isfinite(flat_rows(matrix)).all(axis=1)
 
 
-def decode_label(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
+def decode_label(batch: pa.RecordBatch, spec: ColumnSpec, kind: LabelKind) -> np.ndarray:
     """The label column as int64 class ids or float32 targets."""
-    values = label_values(batch, plan)
-    bad = bad_label_rows(values, plan.label_kind)
-    name = plan.label.name if plan.label else ""
-    if bad is not None and plan.label_kind is LabelKind.REAL:
+    return checked_label(label_values(batch, spec), spec.name, kind)
+
+
+def checked_label(values: np.ndarray, name: str, kind: LabelKind) -> np.ndarray:
+    """Label values (from the column, or from transform_fn) checked and typed for the loss."""
+    bad = bad_label_rows(values, kind)
+    if bad is not None and kind is LabelKind.REAL:
         raise BadDataError(
             f"label column {name!r} holds NaN or infinite values in {int(bad.sum())} rows",
             column=name,
@@ -147,21 +118,38 @@ def decode_label(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
             column=name,
             bad_rows=int(bad.sum()),
         )
-    return as_label(values, plan.label_kind)
+    return as_label(values, kind)
 
 
-def label_values(batch: pa.RecordBatch, plan: ColumnPlan) -> np.ndarray:
+def label_values(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
     """The raw label values ([rows] for a scalar label), before any check."""
-    if plan.label is None:
-        raise SchemaError("no label column was configured; set label_col")
-    values = decode_column(batch.column(plan.label.name), plan.label)
-    return values[:, 0] if plan.label.kind is ColumnKind.SCALAR else values
+    values = decode_column(batch.column(spec.name), spec)
+    return values[:, 0] if spec.kind is ColumnKind.SCALAR else values
+
+
+def decode_weight(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
+    """Per-row loss weights as float32 ``[rows]``: finite and not negative."""
+    return checked_weight(decode_column(batch.column(spec.name), spec)[:, 0], spec.name)
+
+
+def checked_weight(values: np.ndarray, name: str) -> np.ndarray:
+    """Weights (from the column, or from transform_fn) as float32, finite and not negative."""
+    values = values.astype(np.float32)
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        raise BadDataError(
+            f"weight column {name!r} holds negative, NaN or infinite weights in {int(bad.sum())} "
+            f"of {len(values)} rows; weights must be finite and >= 0",
+            column=name,
+            bad_rows=int(bad.sum()),
+        )
+    return values
 
 
 def bad_label_rows(values: np.ndarray, kind: LabelKind) -> np.ndarray | None:
     """Rows whose label the loss cannot use, or None when all are fine."""
     if kind is LabelKind.REAL:
-        bad = ~np.isfinite(values).reshape(len(values), -1).all(axis=1)
+        bad = ~np.isfinite(flat_rows(values)).all(axis=1)
     else:
         bad = (np.floor(values) != values) | (values < 0) | ~np.isfinite(values)
     return bad if bad.any() else None
@@ -196,8 +184,8 @@ def _numeric_to_numpy(values: pa.Array, name: str) -> np.ndarray:
         raise BadDataError(
             f"column {name!r} has {values.null_count} null elements", column=name, bad_rows=values.null_count
         )
-    if pa.types.is_boolean(values.type):
-        values = values.cast(pa.int8())
+    if pa.types.is_boolean(values.type):  # a flag is a number (float32), not an id (int64)
+        values = values.cast(pa.float32())
     return values.to_numpy(zero_copy_only=False)
 
 
@@ -213,7 +201,8 @@ def _array_to_numpy(column: pa.Array, name: str) -> np.ndarray:
         raise BadDataError(
             f"array column {name!r} has rows of different lengths: {int(ragged.sum())} of {rows} "
             f"rows differ from the first row's length {width} (lengths seen: "
-            f"{sorted(set(lengths.tolist()))[:5]}); pad or truncate them to one length",
+            f"{sorted(set(lengths.tolist()))[:5]}); pad or truncate them to one length, or list the "
+            "column in sequence_cols to feed it padded per batch with a mask",
             column=name,
             bad_rows=int(ragged.sum()),
         )
@@ -252,5 +241,167 @@ def _vector_to_numpy(column: pa.StructArray, name: str) -> np.ndarray:
     return out
 
 
+def _is_list(typ: pa.DataType) -> bool:
+    return pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
+
+
 def _is_numeric(typ: pa.DataType) -> bool:
     return pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ)
+
+
+# --------------------------------------------------------------------------- one column, its own shape
+
+
+def natural_dtype(values: np.ndarray) -> np.ndarray:
+    """Integers as int64 (ids for ``nn.Embedding``), everything else as float32."""
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64, copy=False)
+    return values.astype(np.float32, copy=False)
+
+
+def decode_natural(
+    column: pa.Array | pa.ChunkedArray, spec: ColumnSpec, shape: tuple[int, ...] = ()
+) -> np.ndarray:
+    """One column as ``[rows, *row_shape]`` in its own dtype: a number per row is ``[rows]``,
+    an array ``[rows, k]`` (or ``shape`` when given), a nested array ``[rows, a, b, ...]``,
+    a Vector ``[rows, size]``, an image uint8 ``[rows, channels, height, width]`` (RGB)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    _refuse_nulls(column, spec.name)
+    if spec.kind is ColumnKind.IMAGE:
+        values = decode_image(column, spec.name)
+    elif spec.kind is ColumnKind.NESTED:
+        values = _nested_to_numpy(column, spec.name)
+    elif spec.kind is ColumnKind.SCALAR:
+        values = _numeric_to_numpy(column, spec.name)
+    else:
+        values = decode_column(column, spec)
+    values = natural_dtype(values) if spec.kind is not ColumnKind.IMAGE else values
+    if shape:
+        return reshape_rows(values, shape, spec.name)
+    return values
+
+
+def reshape_rows(values: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``[rows, ...]`` viewed as ``[rows, *shape]``; a SchemaError when the sizes differ."""
+    per_row = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
+    if len(values) and per_row != int(np.prod(shape)):  # no rows (all screened out) fit any shape
+        raise SchemaError(
+            f"input_shapes gives column {name!r} the shape {list(shape)} ({int(np.prod(shape))} values "
+            f"per row), but its rows hold {per_row} values ({list(values.shape[1:])}); fix input_shapes"
+        )
+    return values.reshape(len(values), *shape)
+
+
+def decode_sequence(column: pa.Array | pa.ChunkedArray, spec: ColumnSpec) -> Ragged:
+    """An array column whose rows may differ in length, as values + offsets."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    _refuse_nulls(column, spec.name)
+    if spec.kind is not ColumnKind.ARRAY:
+        raise SchemaError(
+            f"sequence column {spec.name!r} must be an array of numbers, not {column.type}; "
+            "remove it from sequence_cols"
+        )
+    offsets = _list_offsets(column)
+    values = natural_dtype(_numeric_to_numpy(column.flatten(), spec.name))
+    return Ragged(values, offsets - offsets[0])
+
+
+def decode_image(column: pa.StructArray, name: str) -> np.ndarray:
+    """Spark image structs (BGR(A) bytes, row-major, 8 bits per channel) as uint8
+    ``[rows, channels, height, width]`` in RGB(A) order, as torchvision expects.
+
+    Every image of a batch must have one size (resize them in transform_fn otherwise);
+    the bytes are reshaped in one piece, never row by row.
+    """
+    rows = len(column)
+    heights = pc.struct_field(column, "height").to_numpy(zero_copy_only=False)
+    widths = pc.struct_field(column, "width").to_numpy(zero_copy_only=False)
+    channels = pc.struct_field(column, "nChannels").to_numpy(zero_copy_only=False)
+    if not rows:
+        return np.zeros((0, 0, 0, 0), dtype=np.uint8)
+    size = (int(heights[0]), int(widths[0]), int(channels[0]))
+    differ = (heights != size[0]) | (widths != size[1]) | (channels != size[2])
+    if differ.any():
+        raise BadDataError(
+            f"image column {name!r} holds images of different sizes: {int(differ.sum())} of {rows} rows "
+            f"differ from the first row's {size[0]}x{size[1]} with {size[2]} channels; resize them "
+            "(e.g. in transform_fn, or before fit)",
+            column=name,
+            bad_rows=int(differ.sum()),
+        )
+    data = pc.struct_field(column, "data")
+    offsets = _list_offsets(data)
+    expected = size[0] * size[1] * size[2]
+    wrong = np.diff(offsets) != expected
+    if wrong.any():
+        raise BadDataError(
+            f"image column {name!r}: {int(wrong.sum())} of {rows} rows hold a number of bytes other than "
+            f"height x width x nChannels = {expected}; only 8-bit images are supported",
+            column=name,
+            bad_rows=int(wrong.sum()),
+        )
+    raw = np.frombuffer(data.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    pixels = raw.reshape(rows, *size)
+    if size[2] >= 3:  # OpenCV's BGR(A), as Spark stores it, to RGB(A)
+        pixels = pixels[..., [2, 1, 0, *range(3, size[2])]]
+    return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2))
+
+
+def _list_offsets(column: pa.Array) -> np.ndarray:
+    """A list or binary array's offsets as int64 ``[rows + 1]``, honouring a slice's offset."""
+    rows = len(column)
+    if pa.types.is_fixed_size_list(column.type):
+        size = column.type.list_size
+        return (np.arange(rows + 1, dtype=np.int64) + column.offset) * size
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        kind = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+        offsets = np.frombuffer(column.buffers()[1], dtype=kind)
+        return offsets[column.offset : column.offset + rows + 1].astype(np.int64)
+    return np.asarray(column.offsets, dtype=np.int64)
+
+
+def _nested_to_numpy(column: pa.Array, name: str) -> np.ndarray:
+    """``array<array<...>>`` as one N-d block per row; every level must have one length."""
+    rows = len(column)
+    shape: list[int] = []
+    level = column
+    while _is_list(level.type):
+        lengths = pc.list_value_length(level).to_numpy(zero_copy_only=False)
+        width = int(lengths[0]) if len(lengths) else 0
+        ragged = lengths != width
+        if ragged.any():
+            bad = len(np.unique(_row_of(column, len(shape))[ragged]))
+            raise BadDataError(
+                f"nested array column {name!r} has rows of different shapes: {bad} of {rows} rows differ "
+                f"from the first row at depth {len(shape) + 1} (length {width}); every row must have "
+                f"one shape, e.g. {[*shape, width]}",
+                column=name,
+                bad_rows=bad,
+            )
+        shape.append(width)
+        if level.null_count:
+            _refuse_nulls(level, name)
+        level = level.flatten()
+    return _numeric_to_numpy(level, name).reshape(rows, *shape)
+
+
+def _row_of(column: pa.Array, depth: int) -> np.ndarray:
+    """For each element of the list level at ``depth`` (0: the rows), the row it is in."""
+    rows = np.arange(len(column))
+    level = column
+    for _ in range(depth):
+        rows = rows[pc.list_parent_indices(level).to_numpy(zero_copy_only=False)]
+        level = level.flatten()
+    return rows
+
+
+def _refuse_nulls(column: pa.Array, name: str) -> None:
+    if column.null_count:
+        raise BadDataError(
+            f"column {name!r} has {column.null_count} null rows of {len(column)}; "
+            "drop or impute them (df.na.drop / Imputer) before fit",
+            column=name,
+            bad_rows=column.null_count,
+        )

@@ -1,8 +1,10 @@
 """One worker's batches for each epoch: streamed from Spark once, then replayed locally.
 
 Epoch 1 decodes Arrow record batches as Spark delivers them, appends them to the
-local :class:`PartitionCache`, and trains on them at the same time. Epochs 2+
-replay the cache with a seeded per-epoch shuffle. Both run on a prefetch thread.
+local epoch cache (decoded rows; or the raw rows when transform_fn must run every
+epoch), and trains on them at the same time. Epochs 2+ replay the cache with a seeded
+per-epoch shuffle. Decoding, transform_fn, padding and tensors all happen on the
+prefetch thread.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
-import torch
+import pyarrow.compute as pc
 
-from sparkdl.data.batching import Arrays, epoch_rng, rebatch, shuffle_chunks
-from sparkdl.data.cache import PartitionCache
-from sparkdl.data.columns import ColumnPlan, decode_features, decode_label
+from sparkdl.data.batching import epoch_rng, rebatch, shuffle_chunks
+from sparkdl.data.blocks import Block
+from sparkdl.data.cache import ArrowCache, BlockCache
+from sparkdl.data.inputs import DataPlan, decode_block
 from sparkdl.data.prefetch import Prefetcher, mapped
 from sparkdl.data.screening import RowScreen
+from sparkdl.data.tensors import Batch, to_batch
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,6 @@ class FeedOptions:
     skip_bad_rows: bool = False
 
 
-TensorBatch = tuple[torch.Tensor, torch.Tensor]
-
-
 class PartitionFeed:
     """Batches of one partition, epoch after epoch.
 
@@ -45,13 +45,19 @@ class PartitionFeed:
         options: batch size, shuffling and prefetch settings.
     """
 
-    def __init__(self, source: Iterator[pa.RecordBatch], plan: ColumnPlan, options: FeedOptions) -> None:
+    def __init__(self, source: Iterator[pa.RecordBatch], plan: DataPlan, options: FeedOptions) -> None:
         self._source: Iterator[pa.RecordBatch] | None = source
         self._plan = plan
         self._options = options
-        self._cache = PartitionCache(options.cache_dir)
-        self._open: Prefetcher[TensorBatch] | None = None
+        self._cache: BlockCache | ArrowCache = (
+            ArrowCache(self._decode, options.cache_dir)
+            if plan.transforms_every_epoch
+            else BlockCache(options.cache_dir)
+        )
+        self._open: Prefetcher[Batch] | None = None
         self._screen = RowScreen(plan) if options.skip_bad_rows else None
+        # rows held out to validate: decoded once (training=False: no augmentation), never trained on
+        self._held_out = BlockCache(options.cache_dir) if plan.validation_col else None
 
     @property
     def bad_rows_dropped(self) -> int:
@@ -63,16 +69,12 @@ class PartitionFeed:
         """Rows of this partition; final once the first epoch has been read."""
         return self._cache.rows
 
-    def widths(self) -> tuple[int, int]:
-        """Feature and label widths of the cached rows ((0, 1) when it holds none)."""
-        return self._cache.widths()
-
     @property
     def streaming(self) -> bool:
         """True until the Spark stream has been read to its end once."""
         return not self._cache.sealed
 
-    def epoch(self, epoch: int) -> tuple[Prefetcher[TensorBatch], str]:
+    def epoch(self, epoch: int) -> tuple[Prefetcher[Batch], str]:
         """Start feeding ``epoch`` (1-based); the previous epoch's feed must be drained.
 
         Returns:
@@ -82,8 +84,8 @@ class PartitionFeed:
         """
         self._close_open()
         source = "spark" if self.streaming else "cache"
-        batches = self._stream(epoch) if source == "spark" else self._replay(epoch)
-        self._open = Prefetcher(batches, self._options.prefetch_batches)
+        blocks = self._stream(epoch) if source == "spark" else self._replay(epoch)
+        self._open = Prefetcher(mapped(blocks, self._to_batch), self._options.prefetch_batches)
         return self._open, source
 
     def fill_cache(self) -> None:
@@ -97,44 +99,66 @@ class PartitionFeed:
             for _ in self._decode_and_cache(source):
                 pass
 
-    def _stream(self, epoch: int) -> Iterator[TensorBatch]:
+    def _stream(self, epoch: int) -> Iterator[Block]:
         if self._source is None:
             raise RuntimeError("the Spark stream was already consumed but the cache is not sealed")
         source, self._source = self._source, None
-        chunks: Iterator[Arrays] = self._decode_and_cache(source)
+        chunks: Iterator[Block] = self._decode_and_cache(source)
         if self._options.shuffle:
             chunks = shuffle_chunks(chunks, epoch_rng(self._options.seed, epoch, self._options.rank))
-        # Tensors are made once per Arrow chunk (one copy, one pin), and batches are
-        # views into them: per-batch work stays at a few microseconds.
-        return rebatch(mapped(chunks, self._to_tensors), self._options.batch_size, torch.cat)
+        # Blocks are decoded once per Arrow chunk, and batches are views into them: the
+        # per-batch work is a few slices and the tensors wrapped around them.
+        return rebatch(chunks, self._options.batch_size)
 
-    def _decode_and_cache(self, source: Iterator[pa.RecordBatch]) -> Iterator[Arrays]:
+    @property
+    def validation_rows(self) -> int:
+        """Rows held out to validate (final once the stream was read)."""
+        return self._held_out.rows if self._held_out is not None else 0
+
+    def validation_batches(self, batch_size: int) -> Iterator[Batch]:
+        """The held-out rows, in order, once the stream has been read."""
+        if self._held_out is None or not self._held_out.sealed:
+            return iter(())
+        return mapped(self._held_out.batches(batch_size), self._to_batch)
+
+    def _decode_and_cache(self, source: Iterator[pa.RecordBatch]) -> Iterator[Block]:
         for record_batch in source:
+            if self._screen is not None:
+                record_batch = self._screen.screen(record_batch)
+            if self._held_out is not None:
+                record_batch = self._hold_out(record_batch)
             if record_batch.num_rows == 0:
                 continue
-            if self._screen is not None:
-                x, y = self._screen.decode(record_batch)
-                if not len(x):
-                    continue
+            block = self._decode(record_batch)
+            if isinstance(self._cache, ArrowCache):
+                self._cache.append(record_batch)
             else:
-                x = decode_features(record_batch, self._plan)
-                y = decode_label(record_batch, self._plan)
-            self._cache.append(x, y)
-            yield x, y
+                self._cache.append(block)
+            yield block
         self._cache.seal()
+        if self._held_out is not None:
+            self._held_out.seal()
 
-    def _replay(self, epoch: int) -> Iterator[TensorBatch]:
+    def _hold_out(self, record_batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Cache the validation rows of ``record_batch``; return its training rows."""
+        assert self._held_out is not None and self._plan.validation_col is not None
+        marks = pc.fill_null(record_batch.column(self._plan.validation_col), False)
+        held = record_batch.filter(marks)
+        if held.num_rows:
+            self._held_out.append(decode_block(held, self._plan, training=False))
+        return record_batch.filter(pc.invert(marks))
+
+    def _decode(self, record_batch: pa.RecordBatch) -> Block:
+        return decode_block(record_batch, self._plan, training=True)
+
+    def _replay(self, epoch: int) -> Iterator[Block]:
         order = None
         if self._options.shuffle:
             order = epoch_rng(self._options.seed, epoch, self._options.rank).permutation(self._cache.rows)
-        return mapped(self._cache.batches(self._options.batch_size, order), self._to_tensors)
+        return self._cache.batches(self._options.batch_size, order)
 
-    def _to_tensors(self, arrays: Arrays) -> TensorBatch:
-        x, y = (a if a.flags.writeable else np.array(a) for a in arrays)
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        if self._options.pin_memory:
-            tx, ty = tx.pin_memory(), ty.pin_memory()
-        return tx, ty
+    def _to_batch(self, block: Block) -> Batch:
+        return to_batch(block, self._plan, self._options.pin_memory)
 
     def _close_open(self) -> None:
         if self._open is not None:
@@ -145,3 +169,5 @@ class PartitionFeed:
         """Stop prefetching and delete the local cache."""
         self._close_open()
         self._cache.close()
+        if self._held_out is not None:
+            self._held_out.close()

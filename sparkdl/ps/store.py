@@ -39,6 +39,7 @@ from torch import nn
 
 from sparkdl.config import PsMode
 from sparkdl.errors import PsAborted, PsTimeoutError, PushRejected
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -60,6 +61,9 @@ class ShardStore:
         num_workers: workers that push to this shard.
         staleness: ssp bound (ignored otherwise).
         clock: monotonic clock, patched in tests.
+        lr: the learning-rate schedule, applied at the global step each version stands for.
+        scheduler_fn: the user's LR scheduler over this shard's optimizer, stepped per version.
+        steps_per_version: global steps one version stands for (see the host).
     """
 
     def __init__(
@@ -70,10 +74,16 @@ class ShardStore:
         num_workers: int,
         staleness: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        lr: LrPlan = CONSTANT_LR,
+        scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+        steps_per_version: float = 1.0,
     ) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.optimizer = optimizer_fn(params)
+        self._lr = None if lr.is_constant else ScheduledLr(self.optimizer, lr)
+        self._scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None else None
+        self._steps_per_version = steps_per_version
         self.mode = mode
         self.num_workers = num_workers
         self.staleness = staleness if mode is PsMode.SSP else 0
@@ -222,8 +232,12 @@ class ShardStore:
             view = grad[offset : offset + p.numel()].view_as(p)
             p.grad = view if view.dtype == p.dtype else view.to(p.dtype)  # grad is ours: no copy
             offset += p.numel()
+        if self._lr is not None:  # the global step this version stands for
+            self._lr.apply(int(self.version * self._steps_per_version))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._scheduler is not None:
+            self._scheduler.step()
         self.version += 1
 
     def _timeout_message(self, rank: int, clock: int, needed: int, timeout_s: float) -> str:

@@ -16,21 +16,24 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import torch
 
-from sparkdl.config import SparkDLConfig, Strategy
-from sparkdl.data.columns import ColumnPlan, LabelKind, plan_from_arrow_schema
+from sparkdl.config import DataConfig, SparkDLConfig, Strategy
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
 from sparkdl.runtime.environment import check_executor_environment
-from sparkdl.runtime.preflight import check_model
+from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.resources import training_profile
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.runtime.watch import MARGIN_S, collect_watched
 from sparkdl.training.factory import state_from_bytes
+from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
 
 log = logging.getLogger(__name__)
 
@@ -42,30 +45,83 @@ class FitResult:
     state_dict: dict[str, torch.Tensor]
     history: list[dict[str, Any]]
     output_shape: tuple[int, ...]
-    input_shape: tuple[int, ...]
+    input_shapes: dict[str, tuple[int, ...]]
     worker_devices: list[dict[str, Any]]  # per rank: the device it trained on, the GPUs Spark gave it
     worker_rows: list[int]
     bad_rows_skipped: int = 0
 
 
-def plan_columns(
-    df: Any, feature_cols: tuple[str, ...], label_col: str | None, label_kind: LabelKind
-) -> ColumnPlan:
-    """Check the DataFrame's schema on the driver, before any task starts."""
-    from pyspark.sql.pandas.types import to_arrow_schema
+def plan_inputs(
+    df: Any,
+    data: DataConfig,
+    label_kind: LabelKind,
+    transform_fn: TransformFn | None = None,
+    with_label: bool = True,
+    validation_col: str = "",
+) -> DataPlan:
+    """Check the DataFrame's schema on the driver, before any task starts, and decide how
+    each column reaches the model (see :mod:`sparkdl.data.inputs`)."""
+    return plan_data(
+        arrow_schema(df),
+        feature_cols=data.feature_cols,
+        inputs=data.inputs,
+        input_shapes=data.input_shapes,
+        sequence_cols=data.sequence_cols,
+        max_sequence_length=data.max_sequence_length,
+        label_col=data.label_col if with_label else None,
+        label_kind=label_kind,
+        weight_col=(data.weight_col or None) if with_label else None,
+        transform_fn=transform_fn,
+        cache_transformed=data.cache_transformed,
+        validation_col=validation_col or None,
+    )
 
-    names = [*feature_cols, *([label_col] if label_col else [])]
-    missing = [c for c in names if c not in df.columns]
-    if missing:
-        raise SchemaError(
-            f"column(s) {missing} not found; the DataFrame has {df.columns}. "
-            "Set feature_cols/label_col to existing columns"
-        )
-    try:
-        arrow_schema = to_arrow_schema(df.select(*names).schema)
-    except Exception as exc:
-        raise SchemaError(f"columns {names} cannot be sent to executors as Arrow: {exc}") from exc
-    return plan_from_arrow_schema(arrow_schema, feature_cols, label_col, label_kind)
+
+VALIDATION_MARK = "__sparkdl_validation__"
+
+
+def with_validation(df: Any, config: SparkDLConfig, held_out: Any = None) -> tuple[Any, str]:
+    """``df`` with the rows to validate marked, and the marking column ("" for none).
+
+    The rows come from ``held_out`` (a DataFrame, appended to ``df``), the setting
+    ``validation_col`` (the user's boolean column) or ``validation_fraction`` (a seeded
+    draw per row, marked in the same pass that feeds training).
+    """
+    from pyspark.sql import functions as F
+
+    training = config.training
+    if held_out is not None:
+        missing = [c for c in df.columns if c not in held_out.columns]
+        if missing:
+            raise SchemaError(
+                f"the validation DataFrame lacks column(s) {missing} of the training DataFrame; "
+                "give it the same columns"
+            )
+        marked = df.withColumn(VALIDATION_MARK, F.lit(False))
+        return marked.unionByName(
+            held_out.select(*df.columns).withColumn(VALIDATION_MARK, F.lit(True))
+        ), VALIDATION_MARK
+    if training.validation_col:
+        return df, training.validation_col
+    if training.validation_fraction:
+        draw = F.rand(training.seed) < F.lit(training.validation_fraction)
+        return df.withColumn(VALIDATION_MARK, draw), VALIDATION_MARK
+    return df, ""
+
+
+def arrow_schema(df: Any) -> pa.Schema:
+    """The DataFrame's columns as Arrow types; a column Arrow cannot carry is left out (it
+    is an error only if a setting names it: then it is "not found" with the list of
+    columns that are there)."""
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    fields = []
+    for field in df.schema.fields:
+        try:
+            fields.append(pa.field(field.name, to_arrow_type(field.dataType)))
+        except Exception as exc:
+            log.debug("column %r (%s) cannot be sent as Arrow: %s", field.name, field.dataType, exc)
+    return pa.schema(fields)
 
 
 def run_training(df: Any, spec: TrainSpec) -> FitResult:
@@ -79,7 +135,12 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     )
     if config.runtime.preflight:  # mistakes that fail on every attempt fail here, once, in seconds
         check_executor_environment(spark, max(config.runtime.executor_wait_timeout_s, 60.0))
-        check_model(df, spec)
+    sample = sample_batch(df, spec.plan)
+    if config.runtime.preflight:
+        check_model(df, spec, sample)
+    spec = dataclasses.replace(
+        spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
+    )
     hosted = progress = None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
         hosted = start_parameter_server(spark, spec)
@@ -105,7 +166,9 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         except Exception as exc:
             raise _translate(exc) from exc
         result = _fit_result(rows, n)
-        if hosted is not None:
+        if hosted is not None and "restored_epoch" not in result.history[-1]:
+            # the server's weights are the newest (async pushes land after a worker's last pull);
+            # after an early stop rank 0's copy of the best epoch wins
             result.state_dict.update(hosted.parameter_state())
         return result
     finally:
@@ -113,6 +176,23 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             progress.stop()
         if hosted is not None:
             hosted.stop()
+
+
+def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:
+    """The run's learning-rate schedule; one that decays over the run needs its length, so
+    the rows are counted first (one Spark job; epoch 1 streams, so no worker knows it yet)."""
+    steps_per_epoch = 0
+    if needs_run_length(config):
+        rows = df.count()
+        steps_per_epoch = steps_per_epoch_estimate(rows, config)
+        log.info(
+            "lr_schedule %s: %d rows, about %d steps per epoch, %d in the run",
+            config.optimizer.lr_schedule.value,
+            rows,
+            steps_per_epoch,
+            steps_per_epoch * config.training.epochs,
+        )
+    return lr_plan(config, steps_per_epoch)
 
 
 def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer | None:
@@ -148,7 +228,7 @@ def _fit_result(rows: list[Any], n: int) -> FitResult:
         state_dict=state,
         history=history,
         output_shape=tuple(json.loads(lead["output_shape"])),
-        input_shape=tuple(json.loads(lead["input_shape"])),
+        input_shapes={k: tuple(v) for k, v in json.loads(lead["input_shapes"]).items()},
         worker_devices=[json.loads(by_rank[r]["device"]) for r in range(n)],
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
         bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),

@@ -16,8 +16,9 @@ import pyarrow as pa
 import torch
 
 from sparkdl.config import UseGpu
-from sparkdl.data.columns import ColumnPlan
-from sparkdl.data.feed import FeedOptions, PartitionFeed, TensorBatch
+from sparkdl.data.feed import FeedOptions, PartitionFeed
+from sparkdl.data.inputs import DataPlan
+from sparkdl.data.tensors import Batch
 from sparkdl.runtime.cluster import is_connect
 from sparkdl.training.preflight import PreflightReport, preflight
 
@@ -30,44 +31,39 @@ PREFLIGHT_ROWS = 8
 _GPU_KEYS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount")
 
 
-def check_model(df: Any, spec: TrainSpec, rows: int = PREFLIGHT_ROWS) -> PreflightReport | None:
-    """Run the model, loss and one backward on ``rows`` rows of ``df`` on the driver.
+def check_model(
+    df: Any, spec: TrainSpec, batch: Batch | None, rows: int = PREFLIGHT_ROWS
+) -> PreflightReport | None:
+    """Run the model, loss and one backward on ``batch`` (the first rows of ``df``,
+    from :func:`sample_batch`) on the driver.
 
     Call it before the barrier stage: a model that does not fit the data then fails in
     seconds, once, with a message naming the columns and the layer.
 
-    Args:
-        df: the DataFrame given to fit.
-        spec: the training spec (model_fn, optimizer_fn, loss, column plan, settings).
-        rows: how many rows to try.
-
     Returns:
-        the report (output shape, parameter count), or None when ``df`` has no rows (the
-        training stage then raises its own empty-data error).
+        the report (output shape, parameter count), or None when ``batch`` is None (no
+        usable row: the training stage then raises its own error, with the full count).
 
     Raises:
         ModelMismatchError: the model, the loss and the data do not fit together.
-
-    Bad rows in the sample (nulls, NaNs, ragged arrays) are left out here: the workers find
-    them over the whole DataFrame and report the column and the full count.
     """
-    table = fetch_rows(df, spec.plan, rows)
-    batch = batch_from_arrow(table, spec.plan, skip_bad_rows=True)
     if batch is None:
         log.info("preflight skipped: no usable rows in the first %d rows of the DataFrame", rows)
         return None
-    label = spec.plan.label
+    plan = spec.plan
+    label = plan.label
     label_integer = None
     if label is not None:
-        label_type = table.schema.field(label.name).type
-        label_integer = pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)
+        label_type = df.select(label.name).schema.fields[0].dataType.typeName()
+        label_integer = label_type in ("byte", "short", "integer", "long", "boolean")
     report = preflight(
         spec.model_fn,
         spec.optimizer_fn,
         spec.loss,
         batch,
-        f"the feature columns {[c.name for c in spec.plan.features]}",
+        plan.describe_inputs(),
         f"the label column {label.name!r}" if label is not None else "the label",
+        keyword=plan.keyword,
         label_integer=label_integer,
         strict=_strict(df.sparkSession, spec),
     )
@@ -75,13 +71,14 @@ def check_model(df: Any, spec: TrainSpec, rows: int = PREFLIGHT_ROWS) -> Preflig
     return report
 
 
-def sample_batch(df: Any, plan: ColumnPlan, rows: int = PREFLIGHT_ROWS) -> TensorBatch | None:
-    """The first ``rows`` rows of ``df`` as (features, labels) tensors, decoded as a worker's
-    feed decodes them; None when ``df`` has no rows."""
-    return batch_from_arrow(fetch_rows(df, plan, rows), plan)
+def sample_batch(df: Any, plan: DataPlan, rows: int = PREFLIGHT_ROWS) -> Batch | None:
+    """The first ``rows`` usable rows of ``df`` as a batch, decoded as a worker's feed
+    decodes them (bad rows left out: the workers find them and count them all); None
+    when there is none."""
+    return batch_from_arrow(fetch_rows(df, plan, rows), plan, skip_bad_rows=True)
 
 
-def fetch_rows(df: Any, plan: ColumnPlan, rows: int) -> pa.Table:
+def fetch_rows(df: Any, plan: DataPlan, rows: int) -> pa.Table:
     """The first ``rows`` rows of the planned columns, as Arrow (classic and Connect alike)."""
     query = df.select(*plan.column_names).limit(rows)
     if is_connect(df.sparkSession):
@@ -95,8 +92,8 @@ def fetch_rows(df: Any, plan: ColumnPlan, rows: int) -> pa.Table:
         sc.setJobDescription(previous)  # None clears it
 
 
-def batch_from_arrow(table: pa.Table, plan: ColumnPlan, skip_bad_rows: bool = False) -> TensorBatch | None:
-    """All rows of ``table`` as one (features, labels) batch, through :class:`PartitionFeed`
+def batch_from_arrow(table: pa.Table, plan: DataPlan, skip_bad_rows: bool = False) -> Batch | None:
+    """All rows of ``table`` as one batch, through :class:`PartitionFeed`
     (the same decoding, checks and tensors as training); None when no row is left."""
     if table.num_rows == 0:
         return None

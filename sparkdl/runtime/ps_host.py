@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparkdl.config import PsMode, SparkDLConfig
 from sparkdl.errors import ClusterConfigError
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.store import ShardStore, split_into_shards
@@ -55,6 +56,16 @@ def start_parameter_server(spark: Any, spec: TrainSpec) -> HostedServer:
     return host_parameter_server(spec, spark.conf.get("spark.driver.host", "127.0.0.1"))
 
 
+def _steps_per_version(config: SparkDLConfig) -> float:
+    """Global steps one server version stands for: one in sync and ssp (a version is a
+    clock every worker pushed); in async each push is a version, and a worker pushes every
+    ``push_every`` of its steps, so N workers make N versions per push_every steps."""
+    settings = config.parameter_server
+    if settings.ps_mode is not PsMode.ASYNC:
+        return 1.0
+    return settings.push_every / config.training.num_workers
+
+
 def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
     """Start the server for ``spec`` on ``host`` (port chosen by the OS)."""
     config = spec.config
@@ -73,6 +84,9 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
             config.parameter_server.ps_mode,
             config.training.num_workers,
             config.parameter_server.staleness,
+            lr=spec.lr,
+            scheduler_fn=spec.scheduler_fn,
+            steps_per_version=_steps_per_version(config),
         )
         for group in groups
     ]

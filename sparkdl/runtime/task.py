@@ -32,14 +32,14 @@ RESULT_ARROW_SCHEMA = pa.schema(
         ("bad_rows", pa.int64()),
         ("history", pa.string()),
         ("state", pa.binary()),
-        ("input_shape", pa.string()),
+        ("input_shapes", pa.string()),
         ("output_shape", pa.string()),
         ("device", pa.string()),
         ("error", pa.string()),  # an ErrorRecord as JSON when every rank stopped together
     ]
 )
 RESULT_SCHEMA = (
-    "rank int, rows long, bad_rows long, history string, state binary, input_shape string, "
+    "rank int, rows long, bad_rows long, history string, state binary, input_shapes string, "
     "output_shape string, device string, error string"
 )
 
@@ -52,7 +52,7 @@ def result_batch(result: WorkerResult) -> pa.RecordBatch:
             "bad_rows": [result.bad_rows],
             "history": [json.dumps(result.history)],
             "state": [result.state],
-            "input_shape": [json.dumps(list(result.input_shape))],
+            "input_shapes": [json.dumps({k: list(v) for k, v in result.input_shapes.items()})],
             "output_shape": [json.dumps(list(result.output_shape))],
             "device": [json.dumps(result.device)],
             "error": [""],

@@ -34,14 +34,17 @@ import torch
 
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import OnError, SparkDLConfig
-from sparkdl.data.columns import ColumnPlan, LabelKind
+from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
+from sparkdl.data.inputs import DataPlan
+from sparkdl.data.tensors import Batch
 from sparkdl.progress.board import Report
 from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.strategies.base import SchedulerFn
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer, state_to_bytes
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
@@ -56,6 +59,8 @@ from sparkdl.training.hooks import (
 from sparkdl.training.loop import Schedule, Trainer
 from sparkdl.training.losses import LossFn, resolve_loss
 from sparkdl.training.planning import Filler
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan
+from sparkdl.training.validation import EarlyStopping, Validator
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,10 @@ class TrainSpec:
     model_fn: ModelFn
     optimizer_fn: OptimizerFn | None
     loss: str | LossFn
-    plan: ColumnPlan
+    plan: DataPlan
+    template: Batch | None = None  # two decoded rows: what a worker without rows steps on
+    lr: LrPlan = CONSTANT_LR  # the learning-rate schedule (a factor of lr per global step)
+    scheduler_fn: SchedulerFn | None = None  # the user's LR scheduler, stepped every step
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
 
@@ -99,7 +107,7 @@ class WorkerResult:
     history: list[dict[str, Any]]
     state: bytes
     output_shape: tuple[int, ...]
-    input_shape: tuple[int, ...] = ()  # one row of features, as the model saw it
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # one row of each input
     device: dict[str, Any] = field(default_factory=dict)  # {"device": "cuda:0", "gpus": ["0"]}
 
 
@@ -133,6 +141,8 @@ def run_worker(
             spec.ps,
             placement.attempt,
             start.global_steps_done,
+            spec.lr,
+            spec.scheduler_fn,
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
@@ -144,7 +154,13 @@ def run_worker(
             context,
             strategy,
             feed,
-            Schedule(config.training.epochs, config.training.batch_size, start, resume),
+            Schedule(
+                config.training.epochs,
+                config.training.batch_size,
+                start,
+                resume,
+                config.training.accumulate_steps,
+            ),
             hooks,
         )
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
@@ -156,7 +172,7 @@ def run_worker(
             history,
             state_to_bytes(module) if rank == 0 else b"",
             trainer.output_shape,
-            trainer.input_shape,
+            trainer.input_shapes,
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
@@ -194,13 +210,37 @@ def _trainer(
 ) -> Trainer:
     loss_fn, label_kind = resolve_loss(spec.loss)
     label_name = spec.plan.label.name if spec.plan.label else "label"
+    keyword = spec.plan.keyword
     check_labels = (
-        LabelRangeCheck(context.module, context.device, context.rank, label_name)
+        LabelRangeCheck(context.module, context.device, context.rank, label_name, keyword)
         if label_kind is LabelKind.CLASS_INDEX
         else no_label_check
     )
+    validator = early_stopping = None
+    if spec.plan.validation_col:
+        batch_size = spec.config.data.inference_batch_size
+        validator = Validator(
+            lambda: feed.validation_batches(batch_size),
+            loss_fn,
+            label_kind,
+            keyword,
+            context.device,
+            context.control_group,
+        )
+        patience = spec.config.training.early_stopping_patience
+        early_stopping = EarlyStopping(patience, keep_weights=context.rank == 0) if patience else None
     return Trainer(
-        strategy, loss_fn, check_labels, Filler(label_kind), feed, schedule, context.control_group, hooks
+        strategy,
+        loss_fn,
+        keyword,
+        check_labels,
+        Filler(spec.template),
+        feed,
+        schedule,
+        context.control_group,
+        hooks,
+        validator,
+        early_stopping,
     )
 
 

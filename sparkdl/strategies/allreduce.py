@@ -57,13 +57,13 @@ class AllReduceStrategy(SyncStrategy):
         return self._ddp if self._ddp is not None else self.ctx.module
 
     def train_step(self, step: StepInput) -> torch.Tensor:
-        batch = step.batch if step.batch is not None else step.filler()
+        batches = step.batches or (step.filler(),)
         scale = self.ctx.world_size * step.rows / step.global_rows
-        loss = self._backward(step, batch, scale)
+        loss = self._backward(step, batches, scale)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes
         if self._judged_step(step, loss):
-            self.ctx.optimizer.step()
+            self._optimizer_step(step)
         else:  # skipped: nothing of this step reaches the weights
             loss = torch.zeros((), device=self.ctx.device)
         self.ctx.optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ The loop never asks which strategy runs; adding one is one new file and a line i
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import Precision, SparkDLConfig, Strategy
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.training.guards import NanGuard
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
-TensorBatch = tuple[torch.Tensor, torch.Tensor]
+#: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
+SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class StrategyContext:
         ps: the parameter server's endpoint (strategy "parameter_server" only).
         attempt: the stage attempt, the same on every rank.
         resume_step: the global step the run resumed from (0: a fresh start).
+        lr: the learning-rate schedule, a factor of the configured lr per global step.
+        scheduler_fn: the user's ``(optimizer) -> LRScheduler``, stepped after every step.
     """
 
     config: SparkDLConfig
@@ -54,6 +60,8 @@ class StrategyContext:
     ps: PsEndpoint | None = None
     attempt: int = 0
     resume_step: int = 0
+    lr: LrPlan = CONSTANT_LR
+    scheduler_fn: SchedulerFn | None = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,9 @@ class StepInput:
     Attributes:
         step: the global step index (0-based, counted across epochs).
         epoch: the 1-based epoch.
-        batch: this worker's rows, or None once its partition has run out.
-        rows: rows in ``batch`` (0 without one).
+        batches: this worker's rows, as ``accumulate_steps`` micro-batches at most (their
+            gradients add up before one optimizer step); empty once its partition has run out.
+        rows: rows in ``batches`` (0 without any).
         global_rows: rows of this step over every worker.
         loss_of: runs the strategy's model and the loss on a batch: the mean loss.
         filler: a zero-weight batch, for a worker without rows whose strategy must
@@ -73,11 +82,11 @@ class StepInput:
 
     step: int
     epoch: int
-    batch: TensorBatch | None
+    batches: tuple[Batch, ...]
     rows: int
     global_rows: int
-    loss_of: Callable[[nn.Module, TensorBatch], torch.Tensor]
-    filler: Callable[[], TensorBatch]
+    loss_of: Callable[[nn.Module, Batch], torch.Tensor]
+    filler: Callable[[], Batch]
 
 
 @dataclass
@@ -113,6 +122,12 @@ class SyncStrategy(abc.ABC):
             reliability.on_nan_loss, reliability.max_nan_skips, ctx.rank, self.shares_gradients
         )
         self.stats = SyncStats()
+        self._lr = None if ctx.lr.is_constant else ScheduledLr(ctx.optimizer, ctx.lr)
+        self._scheduler = ctx.scheduler_fn(ctx.optimizer) if ctx.scheduler_fn is not None else None
+        self._clip_norm = ctx.config.optimizer.grad_clip_norm
+        self._scaler = None
+        if ctx.config.training.precision is Precision.FP16:
+            self._scaler = torch.amp.GradScaler(ctx.device.type)
 
     @property
     def model(self) -> nn.Module:
@@ -146,16 +161,54 @@ class SyncStrategy(abc.ABC):
 
     # ----------------------------------------------------------- shared step pieces
 
-    def _backward(self, step: StepInput, batch: TensorBatch, scale: float) -> torch.Tensor:
-        """Forward, loss and backward of ``scale * loss``; return the unscaled loss."""
-        loss = step.loss_of(self.model, batch)
-        (loss * scale).backward()
-        return loss
+    def _backward(self, step: StepInput, batches: tuple[Batch, ...], scale: float) -> torch.Tensor:
+        """Forward, loss and backward of ``scale * loss`` over the micro-batches (each
+        weighted by its rows, so k micro-batches give the gradient of one batch of their
+        union); return the unscaled mean loss. Only the last micro-batch's backward starts
+        DDP's all-reduce."""
+        total = sum(len(b) for b in batches)
+        no_sync = getattr(self.model, "no_sync", None)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, batch in enumerate(batches):
+            share = len(batch) / total
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if no_sync is None or last else no_sync():
+                loss = step.loss_of(self.model, batch)
+                scaled = loss * (scale * share)
+                (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+            loss_sum = loss_sum + loss.detach().float() * share
+        return loss_sum
+
+    def _optimizer_step(self, step: StepInput) -> None:
+        """The worker's optimizer step: the step's learning rate, clipping, the step, the
+        user's scheduler. Gradients are already unscaled (fp16) by :meth:`_judged_step`."""
+        optimizer = self.ctx.optimizer
+        if self._lr is not None:
+            self._lr.apply(step.step)
+        if self._clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
 
     def _judged_step(self, step: StepInput, loss: torch.Tensor) -> bool:
         """Ask the guard whether this step may reach the weights; if it may not and a
         failure is pending, hand it to :meth:`_stop`. The gradients are cleared either way
-        by the caller."""
+        by the caller.
+
+        With fp16, an overflow of the scaled gradients (finite loss, infinite gradients) is
+        the scaler's to handle: it skips the step and lowers its scale; the guard is not asked.
+        """
+        if self._scaler is not None:
+            self._scaler.unscale_(self.ctx.optimizer)
+            if bool(torch.isfinite(loss).all()) and not _grads_finite(self.ctx.module):
+                self._scaler.step(self.ctx.optimizer)  # skipped: it found the infinities
+                self._scaler.update()
+                return False
         if self.guard.allows_step(loss, self.model, step.epoch, step.step):
             return True
         if self.guard.failure is not None:
@@ -190,6 +243,11 @@ def strategy_class(name: Strategy) -> type[SyncStrategy]:
 def create_strategy(ctx: StrategyContext) -> SyncStrategy:
     """Build the strategy named by ``ctx.config.training.strategy``."""
     return strategy_class(ctx.config.training.strategy)(ctx)
+
+
+def _grads_finite(module: nn.Module) -> bool:
+    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
+    return bool(torch.isfinite(torch.stack(grads).sum())) if grads else True
 
 
 def parameter_bytes(module: nn.Module) -> int:

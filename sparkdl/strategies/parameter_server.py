@@ -31,6 +31,11 @@ class ParameterServerStrategy(SyncStrategy):
         super().__init__(ctx)
         if ctx.ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
+        if self._scaler is not None:
+            raise ConfigError(
+                "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "
+                "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
+            )
         settings = ctx.config.parameter_server
         self._mode = settings.ps_mode
         self._push_every = settings.push_every if self._mode is PsMode.ASYNC else 1
@@ -51,9 +56,11 @@ class ParameterServerStrategy(SyncStrategy):
 
     def train_step(self, step: StepInput) -> torch.Tensor:
         loss = torch.zeros((), device=self.ctx.device)
-        if step.batch is not None:  # the optimizer runs on the server: the worker only computes gradients
-            loss = self._backward(step, step.batch, 1.0)
+        if step.batches:  # the optimizer runs on the server: the worker only computes gradients
+            loss = self._backward(step, step.batches, 1.0)
             if self._judged_step(step, loss):
+                if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
+                    torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
                 for acc, shard in zip(self._accumulated, self._shards, strict=True):
                     acc += _flat_grad(shard) * step.rows
                 self._rows += step.rows

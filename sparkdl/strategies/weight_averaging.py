@@ -60,10 +60,10 @@ class WeightAveragingStrategy(SyncStrategy):
     def train_step(self, step: StepInput) -> torch.Tensor:
         rows = 0
         loss = torch.zeros((), device=self.ctx.device)
-        if step.batch is not None:  # a worker without rows only joins the averages
-            loss = self._backward(step, step.batch, 1.0)  # each worker steps on its own mean loss
+        if step.batches:  # a worker without rows only joins the averages
+            loss = self._backward(step, step.batches, 1.0)  # each worker steps on its own mean loss
             if self._judged_step(step, loss):
-                self.ctx.optimizer.step()
+                self._optimizer_step(step)
                 rows = step.rows
             else:
                 loss = torch.zeros((), device=self.ctx.device)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import DrillKind, FaultDrillSpec, OnError
+from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import BadDataError, PeerStopped, SparkDLError, TrainingFailedError, agreed
 
 _HANG_LIMIT_S = 900.0  # a drilled hang still ends by itself
@@ -199,21 +200,25 @@ class LabelRangeCheck:
         device: where the model lives.
         rank: this worker's rank, for the message.
         column: the label column's name.
+        keyword: the model takes its inputs by name (``model(**inputs)``).
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, rank: int, column: str = "label") -> None:
+    def __init__(
+        self, module: nn.Module, device: torch.device, rank: int, column: str = "label", keyword: bool = False
+    ) -> None:
         self._module = module
+        self._keyword = keyword
         self._device = device
         self._rank = rank
         self._column = column
         self._classes: int | None = None
 
-    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> BadDataError | None:
-        x, labels = batch
-        if not len(labels):
+    def __call__(self, batch: Batch) -> BadDataError | None:
+        labels = batch.label
+        if labels is None or not len(labels):
             return None
         if self._classes is None:
-            self._classes = self._probe_classes(x[:1])
+            self._classes = self._probe_classes(batch.head(1))
         bad = int((labels >= self._classes).sum())
         if not bad:
             return None
@@ -225,18 +230,18 @@ class LabelRangeCheck:
             bad_rows=bad,
         )
 
-    def _probe_classes(self, x: torch.Tensor) -> int:
+    def _probe_classes(self, row: Batch) -> int:
         """The model's number of outputs, from one row in eval mode (no collective, no
         batch-norm statistics touched, no random numbers drawn)."""
         self._module.eval()
         try:
             with torch.no_grad():
-                output = self._module(x.to(self._device))
+                output = call_model(self._module, row.to(self._device), self._keyword)
         finally:
             self._module.train()
         return int(output.shape[1]) if output.dim() > 1 else 1
 
 
-def no_label_check(batch: tuple[torch.Tensor, torch.Tensor]) -> BadDataError | None:
+def no_label_check(batch: Batch) -> BadDataError | None:
     """Labels of a regression loss take any value."""
     return None

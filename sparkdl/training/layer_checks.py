@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparkdl.data.tensors import Batch
+
 CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _EMBEDDING = (nn.Embedding, nn.EmbeddingBag)
 _LAYOUTS = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
@@ -25,11 +27,17 @@ _LAYOUTS = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
 class Sample:
     """The preflight batch and how to name its parts to the user."""
 
-    x: torch.Tensor
+    batch: Batch
+    keyword: bool  # the model takes its inputs by name
     y: torch.Tensor
     features: str  # e.g. "the feature columns ['x']"
     label: str  # e.g. "the label column 'y'"
     label_integer: bool
+
+    @property
+    def x(self) -> torch.Tensor | None:
+        """The one input of feature_cols (None when the model takes named inputs)."""
+        return None if self.keyword else next(iter(self.batch.inputs.values()))
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,8 @@ def layer_problem(call: Call, sample: Sample) -> str | None:
     layer, inp = call.module, call.input
     if not isinstance(inp, torch.Tensor):
         return None
-    features = call.first and inp.shape == sample.x.shape  # the features, reshaped by no one
+    # the features of feature_cols, reshaped by no one
+    features = call.first and sample.x is not None and inp.shape == sample.x.shape
     if isinstance(layer, _EMBEDDING):
         return _embedding_problem(call, inp, features, sample)
     params = list(layer.parameters(recurse=False))
@@ -105,9 +114,10 @@ def _embedding_problem(call: Call, inp: torch.Tensor, features: bool, sample: Sa
     if inp.is_floating_point() or inp.is_complex():
         if features:
             return (
-                f"{sample.features} reach the model as {dtype_text(inp)} values (the feed gives float32 "
-                f"features), but the model's first layer {layer!r} takes integer ids; convert them "
-                "with x.long() in forward before the embedding"
+                f"{sample.features} reach the model as {dtype_text(inp)} values (feature_cols gives one "
+                f"float32 matrix), but the model's first layer {layer!r} takes integer ids; feed them "
+                "as a named input, which keeps integers int64 (inputs={'ids': 'column'}, the model "
+                "called as model(ids=...)), or convert them with x.long() in forward"
             )
         return (
             f"layer {call.name!r} ({layer!r}) takes integer ids but gets {dtype_text(inp)} values; "

@@ -7,7 +7,6 @@ hands it to the sync strategy, which owns how it is taken, and runs the per-step
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,26 +17,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparkdl.config import Precision
+from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, SyncStats, SyncStrategy
 from sparkdl.training.checkpointing import Position, Resume
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.losses import LossFn
 from sparkdl.training.planning import (
-    BatchShape,
     Filler,
     InputRejected,
-    PartitionInfo,
     StepCoordinator,
     StepPlan,
-    TensorBatch,
     coordinator_for,
-    exchange_partition_info,
+    exchange_row_counts,
 )
+from sparkdl.training.validation import EarlyStopping, Validator
 
 log = logging.getLogger(__name__)
 
-LabelCheck = Callable[[TensorBatch], BadDataError | None]
+LabelCheck = Callable[[Batch], BadDataError | None]
+_AUTOCAST = {Precision.FP32: None, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 class EpochSource(Protocol):
@@ -46,21 +46,31 @@ class EpochSource(Protocol):
     @property
     def cached_rows(self) -> int: ...
 
-    def widths(self) -> tuple[int, int]: ...
-
-    def epoch(self, epoch: int) -> tuple[Iterable[TensorBatch], str]: ...
+    def epoch(self, epoch: int) -> tuple[Iterable[Batch], str]: ...
 
     def fill_cache(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """How long to train, and what the run resumes from."""
+    """How long to train, and what the run resumes from.
+
+    Attributes:
+        epochs: epochs of the run.
+        batch_size: rows of one feed batch on one worker.
+        accumulate: feed batches per optimizer step (their gradients add up).
+        start, resume: where the run starts, and the checkpoint it resumes from.
+    """
 
     epochs: int
     batch_size: int
     start: Position = field(default_factory=Position)
     resume: Resume | None = None
+    accumulate: int = 1
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.accumulate
 
 
 @dataclass
@@ -91,58 +101,68 @@ class Trainer:
     Args:
         strategy: the sync strategy, built complete.
         loss_fn: ``loss(output, target)`` returning the mean loss of the batch.
+        keyword: call the model as ``model(**inputs)`` (else ``model(x)``, one input).
         check_labels: finds labels the model cannot take, before the step (streaming only).
         filler: the zero-weight batch of a worker whose rows have run out.
         feed: the worker's batches.
         schedule: epochs, batch size and where to start.
         control_group: gloo group for the loop's small CPU messages.
         hooks: per-step extras (checkpoints, drill, progress), run in order.
+        validator: measures the held-out rows after every epoch (None: no validation).
+        early_stopping: stops on the validation loss and keeps the best weights.
     """
 
     def __init__(
         self,
         strategy: SyncStrategy,
         loss_fn: LossFn,
+        keyword: bool,
         check_labels: LabelCheck,
         filler: Filler,
         feed: EpochSource,
         schedule: Schedule,
         control_group: dist.ProcessGroup | None,
         hooks: Sequence[StepHook] = (),
+        validator: Validator | None = None,
+        early_stopping: EarlyStopping | None = None,
     ) -> None:
         self.strategy = strategy
         self._ctx = strategy.ctx
         self._loss_fn = loss_fn
+        self._keyword = keyword
         self._check_labels = check_labels
         self._filler = filler
         self._feed = feed
         self._schedule = schedule
         self._group = control_group
         self._hooks = list(hooks)
+        self._validator = validator
+        self._early_stopping = early_stopping
         self.global_step = schedule.start.global_steps_done
         self.output_shape: tuple[int, ...] = ()
-        self.input_shape: tuple[int, ...] = ()
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
         self._shapes_seen = False
+        self._autocast_dtype = _AUTOCAST[self._ctx.config.training.precision]
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the schedule's start to its last epoch; return the history."""
         schedule, resume = self._schedule, self._schedule.resume
         history = list(resume.history) if resume else []
         start = schedule.start
-        partitions: PartitionInfo | None = None
+        counts: list[int] | None = None
         if start.epoch > 1:  # the cache of this attempt is empty: refill it from Spark first
             self._feed.fill_cache()
-            partitions = self._exchange_partition_info()
+            counts = self._exchange_row_counts()
         for epoch in range(start.epoch, schedule.epochs + 1):
             batches, source = self._feed.epoch(epoch)
-            coordinator = coordinator_for(source == "spark", partitions, schedule.batch_size, self._group)
+            coordinator = coordinator_for(source == "spark", counts, schedule.rows_per_step, self._group)
             skip = start.epoch_steps_done if epoch == start.epoch else 0
             result, tally = self.run_epoch(
                 epoch, batches, coordinator, source, epoch == schedule.epochs, skip
             )
             if coordinator.streaming:
-                partitions = self._exchange_partition_info()
-                if partitions.total_rows == 0:
+                counts = self._exchange_row_counts()
+                if sum(counts) == 0:
                     raise agreed(
                         BadDataError(
                             "the DataFrame given to fit has no rows: every partition was empty. "
@@ -157,6 +177,7 @@ class Trainer:
                     steps_redone=resume.steps_redone,
                     recovery_s=resume.recovered_at - resume.recovery_started,
                 )
+            stop = self._validate(epoch, record)
             history.append(record)
             for hook in self._hooks:
                 hook.after_epoch(Position(epoch + 1, 0, self.global_step), tally, history)
@@ -168,12 +189,36 @@ class Trainer:
                 result.samples,
                 result.seconds,
             )
+            if stop:
+                break
+        if self._early_stopping is not None and self._early_stopping.restore(self._ctx.module):
+            history[-1]["restored_epoch"] = self._early_stopping.best_epoch
         return history
+
+    def _validate(self, epoch: int, record: dict[str, Any]) -> bool:
+        """Add the epoch's validation figures to ``record``; True when early stopping says stop."""
+        if self._validator is None:
+            return False
+        self.strategy.finish()  # one model: every worker's weights made equal first
+        figures = self._validator.evaluate(self._ctx.module)
+        record.update(figures)
+        if self._early_stopping is None or "val_loss" not in figures:
+            return False
+        stop = self._early_stopping.update(epoch, figures["val_loss"], self._ctx.module)
+        if stop:
+            log.info(
+                "rank %d: early stop after epoch %d: val_loss has not improved on epoch %d's %.4f",
+                self._ctx.rank,
+                epoch,
+                self._early_stopping.best_epoch,
+                self._early_stopping.best_loss,
+            )
+        return stop
 
     def run_epoch(
         self,
         epoch: int,
-        batches: Iterable[TensorBatch],
+        batches: Iterable[Batch],
         coordinator: StepCoordinator,
         source: str,
         final: bool = False,
@@ -192,23 +237,19 @@ class Trainer:
         self.strategy.model.train()
         iterator = iter(batches)
         while True:
-            batch, rejected = self._next_batch(iterator, coordinator.streaming)
-            if batch is not None:
-                self._filler.remember(batch)
+            group, rejected = self._next_group(iterator, coordinator.streaming)
             if tally.steps < skip_steps:
                 coordinator.skip()
                 tally.steps += 1
                 continue
-            if coordinator.streaming and rejected is None and batch is not None:
-                rejected = self._check_labels(batch)
-            shape = BatchShape.of(batch)
+            rows = sum(len(batch) for batch in group)
             try:
-                plan = coordinator.next_step(shape, rejected is not None)
+                plan = coordinator.next_step(rows, rejected is not None)
             except InputRejected:
                 raise self._agreed_stop(rejected) from rejected
             if plan is None:
                 break
-            self._step(tally, batch, shape, plan)
+            self._step(tally, group, rows, plan)
         if final:
             self.strategy.finish()
         if next(iterator, None) is not None:
@@ -235,8 +276,8 @@ class Trainer:
     def _step(
         self,
         tally: EpochTally,
-        batch: TensorBatch | None,
-        shape: BatchShape,
+        group: tuple[Batch, ...],
+        rows: int,
         plan: StepPlan,
     ) -> None:
         before = Position(tally.epoch, tally.steps, self.global_step)
@@ -245,41 +286,58 @@ class Trainer:
         step = StepInput(
             self.global_step,
             tally.epoch,
-            batch,
-            shape.rows,
+            group,
+            rows,
             plan.global_rows,
             self._loss_of,
-            functools.partial(self._filler.batch, plan),
+            self._filler.batch,
         )
         loss = self.strategy.train_step(step)
-        tally.loss_sum += loss.detach().double() * shape.rows
-        tally.samples += shape.rows
+        tally.loss_sum += loss.detach().double() * rows
+        tally.samples += rows
         tally.steps += 1
         self.global_step += 1
         after = Position(tally.epoch, tally.steps, self.global_step)
         for hook in self._hooks:
             hook.after_step(after, tally)
 
-    def _loss_of(self, model: nn.Module, batch: TensorBatch) -> torch.Tensor:
+    def _loss_of(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The batch's mean loss (weighted by the weight column when there is one)."""
         device = self._ctx.device
-        x = batch[0].to(device, non_blocking=True)
-        y = batch[1].to(device, non_blocking=True)
-        output = model(x)
-        if not self._shapes_seen:  # once: a model with scalar outputs has output_shape ()
-            self.output_shape, self.input_shape = tuple(output.shape[1:]), tuple(x.shape[1:])
-            self._shapes_seen = True
-        return self._loss_fn(output, y)
+        batch = batch.to(device)
+        with torch.autocast(
+            device.type, dtype=self._autocast_dtype or torch.float32, enabled=self._autocast_dtype is not None
+        ):
+            output = call_model(model, batch, self._keyword)
+            if not self._shapes_seen:  # once: a model with scalar outputs has output_shape ()
+                self.output_shape, self.input_shapes = tuple(output.shape[1:]), batch.shapes()
+                self._shapes_seen = True
+            return self._loss_fn(output, batch.label, batch.weight)
 
-    def _exchange_partition_info(self) -> PartitionInfo:
+    def _exchange_row_counts(self) -> list[int]:
         ctx = self._ctx
-        return exchange_partition_info(
-            ctx.rank, ctx.world_size, self._feed.cached_rows, self._feed.widths(), self._group
-        )
+        return exchange_row_counts(ctx.rank, ctx.world_size, self._feed.cached_rows, self._group)
+
+    def _next_group(
+        self, iterator: Iterator[Batch], streaming: bool
+    ) -> tuple[tuple[Batch, ...], SparkDLError | None]:
+        """The next step's micro-batches (up to ``accumulate``; none once the rows have run
+        out) and, while streaming, the error of an input this worker rejects."""
+        group: list[Batch] = []
+        for _ in range(self._schedule.accumulate):
+            batch, rejected = self._next_batch(iterator, streaming)
+            if rejected is None and batch is not None and streaming:
+                rejected = self._check_labels(batch)
+            if rejected is not None:
+                return (), rejected
+            if batch is None:
+                break
+            self._filler.remember(batch)
+            group.append(batch)
+        return tuple(group), None
 
     @staticmethod
-    def _next_batch(
-        iterator: Iterator[TensorBatch], streaming: bool
-    ) -> tuple[TensorBatch | None, SparkDLError | None]:
+    def _next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
         """The next batch; while streaming, a rejected input is reported, not raised."""
         try:
             return next(iterator, None), None

@@ -1,7 +1,13 @@
-"""Loss functions by name, and the label type each one needs."""
+"""Loss functions by name, the label type each one needs, and per-row weights.
+
+Every loss the loop calls has the form ``loss(output, target, weight)`` and returns the
+mean over the batch's rows; with a weight column it is the mean of ``weight x row loss``
+(so the workers' step math, which weighs each worker by its rows, stays exact).
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -10,7 +16,10 @@ import torch.nn.functional as F
 from sparkdl.data.columns import LabelKind
 from sparkdl.errors import ConfigError
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: A user's loss: ``loss(output, target) -> mean loss``, or with ``weight`` as a third argument.
+LossFn = Callable[..., torch.Tensor]
+#: The form the loop calls: ``loss(output, target, weight or None) -> mean loss``.
+WeightedLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def _match_shape(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -21,32 +30,44 @@ def _match_shape(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, _match_shape(output, target))
+def _reduce(per_element: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    if weight is None:
+        return per_element.mean()
+    per_row = per_element.reshape(len(per_element), -1).mean(dim=1)
+    return (per_row * weight.to(per_row.dtype)).mean()
 
 
-def _bce_with_logits(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(output, _match_shape(output, target))
+def _mse(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    return _reduce(F.mse_loss(output, _match_shape(output, target), reduction="none"), weight)
 
 
-def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, target)
+def _bce_with_logits(
+    output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    per_element = F.binary_cross_entropy_with_logits(output, _match_shape(output, target), reduction="none")
+    return _reduce(per_element, weight)
 
 
-NAMED_LOSSES: dict[str, tuple[LossFn, LabelKind]] = {
+def _cross_entropy(
+    output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _reduce(F.cross_entropy(output, target, reduction="none"), weight)
+
+
+NAMED_LOSSES: dict[str, tuple[WeightedLoss, LabelKind]] = {
     "cross_entropy": (_cross_entropy, LabelKind.CLASS_INDEX),
     "mse": (_mse, LabelKind.REAL),
     "bce_with_logits": (_bce_with_logits, LabelKind.REAL),
 }
 
 
-def resolve_loss(loss: str | LossFn) -> tuple[LossFn, LabelKind]:
-    """Return the loss callable and the label kind it expects.
-
-    A callable ``loss(output, target) -> scalar mean loss`` gets float32 targets.
+def resolve_loss(loss: str | LossFn) -> tuple[WeightedLoss, LabelKind]:
+    """Return the loss in the loop's form ``(output, target, weight)`` and the label kind
+    it expects. A callable ``loss(output, target)`` gets float32 targets; one that also
+    takes ``weight`` gets the per-row weights (None without a weight column).
     """
     if callable(loss):
-        return loss, LabelKind.REAL
+        return _user_loss(loss), LabelKind.REAL
     try:
         return NAMED_LOSSES[loss]
     except KeyError:
@@ -54,3 +75,30 @@ def resolve_loss(loss: str | LossFn) -> tuple[LossFn, LabelKind]:
             f"loss_fn = {loss!r} is not a known loss; choose one of {', '.join(NAMED_LOSSES)} "
             "or pass a callable(output, target) returning the mean loss"
         ) from None
+
+
+def takes_weight(loss: str | LossFn) -> bool:
+    """Whether ``loss`` can weigh rows (every named loss can; a callable that takes ``weight``)."""
+    if isinstance(loss, str):
+        return True
+    try:
+        return "weight" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _user_loss(fn: LossFn) -> WeightedLoss:
+    weighted = takes_weight(fn)
+
+    def loss(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weighted:
+            return fn(output, target, weight=weight)
+        if weight is not None:
+            raise ConfigError(
+                "weight_col is set but loss_fn takes no weight; give it a third parameter "
+                "`weight` (per-row weights, or None) or unset weight_col"
+            )
+        return fn(output, target)
+
+    loss.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+    return loss

@@ -26,6 +26,7 @@ from torch import nn
 
 from sparkdl.config import OptimizerConfig
 from sparkdl.data.columns import LabelKind
+from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import ModelMismatchError, SparkDLError
 from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer
 from sparkdl.training.layer_checks import (
@@ -41,8 +42,6 @@ from sparkdl.training.losses import LossFn, resolve_loss
 
 log = logging.getLogger(__name__)
 
-TensorBatch = tuple[torch.Tensor, torch.Tensor]
-
 _TEXT_LIMIT = 500
 
 
@@ -51,7 +50,7 @@ class PreflightReport:
     """What one step on the preflight batch showed.
 
     Attributes:
-        rows: rows in the preflight batch; input_shape: one row of features.
+        rows: rows in the preflight batch; input_shapes: one row of each input.
         output_shape: one row of the model's output (``()`` when the check was skipped).
         parameters: parameter values in the model; trainable_parameters: those with requires_grad.
         loss: the loss on the batch (may be NaN: values are not checked; class ids the model
@@ -60,7 +59,7 @@ class PreflightReport:
     """
 
     rows: int
-    input_shape: tuple[int, ...]
+    input_shapes: dict[str, tuple[int, ...]]
     output_shape: tuple[int, ...] = ()
     parameters: int = 0
     trainable_parameters: int = 0
@@ -73,7 +72,7 @@ class PreflightReport:
         if self.skipped:
             return f"preflight skipped: {self.skipped}"
         return (
-            f"preflight on {self.rows} rows: features {shape_text(self.input_shape)} -> output "
+            f"preflight on {self.rows} rows: inputs {_shapes_text(self.input_shapes)} -> output "
             f"{shape_text(self.output_shape)}, {self.parameters:,} parameters "
             f"({self.trainable_parameters:,} trainable), loss {self.loss:.4g}, {self.seconds:.2f}s"
         )
@@ -87,10 +86,11 @@ def preflight(
     model_fn: ModelFn,
     optimizer_fn: OptimizerFn | None,
     loss: str | LossFn,
-    batch: TensorBatch,
+    batch: Batch,
     feature_desc: str,
     label_desc: str,
     *,
+    keyword: bool = False,
     label_integer: bool | None = None,
     strict: bool = True,
 ) -> PreflightReport:
@@ -100,9 +100,10 @@ def preflight(
 
     Args:
         model_fn, optimizer_fn, loss: as given to the estimator.
-        batch: (features, labels) of a few rows, as the feed makes them.
-        feature_desc: the features in the user's terms, e.g. "the feature columns ['x']".
+        batch: a few rows, as the feed makes them.
+        feature_desc: the inputs in the user's terms, e.g. "the feature columns ['x']".
         label_desc: the label in the user's terms, e.g. "the label column 'y'".
+        keyword: the model takes its inputs by name (``model(**inputs)``).
         label_integer: the label column holds integers (None: judged from the values).
         strict: raise on failures preflight does not recognise; when False (e.g. a model
             meant for GPUs checked on a driver without one) they only skip the check.
@@ -115,9 +116,9 @@ def preflight(
         ConfigError: model_fn or optimizer_fn returned the wrong kind of object.
     """
     started = time.perf_counter()
-    x, y = batch
+    y = batch.label if batch.label is not None else torch.zeros(len(batch))
     integer = _is_integral(y) if label_integer is None else label_integer
-    sample = Sample(x, y, feature_desc, label_desc, integer)
+    sample = Sample(batch, keyword, y, feature_desc, label_desc, integer)
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             report = _run(model_fn, optimizer_fn, loss, sample)
@@ -125,7 +126,7 @@ def preflight(
         if strict:
             raise ModelMismatchError(str(exc)) from exc.__cause__
         log.warning("preflight could not check the model on the driver: %s", exc)
-        return PreflightReport(len(x), tuple(x.shape[1:]), skipped=str(exc))
+        return PreflightReport(len(batch), batch.shapes(), skipped=str(exc))
     return dataclasses.replace(report, seconds=time.perf_counter() - started)
 
 
@@ -155,8 +156,8 @@ def _run(
         build_optimizer(module.parameters(), optimizer_fn, OptimizerConfig())
     parameters = list(module.parameters())
     return PreflightReport(
-        rows=len(sample.x),
-        input_shape=tuple(sample.x.shape[1:]),
+        rows=len(sample.batch),
+        input_shapes=sample.batch.shapes(),
         output_shape=tuple(output.shape[1:]),
         parameters=sum(p.numel() for p in parameters),
         trainable_parameters=sum(p.numel() for p in parameters if p.requires_grad),
@@ -168,7 +169,7 @@ def _forward(module: nn.Module, sample: Sample) -> Any:
     """The model's output; a failure is diagnosed from the layer that was running."""
     trace = Trace(module)
     try:
-        output = module(sample.x)
+        output = call_model(module, sample.batch, sample.keyword)
     except Exception as exc:
         call = trace.running
         problem = layer_problem(call, sample) if call is not None else None
@@ -180,8 +181,8 @@ def _forward(module: nn.Module, sample: Sample) -> Any:
         elif trace.last_done is not None:
             where = f" after layer {trace.last_done[0]!r} returned {describe(trace.last_done[1])}"
         raise _Unrecognised(
-            f"the model's forward failed on {len(sample.x)} rows of {sample.features} (features "
-            f"{describe(sample.x)}, label {describe(sample.y)} from {sample.label}): "
+            f"the model's forward failed on {len(sample.batch)} rows of {sample.features} (inputs "
+            f"{_inputs_text(sample.batch)}, label {describe(sample.y)} from {sample.label}): "
             f"{_error_text(exc)}{where}"
         ) from exc
     # A flat (N, F) batch is a valid *unbatched* input of a Conv1d or an RNN: torch may not
@@ -199,7 +200,7 @@ def _loss_and_backward(
 ) -> torch.Tensor:
     shapes = f"the model's output {describe(output)} and the target {describe(sample.y)} from {sample.label}"
     try:
-        value = loss_fn(output, sample.y)
+        value = loss_fn(output, sample.y, sample.batch.weight)
     except Exception as exc:
         raise _Unrecognised(f"loss {name} raised {_error_text(exc)} on {shapes}") from exc
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -230,7 +231,7 @@ def _loss_and_backward(
 
 def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: Sample) -> str | None:
     """Why the model's output cannot work with the loss and the label; None if it can."""
-    rows = len(sample.x)
+    rows = len(sample.batch)
     if not isinstance(output, torch.Tensor):
         return (
             f"the model returns a {type(output).__name__}, not a tensor; the loss and predictions need "
@@ -277,6 +278,18 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: Sa
 
 
 # --------------------------------------------------------------------------- wording
+
+
+def _shapes_text(shapes: dict[str, tuple[int, ...]]) -> str:
+    if len(shapes) == 1:
+        return shape_text(next(iter(shapes.values())))
+    return "{" + ", ".join(f"{name}: {shape_text(shape)}" for name, shape in shapes.items()) + "}"
+
+
+def _inputs_text(batch: Batch) -> str:
+    if len(batch.inputs) == 1:
+        return describe(next(iter(batch.inputs.values())))
+    return "{" + ", ".join(f"{name}: {describe(t)}" for name, t in batch.inputs.items()) + "}"
 
 
 def _is_integral(values: torch.Tensor) -> bool:

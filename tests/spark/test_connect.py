@@ -69,7 +69,8 @@ def test_fit_and_transform_work_over_spark_connect_and_the_parameter_server_says
         run = results[strategy]
         assert run["losses"][-1] < 0.6 * run["losses"][0], run["losses"]
         assert sum(run["worker_samples"]) == 2000 and min(run["worker_samples"]) > 0
-        assert run["columns"] == ["features", "label", "prediction"] and run["rows"] == 500
+        assert run["columns"] == ["features", "label", "prediction", "rawPrediction", "probability"]
+        assert run["rows"] == 500
         assert run["accuracy"] >= 0.85
     assert "Spark Connect client cannot run code" in results["parameter_server"]
     assert "use strategy 'allreduce' or 'weight_averaging'" in results["parameter_server"]

@@ -147,7 +147,7 @@ def test_schema_errors_are_raised_before_any_task_starts(spark):
     df = spark.createDataFrame([("a", 1)], "name string, label long")
     with pytest.raises(SchemaError, match=r"\['features'\] not found"):
         estimator().fit(df)
-    with pytest.raises(SchemaError, match="column 'name' has type string"):
+    with pytest.raises(SchemaError, match=r"column 'name' \(string\) cannot join the float32 matrix"):
         estimator(feature_cols=["name"]).fit(df)
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from sparkdl.data.batching import epoch_rng, global_batch_rows, rebatch, shuffle_chunks, steps_in_epoch
-from sparkdl.data.cache import PartitionCache
+from sparkdl.data.blocks import Block
+from sparkdl.data.cache import BlockCache
 from sparkdl.data.prefetch import Prefetcher
 
 
@@ -13,17 +14,21 @@ def chunks(sizes):
     start = 0
     for size in sizes:
         x = np.arange(start, start + size, dtype=np.float32).reshape(-1, 1)
-        yield x, x[:, 0].astype(np.int64)
+        yield Block({"features": x}, x[:, 0].astype(np.int64))
         start += size
 
 
 @pytest.mark.parametrize("sizes", [[10], [3, 3, 3, 1], [1] * 7 + [20], [0, 5, 0, 12], []])
 def test_rebatch_gives_fixed_batches_in_order(sizes):
-    batches = list(rebatch(chunks(sizes), 4, np.concatenate))
+    batches = list(rebatch(chunks(sizes), 4))
     total = sum(sizes)
-    assert [len(x) for x, _ in batches] == [4] * (total // 4) + ([total % 4] if total % 4 else [])
-    flat = np.concatenate([y for _, y in batches]) if batches else np.zeros(0)
+    assert [len(b.inputs["features"]) for b in batches] == [4] * (total // 4) + (
+        [total % 4] if total % 4 else []
+    )
+    flat = np.concatenate([b.label for b in batches]) if batches else np.zeros(0)
     np.testing.assert_array_equal(flat, np.arange(total))
+    for b in batches:
+        np.testing.assert_array_equal(b.inputs["features"][:, 0].astype(np.int64), b.label)
 
 
 def test_step_schedule_for_uneven_partitions():
@@ -38,36 +43,41 @@ def test_epoch_shuffles_are_seeded_per_epoch_and_rank():
     np.testing.assert_array_equal(a, epoch_rng(0, 2, 1).permutation(100))
     assert not np.array_equal(a, epoch_rng(0, 3, 1).permutation(100))
     assert not np.array_equal(a, epoch_rng(0, 2, 0).permutation(100))
-    ((x, y),) = shuffle_chunks(chunks([50]), epoch_rng(0, 1, 0))
+    (block,) = shuffle_chunks(chunks([50]), epoch_rng(0, 1, 0))
+    y = block.label
     assert sorted(y.tolist()) == list(range(50)) and y.tolist() != list(range(50))
-    np.testing.assert_array_equal(x[:, 0].astype(np.int64), y)
+    np.testing.assert_array_equal(block.inputs["features"][:, 0].astype(np.int64), y)
 
 
 def test_cache_replays_what_was_written(tmp_path):
-    with PartitionCache(str(tmp_path)) as cache:
-        for x, y in chunks([5, 7]):
-            cache.append(x, y)
+    with BlockCache(str(tmp_path)) as cache:
+        for block in chunks([5, 7]):
+            cache.append(block)
         cache.seal()
         assert cache.rows == 12
         in_order = list(cache.batches(5))
-        assert [len(y) for _, y in in_order] == [5, 5, 2]
-        np.testing.assert_array_equal(np.concatenate([y for _, y in in_order]), np.arange(12))
+        assert [len(b.label) for b in in_order] == [5, 5, 2]
+        np.testing.assert_array_equal(np.concatenate([b.label for b in in_order]), np.arange(12))
+        np.testing.assert_array_equal(
+            np.concatenate([b.inputs["features"][:, 0] for b in in_order]), np.arange(12, dtype=np.float32)
+        )
         order = epoch_rng(1, 2, 0).permutation(12)
-        shuffled = np.concatenate([y for _, y in cache.batches(5, order)])
-        np.testing.assert_array_equal(shuffled, order)
+        shuffled = list(cache.batches(5, order))
+        np.testing.assert_array_equal(np.concatenate([b.label for b in shuffled]), order)
+        np.testing.assert_array_equal(np.concatenate([b.inputs["features"][:, 0] for b in shuffled]), order)
         folder = cache._dir
     assert not folder.exists()
 
 
 def test_cache_rejects_a_chunk_of_another_shape(tmp_path):
-    with PartitionCache(str(tmp_path)) as cache:
-        cache.append(np.zeros((2, 3), np.float32), np.zeros(2, np.int64))
-        with pytest.raises(ValueError, match="differ from the first"):
-            cache.append(np.zeros((2, 4), np.float32), np.zeros(2, np.int64))
+    with BlockCache(str(tmp_path)) as cache:
+        cache.append(Block({"features": np.zeros((2, 3), np.float32)}, np.zeros(2, np.int64)))
+        with pytest.raises(ValueError, match="differs from the first"):
+            cache.append(Block({"features": np.zeros((2, 4), np.float32)}, np.zeros(2, np.int64)))
 
 
 def test_empty_cache_replays_nothing(tmp_path):
-    with PartitionCache(str(tmp_path)) as cache:
+    with BlockCache(str(tmp_path)) as cache:
         cache.seal()
         assert list(cache.batches(4)) == []
 

@@ -3,13 +3,8 @@ import pyarrow as pa
 import pytest
 
 from sparkdl import BadDataError, SchemaError
-from sparkdl.data.columns import (
-    ColumnKind,
-    LabelKind,
-    decode_features,
-    decode_label,
-    plan_from_arrow_schema,
-)
+from sparkdl.data.columns import ColumnKind, LabelKind, decode_label
+from sparkdl.data.inputs import POSITIONAL, decode_block, plan_data
 
 VECTOR = pa.struct(
     [
@@ -22,7 +17,17 @@ VECTOR = pa.struct(
 
 
 def plan(batch, features, label="label", kind=LabelKind.CLASS_INDEX):
-    return plan_from_arrow_schema(batch.schema, tuple(features), label, kind)
+    return plan_data(batch.schema, feature_cols=tuple(features), label_col=label, label_kind=kind)
+
+
+def features(batch, p):
+    block = decode_block(batch, p)
+    assert list(block.inputs) == [POSITIONAL] and not p.keyword
+    return block.inputs[POSITIONAL]
+
+
+def labels(batch, p):
+    return decode_label(batch, p.label, p.label_kind)
 
 
 def test_scalar_array_and_vector_columns_concatenate_in_order():
@@ -43,13 +48,14 @@ def test_scalar_array_and_vector_columns_concatenate_in_order():
     )
     p = plan(batch, ["a", "arr", "vec"])
     assert [s.kind for s in p.features] == [ColumnKind.SCALAR, ColumnKind.ARRAY, ColumnKind.VECTOR]
-    x = decode_features(batch, p)
+    x = features(batch, p)
     assert x.dtype == np.float32 and x.shape == (3, 6)
     np.testing.assert_array_equal(
         x,
         [[1, 0.5, 1.5, 7, 8, 9], [2, 2.5, 3.5, 0, 0, 4], [3, 4.5, 5.5, 1, -1, 0]],
     )
-    np.testing.assert_array_equal(decode_label(batch, p), [0, 1, 2])
+    np.testing.assert_array_equal(labels(batch, p), [0, 1, 2])
+    np.testing.assert_array_equal(decode_block(batch, p).label, [0, 1, 2])
 
 
 def test_sliced_batches_decode_only_their_rows():
@@ -63,8 +69,8 @@ def test_sliced_batches_decode_only_their_rows():
         }
     ).slice(4, 3)
     p = plan(batch, ["arr", "vec"], kind=LabelKind.REAL)
-    np.testing.assert_array_equal(decode_features(batch, p), [[4, 4, 4, 0], [5, 5, 0, 5], [6, 6, 6, 0]])
-    np.testing.assert_array_equal(decode_label(batch, p), [4.0, 5.0, 6.0])
+    np.testing.assert_array_equal(features(batch, p), [[4, 4, 4, 0], [5, 5, 0, 5], [6, 6, 6, 0]])
+    np.testing.assert_array_equal(labels(batch, p), [4.0, 5.0, 6.0])
 
 
 def test_nulls_are_an_error_naming_column_and_count():
@@ -72,7 +78,7 @@ def test_nulls_are_an_error_naming_column_and_count():
         {"x": pa.array([1.0, None, None, 4.0]), "label": pa.array([0, 1, 0, 1])}
     )
     with pytest.raises(BadDataError, match=r"column 'x' has 2 null rows of 4") as info:
-        decode_features(batch, plan(batch, ["x"]))
+        features(batch, plan(batch, ["x"]))
     assert info.value.column == "x" and info.value.bad_rows == 2
 
 
@@ -80,21 +86,28 @@ def test_ragged_arrays_are_an_error_with_the_count():
     batch = pa.RecordBatch.from_pydict(
         {"arr": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0, 5.0]]), "label": pa.array([0, 0, 1, 1])}
     )
-    with pytest.raises(BadDataError, match=r"'arr' has rows of different lengths: 2 of 4 rows"):
-        decode_features(batch, plan(batch, ["arr"]))
+    with pytest.raises(BadDataError, match=r"'arr' has rows of different lengths: 2 of 4 rows") as info:
+        features(batch, plan(batch, ["arr"]))
+    assert info.value.column == "arr" and info.value.bad_rows == 2
 
 
 def test_nan_features_are_counted_not_coerced():
     batch = pa.RecordBatch.from_pydict(
         {"x": pa.array([1.0, float("nan"), 3.0]), "label": pa.array([0, 1, 0])}
     )
-    with pytest.raises(BadDataError, match=r"NaN or infinite values in 1 of 3 rows"):
-        decode_features(batch, plan(batch, ["x"]))
+    with pytest.raises(BadDataError, match=r"NaN or infinite values in 1 of 3 rows") as info:
+        features(batch, plan(batch, ["x"]))
+    assert info.value.column == "x" and info.value.bad_rows == 1
 
 
 def test_unsupported_and_missing_columns_are_schema_errors():
-    batch = pa.RecordBatch.from_pydict({"s": pa.array(["a"]), "label": pa.array([0])})
-    with pytest.raises(SchemaError, match=r"column 's' has type string.*VectorAssembler"):
+    batch = pa.RecordBatch.from_pydict(
+        {"s": pa.array(["a"]), "t": pa.array([0], pa.timestamp("s")), "label": pa.array([0])}
+    )
+    with pytest.raises(SchemaError, match=r"column 't' has type timestamp\[s\].*VectorAssembler"):
+        plan(batch, ["t"])
+    # a string column is readable by transform_fn only: the error says so
+    with pytest.raises(SchemaError, match=r"column 's' \(string\) cannot join .*feature_cols.*transform_fn"):
         plan(batch, ["s"])
     with pytest.raises(SchemaError, match=r"\['nope'\] not found"):
         plan(batch, ["nope"])
@@ -102,10 +115,14 @@ def test_unsupported_and_missing_columns_are_schema_errors():
 
 def test_class_labels_must_be_non_negative_integers():
     batch = pa.RecordBatch.from_pydict({"x": pa.array([1.0, 2.0, 3.0]), "label": pa.array([0.0, 1.5, -1.0])})
+    with pytest.raises(BadDataError, match=r"2 rows hold negative or non-integer values") as info:
+        labels(batch, plan(batch, ["x"]))
+    assert info.value.column == "label" and info.value.bad_rows == 2
     with pytest.raises(BadDataError, match=r"2 rows hold negative or non-integer values"):
-        decode_label(batch, plan(batch, ["x"]))
+        decode_block(batch, plan(batch, ["x"]))
     ok = pa.RecordBatch.from_pydict({"x": pa.array([1.0]), "label": pa.array([3.0])})
-    assert decode_label(ok, plan(ok, ["x"])).dtype == np.int64
+    assert labels(ok, plan(ok, ["x"])).dtype == np.int64
+    np.testing.assert_array_equal(decode_block(ok, plan(ok, ["x"])).label, np.array([3], np.int64))
 
 
 def test_array_labels_for_multi_output_regression():
@@ -113,5 +130,6 @@ def test_array_labels_for_multi_output_regression():
         {"x": pa.array([1.0, 2.0]), "y": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float32()))}
     )
     p = plan(batch, ["x"], "y", LabelKind.REAL)
-    y = decode_label(batch, p)
+    y = labels(batch, p)
     assert y.shape == (2, 2) and y.dtype == np.float32
+    np.testing.assert_array_equal(decode_block(batch, p).label, [[1.0, 2.0], [3.0, 4.0]])

@@ -59,7 +59,9 @@ def test_unknown_key_names_the_file_section_and_key(tmp_path):
         ConfigError, match=r"c\.toml \[training\]: unknown key 'batch_sise'; did you mean 'batch_size'\?$"
     ):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"unknown key 'zzz'; valid keys: batch_size, epochs, loss"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'zzz'; valid keys: accumulate_steps, batch_size, early_stopping_patience, epochs"
+    ):
         load_config(write(tmp_path, "[training]\nzzz = 1\n"))
 
 

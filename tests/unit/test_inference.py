@@ -8,15 +8,27 @@ import pytest
 import torch
 
 from sparkdl.config import UseGpu
-from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
-from sparkdl.runtime.inference import OutputMode, PredictSpec, output_mode, predict_batch
+from sparkdl.data.inputs import plan_data
+from sparkdl.runtime.inference import (
+    OutputCols,
+    OutputMode,
+    PredictSpec,
+    model_outputs,
+    output_arrays,
+    output_mode,
+)
 from sparkdl.training.factory import state_to_bytes
 from tests.reference import make_tiny_net, shard_to_batch
 
 
 def spec_for(batch: pa.RecordBatch, mode: OutputMode, batch_size: int) -> PredictSpec:
-    plan = plan_from_arrow_schema(batch.schema, ("features",), None, LabelKind.REAL)
-    return PredictSpec(make_tiny_net, b"", plan, "prediction", mode, batch_size, UseGpu.NO, 1)
+    plan = plan_data(batch.schema, feature_cols=("features",))
+    return PredictSpec(make_tiny_net, b"", "", plan, OutputCols(), mode, batch_size, UseGpu.NO, 1)
+
+
+def predict_batch(module, batch, spec, device) -> pa.Array:
+    """The prediction column transform appends to ``batch``."""
+    return output_arrays(model_outputs(module, batch, spec, device), spec.mode, spec.columns)["prediction"]
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 1024])
@@ -27,7 +39,7 @@ def test_predictions_match_the_model_on_the_whole_batch_whatever_the_chunking(mo
     module = make_tiny_net().eval()
     with torch.no_grad():
         expected = module(torch.from_numpy(x))
-    if mode is OutputMode.SCALAR:
+    if mode in (OutputMode.SCALAR, OutputMode.BINARY):
         module = torch.nn.Sequential(module, torch.nn.Linear(3, 1)).eval()
         with torch.no_grad():
             expected = module(torch.from_numpy(x))
@@ -35,6 +47,8 @@ def test_predictions_match_the_model_on_the_whole_batch_whatever_the_chunking(mo
     assert len(out) == 10
     if mode is OutputMode.CLASS:
         assert out.to_pylist() == expected.argmax(1).double().tolist()
+    elif mode is OutputMode.BINARY:
+        assert out.to_pylist() == (expected[:, 0] > 0).double().tolist()
     elif mode is OutputMode.SCALAR:
         np.testing.assert_allclose(out.to_numpy(), expected[:, 0].numpy(), rtol=1e-5, atol=1e-6)
     else:

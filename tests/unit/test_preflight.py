@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, ModelMismatchError
 from sparkdl.runtime.environment import (
     SHIPPED_PROBE,
@@ -29,12 +30,13 @@ LABEL = "the label column 'y'"
 
 
 def batch(
-    rows: int = 8, width: int = 6, label: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    rows: int = 8, width: int = 6, label: torch.Tensor | None = None, x: torch.Tensor | None = None
+) -> Batch:
     """Features and a float32 label, as the feed makes them for a real-valued loss."""
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    if x is None:
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
     y = label if label is not None else (torch.arange(rows) % 2).float()
-    return x, y
+    return Batch({"features": x}, y)
 
 
 def mismatch(model_fn, loss, data, **kwargs) -> str:
@@ -188,17 +190,17 @@ def test_a_fitting_model_passes_and_reports_its_output_shape_and_parameter_count
 
     report = preflight(model_fn, None, "cross_entropy", batch(label=torch.arange(8) % 3), FEATURES, LABEL)
 
-    assert (report.rows, report.input_shape, report.output_shape) == (8, (6,), (3,))
+    assert (report.rows, report.input_shapes, report.output_shape) == (8, {"features": (6,)}, (3,))
     assert report.parameters == 6 * 16 + 16 + 16 * 3 + 3
     assert report.trainable_parameters == 16 * 3 + 3
-    assert "features (N, 6) -> output (N, 3), 163 parameters (51 trainable)" in report.summary()
+    assert "inputs (N, 6) -> output (N, 3), 163 parameters (51 trainable)" in report.summary()
 
 
 def test_non_finite_outputs_are_not_a_mismatch():
-    x, y = batch()
-    x[0, 0] = float("nan")
+    data = batch()
+    data.inputs["features"][0, 0] = float("nan")
 
-    report = preflight(lambda: nn.Linear(6, 1), None, "mse", (x, y), FEATURES, LABEL)
+    report = preflight(lambda: nn.Linear(6, 1), None, "mse", data, FEATURES, LABEL)
 
     assert report.output_shape == (1,) and torch.isnan(torch.tensor(report.loss))
 

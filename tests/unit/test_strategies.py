@@ -31,7 +31,8 @@ def context(config: SparkDLConfig, module, lr: float = 0.1, ps=None) -> Strategy
 def step_input(step: int, batch=(X, Y), rows: int | None = None) -> StepInput:
     n = len(batch[0]) if batch is not None else 0
     rows = n if rows is None else rows
-    return StepInput(step, 1, batch, rows, max(rows, 1), loss_of, lambda: (X[:2], Y[:2]))
+    batches = (batch,) if batch is not None else ()
+    return StepInput(step, 1, batches, rows, max(rows, 1), loss_of, lambda: (X[:2], Y[:2]))
 
 
 def reference_after(steps: int, model, lr: float = 0.1):
@@ -72,7 +73,7 @@ def test_all_reduce_runs_a_worker_without_rows_on_a_zero_weight_filler(gloo_grou
     built = create_strategy(context(SparkDLConfig().replace(num_workers=1), module))
     try:
         assert isinstance(built, AllReduceStrategy) and built.model is not module  # DDP wraps it
-        loss = built.train_step(StepInput(0, 1, None, 0, 8, loss_of, lambda: (X[:2], Y[:2])))
+        loss = built.train_step(StepInput(0, 1, (), 0, 8, loss_of, lambda: (X[:2], Y[:2])))
     finally:
         built.close()
     assert float(loss.detach()) > 0  # the filler's forward ran, so the all-reduce was joined
@@ -117,16 +118,13 @@ def test_all_reduce_stops_at_once_on_a_non_finite_average(gloo_group):
 
 
 def test_the_parameter_server_strategy_pushes_gradients_and_pulls_the_servers_step(gloo_group):
-    from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
     from sparkdl.runtime.ps_host import host_parameter_server
     from sparkdl.runtime.worker import TrainSpec
-    from tests.reference import shard_to_batch
+    from tests.reference import shard_plan
 
     config = SparkDLConfig().replace(num_workers=1, strategy="parameter_server", ps_shards=2)
-    plan = plan_from_arrow_schema(
-        shard_to_batch(X.numpy(), Y.numpy()).schema, ("features",), "label", LabelKind.CLASS_INDEX
-    )
-    spec = TrainSpec(config, make_tiny_net, _sgd, "cross_entropy", plan)
+    plan, template = shard_plan([(X.numpy(), Y.numpy())])
+    spec = TrainSpec(config, make_tiny_net, _sgd, "cross_entropy", plan, template)
     hosted = host_parameter_server(spec, "127.0.0.1")
     try:
         module = make_tiny_net()

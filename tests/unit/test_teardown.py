@@ -81,10 +81,9 @@ def _fits_in_one_process(rank, world, shards, spec, store_dir, fits, out):
 @pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging", "parameter_server"])
 def test_back_to_back_fits_in_one_process_release_everything(tmp_path, strategy):
     from sparkdl.config import SparkDLConfig
-    from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
     from sparkdl.runtime.ps_host import host_parameter_server
     from sparkdl.runtime.worker import TrainSpec
-    from tests.reference import make_tiny_net, shard_to_batch
+    from tests.reference import make_tiny_net, shard_plan
     from tests.unit.test_worker_gloo import _plain_sgd
 
     shards = make_shards([24, 17])
@@ -97,10 +96,8 @@ def test_back_to_back_fits_in_one_process_release_everything(tmp_path, strategy)
         teardown_timeout_s=30.0,
         network_interface="lo",
     )
-    plan = plan_from_arrow_schema(
-        shard_to_batch(*shards[0]).schema, ("features",), "label", LabelKind.CLASS_INDEX
-    )
-    spec = TrainSpec(config, make_tiny_net, _plain_sgd, "cross_entropy", plan)
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, make_tiny_net, _plain_sgd, "cross_entropy", plan, template)
     fits = 3
     hosted = host_parameter_server(spec, "127.0.0.1") if strategy == "parameter_server" else None
     if hosted is not None:

@@ -14,10 +14,16 @@ import pytest
 import torch
 
 from sparkdl.config import SparkDLConfig
-from sparkdl.data.columns import LabelKind, plan_from_arrow_schema
 from sparkdl.runtime.ps_host import host_parameter_server
 from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
-from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd, shard_to_batch
+from tests.reference import (
+    make_shards,
+    make_tiny_net,
+    max_abs_diff,
+    reference_sgd,
+    shard_plan,
+    shard_to_batch,
+)
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -65,10 +71,8 @@ def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
     config = SparkDLConfig().replace(
         num_workers=len(shards), collective_timeout_s=30.0, prefetch_batches=2, **settings
     )
-    plan = plan_from_arrow_schema(
-        shard_to_batch(*shards[0]).schema, ("features",), "label", LabelKind.CLASS_INDEX
-    )
-    spec = TrainSpec(config, make_tiny_net, optimizer_fn, "cross_entropy", plan)
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, make_tiny_net, optimizer_fn, "cross_entropy", plan, template)
     hosted = None
     if config.training.strategy.value == "parameter_server":
         hosted = host_parameter_server(spec, "127.0.0.1")
@@ -199,3 +203,13 @@ def test_parameter_server_sync_equals_single_process_sgd(tmp_path, sizes, settin
     first = results[0][1][0]
     assert (first["pushes"], first["pulls"]) == (steps, steps + 1)  # + the initial pull
     assert first["bytes_sent"] > 0 and first["bytes_received"] > 0 and first["wait_s"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])
+def test_accumulating_two_batches_of_4_equals_steps_on_batches_of_8(tmp_path, strategy):
+    shards = make_shards([37, 20])  # uneven, and 37 is not a multiple of 8: a short last step
+    state, results = run_workers(
+        shards, tmp_path, strategy=strategy, batch_size=4, accumulate_steps=2, epochs=2, shuffle=False
+    )
+    assert max_abs_diff(state, reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)) < 1e-5
+    assert [h["steps"] for h in results[0][1]] == [5, 5]  # ceil(37 / 8), in the streamed and cached epochs

@@ -1,0 +1,426 @@
+"""Which columns feed the model, as which inputs, and how a record batch becomes a :class:`Block`.
+
+Three ways to feed a model, decided once on the driver from the DataFrame's schema
+(:func:`plan_data`) and shipped to every worker:
+
+* ``feature_cols = [...]``: one float32 matrix of every listed column, ``model(x)``.
+* ``inputs = {name: column or [columns]}``: ``model(**inputs)``. One column keeps its own
+  dtype and shape (integers int64 for ``nn.Embedding``, numbers float32, arrays
+  ``[k]`` or the shape ``input_shapes`` gives, nested arrays N-d, Vectors dense, Spark
+  images uint8 CHW that the batch turns into float32 in [0, 1]); a list of columns is one
+  float32 matrix; a column listed in ``sequence_cols`` may hold arrays of any length,
+  padded per batch to the longest row with a boolean ``<name>_mask`` input.
+* ``transform_fn(record_batch) -> {name: array}`` on the executors, for what no built-in
+  decoder reads (image files as bytes, text): its keys other than the label and weight
+  columns are inputs too.
+
+Pure: pyarrow and numpy, no torch and no Spark.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from sparkdl.data.blocks import Block, Column, Ragged
+from sparkdl.data.columns import (
+    ColumnKind,
+    ColumnSpec,
+    LabelKind,
+    checked_label,
+    checked_weight,
+    decode_column,
+    decode_label,
+    decode_natural,
+    decode_sequence,
+    decode_weight,
+    flat_rows,
+    kind_of_arrow_type,
+    nonfinite_rows,
+)
+from sparkdl.errors import BadDataError, SchemaError
+
+#: ``transform_fn(batch) -> {name: array}``; it may also take ``training: bool``.
+TransformFn = Callable[..., Mapping[str, Any]]
+
+POSITIONAL = "features"  # the one input of feature_cols, passed to the model positionally
+MASK_SUFFIX = "_mask"
+
+
+class InputKind(str, enum.Enum):
+    MATRIX = "matrix"  # several columns -> one float32 [rows, width]
+    COLUMN = "column"  # one column in its own dtype and shape
+    SEQUENCE = "sequence"  # arrays of any length, padded per batch, with a mask
+    IMAGE = "image"  # uint8 [rows, C, H, W] in blocks; float32 in [0, 1] in batches
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One named input of the model."""
+
+    name: str
+    columns: tuple[ColumnSpec, ...]
+    kind: InputKind
+    shape: tuple[int, ...] = ()  # per-row shape from input_shapes (COLUMN only)
+
+    @property
+    def described(self) -> str:
+        names = [c.name for c in self.columns]
+        if self.kind is InputKind.MATRIX:
+            return f"input {self.name!r} (columns {names})"
+        return f"input {self.name!r} (column {names[0]!r})"
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How every record batch of a fit (or a transform) becomes a block.
+
+    Attributes:
+        inputs: the decoded inputs, in the order the model sees them.
+        label, label_kind: the target column and what the loss needs of it.
+        weight: the per-row weight column, if any.
+        keyword: call ``model(**inputs)``; False: ``model(x)`` with the one input.
+        transform_fn: the user's decoder, run on the executors, or None.
+        extra_columns: columns shipped only for ``transform_fn``.
+        max_sequence_length: sequences longer than this keep their first values (0: no cap).
+        cache_transformed: cache transform_fn's output after epoch 1 instead of re-running it.
+        validation_col: a boolean column whose true rows are held out to validate, or None.
+    """
+
+    inputs: tuple[InputSpec, ...]
+    label: ColumnSpec | None = None
+    label_kind: LabelKind = LabelKind.REAL
+    weight: ColumnSpec | None = None
+    keyword: bool = False
+    transform_fn: TransformFn | None = None
+    extra_columns: tuple[str, ...] = ()
+    max_sequence_length: int = 0
+    cache_transformed: bool = False
+    validation_col: str | None = None
+    _takes_training: bool = field(default=False, repr=False)
+
+    @property
+    def column_names(self) -> list[str]:
+        """Every column the executors need, each once, in a stable order."""
+        names = [c.name for spec in self.inputs for c in spec.columns]
+        names += [c.name for c in (self.label, self.weight) if c is not None]
+        names += list(self.extra_columns)
+        names += [self.validation_col] if self.validation_col else []
+        return list(dict.fromkeys(names))
+
+    @property
+    def features(self) -> tuple[ColumnSpec, ...]:
+        """The columns of every input (what the preflight names when something does not fit)."""
+        return tuple(c for spec in self.inputs for c in spec.columns)
+
+    @property
+    def transforms_every_epoch(self) -> bool:
+        """Whether the epoch cache must hold raw rows (transform_fn re-runs every epoch)."""
+        return self.transform_fn is not None and not self.cache_transformed
+
+    def for_inference(self) -> DataPlan:
+        """The same inputs, without label, weight or validation column."""
+        return replace(self, label=None, weight=None, validation_col=None)
+
+    def describe_inputs(self) -> str:
+        """The inputs in the user's terms, e.g. "the feature columns ['x']"."""
+        if not self.keyword:
+            return f"the feature columns {[c.name for c in self.features]}"
+        parts = [spec.described for spec in self.inputs]
+        if self.transform_fn is not None:
+            parts.append("the outputs of transform_fn")
+        return ", ".join(parts)
+
+
+def plan_data(
+    schema: pa.Schema,
+    *,
+    feature_cols: tuple[str, ...] = (),
+    inputs: Mapping[str, str | tuple[str, ...] | list[str]] | None = None,
+    input_shapes: Mapping[str, tuple[int, ...] | list[int]] | None = None,
+    sequence_cols: tuple[str, ...] = (),
+    max_sequence_length: int = 0,
+    label_col: str | None = None,
+    label_kind: LabelKind = LabelKind.REAL,
+    weight_col: str | None = None,
+    transform_fn: TransformFn | None = None,
+    cache_transformed: bool = False,
+    validation_col: str | None = None,
+) -> DataPlan:
+    """Check the columns against ``schema`` and decide how each is decoded.
+
+    Raises:
+        SchemaError: a missing column, a type no input can take, an input_shapes or
+            sequence_cols entry that names no single-column input, a name clash.
+    """
+    inputs = dict(inputs or {})
+    shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+    keyword = bool(inputs) or transform_fn is not None
+    if not keyword:
+        inputs = {POSITIONAL: tuple(feature_cols)}
+    wanted = [c for v in inputs.values() for c in ([v] if isinstance(v, str) else v)]
+    wanted += [c for c in (label_col, weight_col) if c]
+    _require_columns(schema, wanted)
+    specs = tuple(
+        _input_spec(schema, name, source, shapes.get(name, ()), sequence_cols, keyword)
+        for name, source in inputs.items()
+    )
+    _check_names(specs, shapes, sequence_cols, label_col, weight_col)
+    label = _label_spec(schema, label_col, label_kind) if label_col else None
+    weight = None
+    if weight_col:
+        weight = ColumnSpec(weight_col, kind_of_arrow_type(weight_col, schema.field(weight_col).type))
+        if weight.kind is not ColumnKind.SCALAR:
+            raise SchemaError(
+                f"weight column {weight_col!r} has type {schema.field(weight_col).type}; use a number"
+            )
+    if validation_col:
+        _require_columns(schema, [validation_col])
+        if not pa.types.is_boolean(schema.field(validation_col).type):
+            raise SchemaError(
+                f"validation column {validation_col!r} has type {schema.field(validation_col).type}; "
+                "it must be boolean (true: the row validates)"
+            )
+    used = {c.name for s in specs for c in s.columns} | {label_col, weight_col, validation_col}
+    extra = tuple(n for n in schema.names if n not in used) if transform_fn is not None else ()
+    return DataPlan(
+        specs,
+        label,
+        label_kind,
+        weight,
+        keyword,
+        transform_fn,
+        extra,
+        max_sequence_length,
+        cache_transformed,
+        validation_col or None,
+        _takes_training=transform_fn is not None and _takes_training(transform_fn),
+    )
+
+
+def _require_columns(schema: pa.Schema, names: list[str]) -> None:
+    missing = [c for c in dict.fromkeys(names) if c not in schema.names]
+    if missing:
+        raise SchemaError(
+            f"column(s) {missing} not found; the DataFrame has {schema.names}. "
+            "Set feature_cols / inputs / label_col / weight_col to existing columns"
+        )
+
+
+def _input_spec(
+    schema: pa.Schema,
+    name: str,
+    source: str | tuple[str, ...] | list[str],
+    shape: tuple[int, ...],
+    sequence_cols: tuple[str, ...],
+    keyword: bool,
+) -> InputSpec:
+    columns = [source] if isinstance(source, str) else list(source)
+    if not columns:
+        raise SchemaError(f"input {name!r} names no column; give it a column or a list of columns")
+    specs = tuple(ColumnSpec(c, kind_of_arrow_type(c, schema.field(c).type)) for c in columns)
+    if isinstance(source, str):
+        spec = specs[0]
+        if spec.kind is ColumnKind.BYTES:
+            raise SchemaError(
+                f"column {spec.name!r} ({schema.field(spec.name).type}) cannot feed input {name!r} as it is: "
+                "decode it in transform_fn (e.g. image bytes -> pixels, text -> token ids)"
+            )
+        if spec.name in sequence_cols:
+            if spec.kind is not ColumnKind.ARRAY:  # refused here, on the driver, not by every worker
+                raise SchemaError(
+                    f"sequence column {spec.name!r} must be an array of numbers, not "
+                    f"{schema.field(spec.name).type}; remove it from sequence_cols"
+                )
+            return InputSpec(name, specs, InputKind.SEQUENCE)
+        if spec.kind is ColumnKind.IMAGE:
+            return InputSpec(name, specs, InputKind.IMAGE)
+        return InputSpec(name, specs, InputKind.COLUMN, shape)
+    flat_only = (ColumnKind.SCALAR, ColumnKind.ARRAY, ColumnKind.VECTOR)
+    for spec in specs:
+        if spec.kind not in flat_only:
+            where = f"input {name!r}" if keyword else "feature_cols"
+            raise SchemaError(
+                f"column {spec.name!r} ({schema.field(spec.name).type}) cannot join the float32 matrix "
+                f"of {where}: only numbers, arrays of numbers and ml Vectors concatenate; give it "
+                "an input of its own (inputs={'name': 'column'})"
+                + (" or decode it in transform_fn" if spec.kind is ColumnKind.BYTES else "")
+            )
+    return InputSpec(name, specs, InputKind.MATRIX)
+
+
+def _check_names(
+    specs: tuple[InputSpec, ...],
+    input_shapes: Mapping[str, tuple[int, ...]],
+    sequence_cols: tuple[str, ...],
+    label_col: str | None,
+    weight_col: str | None,
+) -> None:
+    names = {s.name for s in specs}
+    single = {s.name for s in specs if s.kind is InputKind.COLUMN}
+    odd_shapes = sorted(set(input_shapes) - single)
+    if odd_shapes:
+        raise SchemaError(
+            f"input_shapes names {odd_shapes}, which are not single-column inputs ({sorted(single)}); "
+            "input_shapes reshapes an input of one array column, by the input's name"
+        )
+    columns_of_one = {
+        s.columns[0].name for s in specs if len(s.columns) == 1 and s.kind is not InputKind.MATRIX
+    }
+    odd_sequences = sorted(set(sequence_cols) - columns_of_one)
+    if odd_sequences:
+        raise SchemaError(
+            f"sequence_cols names {odd_sequences}, which no input feeds alone; a sequence column "
+            "must be an input of its own (inputs={'tokens': 'tokens'})"
+        )
+    for spec in specs:
+        if spec.kind is InputKind.SEQUENCE and spec.name + MASK_SUFFIX in names:
+            raise SchemaError(
+                f"input {spec.name + MASK_SUFFIX!r} clashes with the mask of sequence input "
+                f"{spec.name!r}; rename it"
+            )
+        for column in spec.columns:
+            if column.name in (label_col, weight_col):
+                raise SchemaError(
+                    f"column {column.name!r} is both a model input ({spec.name!r}) and the "
+                    f"{'label' if column.name == label_col else 'weight'} column; a model must not see it"
+                )
+
+
+def _label_spec(schema: pa.Schema, label_col: str, label_kind: LabelKind) -> ColumnSpec:
+    typ = schema.field(label_col).type
+    kind = kind_of_arrow_type(label_col, typ)
+    if kind not in (ColumnKind.SCALAR, ColumnKind.ARRAY) or (
+        kind is ColumnKind.ARRAY and label_kind is LabelKind.CLASS_INDEX
+    ):
+        raise SchemaError(
+            f"label column {label_col!r} has type {typ}; a {label_kind.value} label must be a numeric column"
+        )
+    return ColumnSpec(label_col, kind)
+
+
+def _takes_training(fn: TransformFn) -> bool:
+    try:
+        return "training" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_block(batch: pa.RecordBatch, plan: DataPlan, training: bool = True) -> Block:
+    """A record batch as a block: every input, the label and the weight, checked.
+
+    Raises:
+        BadDataError: nulls, ragged arrays, NaN or infinite values, unusable labels;
+            naming the column and counting the rows.
+        SchemaError: transform_fn returned something that is not named arrays of one length.
+    """
+    inputs: dict[str, Column] = {spec.name: decode_input(batch, spec) for spec in plan.inputs}
+    label = weight = None
+    if plan.transform_fn is not None:
+        produced = run_transform(plan, batch, training)
+        if plan.label is not None and plan.label.name in produced:
+            label = checked_label(produced.pop(plan.label.name), plan.label.name, plan.label_kind)
+        if plan.weight is not None and plan.weight.name in produced:
+            weight = checked_weight(produced.pop(plan.weight.name), plan.weight.name)
+        masks = {spec.name + MASK_SUFFIX for spec in plan.inputs if spec.kind is InputKind.SEQUENCE}
+        clash = sorted(set(produced) & (set(inputs) | masks))
+        if clash:
+            raise SchemaError(f"transform_fn returned {clash}, which are also names in inputs; rename one")
+        inputs.update(produced)
+    if label is None and plan.label is not None:
+        label = decode_label(batch, plan.label, plan.label_kind)
+    if weight is None and plan.weight is not None:
+        weight = decode_weight(batch, plan.weight)
+    block = Block(inputs, label, weight)
+    check_finite(block, plan)
+    return block
+
+
+def decode_input(batch: pa.RecordBatch, spec: InputSpec) -> Column:
+    """One input of a record batch (not yet checked for NaN)."""
+    if spec.kind is InputKind.MATRIX:
+        parts = [decode_column(batch.column(c.name), c) for c in spec.columns]
+        matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        return np.ascontiguousarray(matrix, dtype=np.float32)
+    column = spec.columns[0]
+    if spec.kind is InputKind.SEQUENCE:
+        return decode_sequence(batch.column(column.name), column)
+    return decode_natural(batch.column(column.name), column, spec.shape)
+
+
+def run_transform(plan: DataPlan, batch: pa.RecordBatch, training: bool) -> dict[str, np.ndarray]:
+    """The user's transform_fn on one record batch, its output checked and typed:
+    float64 becomes float32 and every integer type int64; other dtypes stay."""
+    assert plan.transform_fn is not None
+    out = plan.transform_fn(batch, training=training) if plan._takes_training else plan.transform_fn(batch)
+    if not isinstance(out, Mapping):
+        raise SchemaError(
+            f"transform_fn returned a {type(out).__name__}; it must return a dict of "
+            "input name -> array with one row per input row"
+        )
+    produced: dict[str, np.ndarray] = {}
+    for name, value in out.items():
+        array = (
+            value.numpy()
+            if hasattr(value, "numpy") and not isinstance(value, np.ndarray)
+            else np.asarray(value)
+        )
+        if array.dtype == object or array.ndim == 0:
+            raise SchemaError(
+                f"transform_fn returned {name!r} as {array.dtype} with shape {array.shape}; return numeric "
+                "arrays of shape (rows, ...) (pad sequences to one length per batch)"
+            )
+        if array.dtype == np.float64:
+            array = array.astype(np.float32)
+        elif array.dtype.kind in "iu" and array.dtype != np.uint8:
+            array = array.astype(np.int64)
+        produced[str(name)] = np.require(array, requirements=["C", "W"])
+    lengths = {name: len(a) for name, a in produced.items()}
+    expected = batch.num_rows
+    wrong = {name: n for name, n in lengths.items() if n != expected}
+    if wrong:
+        raise SchemaError(
+            f"transform_fn returned arrays of {wrong} rows for a batch of {expected} rows; every array "
+            "must have one row per input row (drop rows before fit, not in transform_fn: the epoch "
+            "plan counts the rows Spark delivers)"
+        )
+    return produced
+
+
+def check_finite(block: Block, plan: DataPlan) -> None:
+    """Raise a BadDataError naming the input and the count of rows with NaN or infinity."""
+    for name, column in block.inputs.items():
+        values = column.values if isinstance(column, Ragged) else column
+        if values.dtype.kind != "f":
+            continue
+        if isinstance(column, Ragged):
+            bad_values = ~np.isfinite(flat_rows(values)).all(axis=1)
+            if not bad_values.any():
+                continue
+            rows = np.repeat(np.arange(len(column)), column.lengths)[bad_values]
+            count = len(np.unique(rows))
+        else:
+            mask = nonfinite_rows(flat_rows(column))
+            if mask is None:
+                continue
+            count = int(mask.sum())
+        spec = next((s for s in plan.inputs if s.name == name), None)
+        where = spec.described if spec else f"input {name!r} from transform_fn"
+        if spec is not None and not plan.keyword:
+            where = f"feature column(s) {[c.name for c in spec.columns]}"
+        column_name = ",".join(c.name for c in spec.columns) if spec else name
+        raise BadDataError(
+            f"{where} holds NaN or infinite values in {count} of {len(block)} rows of this batch; "
+            "clean or impute them before fit (or set on_bad_rows = 'skip')",
+            column=column_name,
+            bad_rows=count,
+        )

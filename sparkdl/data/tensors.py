@@ -1,0 +1,91 @@
+"""Blocks of numpy rows -> :class:`Batch` of tensors, and the call of the model on one.
+
+Sequences are padded here, per batch, to the batch's longest row (so a batch of short
+rows stays short), with a boolean ``<name>_mask``; images become float32 in [0, 1].
+Arrays that own their memory become tensors without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparkdl.data.blocks import Block, Ragged
+from sparkdl.data.inputs import MASK_SUFFIX, DataPlan, InputKind
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's rows as tensors.
+
+    Attributes:
+        inputs: input name -> tensor ``[rows, ...]`` (masks of sequences included).
+        label: the targets, or None (inference).
+        weight: float32 ``[rows]`` loss weights, or None (every row weighs 1).
+    """
+
+    inputs: dict[str, torch.Tensor]
+    label: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        first = self.label if self.label is not None else next(iter(self.inputs.values()))
+        return len(first)
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(
+            {k: v.to(device, non_blocking=True) for k, v in self.inputs.items()},
+            move(self.label),
+            move(self.weight),
+        )
+
+    def head(self, rows: int) -> Batch:
+        """A copy of the first ``rows`` rows (owning its memory)."""
+        cut = lambda t: None if t is None else t[:rows].clone()  # noqa: E731
+        return Batch({k: v[:rows].clone() for k, v in self.inputs.items()}, cut(self.label), cut(self.weight))
+
+    def pin_memory(self) -> Batch:
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch({k: v.pin_memory() for k, v in self.inputs.items()}, pin(self.label), pin(self.weight))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """One row's shape per input (what the model saw)."""
+        return {name: tuple(t.shape[1:]) for name, t in self.inputs.items()}
+
+
+def call_model(model: nn.Module, batch: Batch, keyword: bool) -> torch.Tensor:
+    """``model(**inputs)``; one input (feature_cols' matrix, or a single named input) is
+    passed positionally, ``model(x)``, so that ``nn.Sequential`` and the like take it."""
+    if keyword and len(batch.inputs) > 1:
+        return model(**batch.inputs)
+    (x,) = batch.inputs.values()
+    return model(x)
+
+
+def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
+    """The tensors of a block: sequences padded with their masks, images scaled."""
+    kinds = {spec.name: spec.kind for spec in plan.inputs}
+    inputs: dict[str, torch.Tensor] = {}
+    for name, column in block.inputs.items():
+        if isinstance(column, Ragged):
+            values, mask = column.padded(plan.max_sequence_length)
+            inputs[name] = torch.from_numpy(values)
+            inputs[name + MASK_SUFFIX] = torch.from_numpy(mask)
+        elif kinds.get(name) is InputKind.IMAGE:
+            inputs[name] = torch.from_numpy(_owned(column)).float().div_(255.0)
+        else:
+            inputs[name] = torch.from_numpy(_owned(column))
+    label = None if block.label is None else torch.from_numpy(_owned(block.label))
+    weight = None if block.weight is None else torch.from_numpy(_owned(block.weight))
+    batch = Batch(inputs, label, weight)
+    return batch.pin_memory() if pin_memory else batch
+
+
+def _owned(array: np.ndarray) -> np.ndarray:
+    """``array`` if torch may wrap it (writeable, e.g. decoded or gathered), else a copy
+    (a zero-copy view of Arrow memory or of the read-only cache map)."""
+    return array if array.flags.writeable else np.array(array)
