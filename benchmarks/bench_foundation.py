@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -31,8 +32,9 @@ from common import make_model, make_optimizer, save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
-from sparkdl.data.columns import ColumnKind, ColumnPlan, ColumnSpec, LabelKind  # noqa: E402
+from sparkdl.data.columns import LabelKind  # noqa: E402
 from sparkdl.data.feed import FeedOptions, PartitionFeed  # noqa: E402
+from sparkdl.data.inputs import plan_data  # noqa: E402
 
 COUNT_SCHEMA = "rows long"
 
@@ -88,17 +90,19 @@ def count_rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def feed_rows(options: FeedOptions, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    plan = ColumnPlan(
-        (ColumnSpec("features", ColumnKind.ARRAY),),
-        ColumnSpec("label", ColumnKind.SCALAR),
-        LabelKind.CLASS_INDEX,
+    first = next(batches, None)
+    if first is None:
+        yield pa.RecordBatch.from_pydict({"rows": [0]})
+        return
+    plan = plan_data(
+        first.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
     )
-    feed = PartitionFeed(batches, plan, options)
+    feed = PartitionFeed(itertools.chain([first], batches), plan, options)
     rows = 0
     try:
         tensors, _ = feed.epoch(1)
-        for x, _ in tensors:
-            rows += len(x)
+        for batch in tensors:
+            rows += len(batch)
     finally:
         feed.close()
     yield pa.RecordBatch.from_pydict({"rows": [rows]})

@@ -48,6 +48,7 @@ from sparkdl.runtime.inference import (
     predict_partition,
     prediction_schema,
 )
+from sparkdl.runtime.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.runtime.worker import TrainSpec
 from sparkdl.settings import library_settings, param_doc, with_settings_section
 from sparkdl.strategies.base import SchedulerFn
@@ -216,6 +217,8 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
     def _fit(self, dataset: Any) -> TorchModel:
         if self.model_fn is None:
             raise ConfigError("TorchEstimator needs model_fn: a function that builds the torch.nn.Module")
+        if is_rdd(dataset):  # Rows, dicts or (features, label) tuples, typed where they live
+            dataset = rdd_to_dataframe(dataset)
         config = self.get_config()
         loss = self._loss()
         _, label_kind = resolve_loss(loss)
