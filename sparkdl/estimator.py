@@ -40,7 +40,7 @@ from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.runtime import fs
-from sparkdl.runtime.driver import plan_inputs, run_training, with_validation
+from sparkdl.runtime.driver import plan_inputs, run_training, vectors_as_arrays, with_validation
 from sparkdl.runtime.inference import (
     OutputCols,
     PredictSpec,
@@ -232,6 +232,8 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "scheduler_fn and the lr_schedule / warmup_steps / scale_lr settings both set the "
                 "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
             )
+        if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
+            dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
         plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
         spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)

@@ -109,6 +109,21 @@ def with_validation(df: Any, config: SparkDLConfig, held_out: Any = None) -> tup
     return df, ""
 
 
+def vectors_as_arrays(df: Any) -> Any:
+    """``df`` with every ml Vector column as array<float> (dense), converted in the JVM.
+
+    A Vector column crosses into Python as a struct that Spark builds row by row, about ten
+    times slower than an array column; the feed makes every Vector dense anyway.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+
+    vectors = [f.name for f in df.schema.fields if isinstance(f.dataType, VectorUDT)]
+    if not vectors:
+        return df
+    return df.withColumns({name: vector_to_array(name, "float32") for name in vectors})
+
+
 def arrow_schema(df: Any) -> pa.Schema:
     """The DataFrame's columns as Arrow types; a column Arrow cannot carry is left out (it
     is an error only if a setting names it: then it is "not found" with the list of
