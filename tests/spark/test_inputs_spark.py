@@ -145,3 +145,44 @@ def test_transform_fn_decodes_bytes_on_the_executors_in_fit_and_transform(spark)
     assert model.trained_input_shapes == {"image": (1, 4, 4)}
     predicted = model.transform(df).select("label", "prediction").toPandas()
     assert float((predicted["label"] == predicted["prediction"]).mean()) > 0.95
+
+
+def _two_input_estimator(**settings):
+    base = dict(
+        model_fn=make_two_input_net,
+        optimizer_fn=_sgd,
+        loss_fn="cross_entropy",
+        inputs={"user": "user", "dense": "dense"},
+        num_workers=2,
+        batch_size=8,
+        epochs=2,
+        seed=0,
+        shuffle=False,
+        progress=False,
+        collective_timeout_s=30.0,
+    )
+    return TorchEstimator(**{**base, **settings})
+
+
+def test_a_worker_without_rows_steps_on_the_drivers_template_of_every_input(spark):
+    shards = make_two_input_shards([40, 0])  # rank 1 never sees a row: it needs ids and a dense row
+    model = _two_input_estimator().fit(two_input_dataframe(spark, shards))
+    assert model.worker_rows == [40, 0]
+    expected = reference_sgd_two_inputs(shards, 8, 2, 0, LR, MOMENTUM)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_two_input_run_resumes_from_its_checkpoint_with_identical_weights(spark, tmp_path):
+    shards = make_two_input_shards([64, 64])
+    df = two_input_dataframe(spark, shards)
+    clean = _two_input_estimator(checkpoint_dir=str(tmp_path / "a"), checkpoint_every=4, shuffle=True).fit(df)
+    marker = tmp_path / "fired"
+    drilled = _two_input_estimator(
+        checkpoint_dir=str(tmp_path / "b"),
+        checkpoint_every=4,
+        shuffle=True,
+        fault_injection=f"raise:1:11:{marker}",
+    ).fit(df)
+    assert marker.exists()  # the drill did fire, and the stage was re-run from step 8
+    assert max_abs_diff(drilled.module.state_dict(), clean.module.state_dict()) == 0.0
