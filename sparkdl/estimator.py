@@ -15,13 +15,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (
-    DefaultParamsReader,
-    DefaultParamsWriter,
     MLReadable,
     MLReader,
     MLWritable,
@@ -39,7 +36,6 @@ from sparkdl.config import (
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ConfigError
-from sparkdl.runtime import fs
 from sparkdl.runtime.driver import plan_inputs, run_training, vectors_as_arrays, with_validation
 from sparkdl.runtime.inference import (
     OutputCols,
@@ -53,7 +49,7 @@ from sparkdl.runtime.worker import TrainSpec
 from sparkdl.settings import library_settings, param_doc, with_settings_section
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.tracking import log_fit
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_from_bytes, state_to_bytes
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_to_bytes
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
 
@@ -208,11 +204,15 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         return choose_loss(self.loss_fn, self.get_config().training.loss)
 
     def write(self) -> MLWriter:
-        return _TorchEstimatorWriter(self)
+        from sparkdl.persistence import TorchEstimatorWriter
+
+        return TorchEstimatorWriter(self)
 
     @classmethod
     def read(cls) -> MLReader:
-        return _TorchEstimatorReader()
+        from sparkdl.persistence import TorchEstimatorReader
+
+        return TorchEstimatorReader()
 
     def _fit(self, dataset: Any) -> TorchModel:
         if self.model_fn is None:
@@ -339,97 +339,12 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         return plot_history(self.history, path, title=f"sparkdl fit: {self.getOrDefault('strategy')}")
 
     def write(self) -> MLWriter:
-        return _TorchModelWriter(self)
+        from sparkdl.persistence import TorchModelWriter
+
+        return TorchModelWriter(self)
 
     @classmethod
     def read(cls) -> MLReader:
-        return _TorchModelReader()
+        from sparkdl.persistence import TorchModelReader
 
-
-class _TorchModelWriter(MLWriter):
-    """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
-
-    def __init__(self, instance: TorchModel) -> None:
-        super().__init__()
-        self.instance = instance
-
-    def saveImpl(self, path: str) -> None:
-        model = self.instance
-        extra = {
-            "history": model.history,
-            "output_shape": list(model.output_shape),
-            "trained_input_shapes": {name: list(shape) for name, shape in model.trained_input_shapes.items()},
-            "classifier": model.classifier,
-            "transform_fn": model.transform_fn is not None,
-        }
-        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, extraMetadata=extra)
-        assert model.module is not None
-        fs.write_bytes(self.sparkSession, f"{path}/weights.pt", state_to_bytes(model.module))
-        fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
-        if model.transform_fn is not None:
-            data = cloudpickle.dumps(model.transform_fn)
-            fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
-
-
-def _legacy_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """A model saved before named inputs recorded one ``input_shape``: feature_cols' matrix."""
-    shape = metadata.get("input_shape")
-    return {"features": tuple(shape)} if shape else {}
-
-
-class _TorchModelReader(MLReader):
-    """Loads a TorchModel. The model factory (and transform_fn) is unpickled: load only
-    models you trust."""
-
-    def load(self, path: str) -> TorchModel:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
-        model_fn = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle"))
-        state = state_from_bytes(fs.read_bytes(self.sparkSession, f"{path}/weights.pt"))
-        transform_fn = None
-        if metadata.get("transform_fn"):
-            transform_fn = cloudpickle.loads(
-                fs.read_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle")
-            )
-        module = build_model(model_fn)
-        module.load_state_dict(state)
-        model = TorchModel(
-            module=module,
-            model_fn=model_fn,
-            history=metadata["history"],
-            output_shape=tuple(metadata["output_shape"]),
-            classifier=metadata["classifier"],
-            trained_input_shapes=metadata.get("trained_input_shapes") or _legacy_shapes(metadata),
-            transform_fn=transform_fn,
-        )
-        model._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(model, metadata)
-        return model
-
-
-class _TorchEstimatorWriter(MLWriter):
-    """Saves an unfitted estimator (e.g. inside a saved Pipeline or CrossValidatorModel):
-    its settings as Spark ML metadata and its functions cloudpickled."""
-
-    def __init__(self, instance: TorchEstimator) -> None:
-        super().__init__()
-        self.instance = instance
-
-    def saveImpl(self, path: str) -> None:
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
-        # every user function (model_fn, optimizer_fn, loss_fn, ...): what is not a Param
-        functions = {name: value for name, value in vars(self.instance).items() if name.endswith("_fn")}
-        fs.write_bytes(self.sparkSession, f"{path}/functions.cloudpickle", cloudpickle.dumps(functions))
-
-
-class _TorchEstimatorReader(MLReader):
-    """Loads a TorchEstimator. Its functions are unpickled: load only estimators you trust."""
-
-    def load(self, path: str) -> TorchEstimator:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
-        functions = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/functions.cloudpickle"))
-        estimator = TorchEstimator()
-        for name, value in functions.items():
-            setattr(estimator, name, value)
-        estimator._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(estimator, metadata)
-        return estimator
+        return TorchModelReader()
