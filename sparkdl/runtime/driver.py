@@ -26,7 +26,7 @@ from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledE
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, is_connect
-from sparkdl.runtime.environment import check_executor_environment
+from sparkdl.runtime.environment import check_executor_environment, failure_excerpt
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.resources import training_profile
@@ -165,7 +165,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         if progress is not None:
             spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = df.select(*spec.plan.column_names)
-        if is_connect(spark) or data.rdd.getNumPartitions() != n:
+        if needs_repartition(data, n, spark):
             data = data.repartition(n)
         stage = data.mapInArrow(
             functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
@@ -208,6 +208,15 @@ def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:
             steps_per_epoch * config.training.epochs,
         )
     return lr_plan(config, steps_per_epoch)
+
+
+def needs_repartition(data: Any, n: int, spark: Any) -> bool:
+    """Whether ``data`` must be shuffled into ``n`` partitions before the barrier stage: when
+    it has another count, and when a coalesce made its count (Spark refuses a barrier stage
+    over a coalesce, SPARK-24820). A Connect client cannot see the plan: always."""
+    if is_connect(spark) or data.rdd.getNumPartitions() != n:
+        return True
+    return "Coalesce" in data._jdf.queryExecution().executedPlan().toString()
 
 
 def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer | None:
@@ -264,9 +273,8 @@ def _translate(exc: Exception) -> SparkDLError:
     records = ErrorRecord.find_embedded(str(exc))
     if records:
         return located(records[-1].to_error())
-    text = str(exc).strip()
-    detail = text.splitlines()[0] if text else type(exc).__name__
-    return TrainingFailedError(f"the training stage failed: {detail[:2000]}")
+    detail = failure_excerpt(str(exc)) or type(exc).__name__
+    return TrainingFailedError(f"the training stage failed: {detail}")
 
 
 def located(error: SparkDLError) -> SparkDLError:

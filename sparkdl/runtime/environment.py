@@ -200,19 +200,25 @@ def _run_probe(sc: Any, timeout_s: float, driver: Interpreter) -> Interpreter | 
         error = outcome["error"]
         raise ExecutorEnvironmentError(
             f"executors could not start Python {sc.pythonExec!r} (PYSPARK_PYTHON) for a one-task "
-            f"check: {_excerpt(str(error))}; set PYSPARK_PYTHON to an interpreter with sparkdl and "
+            f"check: {failure_excerpt(str(error))}; set PYSPARK_PYTHON to an interpreter with sparkdl and "
             f"torch {driver.torch} installed (the driver runs {driver.executable}, Python "
             f"{driver.python}), before the SparkContext starts"
         ) from error
     return Interpreter.from_json(outcome["rows"][0])
 
 
-def _excerpt(text: str) -> str:
-    """The line of a Spark job failure that says why (a Python error, else the abort line)."""
-    python_errors = [m for m in _PYTHON_ERROR.findall(text) if not m.startswith(("org.", "java.", "py4j."))]
+def failure_excerpt(text: str) -> str:
+    """The line of a Spark job failure that says why: the last Python error, else the
+    first JVM exception below the Py4J wrapper, else the abort line, else the first line."""
+    errors = _PYTHON_ERROR.findall(text)
+    python_errors = [m for m in errors if not m.startswith(("org.", "java.", "py4j."))]
+    jvm_errors = [m for m in errors if m.startswith(("org.", "java.")) and "Job aborted" not in m]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     aborted = [line for line in lines if "Job aborted" in line]
-    line = (python_errors or aborted or lines or [""])[-1 if python_errors else 0]
+    if python_errors:
+        line = python_errors[-1]
+    else:
+        line = (jvm_errors or aborted or lines or [""])[0]
     return line.lstrip(": ")[:_EXCERPT_LIMIT]
 
 

@@ -9,7 +9,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from sparkdl import BadDataError, ClusterConfigError, SchemaError, TorchEstimator, TorchModel
+from sparkdl import (
+    BadDataError,
+    ClusterConfigError,
+    SchemaError,
+    TorchEstimator,
+    TorchModel,
+    TrainingFailedError,
+)
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd
 
 pytestmark = pytest.mark.spark
@@ -220,3 +227,31 @@ def test_skipping_bad_rows_trains_exactly_as_on_the_clean_rows(spark):
     assert model.worker_rows == [40, 40]
     expected = reference_sgd(clean, 8, 2, 0, LR, MOMENTUM, False)
     assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+
+
+def test_a_coalesced_dataframe_trains_as_a_repartitioned_one(spark):
+    df = spark.range(64, numPartitions=4).selectExpr(
+        "array_repeat(cast(id as float) / 64, 6) as features", "id % 3 as label"
+    )
+    model = estimator(feature_cols=["features"], epochs=1).fit(df.coalesce(2))  # SPARK-24820 refuses it as is
+    assert sum(model.worker_rows) == 64
+
+
+def test_a_model_fn_the_executors_cannot_import_names_the_missing_module(spark, tmp_path):
+    import sys
+
+    (tmp_path / "netdef_only_on_driver.py").write_text(
+        "import torch\n\ndef make():\n    return torch.nn.Linear(6, 3)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import netdef_only_on_driver
+
+        est = estimator(model_fn=netdef_only_on_driver.make, preflight=False, epochs=1)
+        with pytest.raises(
+            TrainingFailedError, match="ModuleNotFoundError: No module named 'netdef_only_on_driver'"
+        ):
+            est.fit(shards_dataframe(spark, make_shards([16, 16])))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("netdef_only_on_driver", None)
