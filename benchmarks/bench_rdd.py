@@ -63,7 +63,7 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in seconds.items()}
     rows_per_s = {name: args.rows / value for name, value in median.items()}
     report = save_report(
-        "rdd.json",
+        str(ROOT / "benchmarks/results/rdd.json"),
         rows=args.rows,
         seconds=seconds,
         rows_per_s=rows_per_s,

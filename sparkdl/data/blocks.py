@@ -18,7 +18,7 @@ import numpy as np
 RowIndex = slice | np.ndarray
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
 class Ragged:
     """Rows of different lengths: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
@@ -100,7 +100,7 @@ def concat_rows(parts: Sequence[Column]) -> Column:
     return np.concatenate(parts)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
 class Block:
     """Decoded rows: the model's named inputs, the label and the per-row weight.
 

@@ -20,6 +20,7 @@ Pure: pyarrow and numpy, no torch and no Spark.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -113,6 +114,11 @@ class DataPlan:
         names += list(self.extra_columns)
         names += [self.validation_col] if self.validation_col else []
         return list(dict.fromkeys(names))
+
+    @functools.cached_property
+    def image_inputs(self) -> frozenset[str]:
+        """The inputs that are images (uint8 in blocks, float32 in [0, 1] in batches)."""
+        return frozenset(spec.name for spec in self.inputs if spec.kind is InputKind.IMAGE)
 
     @property
     def features(self) -> tuple[ColumnSpec, ...]:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from sparkdl.data.blocks import Block, Ragged
-from sparkdl.data.inputs import MASK_SUFFIX, DataPlan, InputKind
+from sparkdl.data.inputs import MASK_SUFFIX, DataPlan
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
 class Batch:
     """One step's rows as tensors.
 
@@ -68,14 +68,14 @@ def call_model(model: nn.Module, batch: Batch, keyword: bool) -> torch.Tensor:
 
 def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
     """The tensors of a block: sequences padded with their masks, images scaled."""
-    kinds = {spec.name: spec.kind for spec in plan.inputs}
+    images = plan.image_inputs
     inputs: dict[str, torch.Tensor] = {}
     for name, column in block.inputs.items():
         if isinstance(column, Ragged):
             values, mask = column.padded(plan.max_sequence_length)
             inputs[name] = torch.from_numpy(values)
             inputs[name + MASK_SUFFIX] = torch.from_numpy(mask)
-        elif kinds.get(name) is InputKind.IMAGE:
+        elif name in images:
             inputs[name] = torch.from_numpy(_owned(column)).float().div_(255.0)
         else:
             inputs[name] = torch.from_numpy(_owned(column))
