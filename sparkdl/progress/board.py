@@ -9,6 +9,7 @@ Jupyter or Databricks when ipywidgets is installed.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ class Report:
     samples: int
     loss_sum: float
     seconds: float
+    val_loss: float | None = None  # the epoch's validation loss, in its last report
 
 
 class ProgressBoard:
@@ -81,6 +83,8 @@ class ProgressBoard:
             "samples_per_s": rate,
             "steps": float(min((r.steps for r in by_rank.values()), default=0)),
             "total_steps": float(max((r.total_steps for r in by_rank.values()), default=-1)),
+            # every rank reports the same all-reduced value: any finite one is the epoch's
+            "val_loss": next((r.val_loss for r in by_rank.values() if r.val_loss is not None), math.nan),
         }
 
     def _draw(self, epoch: int) -> None:
@@ -95,9 +99,10 @@ class ProgressBoard:
             self._bar.total = total
             self._bar.bar_format = _KNOWN_LENGTH
         self._bar.n = int(figures["steps"])
-        self._bar.set_postfix(
-            loss=f"{figures['loss']:.4f}", samples_s=f"{figures['samples_per_s']:,.0f}", refresh=False
-        )
+        postfix = {"loss": f"{figures['loss']:.4f}", "samples_s": f"{figures['samples_per_s']:,.0f}"}
+        if math.isfinite(figures["val_loss"]):
+            postfix["val_loss"] = f"{figures['val_loss']:.4f}"
+        self._bar.set_postfix(refresh=False, **postfix)
         self._bar.refresh()
 
 

@@ -10,7 +10,7 @@ and payloads:
 
     HELLO      worker -> driver: opens the connection; empty (the nonce is the framing's)
     ACK        driver -> worker: the HELLO was accepted; empty. Nothing else is answered.
-    REPORT     worker -> driver: the worker's figures for the running epoch, 48 bytes:
+    REPORT     worker -> driver: the worker's figures for the running epoch, 56 bytes:
                epoch, steps, total_steps (-1 while unknown), samples (int64),
                loss_sum, seconds (float64)
     LOG        worker -> driver: a log record: level (int32), then the UTF-8 text
@@ -20,6 +20,7 @@ and payloads:
 from __future__ import annotations
 
 import enum
+import math
 import socket
 import struct
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ from sparkdl.progress.board import Report
 
 MAX_PAYLOAD = 64 * 1024
 MAX_LOG_CHARS = 8000
-REPORT_PAYLOAD = struct.Struct("<qqqqdd")  # epoch, steps, total_steps, samples, loss_sum, seconds
+# epoch, steps, total_steps, samples, loss_sum, seconds, val_loss (NaN until measured)
+REPORT_PAYLOAD = struct.Struct("<qqqqddd")
 LOG_LEVEL = struct.Struct("<i")
 
 
@@ -93,6 +95,7 @@ class _ProgressWire(WireProtocol[Message]):
                 message.samples,
                 message.loss_sum,
                 message.seconds,
+                math.nan if message.val_loss is None else message.val_loss,
             )
             return Kind.REPORT, fields, payload
         if isinstance(message, Log):
@@ -109,8 +112,9 @@ class _ProgressWire(WireProtocol[Message]):
         if which is Kind.REPORT:
             if len(payload) != REPORT_PAYLOAD.size:
                 raise ProtocolError(f"REPORT of {len(payload)} bytes, expected {REPORT_PAYLOAD.size}")
-            epoch, steps, total, samples, loss_sum, seconds = REPORT_PAYLOAD.unpack(payload)
-            return Report(rank, epoch, attempt, steps, total, samples, loss_sum, seconds)
+            epoch, steps, total, samples, loss_sum, seconds, val_loss = REPORT_PAYLOAD.unpack(payload)
+            measured = None if math.isnan(val_loss) else val_loss
+            return Report(rank, epoch, attempt, steps, total, samples, loss_sum, seconds, measured)
         if which is Kind.LOG:
             if len(payload) < LOG_LEVEL.size:
                 raise ProtocolError(f"LOG of {len(payload)} bytes, shorter than its level")

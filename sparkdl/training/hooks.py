@@ -46,6 +46,7 @@ class ProgressUpdate:
     samples: int
     loss_sum: float
     seconds: float
+    val_loss: float | None = None  # the epoch's validation loss, once measured
 
 
 class StepHook:
@@ -117,10 +118,12 @@ class ProgressHook(StepHook):
             self._report(tally, tally.total_steps)
 
     def after_epoch(self, position: Position, tally: EpochTally, history: list[dict[str, Any]]) -> None:
-        self._report(tally, tally.steps)
+        self._report(tally, tally.steps, history[-1].get("val_loss") if history else None)
 
-    def _report(self, tally: EpochTally, total: int) -> None:
+    def _report(self, tally: EpochTally, total: int, val_loss: float | None = None) -> None:
         seconds = self._clock() - tally.started
         self._send(
-            ProgressUpdate(tally.epoch, tally.steps, total, tally.samples, tally.loss_value(), seconds)
+            ProgressUpdate(
+                tally.epoch, tally.steps, total, tally.samples, tally.loss_value(), seconds, val_loss
+            )
         )

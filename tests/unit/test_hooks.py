@@ -90,3 +90,6 @@ def test_progress_goes_out_when_due_and_once_at_the_epoch_end_with_the_loss_read
     assert len(sent) == 1 and (sent[0].steps, sent[0].total_steps, sent[0].loss_sum) == (5, 30, 8.0)
     hook.after_epoch(Position(3, 0, 35), running, [])
     assert sent[-1].total_steps == 5 and sent[-1].seconds == 6.0  # the final report knows the total
+    assert sent[-1].val_loss is None and sent[0].val_loss is None
+    hook.after_epoch(Position(3, 0, 35), running, [{"epoch": 2, "val_loss": 0.75}])
+    assert sent[-1].val_loss == 0.75  # the epoch's validation loss reaches the bar

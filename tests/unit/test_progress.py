@@ -65,6 +65,22 @@ def test_the_bar_shows_the_loss_over_every_row_and_the_samples_per_second_of_the
     assert bars[0].closed and bars[1].title == "epoch 2/3" and bars[1].total == 10
 
 
+def test_the_bar_shows_the_validation_loss_once_the_epoch_reports_it():
+    b, bars = board()
+    b.update(Report(0, 1, 0, steps=4, total_steps=4, samples=40, loss_sum=20.0, seconds=2.0))
+    assert "val_loss" not in bars[0].postfix  # not measured yet
+    b.update(Report(1, 1, 0, steps=4, total_steps=4, samples=40, loss_sum=20.0, seconds=2.0, val_loss=0.25))
+    assert bars[0].postfix["val_loss"] == "0.2500"
+    assert b.epoch_figures(1)["val_loss"] == 0.25
+
+
+def test_a_report_with_its_validation_loss_crosses_the_wire_intact():
+    report = Report(1, 3, 2, steps=5, total_steps=9, samples=80, loss_sum=4.5, seconds=1.25, val_loss=0.125)
+    kind, fields, payload = PROGRESS_WIRE.encode(report)
+    assert len(payload) == REPORT_PAYLOAD.size == 56
+    assert PROGRESS_WIRE.decode(kind, fields, bytearray(payload)) == report
+
+
 def test_reports_of_a_failed_attempt_do_not_overwrite_the_re_run():
     b, _ = board()
     b.update(Report(0, 1, 7, steps=2, total_steps=-1, samples=16, loss_sum=8.0, seconds=1.0))
@@ -159,7 +175,7 @@ def test_a_report_and_a_log_record_cross_the_wire_with_every_field():
     with a, b:
         worker, driver = channel_pair(a, b, PROGRESS_WIRE)
         sent = worker.send(report)
-        assert sent == PROGRESS_WIRE.header.size + REPORT_PAYLOAD.size + 16  # header, 48 bytes, tag
+        assert sent == PROGRESS_WIRE.header.size + REPORT_PAYLOAD.size + 16  # header, 56 bytes, tag
         assert driver.recv(MAX_PAYLOAD) == report
         worker.send(Log(3, 2, logging.ERROR, "disk full: 93%"))
         assert driver.recv(MAX_PAYLOAD) == Log(3, 2, logging.ERROR, "disk full: 93%")
