@@ -18,7 +18,7 @@ from torch import nn
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.errors import ModelMismatchError
-from sparkdl.runtime.driver import plan_columns
+from sparkdl.runtime.driver import plan_inputs
 from sparkdl.runtime.environment import check_executor_environment, environment_job_group
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.worker import TrainSpec
@@ -45,9 +45,12 @@ def vectors_df(spark: Any, rows: int = 20) -> Any:
 
 def test_sample_batch_decodes_the_first_rows_as_the_feed_does(spark):
     df = vectors_df(spark)
-    plan = plan_columns(df, ("v", "a"), "y", LabelKind.CLASS_INDEX)
+    plan = plan_inputs(
+        df, SparkDLConfig().replace(feature_cols=("v", "a"), label_col="y").data, LabelKind.CLASS_INDEX
+    )
 
-    x, y = sample_batch(df, plan, rows=4)
+    batch = sample_batch(df, plan, rows=4)
+    x, y = batch.inputs["features"], batch.label
 
     expected = torch.tensor(
         [[0, 1, 2, 0.5, -0.5], [1, 0, 0, 0.5, -0.5], [2, 1, 2, 0.5, -0.5], [3, 0, 0, 0.5, -0.5]]
@@ -60,13 +63,14 @@ def test_sample_batch_decodes_the_first_rows_as_the_feed_does(spark):
 def test_check_model_names_the_columns_of_the_dataframe(spark):
     df = vectors_df(spark)
     config = SparkDLConfig().replace(feature_cols=("v", "a"), label_col="y")
-    plan = plan_columns(df, ("v", "a"), "y", LabelKind.REAL)
+    plan = plan_inputs(df, config.data, LabelKind.REAL)
     fits = TrainSpec(config, lambda: nn.Linear(5, 1), None, "mse", plan)
     misfits = TrainSpec(config, lambda: nn.Linear(5, 3), None, "mse", plan)
+    sample = sample_batch(df, plan)
 
-    report = check_model(df, fits)
+    report = check_model(df, fits, sample)
     with pytest.raises(ModelMismatchError) as caught:
-        check_model(df, misfits)
+        check_model(df, misfits, sample)
 
     assert report is not None and report.output_shape == (1,) and report.rows == 8
     assert str(caught.value).startswith(
