@@ -251,3 +251,32 @@ def test_the_feed_holds_out_the_marked_rows_and_never_trains_on_them():
         assert held == [0, 5, 10, 15] and feed.validation_rows == 4 and feed.cached_rows == 16
     finally:
         feed.close()
+
+
+def fp16_loss_of(model, batch):
+    """What the loop runs with precision = "fp16": forward and loss under autocast."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        return loss_of(model, batch)
+
+
+def test_fp16_trains_with_a_gradient_scaler_and_an_overflow_only_skips_the_step(gloo_group):
+    config = SparkDLConfig().replace(num_workers=1, precision="fp16")
+    start = make_tiny_net()
+    module = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    strategy = create_strategy(StrategyContext(config, 0, 1, torch.device("cpu"), module, optimizer))
+    step = lambda s: StepInput(s, 1, (rows(X, Y),), 8, 8, fp16_loss_of, lambda: rows(X[:2], Y[:2]))  # noqa: E731
+    try:
+        losses = [float(strategy.train_step(step(s))) for s in range(3)]
+        assert all(math.isfinite(v) for v in losses) and strategy._scaler.get_scale() == 65536.0
+        _same(module, _plain(start, 3), atol=1e-2)  # three real steps, within fp16's precision
+        # a scale that overflows the fp16 gradients: the scaler skips the step and lowers its
+        # scale; the guard is not asked (on_nan_loss = "error" would stop the run)
+        before = copy.deepcopy(module.state_dict())
+        strategy._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+        loss = strategy.train_step(step(3))
+        assert math.isfinite(float(loss)) and strategy._scaler.get_scale() == 2.0**99
+        _same(module, before, atol=0)
+        assert strategy.guard.skipped == 0
+    finally:
+        strategy.close()
