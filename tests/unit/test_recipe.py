@@ -104,7 +104,7 @@ def test_two_accumulated_micro_batches_step_as_one_batch_of_their_union(gloo_gro
     halves = lambda s: (rows(X[:3], Y[:3]), rows(X[3:], Y[3:]))  # noqa: E731 - uneven micro-batches
     module, losses, _ = _run(config, 3, halves, model=copy.deepcopy(start))
     _same(module, expected)
-    assert losses[0] == pytest.approx(float(loss_of(start, rows(X, Y))), abs=1e-6)
+    assert losses[0] == pytest.approx(float(loss_of(start, rows(X, Y)).detach()), abs=1e-6)
 
 
 def test_the_schedule_sets_each_steps_lr_and_a_user_scheduler_steps_after_each_step(gloo_group):
