@@ -38,6 +38,10 @@ _EPOCH_METRICS = (
     "staleness_max",
     "wait_s",
     "nan_skips",
+    "val_loss",
+    "val_accuracy",
+    "val_rmse",
+    "val_samples",
 )
 
 

@@ -51,7 +51,7 @@ def test_mlflow_logs_params_epoch_metrics_and_a_loadable_model(spark, tmp_path, 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     shards = make_shards([48, 48])
-    model = estimator(epochs=3, progress=False, mlflow_experiment="sparkdl-test").fit(
+    model = estimator(epochs=3, progress=False, mlflow_experiment="sparkdl-test", validation=0.25).fit(
         shards_dataframe(spark, shards)
     )
     assert model.mlflow_run_id
@@ -61,6 +61,10 @@ def test_mlflow_logs_params_epoch_metrics_and_a_loadable_model(spark, tmp_path, 
     losses = client.get_metric_history(model.mlflow_run_id, "loss")
     assert [(m.step, m.value) for m in sorted(losses, key=lambda m: m.step)] == [
         (h["epoch"], pytest.approx(h["loss"])) for h in model.history
+    ]
+    val = client.get_metric_history(model.mlflow_run_id, "val_accuracy")
+    assert sorted((m.step, m.value) for m in val) == [
+        (h["epoch"], pytest.approx(h["val_accuracy"])) for h in model.history
     ]
     logged = mlflow.pytorch.load_model(f"runs:/{model.mlflow_run_id}/model")
     x = torch.tensor(np.asarray(shards[0][0][:5], dtype=np.float32))
