@@ -57,6 +57,14 @@ class Ragged:
         positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
         return Ragged(self.values[positions], offsets)
 
+    def rows_where(self, flags: np.ndarray) -> np.ndarray:
+        """Rows holding at least one element whose flag is set (one flag per element of
+        ``values``), as a bool mask ``[rows]``."""
+        hits = np.zeros(len(self), dtype=bool)
+        row_of = np.repeat(np.arange(len(self)), self.lengths)
+        hits[row_of[flags[int(self.offsets[0]) : int(self.offsets[-1])]]] = True
+        return hits
+
     def compact(self) -> Ragged:
         """The same rows with ``offsets[0] == 0`` and no elements outside them."""
         first, last = int(self.offsets[0]), int(self.offsets[-1])

@@ -412,8 +412,7 @@ def check_finite(block: Block, plan: DataPlan) -> None:
             bad_values = ~np.isfinite(flat_rows(values)).all(axis=1)
             if not bad_values.any():
                 continue
-            rows = np.repeat(np.arange(len(column)), column.lengths)[bad_values]
-            count = len(np.unique(rows))
+            count = int(column.rows_where(bad_values).sum())
         else:
             mask = nonfinite_rows(flat_rows(column))
             if mask is None:

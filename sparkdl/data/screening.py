@@ -45,8 +45,7 @@ class RowScreen:
                 continue
             finite = np.isfinite(flat_rows(values)).all(axis=1)
             if isinstance(column, Ragged):
-                rows = np.repeat(np.arange(len(column)), column.lengths)[~finite]
-                bad[np.unique(rows)] = True
+                bad |= column.rows_where(~finite)
             else:
                 bad |= ~finite
         if self.plan.label is not None:

@@ -25,7 +25,7 @@ from sparkdl.config import Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ps.endpoint import PsEndpoint
-from sparkdl.training.guards import NanGuard
+from sparkdl.training.guards import NanGuard, grads_finite
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
@@ -205,7 +205,7 @@ class SyncStrategy(abc.ABC):
         """
         if self._scaler is not None:
             self._scaler.unscale_(self.ctx.optimizer)
-            if bool(torch.isfinite(loss).all()) and not _grads_finite(self.ctx.module):
+            if bool(torch.isfinite(loss).all()) and not grads_finite(self.ctx.module):
                 self._scaler.step(self.ctx.optimizer)  # skipped: it found the infinities
                 self._scaler.update()
                 return False
@@ -243,11 +243,6 @@ def strategy_class(name: Strategy) -> type[SyncStrategy]:
 def create_strategy(ctx: StrategyContext) -> SyncStrategy:
     """Build the strategy named by ``ctx.config.training.strategy``."""
     return strategy_class(ctx.config.training.strategy)(ctx)
-
-
-def _grads_finite(module: nn.Module) -> bool:
-    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
-    return bool(torch.isfinite(torch.stack(grads).sum())) if grads else True
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -182,10 +182,20 @@ class NanGuard:
         raise agreed(decision.error) if decision.agreed else decision.error
 
 
+def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
+    """The sum of every gradient: non-finite exactly when some gradient value is."""
+    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
+    return torch.stack(grads).sum() if grads else torch.zeros((), device=device)
+
+
+def grads_finite(module: nn.Module) -> bool:
+    """Whether every gradient of ``module`` is finite (no gradient yet counts as finite)."""
+    return bool(torch.isfinite(_grad_total(module, torch.device("cpu"))))
+
+
 def _finite(loss: torch.Tensor, module: nn.Module) -> tuple[bool, bool]:
     """Whether the loss, and all gradients, are finite: one device sync per step."""
-    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
-    grad_total = torch.stack(grads).sum() if grads else torch.zeros((), device=loss.device)
+    grad_total = _grad_total(module, loss.device)
     flags = torch.stack([torch.isfinite(loss.detach()).all(), torch.isfinite(grad_total)])
     loss_finite, grads_finite = flags.tolist()
     return bool(loss_finite), bool(grads_finite)
