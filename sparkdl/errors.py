@@ -154,6 +154,10 @@ class PsAborted(ParameterServerError):
     """A worker stopped training (e.g. a non-finite loss); the others must stop too."""
 
 
+class WeightTransferError(SparkDLError):
+    """Model weights could not be moved between the driver and an executor."""
+
+
 class TrainingFailedError(SparkDLError):
     """The training stage failed; ``causes`` maps rank to that rank's error text."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import time
 import typing
 from pathlib import Path
@@ -40,6 +39,7 @@ from sparkdl.runtime.driver import plan_inputs, run_training, vectors_as_arrays,
 from sparkdl.runtime.inference import (
     OutputCols,
     PredictSpec,
+    model_weights,
     output_mode,
     predict_partition,
     prediction_schema,
@@ -49,7 +49,7 @@ from sparkdl.runtime.worker import TrainSpec
 from sparkdl.settings import library_settings, param_doc, with_settings_section
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.tracking import log_fit
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, state_to_bytes
+from sparkdl.training.factory import ModelFn, OptimizerFn, module_with_state
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
 
@@ -239,8 +239,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)
         started = time.perf_counter()
         result = run_training(dataset, spec)
-        module = build_model(self.model_fn)
-        module.load_state_dict(result.state_dict)
+        module = module_with_state(self.model_fn, result.state_dict)
         model = TorchModel(
             module=module,
             model_fn=self.model_fn,
@@ -318,11 +317,9 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
             config.data.prediction_col, config.data.raw_prediction_col, config.data.probability_col
         )
         schema = prediction_schema(dataset.schema, columns, mode)
-        state = state_to_bytes(self.module)
         spec = PredictSpec(
             model_fn=self.model_fn,
-            state=state,
-            state_key=hashlib.sha256(state).hexdigest(),  # once here, not in every task
+            weights=model_weights(dataset.sparkSession, self, self.module),
             plan=plan_inputs(dataset, config.data, LabelKind.REAL, self.transform_fn, with_label=False),
             columns=columns,
             mode=mode,

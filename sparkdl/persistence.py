@@ -1,6 +1,10 @@
 """Spark ML persistence of :class:`~sparkdl.estimator.TorchModel` and
 :class:`~sparkdl.estimator.TorchEstimator`: settings as Spark ML metadata, weights as a
 ``weights_only`` torch file, user functions cloudpickled (load only what you trust).
+
+The weights file is written by ``torch.save`` straight to a file and loaded memory-mapped
+into a module built on the meta device, so saving or loading a model of N bytes holds
+about N bytes, not two or three copies.
 """
 
 from __future__ import annotations
@@ -8,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+import torch
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from sparkdl.runtime import fs
-from sparkdl.training.factory import build_model, state_from_bytes, state_to_bytes
+from sparkdl.training.factory import cpu_state_dict, module_with_state
 
 if TYPE_CHECKING:
     from sparkdl.estimator import TorchEstimator, TorchModel
@@ -35,7 +40,8 @@ class TorchModelWriter(MLWriter):
         }
         DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, extraMetadata=extra)
         assert model.module is not None
-        fs.write_bytes(self.sparkSession, f"{path}/weights.pt", state_to_bytes(model.module))
+        state = cpu_state_dict(model.module)
+        fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
         fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
         if model.transform_fn is not None:
             data = cloudpickle.dumps(model.transform_fn)
@@ -55,7 +61,9 @@ class TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         model_fn = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle"))
-        state = state_from_bytes(fs.read_bytes(self.sparkSession, f"{path}/weights.pt"))
+        with fs.local_file(self.sparkSession, f"{path}/weights.pt") as file:
+            # memory-mapped: the weights are read from the file as they are used, not copied
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         transform_fn = None
         if metadata.get("transform_fn"):
             transform_fn = cloudpickle.loads(
@@ -63,8 +71,7 @@ class TorchModelReader(MLReader):
             )
         from sparkdl.estimator import TorchModel
 
-        module = build_model(model_fn)
-        module.load_state_dict(state)
+        module = module_with_state(model_fn, state)
         model = TorchModel(
             module=module,
             model_fn=model_fn,

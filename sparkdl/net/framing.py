@@ -37,7 +37,8 @@ import hmac
 import os
 import socket
 import struct
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -49,6 +50,14 @@ Fields = tuple[int, ...]
 M = TypeVar("M")
 E = TypeVar("E", bound=enum.IntEnum)
 
+#: Where a frame's payload is read to, by (kind, header fields, length): a writable view of
+#: exactly ``length`` bytes, or None for a fresh buffer.
+Placement = Callable[[int, Fields, int], "memoryview | None"]
+
+#: The secret a HELLO must verify under, chosen by its (not yet authenticated) header fields;
+#: None refuses the connection. Lets one server hold a secret per resource it serves.
+SecretLookup = Callable[[Fields], "bytes | None"]
+
 MAGIC = b"SDNT"
 VERSION = 3
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
@@ -56,6 +65,7 @@ NONCE_BYTES = 16
 HELLO_TAG_BYTES = 32  # HMAC-SHA256
 TAG_BYTES = 16  # Poly1305
 _KIND = 3  # index of the kind in an unpacked header; the protocol's fields start at _FIELDS
+_KIND_OFFSET = 6  # byte offset of the kind in the prefix
 _FIELDS = 5
 
 
@@ -166,15 +176,21 @@ class Channel(Generic[M]):
         _send_parts(self.sock, [memoryview(header), payload, memoryview(tag)])
         return len(header) + payload.nbytes + len(tag)
 
-    def recv(self, max_payload: int) -> M:
+    def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.
+
+        Args:
+            max_payload: the largest payload accepted (checked before it is read).
+            into: where a payload goes, by the frame's kind, header fields and length:
+                the socket then reads straight into that memory (the kernel writes it:
+                no buffer, no copy), which holds unverified bytes until the tag checks.
 
         Raises:
             ConnectionClosed: the peer closed the connection between two frames.
             ProtocolError: a bad prefix, a length over ``max_payload``, a truncated
                 frame, a tag that does not verify, or a message the protocol refuses.
         """
-        header, payload, tag = read_raw(self.sock, self.protocol, max_payload, TAG_BYTES)
+        header, payload, tag = read_raw(self.sock, self.protocol, max_payload, TAG_BYTES, into)
         mac = Poly1305(self._keys.frame(self._nonce, self._recv_dir, self._recv_seq))
         mac.update(header)
         mac.update(payload)
@@ -203,27 +219,39 @@ def client_hello(sock: socket.socket, secret: bytes, protocol: WireProtocol[M], 
     return Channel(sock, secret, protocol, nonce, client=True)
 
 
-def server_hello(sock: socket.socket, secret: bytes, protocol: WireProtocol[M]) -> tuple[M, Channel[M]]:
+def server_hello(
+    sock: socket.socket, secret: bytes | SecretLookup, protocol: WireProtocol[M]
+) -> tuple[M, Channel[M]]:
     """Read and verify a client's HELLO; return it and the server's side of the channel.
+
+    Args:
+        secret: the secret, or a lookup from the HELLO's header fields to the secret of
+            the resource it names (the fields are only trusted once the tag verifies).
 
     Raises:
         ConnectionClosed: the peer closed before sending anything.
         ProtocolError: not a HELLO of ``protocol`` under ``secret``.
     """
     header, nonce, tag = read_raw(sock, protocol, NONCE_BYTES, HELLO_TAG_BYTES)
-    if not hmac.compare_digest(bytes(tag), _Keys(secret, protocol).hello_tag(header, nonce)):
-        raise ProtocolError(f"{protocol.name} HELLO failed authentication (wrong or missing job secret)")
     values = protocol.header.unpack(header)
+    key = secret if isinstance(secret, bytes) else secret(values[_FIELDS:])
+    if key is None or not hmac.compare_digest(bytes(tag), _Keys(key, protocol).hello_tag(header, nonce)):
+        raise ProtocolError(f"{protocol.name} HELLO failed authentication (wrong or missing job secret)")
     if values[_KIND] != protocol.hello_kind or len(nonce) != NONCE_BYTES:
         raise ProtocolError(f"first {protocol.name} frame was of kind {values[_KIND]}, expected a HELLO")
     hello = protocol.decode(values[_KIND], values[_FIELDS:], bytearray())
-    return hello, Channel(sock, secret, protocol, bytes(nonce), client=False)
+    return hello, Channel(sock, key, protocol, bytes(nonce), client=False)
 
 
 def read_raw(
-    sock: socket.socket, protocol: WireProtocol, max_payload: int, tag_bytes: int
-) -> tuple[bytearray, bytearray, bytearray]:
-    """Header, payload and tag of one frame; only the prefix is looked at.
+    sock: socket.socket,
+    protocol: WireProtocol,
+    max_payload: int,
+    tag_bytes: int,
+    into: Placement | None = None,
+) -> tuple[bytearray, Any, bytearray]:
+    """Header, payload and tag of one frame; only the prefix (and, for ``into``, the
+    header's fields) is looked at before the tag verifies.
 
     Raises:
         ConnectionClosed: a clean EOF before the frame's first byte.
@@ -248,7 +276,13 @@ def read_raw(
         raise ProtocolError(
             f"{protocol.name} frame announces {length} payload bytes, over the cap of {max_payload}{hint}"
         )
-    return header, _recv_exactly(sock, length), _recv_exactly(sock, tag_bytes)
+    target = into(header[_KIND_OFFSET], protocol.header.unpack(header)[_FIELDS:], length) if into else None
+    if target is None:
+        payload: Any = _recv_exactly(sock, length)
+    else:
+        _recv_into(sock, target, length)
+        payload = target
+    return header, payload, _recv_exactly(sock, tag_bytes)
 
 
 def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
@@ -265,7 +299,13 @@ def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
 
 def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False) -> bytearray:
     buffer = bytearray(count)
-    view = memoryview(buffer)
+    _recv_into(sock, memoryview(buffer), count, at_frame_start)
+    return buffer
+
+
+def _recv_into(sock: socket.socket, view: memoryview, count: int, at_frame_start: bool = False) -> None:
+    if view.nbytes != count:
+        raise ValueError(f"a payload of {count} bytes cannot be read into {view.nbytes} bytes")
     received = 0
     while received < count:
         n = sock.recv_into(view[received:], count - received)
@@ -274,4 +314,3 @@ def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False)
                 raise ConnectionClosed("the peer closed the connection")
             raise ProtocolError(f"connection closed after {received} of {count} bytes (truncated frame)")
         received += n
-    return buffer

@@ -102,3 +102,8 @@ def _parse_seconds(text: str) -> float:
         return float(text)
     except ValueError:
         return _YEAR_S
+
+
+def driver_host(spark: Any) -> str:
+    """The driver's address that executors reach (where its servers listen)."""
+    return str(spark.conf.get("spark.driver.host", "127.0.0.1"))

@@ -25,7 +25,7 @@ from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
-from sparkdl.runtime.cluster import check_cluster, is_connect
+from sparkdl.runtime.cluster import check_cluster, driver_host, is_connect
 from sparkdl.runtime.environment import check_executor_environment, failure_excerpt
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
@@ -34,6 +34,7 @@ from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.runtime.watch import MARGIN_S, collect_watched
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
+from sparkdl.weights.server import weight_server
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,10 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     if config.training.strategy is Strategy.PARAMETER_SERVER:
         hosted = start_parameter_server(spark, spec)
         spec = hosted.spec
+    inbox = None if is_connect(spark) else weight_server(driver_host(spark)).expect_upload()
     try:
+        if inbox is not None:
+            spec = dataclasses.replace(spec, weights=inbox.endpoint)
         progress = start_progress_channel(spark, config)
         if progress is not None:
             spec = dataclasses.replace(spec, progress=progress.endpoint())
@@ -180,13 +184,15 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             raise
         except Exception as exc:
             raise _translate(exc) from exc
-        result = _fit_result(rows, n)
+        result = _fit_result(rows, n, inbox.take() if inbox is not None else None)
         if hosted is not None and "restored_epoch" not in result.history[-1]:
             # the server's weights are the newest (async pushes land after a worker's last pull);
             # after an early stop rank 0's copy of the best epoch wins
             result.state_dict.update(hosted.parameter_state())
         return result
     finally:
+        if inbox is not None:
+            inbox.close()
         if progress is not None:
             progress.stop()
         if hosted is not None:
@@ -229,17 +235,27 @@ def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer 
         log.info("Spark Connect session: no live progress; fit's history holds every figure")
         return None
     board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
-    host = spark.conf.get("spark.driver.host", "127.0.0.1")
-    return ProgressServer(board, host, secrets.token_bytes(32), config.runtime.progress_interval_s)
+    secret = secrets.token_bytes(32)
+    return ProgressServer(board, driver_host(spark), secret, config.runtime.progress_interval_s)
 
 
-def _fit_result(rows: list[Any], n: int) -> FitResult:
+def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | None = None) -> FitResult:
+    """The fit's result from the rows of every rank, with rank 0's weights as it sent them
+    to the weights server (``uploaded``) or, without one, from its result row."""
     _raise_agreed_error(rows)
     by_rank = {row["rank"]: row for row in rows}
     if sorted(by_rank) != list(range(n)):
         raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
     lead = by_rank[0]
-    state = state_from_bytes(lead["state"])
+    if lead["state"]:
+        state = state_from_bytes(lead["state"])
+    elif uploaded is not None:
+        state = uploaded
+    else:
+        raise TrainingFailedError(
+            "rank 0 finished but its trained weights never reached the driver's weights server; "
+            "see the executor log of rank 0"
+        )
     history = json.loads(lead["history"])
     per_worker = {r: json.loads(by_rank[r]["history"]) for r in range(n)}
     for i, record in enumerate(history):

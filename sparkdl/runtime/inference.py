@@ -18,6 +18,7 @@ array<double> 0.58 s, and that array turned into Vectors afterwards by ``array_t
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,12 @@ from sparkdl.config import UseGpu
 from sparkdl.data.inputs import DataPlan, decode_block
 from sparkdl.data.tensors import call_model, to_batch
 from sparkdl.errors import SchemaError
+from sparkdl.runtime.cluster import driver_host, is_connect
 from sparkdl.runtime.device import choose_device
-from sparkdl.training.factory import ModelFn, build_model, state_from_bytes
+from sparkdl.training.factory import ModelFn, module_with_state, state_from_bytes, state_to_bytes
+from sparkdl.weights.client import download
+from sparkdl.weights.endpoint import WeightsEndpoint
+from sparkdl.weights.server import weight_server
 
 
 class OutputMode(str, enum.Enum):
@@ -70,13 +75,44 @@ class OutputCols:
 
 
 @dataclass(frozen=True)
+class ModelWeights:
+    """How an inference task gets the model's weights: fetched from the driver's weights
+    server once per Python worker (``endpoint``), or, for a Spark Connect client (whose
+    executors cannot reach it), inside the task (``data``: ``torch.save`` bytes).
+
+    ``key`` names these weights in a Python worker's model cache.
+    """
+
+    key: str
+    endpoint: WeightsEndpoint | None = None
+    data: bytes = b""
+
+    def load(self) -> dict[str, torch.Tensor]:
+        return download(self.endpoint) if self.endpoint is not None else state_from_bytes(self.data)
+
+
+def model_weights(spark: Any, owner: object, module: torch.nn.Module) -> ModelWeights:
+    """Offer ``module``'s weights to the tasks of a ``transform`` (on the driver).
+
+    The weights server serves the module's own tensors while ``owner`` (the TorchModel)
+    lives; the same unchanged tensors keep their slot, so Python workers that loaded them
+    load nothing again.
+    """
+    state = {name: tensor.detach() for name, tensor in module.state_dict().items()}
+    if is_connect(spark):
+        data = state_to_bytes(module)
+        return ModelWeights(hashlib.sha256(data).hexdigest(), data=data)  # hashed once, not per task
+    fingerprint = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
+    endpoint = weight_server(driver_host(spark)).offer(state, owner, fingerprint)
+    return ModelWeights(endpoint.key, endpoint=endpoint)
+
+
+@dataclass(frozen=True)
 class PredictSpec:
-    """What every inference task needs; ``state_key`` (sha256 of ``state``) is computed once
-    on the driver, so no task hashes the weights again."""
+    """What every inference task needs."""
 
     model_fn: ModelFn
-    state: bytes
-    state_key: str
+    weights: ModelWeights
     plan: DataPlan
     columns: OutputCols
     mode: OutputMode
@@ -232,11 +268,9 @@ _MODULES: dict[tuple[str, str], torch.nn.Module] = {}
 
 def _cached_module(spec: PredictSpec, device: str) -> torch.nn.Module:
     """One loaded model per Python worker and weights, reused across tasks."""
-    key = (spec.state_key, device)
+    key = (spec.weights.key, device)
     if key not in _MODULES:
-        if len(_MODULES) >= 4:
-            _MODULES.clear()
-        module = build_model(spec.model_fn)
-        module.load_state_dict(state_from_bytes(spec.state))
+        _MODULES.clear()  # one model per worker: a new one replaces the old, not adds to it
+        module = module_with_state(spec.model_fn, spec.weights.load())
         _MODULES[key] = module.to(device).eval()
     return _MODULES[key]

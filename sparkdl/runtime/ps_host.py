@@ -15,7 +15,7 @@ from sparkdl.config import PsMode, SparkDLConfig
 from sparkdl.errors import ClusterConfigError
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.store import ShardStore, split_into_shards
-from sparkdl.runtime.cluster import is_connect
+from sparkdl.runtime.cluster import driver_host, is_connect
 from sparkdl.runtime.worker import TrainSpec
 from sparkdl.training.factory import build_model, build_optimizer
 
@@ -53,7 +53,7 @@ def start_parameter_server(spark: Any, spec: TrainSpec) -> HostedServer:
             "Spark Connect client cannot run code in; use strategy 'allreduce' or "
             "'weight_averaging' with Spark Connect"
         )
-    return host_parameter_server(spec, spark.conf.get("spark.driver.host", "127.0.0.1"))
+    return host_parameter_server(spec, driver_host(spark))
 
 
 def _steps_per_version(config: SparkDLConfig) -> float:

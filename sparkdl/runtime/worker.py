@@ -46,7 +46,14 @@ from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_gr
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_model, build_optimizer, state_to_bytes
+from sparkdl.training.factory import (
+    ModelFn,
+    OptimizerFn,
+    build_model,
+    build_optimizer,
+    cpu_state_dict,
+    state_to_bytes,
+)
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
 from sparkdl.training.hooks import (
     CheckpointHook,
@@ -61,6 +68,8 @@ from sparkdl.training.losses import LossFn, resolve_loss
 from sparkdl.training.planning import Filler
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.validation import EarlyStopping, Validator
+from sparkdl.weights.client import upload
+from sparkdl.weights.endpoint import WeightsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +92,7 @@ class TrainSpec:
     scheduler_fn: SchedulerFn | None = None  # the user's LR scheduler, stepped every step
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
+    weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
 
 
 @dataclass(frozen=True)
@@ -170,12 +180,23 @@ def run_worker(
             feed.cached_rows,
             feed.bad_rows_dropped,
             history,
-            state_to_bytes(module) if rank == 0 else b"",
+            _deliver_weights(spec, module) if rank == 0 else b"",
             trainer.output_shape,
             trainer.input_shapes,
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _deliver_weights(spec: TrainSpec, module: torch.nn.Module) -> bytes:
+    """Rank 0's trained weights for the driver: streamed to its weights server, so they never
+    cross the JVM (the result row then carries none); in the result row where the driver
+    cannot be reached (a Spark Connect client)."""
+    if spec.weights is None:
+        return state_to_bytes(module)
+    sent = upload(spec.weights, cpu_state_dict(module))
+    log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)
+    return b""
 
 
 def _join(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +25,44 @@ def build_model(model_fn: ModelFn) -> nn.Module:
             "model_fn must build and return the model"
         )
     return module
+
+
+def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``model_fn()``'s module holding the tensors of ``state`` themselves, not copies.
+
+    The module is built on the meta device (no memory for its own initial weights) and
+    the state's tensors are assigned into it, so a model of N bytes costs N bytes, not
+    2N. Parameters the module shares (tied weights) stay shared. A model_fn that cannot
+    build on the meta device, or a module with tensors the state does not hold
+    (non-persistent buffers), is built normally and the state copied in.
+    """
+    try:
+        with torch.device("meta"):
+            module = build_model(model_fn)
+        tied = _tied_parameters(module)
+        module.load_state_dict(state, assign=True)
+    except ConfigError:
+        raise
+    except Exception:  # model_fn does something the meta device cannot: build it for real
+        module = None
+    if module is None or any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        module = build_model(model_fn)
+        module.load_state_dict(state)
+        return module
+    for names in tied:
+        shared = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, shared)
+    return module
+
+
+def _tied_parameters(module: nn.Module) -> list[list[str]]:
+    """Names of the parameters that are one object in ``module`` (groups of two or more)."""
+    by_identity: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_identity.setdefault(id(param), []).append(name)
+    return [names for names in by_identity.values() if len(names) > 1]
 
 
 def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

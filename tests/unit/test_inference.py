@@ -10,6 +10,7 @@ import torch
 from sparkdl.config import UseGpu
 from sparkdl.data.inputs import plan_data
 from sparkdl.runtime.inference import (
+    ModelWeights,
     OutputCols,
     OutputMode,
     PredictSpec,
@@ -23,7 +24,7 @@ from tests.reference import make_tiny_net, shard_to_batch
 
 def spec_for(batch: pa.RecordBatch, mode: OutputMode, batch_size: int) -> PredictSpec:
     plan = plan_data(batch.schema, feature_cols=("features",))
-    return PredictSpec(make_tiny_net, b"", "", plan, OutputCols(), mode, batch_size, UseGpu.NO, 1)
+    return PredictSpec(make_tiny_net, ModelWeights(""), plan, OutputCols(), mode, batch_size, UseGpu.NO, 1)
 
 
 def predict_batch(module, batch, spec, device) -> pa.Array:

@@ -16,6 +16,7 @@ from sparkdl.errors import SchemaError
 from sparkdl.runtime import inference
 from sparkdl.runtime.inference import (
     VECTOR_ARROW_TYPE,
+    ModelWeights,
     OutputCols,
     OutputMode,
     PredictSpec,
@@ -146,8 +147,7 @@ def linear_spec(
     plan = plan_data(batch.schema, feature_cols=("features",))
     return PredictSpec(
         lambda: torch.nn.Linear(2, module.out_features),
-        state,
-        hashlib.sha256(state).hexdigest(),
+        ModelWeights(hashlib.sha256(state).hexdigest(), data=state),
         plan,
         ALL,
         mode,

@@ -1,0 +1,228 @@
+"""The weights channel without Spark: the codec, the driver's server and the task's client
+on real loopback sockets, and building a module around received tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import socket
+import threading
+
+import pytest
+import torch
+
+from sparkdl.errors import ProtocolError, WeightTransferError
+from sparkdl.net.listener import close_quietly
+from sparkdl.training.factory import module_with_state
+from sparkdl.weights.client import download, upload
+from sparkdl.weights.codec import StateAssembler, byte_chunks, decode_manifest, encode_manifest, manifest_of
+from sparkdl.weights.server import KEEP_RELEASED, WeightServer
+
+
+class Owner:
+    """Stands for a TorchModel: an offer lives as long as its owner."""
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.tensor(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    shared = torch.randn(5, 3)
+    return {
+        "matrix": torch.randn(3, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 7),
+        "half": torch.randn(6, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(5),
+        "transposed": base.t(),  # not contiguous: sent as its contiguous copy
+        "tied_a": shared,
+        "tied_b": shared,
+    }
+
+
+def roundtrip(state, chunk_bytes: int) -> dict[str, torch.Tensor]:
+    entries, tensors = manifest_of(state)
+    assembler = StateAssembler(decode_manifest(encode_manifest(entries)))
+    for data in byte_chunks(tensors, chunk_bytes):
+        assembler.add(bytes(data))
+    return assembler.finish()
+
+
+@pytest.fixture
+def server():
+    server = WeightServer("127.0.0.1", timeout_s=10.0)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 1 << 20])
+def test_a_state_dict_of_every_kind_of_tensor_survives_the_codec_whatever_the_chunking(chunk_bytes):
+    state = mixed_state()
+    got = roundtrip(state, chunk_bytes)
+    assert list(got) == list(state)
+    for name, tensor in state.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert got["tied_a"] is got["tied_b"]  # one tensor, as sent
+
+
+def test_a_tied_tensor_is_sent_once():
+    entries, tensors = manifest_of(mixed_state())
+    assert [e.alias for e in entries if e.alias] == ["tied_a"]
+    assert len(tensors) == len(entries) - 1
+
+
+@pytest.mark.parametrize(
+    ("manifest", "complaint"),
+    [
+        (b"not json", "not valid JSON"),
+        (b'[["w", "float32", [2], ""], ["w", "float32", [2], ""]]', "repeated"),
+        (b'[["w", "object", [2], ""]]', "dtype"),
+        (b'[["w", "float32", [-1], ""]]', "shape"),
+        (b'[["w", "float32", [2], "later"]]', "aliases"),
+        (b'{"w": 1}', "list"),
+    ],
+)
+def test_a_malformed_manifest_is_refused_with_what_is_wrong(manifest, complaint):
+    with pytest.raises(ProtocolError, match=complaint):
+        decode_manifest(manifest)
+
+
+def test_the_assembler_refuses_a_stream_longer_or_shorter_than_its_manifest():
+    entries, _ = manifest_of({"w": torch.zeros(4)})
+    assembler = StateAssembler(entries)
+    with pytest.raises(ProtocolError, match="announced 16"):
+        assembler.add(bytes(17))
+    assembler.add(bytes(8))
+    with pytest.raises(ProtocolError, match="after 8 of the 16"):
+        assembler.finish()
+
+
+def test_a_task_downloads_an_offered_state_and_a_fit_uploads_one(server):
+    owner, state = Owner(), mixed_state()
+    got = download(server.offer(state, owner, "v1"))
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    inbox = server.expect_upload()
+    sent = upload(inbox.endpoint, state)
+    received = inbox.take()
+    assert sent == sum(t.numel() * t.element_size() for t in manifest_of(state)[1])
+    assert received is not None and all(torch.equal(received[k], v) for k, v in state.items())
+    assert received["tied_a"] is received["tied_b"]
+    assert not server.serves(inbox.endpoint.slot)  # taken: the slot is closed
+
+
+def test_the_same_unchanged_tensors_keep_their_slot_and_changed_ones_get_a_new_one(server):
+    owner = Owner()
+    state = {"w": torch.zeros(3)}
+    first = server.offer(state, owner, "v1")
+    assert server.offer(state, owner, "v1") == first
+    second = server.offer(state, owner, "v2")
+    assert second.slot != first.slot and second.key != first.key
+
+
+def test_an_offer_outlives_its_model_only_among_the_newest_released_ones(server):
+    kept = []
+    endpoints = []
+    for i in range(KEEP_RELEASED + 2):
+        owner = Owner()
+        endpoints.append(server.offer({"w": torch.full((2,), float(i))}, owner, i))
+        kept.append(owner)
+    alive = kept.pop()  # the newest model stays referenced
+    kept.clear()
+    gc.collect()
+    served = [server.serves(e.slot) for e in endpoints]
+    assert served == [False] + [True] * KEEP_RELEASED + [True]
+    with pytest.raises(WeightTransferError, match="Keep a reference to the model"):
+        download(endpoints[0])
+    assert torch.equal(download(endpoints[-1])["w"], torch.full((2,), float(KEEP_RELEASED + 1)))
+    del alive
+
+
+def test_a_slot_is_refused_under_another_slots_secret_or_for_the_other_direction(server):
+    owner = Owner()
+    offered = server.offer({"w": torch.ones(2)}, owner, 1)
+    inbox = server.expect_upload()
+    wrong_secret = dataclasses.replace(offered, secret=inbox.endpoint.secret)
+    with pytest.raises(WeightTransferError):
+        download(wrong_secret)
+    as_download = dataclasses.replace(inbox.endpoint)
+    with pytest.raises(WeightTransferError):
+        download(as_download)  # an upload slot is not readable
+    with pytest.raises(WeightTransferError):
+        upload(offered, {"w": torch.zeros(2)})  # an offer is not writable
+    assert inbox.take() is None
+    assert torch.equal(download(offered)["w"], torch.ones(2))
+
+
+def test_an_upload_altered_on_the_wire_is_refused_and_nothing_is_stored(server):
+    """A relay flips one byte of the weights stream: the frame's tag fails, the driver
+    keeps nothing and the uploading task gets an error."""
+    inbox = server.expect_upload()
+    relay = socket.create_server(("127.0.0.1", 0))
+    relay_endpoint = dataclasses.replace(inbox.endpoint, port=relay.getsockname()[1])
+
+    def forward() -> None:
+        client, _ = relay.accept()
+        upstream = socket.create_connection((server.host, server.port))
+        seen = 0
+
+        def back() -> None:
+            try:
+                while data := upstream.recv(65536):
+                    client.sendall(data)
+            except OSError:
+                pass
+            close_quietly(client)
+
+        threading.Thread(target=back, daemon=True).start()
+        try:
+            while data := client.recv(65536):
+                if seen < 2000 <= seen + len(data):  # inside the first chunk's tensor bytes
+                    data = bytearray(data)
+                    data[2000 - seen] ^= 0xFF
+                seen += len(data)
+                upstream.sendall(data)
+        except OSError:
+            pass
+        close_quietly(upstream)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    with pytest.raises(WeightTransferError):
+        upload(relay_endpoint, {"w": torch.randn(4096)})
+    thread.join(10)
+    relay.close()
+    assert inbox.take() is None
+
+
+def test_a_module_built_around_received_tensors_holds_them_and_keeps_tied_weights_tied():
+    source = Tied()
+    state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    module = module_with_state(Tied, state)
+    assert module.embed.weight is module.head.weight
+    assert module.embed.weight.data_ptr() == state["embed.weight"].data_ptr()  # no copy
+    assert module.embed.weight.requires_grad and int(module.steps) == 3
+    assert torch.equal(module(torch.tensor([1, 2])), source(torch.tensor([1, 2])))
+
+
+def test_a_module_with_tensors_the_state_lacks_is_built_normally_and_loaded():
+    class WithTable(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    state = {k: torch.ones_like(v) for k, v in WithTable().state_dict().items()}
+    module = module_with_state(WithTable, state)
+    assert torch.equal(module.table, torch.arange(3.0))
+    assert torch.equal(module.linear.weight, torch.ones(2, 2))
