@@ -26,7 +26,7 @@ from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledE
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
 from sparkdl.runtime.cluster import check_cluster, driver_host, is_connect
-from sparkdl.runtime.environment import check_executor_environment, failure_excerpt
+from sparkdl.runtime.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.resources import training_profile
@@ -286,11 +286,18 @@ def _raise_agreed_error(rows: list[Any]) -> None:
 def _translate(exc: Exception) -> SparkDLError:
     """The error a worker raised, rebuilt from the record its failed task carried; the
     Spark failure itself (first line) when no worker's record is in it."""
-    records = ErrorRecord.find_embedded(str(exc))
+    text = str(exc)
+    records = ErrorRecord.find_embedded(text)
     if records:
-        return located(records[-1].to_error())
-    detail = failure_excerpt(str(exc)) or type(exc).__name__
-    return TrainingFailedError(f"the training stage failed: {detail}")
+        error = located(records[-1].to_error())
+    else:
+        detail = failure_excerpt(text) or type(exc).__name__
+        error = TrainingFailedError(f"the training stage failed: {detail}")
+    hint = memory_hint(text)
+    if hint and hint not in error.message:
+        error.message = f"{error.message}; {hint}"
+        error.args = (error.message,)
+    return error
 
 
 def located(error: SparkDLError) -> SparkDLError:

@@ -224,3 +224,39 @@ def failure_excerpt(text: str) -> str:
 
 def _minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+", 1)[0].split(".")[:2])
+
+
+#: Signs of running out of one kind of memory in a failure's text, and what to change.
+_MEMORY_SIGNS = (
+    (
+        ("OutOfDirectMemoryError", "Direct buffer memory"),
+        "the JVM ran out of direct (off-heap) memory: raise spark.executor.memoryOverhead "
+        "(spark.driver.memoryOverhead for the driver), or send less per record batch "
+        "(spark.sql.execution.arrow.maxRecordsPerBatch)",
+    ),
+    (
+        ("java.lang.OutOfMemoryError", "Java heap space"),
+        "the JVM ran out of heap: raise spark.driver.memory (local mode runs the executors in the "
+        "driver's JVM; set it before the session starts) or spark.executor.memory on a cluster",
+    ),
+    (
+        ("CUDA out of memory", "OutOfMemoryError: CUDA"),
+        "the GPU ran out of memory: lower batch_size, train in precision = \"bf16\", or shard the "
+        "model across the workers with strategy = \"fsdp\"",
+    ),
+    (
+        ("DefaultCPUAllocator: can't allocate memory", "Python worker exited unexpectedly", "MemoryError"),
+        "a Python worker ran out of memory (or was killed by the system for it): give executors more "
+        "memory (spark.executor.pyspark.memory caps it when set), run fewer workers per host, or shard "
+        "the model with strategy = \"fsdp\"",
+    ),
+)
+
+
+def memory_hint(text: str) -> str:
+    """What ran out and which setting to change, when ``text`` (a failure) shows a memory
+    error; "" otherwise."""
+    for signs, hint in _MEMORY_SIGNS:
+        if any(sign in text for sign in signs):
+            return hint
+    return ""

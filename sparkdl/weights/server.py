@@ -75,6 +75,12 @@ class Upload:
         self._server = server
         self.endpoint = endpoint
 
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a complete upload arrived within ``timeout_s``."""
+        with self._server._lock:
+            inbox = self._server._slots.get(self.endpoint.slot)
+        return isinstance(inbox, _Inbox) and inbox.arrived.wait(timeout_s)
+
     def take(self) -> dict[str, torch.Tensor] | None:
         """The newest complete upload, or None if none arrived; the slot then closes."""
         inbox = self._server._close(self.endpoint.slot)

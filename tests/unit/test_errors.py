@@ -96,3 +96,27 @@ def test_a_record_of_an_unknown_class_keeps_its_message():
     record = ErrorRecord("NoSuchError", "what happened", {}, rank=0)
     back = record.to_error()
     assert type(back) is TrainingFailedError and back.message == "what happened"
+
+
+@pytest.mark.parametrize(
+    ("failure", "setting"),
+    [
+        ("java.lang.OutOfMemoryError: Java heap space\n\tat java.base/...", "spark.driver.memory"),
+        (
+            "io.netty.util.internal.OutOfDirectMemoryError: failed to allocate 1200010488 byte(s)",
+            "memoryOverhead",
+        ),
+        ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", "fsdp"),
+        (
+            "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
+            "pyspark.memory",
+        ),
+        ("org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)", "pyspark.memory"),
+    ],
+)
+def test_a_stage_that_ran_out_of_memory_fails_naming_the_memory_and_the_setting(failure, setting):
+    from sparkdl.runtime.driver import _translate
+
+    error = _translate(Exception(f"Job aborted due to stage failure: {failure}"))
+    assert setting in error.message and "memory" in error.message
+    assert "Java heap" not in _translate(Exception("Job aborted: something else")).message
