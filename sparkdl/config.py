@@ -113,6 +113,8 @@ class SparkDLConfig:
                 f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
                 "checkpoints right after an average, when every worker holds the same weights"
             )
+        if self.training.strategy is Strategy.FSDP:
+            _check_fsdp(self)
 
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).
@@ -171,3 +173,18 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> SparkDLConfi
             "the library's sections only: use load_job_config(path).sparkdl"
         )
     return SparkDLConfig(**config_from_tables(raw, str(path), SECTIONS))
+
+
+def _check_fsdp(config: SparkDLConfig) -> None:
+    """What strategy "fsdp" cannot do yet, refused with the fix."""
+    if config.training.precision is Precision.FP16:
+        raise ConfigError(
+            "precision = 'fp16' is not available with strategy = 'fsdp' (its gradient scaler would "
+            "have to agree on overflows across the gradient shards); use precision = 'bf16', or "
+            "strategy = 'allreduce'"
+        )
+    if config.runtime.compression is not Compression.NONE:
+        raise ConfigError(
+            f"compression = {config.runtime.compression.value!r} is a DDP hook of strategy 'allreduce' "
+            "and does nothing with strategy = 'fsdp'; set compression = 'none'"
+        )

@@ -18,6 +18,7 @@ class Strategy(str, enum.Enum):
     ALLREDUCE = "allreduce"
     WEIGHT_AVERAGING = "weight_averaging"
     PARAMETER_SERVER = "parameter_server"
+    FSDP = "fsdp"
 
 
 class PsMode(str, enum.Enum):

@@ -52,7 +52,8 @@ class TrainingConfig:
         default=Strategy.ALLREDUCE,
         metadata=about(
             "How workers keep their models in sync: all-reduce gradients every step, average weights "
-            "([weight_averaging]), or push gradients to a server on the driver ([parameter_server])."
+            "([weight_averaging]), push gradients to a server on the driver ([parameter_server]), or "
+            "shard parameters, gradients and optimizer state across the workers (fsdp: PyTorch FSDP2)."
         ),
     )
     shuffle: bool = field(

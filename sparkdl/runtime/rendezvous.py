@@ -4,6 +4,12 @@ Rank 0 binds a listening socket on its own host with port 0 (the OS picks a free
 port; no "find a free port, close it, rebind" race) and hands that socket to a
 ``TCPStore``. It publishes ``host:port`` through the barrier's ``allGather``; the
 other ranks connect to it. Every wait has a deadline.
+
+The barrier's ``allGather`` is called exactly once per worker: Spark answers it by
+polling every second (measured: 1.0 s per call, whatever the payload), so everything
+the ranks must tell each other before the process group exists travels in that one
+call (the store's address, and each task's attempt id, which names the stage attempt);
+anything later goes over the process group.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class ProcessGroups:
     store: dist.TCPStore
     control: dist.ProcessGroup | None
     listener: socket.socket | None
+    attempt: int = 0  # the stage attempt: the smallest task attempt id, the same on every rank
 
     def destroy(self) -> None:
         if dist.is_initialized():
@@ -46,6 +53,7 @@ def form_process_group(
     backend: str,
     all_gather: AllGather,
     timeout_s: float,
+    task_attempt: int = 0,
 ) -> ProcessGroups:
     """Create the default process group; return it with a gloo control group.
 
@@ -56,18 +64,20 @@ def form_process_group(
         backend: "gloo" or "nccl".
         all_gather: the barrier's allGather (every rank calls it once, in step).
         timeout_s: deadline for connecting and for every later collective.
+        task_attempt: this task's attempt id (Spark's ``taskAttemptId``), unique per task.
 
     Raises:
         RendezvousError: the store could not be created or reached in time.
     """
     timeout = timedelta(seconds=timeout_s)
     listener = None
-    payload = ""
+    said: dict[str, object] = {"attempt": task_attempt}
     if rank == 0:
         listener = socket.create_server((host, 0), backlog=max(world_size, 16))
-        payload = json.dumps({"host": host, "port": listener.getsockname()[1]})
-    messages = all_gather(payload)
-    address = json.loads(messages[0])
+        said.update(host=host, port=listener.getsockname()[1])
+    messages = [json.loads(m) for m in all_gather(json.dumps(said))]
+    address = messages[0]
+    attempt = min(int(m["attempt"]) for m in messages)
     try:
         store = dist.TCPStore(
             address["host"],
@@ -90,4 +100,4 @@ def form_process_group(
             "or raise runtime.collective_timeout_s"
         ) from exc
     log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
-    return ProcessGroups(store=store, control=control, listener=listener)
+    return ProcessGroups(store=store, control=control, listener=listener, attempt=attempt)

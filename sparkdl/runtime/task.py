@@ -75,15 +75,13 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     rank = ctx.partitionId()
     infos = ctx.getTaskInfos()
     resources = ctx.resources()
-    # One number per stage attempt, the same on every rank: a re-run stage gets a new one.
-    attempt = min(int(m) for m in ctx.allGather(str(ctx.taskAttemptId()))) if spec.ps or spec.progress else 0
     placement = Placement(
         rank=rank,
         world_size=len(infos),
         host=infos[rank].address.rsplit(":", 1)[0],
         gpu_addresses=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         torch_threads=spec.config.runtime.torch_threads or int(ctx.cpus() or 1),
-        attempt=attempt,
+        task_attempt=ctx.taskAttemptId(),
     )
     try:
         result = run_worker(spec, batches, placement, ctx.allGather)

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import gc
+import io
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import OnError, SparkDLConfig
@@ -43,7 +45,7 @@ from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporti
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
-from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import (
@@ -51,8 +53,6 @@ from sparkdl.training.factory import (
     OptimizerFn,
     build_model,
     build_optimizer,
-    cpu_state_dict,
-    state_to_bytes,
 )
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
 from sparkdl.training.hooks import (
@@ -104,7 +104,7 @@ class Placement:
     host: str  # this worker's address that the others can reach
     gpu_addresses: tuple[str, ...] = ()
     torch_threads: int = 1
-    attempt: int = 0  # the stage attempt, the same on every rank
+    task_attempt: int = 0  # Spark's taskAttemptId; the smallest over the ranks names the stage attempt
 
 
 @dataclass
@@ -127,18 +127,22 @@ def run_worker(
     """Train on this worker's partition; return its history (and the weights on rank 0)."""
     config, rank = spec.config, placement.rank
     with contextlib.ExitStack() as stack:
-        reporter = stack.enter_context(
-            reporting_to_driver(spec.progress, rank, placement.attempt, heartbeat_s=_HEARTBEAT_S)
-        )
+        last_out = stack.enter_context(contextlib.ExitStack())  # the reporter, once it can start
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
         stack.enter_context(_socket_interface(config.runtime.network_interface))
         device, groups = _join(config, placement, all_gather, stack)
+        attempt = groups.attempt  # known once the ranks have met
+        reporter = last_out.enter_context(
+            reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
+        )
         torch.manual_seed(config.training.seed)
-        module = build_model(spec.model_fn).to(device)
+        kind = strategy_class(config.training.strategy)
+        # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
+        module = kind.prepare_module(build_model(spec.model_fn).to(device), config, device)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
-        resume = _resume(store, rank, module, optimizer, all_gather)
+        resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
         context = StrategyContext(
             config,
@@ -149,7 +153,7 @@ def run_worker(
             optimizer,
             groups.control,
             spec.ps,
-            placement.attempt,
+            attempt,
             start.global_steps_done,
             spec.lr,
             spec.scheduler_fn,
@@ -175,12 +179,13 @@ def run_worker(
         )
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         history = trainer.run()
+        state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
         return WorkerResult(
             rank,
             feed.cached_rows,
             feed.bad_rows_dropped,
             history,
-            _deliver_weights(spec, module) if rank == 0 else b"",
+            _deliver_weights(spec, state) if rank == 0 else b"",
             trainer.output_shape,
             trainer.input_shapes,
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
@@ -188,13 +193,15 @@ def run_worker(
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
 
-def _deliver_weights(spec: TrainSpec, module: torch.nn.Module) -> bytes:
+def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     """Rank 0's trained weights for the driver: streamed to its weights server, so they never
     cross the JVM (the result row then carries none); in the result row where the driver
     cannot be reached (a Spark Connect client)."""
     if spec.weights is None:
-        return state_to_bytes(module)
-    sent = upload(spec.weights, cpu_state_dict(module))
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+    sent = upload(spec.weights, state)
     log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)
     return b""
 
@@ -216,6 +223,7 @@ def _join(
         choose_backend(config.runtime.backend, device),
         all_gather,
         config.runtime.collective_timeout_s,
+        placement.task_attempt,
     )
     stack.callback(release_process_groups, groups)
     return device, groups
@@ -314,14 +322,18 @@ def _resume(
     rank: int,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    all_gather: AllGather,
+    control: dist.ProcessGroup | None,
+    kind: type[SyncStrategy],
 ) -> Resume | None:
-    """Rank 0 picks the checkpoint, so that every rank loads the same one."""
+    """Rank 0 picks the checkpoint and tells the others (over the control group), so that
+    every rank loads the same one; the strategy ``kind`` loads it (into shards, for fsdp)."""
     if store is None:
         return None
     latest = store.latest() if rank == 0 else None
-    chosen = int(all_gather(str(-1 if latest is None else latest))[0])
-    return restore(store, chosen, rank, module, optimizer) if chosen >= 0 else None
+    chosen = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
+    dist.broadcast(chosen, src=0, group=control)
+    step = int(chosen.item())
+    return restore(store, step, rank, module, optimizer, kind.load_full_state) if step >= 0 else None
 
 
 def _close_strategy(strategy: SyncStrategy) -> None:

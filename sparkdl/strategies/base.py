@@ -25,6 +25,7 @@ from sparkdl.config import Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ps.endpoint import PsEndpoint
+from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.guards import NanGuard, grads_finite
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
@@ -114,6 +115,10 @@ class SyncStrategy(abc.ABC):
     #: Whether every rank steps on the same averaged gradient, so a non-finite value on
     #: one rank is seen by all at the same step with no further message.
     shares_gradients: ClassVar[bool] = False
+    #: Whether the model's forward and backward are themselves collectives (sharded
+    #: parameters are gathered in them): then every rank must run every forward, in
+    #: validation and in the label probe too, at the same point.
+    lockstep_forward: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -129,10 +134,53 @@ class SyncStrategy(abc.ABC):
         if ctx.config.training.precision is Precision.FP16:
             self._scaler = torch.amp.GradScaler(ctx.device.type)
 
+    @classmethod
+    def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
+        """Make the freshly built ``module`` (already on ``device``) ready for this strategy,
+        before the optimizer is built over its parameters: a sharding strategy shards it
+        here, so that the optimizer holds only this rank's shards. Called on every rank,
+        once the process group exists. By default: ``module`` as it is."""
+        return module
+
+    @classmethod
+    def load_full_state(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Load a full (unsharded) checkpoint, held by every rank, into ``module`` and
+        ``optimizer`` (as built by :meth:`prepare_module`). ``optimizer_state`` has the
+        format of ``torch.optim.Optimizer.state_dict()``."""
+        module.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
     @property
     def model(self) -> nn.Module:
         """The module forward and backward run on (may wrap ``ctx.module``)."""
         return self.ctx.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state as CPU tensors on rank 0, ``{}`` on the other ranks.
+
+        Every rank calls it at the same point: where parameters are sharded it is a
+        collective (the shards are gathered to rank 0). What checkpoints, early stopping
+        and the final weights carry."""
+        return cpu_state_dict(self.ctx.module) if self.ctx.rank == 0 else {}
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's whole state on rank 0 (in the format of
+        ``torch.optim.Optimizer.state_dict()``), ``{}`` elsewhere; same contract as
+        :meth:`full_state_dict`."""
+        return self.ctx.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the model to ``state``, the full state held by rank 0 (``{}`` on the other
+        ranks); every rank calls it. By default only rank 0's copy changes: it is the one
+        whose weights are returned. A sharded strategy spreads it to every rank's shards."""
+        if state:
+            self.ctx.module.load_state_dict(state)
 
     @property
     def checkpoint_multiple(self) -> int:
@@ -161,17 +209,20 @@ class SyncStrategy(abc.ABC):
 
     # ----------------------------------------------------------- shared step pieces
 
-    def _backward(self, step: StepInput, batches: tuple[Batch, ...], scale: float) -> torch.Tensor:
+    def _backward(
+        self, step: StepInput, batches: tuple[Batch, ...], scale: float, fillers: int = 0
+    ) -> torch.Tensor:
         """Forward, loss and backward of ``scale * loss`` over the micro-batches (each
         weighted by its rows, so k micro-batches give the gradient of one batch of their
-        union); return the unscaled mean loss. Only the last micro-batch's backward starts
-        DDP's all-reduce."""
+        union), then over ``fillers`` zero-weight filler batches (for strategies whose
+        forward and backward are collectives, so every rank runs as many); return the
+        unscaled mean loss of ``batches``. Only the last backward starts DDP's all-reduce."""
         total = sum(len(b) for b in batches)
+        runs = [(b, len(b) / total) for b in batches] + [(step.filler(), 0.0)] * fillers
         no_sync = getattr(self.model, "no_sync", None)
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, batch in enumerate(batches):
-            share = len(batch) / total
-            last = i == len(batches) - 1
+        for i, (batch, share) in enumerate(runs):
+            last = i == len(runs) - 1
             with contextlib.nullcontext() if no_sync is None or last else no_sync():
                 loss = step.loss_of(self.model, batch)
                 scaled = loss * (scale * share)
@@ -226,6 +277,7 @@ REGISTRY: dict[Strategy, str] = {
     Strategy.ALLREDUCE: "sparkdl.strategies.allreduce:AllReduceStrategy",
     Strategy.WEIGHT_AVERAGING: "sparkdl.strategies.weight_averaging:WeightAveragingStrategy",
     Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
+    Strategy.FSDP: "sparkdl.strategies.fsdp:FsdpStrategy",
 }
 
 

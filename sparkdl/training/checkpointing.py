@@ -1,10 +1,18 @@
-"""What a checkpoint holds, when rank 0 writes one, and how a worker resumes from it."""
+"""What a checkpoint holds, when rank 0 writes one, and how a worker resumes from it.
+
+A checkpoint is always the full (unsharded) model and optimizer state, in the format of
+``module.state_dict()`` and ``optimizer.state_dict()``, whatever the strategy: the
+strategy hands it over (:meth:`SyncStrategy.full_state_dict`), gathering shards where it
+holds them, and loads it back (:meth:`SyncStrategy.load_full_state`). Every rank passes
+the checkpoint steps, because a gather is a collective; only rank 0 writes.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,12 +20,14 @@ import torch
 from torch import nn
 
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.training.factory import cpu_state_dict
 
 if TYPE_CHECKING:
     from sparkdl.strategies.base import SyncStrategy
 
 log = logging.getLogger(__name__)
+
+#: ``(module, optimizer, model state, optimizer state)``: puts a full checkpoint in place.
+StateLoader = Callable[[nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,8 @@ class Resume:
 
 
 class Checkpointer:
-    """Writes checkpoints on rank 0.
+    """Writes checkpoints on rank 0; every rank runs it at the same steps (the strategy's
+    full state may be a collective gather).
 
     Args:
         store: the run's checkpoint directory.
@@ -49,10 +60,10 @@ class Checkpointer:
         rank: this worker's rank; only rank 0 writes.
         module: the unwrapped model.
         optimizer: the worker's optimizer.
-        strategy: saves its own state first (the parameter server's shards), adds
-            entries to the checkpoint, and says on which steps checkpoints may fall
-            (``checkpoint_multiple``: weight averaging only right after an average,
-            when all workers agree).
+        strategy: gives the full model and optimizer state, saves its own state first
+            (the parameter server's shards), adds entries to the checkpoint, and says on
+            which steps checkpoints may fall (``checkpoint_multiple``: weight averaging
+            only right after an average, when all workers agree).
     """
 
     def __init__(
@@ -75,24 +86,28 @@ class Checkpointer:
         self.written = 0
 
     def after_step(self, position: Position) -> None:
-        if self.rank != 0:
-            return
-        self.store.record_progress(position.global_steps_done)
+        if self.rank == 0:
+            self.store.record_progress(position.global_steps_done)
         if self.every and position.global_steps_done % self.every == 0:
             self._save(position)
 
     def after_epoch(self, position: Position) -> None:
         """``position`` is the start of the next epoch."""
-        if self.rank == 0 and position.global_steps_done % self.align == 0:
+        if position.global_steps_done % self.align == 0:
             self._save(position)
 
     def _save(self, position: Position) -> None:
+        """Every rank: the strategy's full state (a gather where sharded); rank 0 writes it."""
+        model = self.strategy.full_state_dict()
+        optimizer = self.strategy.full_optimizer_state_dict()
+        if self.rank != 0:
+            return
         extra = self.strategy.checkpoint_state(position.global_steps_done)
         state = {
             **extra,
             "format": 1,
-            "model": cpu_state_dict(self.module),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "epoch": position.epoch,
             "epoch_steps_done": position.epoch_steps_done,
             "global_steps_done": position.global_steps_done,
@@ -108,12 +123,18 @@ def restore(
     rank: int,
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
+    load: StateLoader | None = None,
 ) -> Resume:
-    """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank)."""
+    """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank),
+    with ``load`` (the strategy's :meth:`~SyncStrategy.load_full_state`; by default
+    ``load_state_dict`` on both)."""
     started = time.time()
     state = store.load(global_steps_done)
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if load is None:
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        load(module, optimizer, state["model"], state["optimizer"])
     position = Position(int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"]))
     history = json.loads(state["history"])
     progress = store.progress()

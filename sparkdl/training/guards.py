@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sparkdl.config import DrillKind, FaultDrillSpec, OnError
 from sparkdl.data.tensors import Batch, call_model
@@ -183,13 +185,31 @@ class NanGuard:
 
 
 def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """The sum of every gradient: non-finite exactly when some gradient value is."""
-    grads = [p.grad.detach().float().sum() for p in module.parameters() if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros((), device=device)
+    """The sum of every gradient: non-finite exactly when some gradient value is.
+
+    Sharded gradients (DTensors, strategy "fsdp") are summed over this rank's shard, and
+    the shard sums all-reduced over the gradients' mesh: a non-finite value in any
+    rank's shard makes every rank's total non-finite, so all take the same decision.
+    That all-reduce is a collective: with sharded gradients, every rank must call this
+    at the same step (the guard does, on every step of every rank).
+    """
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    sums = [_local(g).detach().float().sum() for g in grads]
+    total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
+    mesh = next((g.device_mesh for g in grads if isinstance(g, DTensor)), None)
+    if mesh is not None:
+        dist.all_reduce(total, group=mesh.get_group())
+    return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (its shard, for a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def grads_finite(module: nn.Module) -> bool:
-    """Whether every gradient of ``module`` is finite (no gradient yet counts as finite)."""
+    """Whether every gradient of ``module`` is finite (no gradient yet counts as finite);
+    a collective where gradients are sharded (see :func:`_grad_total`)."""
     return bool(torch.isfinite(_grad_total(module, torch.device("cpu"))))
 
 
@@ -227,22 +247,28 @@ class LabelRangeCheck:
         labels = batch.label
         if labels is None or not len(labels):
             return None
-        if self._classes is None:
-            self._classes = self._probe_classes(batch.head(1))
-        bad = int((labels >= self._classes).sum())
+        classes = self._classes if self._classes is not None else self.probe(batch)
+        bad = int((labels >= classes).sum())
         if not bad:
             return None
         return BadDataError(
-            f"rank {self._rank}: {bad} labels are >= {self._classes}, the number of classes the "
+            f"rank {self._rank}: {bad} labels are >= {classes}, the number of classes the "
             f"model outputs (largest label {int(labels.max())}); widen the model's last layer "
             "or re-index the labels",
             column=self._column,
             bad_rows=bad,
         )
 
+    def probe(self, batch: Batch) -> int:
+        """Learn (and return) the model's number of outputs from ``batch``'s first row now.
+        Done lazily on the first labelled batch; where the forward is a collective (sharded
+        parameters) the loop calls it on every rank at once before training, instead."""
+        self._classes = self._probe_classes(batch.head(1))
+        return self._classes
+
     def _probe_classes(self, row: Batch) -> int:
-        """The model's number of outputs, from one row in eval mode (no collective, no
-        batch-norm statistics touched, no random numbers drawn)."""
+        """The model's number of outputs, from one row in eval mode (no collective for an
+        unsharded model, no batch-norm statistics touched, no random numbers drawn)."""
         self._module.eval()
         try:
             with torch.no_grad():

@@ -22,6 +22,7 @@ from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, SyncStats, SyncStrategy
 from sparkdl.training.checkpointing import Position, Resume
+from sparkdl.training.guards import LabelRangeCheck
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.losses import LossFn
 from sparkdl.training.planning import (
@@ -150,6 +151,13 @@ class Trainer:
         history = list(resume.history) if resume else []
         start = schedule.start
         counts: list[int] | None = None
+        if (
+            self.strategy.lockstep_forward
+            and isinstance(self._check_labels, LabelRangeCheck)
+            and self._filler.available
+        ):
+            # its probe is a forward, a collective here: every rank runs it now, together
+            self._check_labels.probe(self._filler.batch())
         if start.epoch > 1:  # the cache of this attempt is empty: refill it from Spark first
             self._feed.fill_cache()
             counts = self._exchange_row_counts()
@@ -191,7 +199,9 @@ class Trainer:
             )
             if stop:
                 break
-        if self._early_stopping is not None and self._early_stopping.restore(self._ctx.module):
+        if self._early_stopping is not None and self._early_stopping.restore(
+            self.strategy.load_state_from_rank0
+        ):
             history[-1]["restored_epoch"] = self._early_stopping.best_epoch
         return history
 
@@ -200,11 +210,12 @@ class Trainer:
         if self._validator is None:
             return False
         self.strategy.finish()  # one model: every worker's weights made equal first
-        figures = self._validator.evaluate(self._ctx.module)
+        lockstep = self._filler.batch if self.strategy.lockstep_forward else None
+        figures = self._validator.evaluate(self._ctx.module, lockstep)
         record.update(figures)
         if self._early_stopping is None or "val_loss" not in figures:
             return False
-        stop = self._early_stopping.update(epoch, figures["val_loss"], self._ctx.module)
+        stop = self._early_stopping.update(epoch, figures["val_loss"], self.strategy.full_state_dict)
         if stop:
             log.info(
                 "rank %d: early stop after epoch %d: val_loss has not improved on epoch %d's %.4f",

@@ -155,6 +155,11 @@ class Filler:
             self._batch = batch.head(2)
             self._remembered = True
 
+    @property
+    def available(self) -> bool:
+        """Whether :meth:`batch` has a batch to give."""
+        return self._batch is not None
+
     def batch(self) -> Batch:
         if self._batch is None:
             raise RuntimeError(

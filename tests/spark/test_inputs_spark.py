@@ -42,8 +42,9 @@ def two_input_dataframe(spark, shards):
         {"strategy": "allreduce"},
         {"strategy": "weight_averaging", "sync_every": 1},
         {"strategy": "parameter_server", "ps_mode": "sync"},
+        {"strategy": "fsdp"},
     ],
-    ids=["allreduce", "weight_averaging", "parameter_server"],
+    ids=["allreduce", "weight_averaging", "parameter_server", "fsdp"],
 )
 def test_a_two_input_model_trains_exactly_as_one_process_in_every_strategy(spark, settings):
     shards = make_two_input_shards([48, 29])  # uneven: the second worker runs out first

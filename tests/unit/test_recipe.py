@@ -183,11 +183,11 @@ def test_early_stopping_waits_patience_epochs_and_keeps_the_best_weights():
     for epoch, loss in enumerate([0.9, 0.5, 0.6, 0.4, 0.45, 0.41], start=1):
         with torch.no_grad():
             module.weight.fill_(epoch)
-        decisions.append(stopping.update(epoch, loss, module))
+        decisions.append(stopping.update(epoch, loss, module.state_dict))
     assert decisions == [False, False, False, False, False, True]
     assert (stopping.best_epoch, stopping.best_loss) == (4, 0.4)
-    assert stopping.restore(module) and float(module.weight[0, 0]) == 4.0
-    assert not EarlyStopping(patience=1, keep_weights=False).restore(module)
+    assert stopping.restore(module.load_state_dict) and float(module.weight[0, 0]) == 4.0
+    assert not EarlyStopping(patience=1, keep_weights=False).restore(module.load_state_dict)
 
 
 def test_the_validator_sums_every_workers_rows_into_loss_accuracy_and_rmse(gloo_group):

@@ -1,0 +1,187 @@
+"""Sharded data parallelism with PyTorch's FSDP2 (``fully_shard``): for models whose
+parameters, gradients and optimizer state do not fit one worker together.
+
+Each rank keeps 1/N of every parameter, of its gradient and of the optimizer state (the
+optimizer is built over the shards, so Adam's moments are sharded too). A forward
+gathers one unit's full parameters at a time and frees them after it; backward gathers
+them again and reduce-scatters the gradients, so each rank ends with the mean
+gradient's shard. gloo on CPU, NCCL on GPU: the process group the worker already has.
+
+Step math: the same as all-reduce. Every worker scales its mean loss by
+``world * rows / global_rows`` and FSDP averages over the workers, so the step equals
+single-process SGD on the union of the step's rows, however unevenly they are spread.
+Forward and backward are collectives, so every rank runs the same number of them: a
+worker without rows steps on zero-weight fillers, and every step runs
+``accumulate_steps`` micro-batches, fillers making up a short step.
+
+Accumulation: each micro-batch's backward reduce-scatters its gradient into the shards,
+where they add up. Deferring the reduction to the last micro-batch
+(``set_requires_gradient_sync(False)``) would move fewer bytes, but would hold an
+unsharded gradient of the whole model on every rank: the memory this strategy exists
+to save.
+
+Wrapping: each submodule holding at least :data:`UNIT_SHARE` of the model's parameters
+(counted bottom-up, without those already in a smaller unit) becomes its own unit, then
+the root takes the rest. Units bound the peak: at most about one unit's full parameters
+are gathered beyond the shards. Many tiny units would add one collective each for
+nothing; one unit for the whole model would gather it whole.
+
+Checkpoints are gathered (full, unsharded), written by rank 0 in the format of the other
+strategies (``module.state_dict()``, and ``optimizer.state_dict()`` numbering the
+parameters in order), so one resume path reads them all and a checkpoint moves between
+strategies and worker counts. Gathering is a collective: every rank takes part at each
+checkpoint step; on resume every rank reads the file and keeps its shards. The final
+weights and early stopping's best weights are gathered the same way, to rank 0.
+
+Buffers (e.g. batch-norm statistics) are not sharded and, unlike DDP, not synchronised:
+each rank keeps its own; rank 0's are saved and returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, parameter_bytes
+
+#: A submodule with at least this share of the parameters is sharded as its own unit.
+UNIT_SHARE = 0.05
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+class FsdpStrategy(SyncStrategy):
+    """w <- w - lr * mean_i(g_i), with w, g and the optimizer state sharded over the ranks."""
+
+    name = Strategy.FSDP
+    shares_gradients = True
+    lockstep_forward = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self._micro_batches = ctx.config.training.accumulate_steps
+        # reduce-scatter of the gradient, all-gather of the parameters twice (forward, backward)
+        payload = parameter_bytes(ctx.module)
+        world = ctx.world_size
+        self._step_bytes = 0 if world <= 1 else 3 * (world - 1) * payload // world
+
+    @classmethod
+    def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
+        """Start every rank from rank 0's weights (as DDP does), then shard ``module`` in
+        place: :func:`shard_units`, then the root."""
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for unit in shard_units(module):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        return module
+
+    @classmethod
+    def load_full_state(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Every rank holds the full checkpoint; each keeps its own shards of it."""
+        set_model_state_dict(module, cast(dict[str, Any], model_state), options=_FULL)
+        by_name = _indexed_to_named(optimizer_state, _parameter_names(module, optimizer))
+        set_optimizer_state_dict(module, optimizer, by_name, options=_FULL)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathers the shards to rank 0 (a collective); ``{}`` on the other ranks."""
+        state = get_model_state_dict(self.ctx.module, options=_GATHER)
+        return cast(dict[str, torch.Tensor], state) if self.ctx.rank == 0 else {}
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """Gathers the optimizer's shards to rank 0 (a collective), numbered as
+        ``optimizer.state_dict()`` numbers them; ``{}`` on the other ranks."""
+        module, optimizer = self.ctx.module, self.ctx.optimizer
+        by_name = get_optimizer_state_dict(module, optimizer, options=_GATHER)
+        if self.ctx.rank != 0:
+            return {}
+        return _named_to_indexed(by_name, _parameter_names(module, optimizer))
+
+    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0's full state, broadcast and sharded into every rank (a collective)."""
+        set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=_FROM_RANK0)
+
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        scale = self.ctx.world_size * step.rows / step.global_rows
+        fillers = self._micro_batches - len(step.batches)
+        loss = self._backward(step, step.batches, scale, fillers)
+        self.stats.sync_rounds += 1
+        self.stats.bytes_sent += self._step_bytes * self._micro_batches
+        if self._judged_step(step, loss):
+            self._optimizer_step(step)
+        else:  # skipped: nothing of this step reaches the weights
+            loss = torch.zeros((), device=self.ctx.device)
+        self.ctx.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+def shard_units(module: nn.Module, share: float = UNIT_SHARE) -> list[nn.Module]:
+    """The submodules of ``module`` (not itself) to shard as units, innermost first: each
+    one holding at least ``share`` of all parameters, not counting those of units inside
+    it. Innermost first is the order ``fully_shard`` needs (a unit's parameters belong
+    to the innermost unit that holds them)."""
+    total = sum(p.numel() for p in module.parameters())
+    units: list[nn.Module] = []
+
+    def visit(node: nn.Module) -> int:
+        """Parameters under ``node`` not yet in a unit."""
+        free = sum(visit(child) for child in node.children())
+        free += sum(p.numel() for p in node.parameters(recurse=False))
+        if node is not module and total and free >= share * total:
+            units.append(node)
+            return 0
+        return free
+
+    visit(module)
+    return units
+
+
+def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its order (the numbering of
+    ``optimizer.state_dict()``)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _named_to_indexed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name, keyed by position instead."""
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+def _indexed_to_named(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`_named_to_indexed`."""
+    return {
+        "state": {names[int(i)]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]
+        ],
+    }

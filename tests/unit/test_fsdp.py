@@ -1,0 +1,363 @@
+"""Strategy "fsdp" (FSDP2) on real gloo process groups over loopback, without Spark.
+
+Spawned processes run ``run_worker`` as barrier tasks do (the helpers of
+test_worker_gloo). The trained weights are rank 0's result (the shards gathered by
+``full_state_dict``), checked against the run's last checkpoint: the gathered (full)
+state that rank 0 writes at every epoch end.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.checkpoint import CheckpointStore
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import decode_block, plan_data
+from sparkdl.data.tensors import to_batch
+from sparkdl.errors import ConfigError
+from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
+from sparkdl.strategies.fsdp import shard_units
+from tests.reference import (
+    TinyNet,
+    make_shards,
+    make_tiny_net,
+    max_abs_diff,
+    reference_sgd,
+    shard_plan,
+    shard_to_batch,
+)
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _file_all_gather, _sgd, run_workers
+
+pytestmark = pytest.mark.slow
+
+_BASELINE: list[int] = []  # VmRSS in KiB just before the model is built (in the worker process)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+class PoisonNet(TinyNet):
+    """TinyNet whose output is NaN for a row whose first feature is above 100 (a NaN loss
+    that the feed's input checks cannot see)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        poison = torch.where(
+            x[:, :1] > 100, torch.full_like(x[:, :1], float("nan")), torch.zeros_like(x[:, :1])
+        )
+        return super().forward(x) + poison
+
+
+def make_poison_net() -> nn.Module:
+    return PoisonNet()
+
+
+def make_wide_net() -> nn.Module:
+    """Eight equal layers of 1024 x 1024 (32 MiB of float32 weights)."""
+    _reset_peak()
+    _BASELINE[:] = [_status_kib("VmRSS")]
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+
+# ------------------------------------------------------------------ spawning
+
+
+def _worker(rank, world, record_batches, spec, store_path, out, runs=1):
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        placement = Placement(rank, world, "127.0.0.1")
+        for run in range(runs):  # the last run is the one measured
+            gather = _file_all_gather(f"{store_path}-{run}", rank, world)
+            result = run_worker(spec, iter(record_batches), placement, gather)
+        peak = _status_kib("VmHWM") - _BASELINE[0] if _BASELINE else 0
+        out.put((rank, result.history, None, peak, result.state))
+    except Exception as exc:  # reported to the test process
+        out.put((rank, [], exc, 0, b""))
+
+
+def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = None):
+    """Run ``spec`` ``runs`` times in a row on one process per entry of ``parts`` (each a
+    list of record batches); return {rank: (history, error, peak KiB)} of the last run, and
+    put rank 0's trained weights into ``weights``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    world = len(parts)
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, parts[r], spec, str(tmp_path / "store"), out, runs))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, history, error, peak, state = out.get(timeout=120)
+        results[rank] = (history, error, peak)
+        if state and weights is not None:
+            weights.update(torch.load(io.BytesIO(state), weights_only=True))
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def train(shards, tmp_path: Path, optimizer_fn=_sgd, model_fn=make_tiny_net, parts=None, **settings):
+    """Train with strategy fsdp; return the final (gathered) weights and the results."""
+    config = SparkDLConfig().replace(
+        num_workers=len(shards),
+        collective_timeout_s=30.0,
+        prefetch_batches=2,
+        strategy="fsdp",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **settings,
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, model_fn, optimizer_fn, "cross_entropy", plan, template)
+    if parts is None:
+        parts = [[shard_to_batch(x, y)] if len(y) else [] for x, y in shards]
+    state: dict = {}
+    results = spawn(parts, spec, tmp_path, weights=state)
+    errors = {r: e for r, (_, e, _) in results.items() if e is not None}
+    assert not errors, errors
+    saved = last_checkpoint(tmp_path / "ckpt")["model"]
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)  # full, not rank 0's shard
+    return state, results
+
+
+def last_checkpoint(directory: Path):
+    store = CheckpointStore(str(directory))
+    try:
+        return store.load(store.latest())
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------ the tests
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shuffle"),
+    [
+        ([50, 21], False),  # uneven: the short worker steps on zero-weight fillers
+        ([40, 0, 17], True),  # one worker with no rows at all
+    ],
+)
+def test_fsdp_equals_all_reduce_and_single_process_sgd_with_momentum(tmp_path, sizes, shuffle):
+    shards = make_shards(sizes)
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": shuffle}
+    state, results = train(shards, tmp_path / "fsdp", **settings)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, shuffle)
+    allreduce, _ = run_workers(shards, tmp_path / "allreduce", **settings)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert max_abs_diff(state, allreduce) < 1e-5
+    history = results[0][0]
+    assert [h["samples"] for h in history] == [sum(sizes)] * 2
+    assert all(h["steps"] == max((s + 7) // 8 for s in sizes) for h in history)
+
+
+def test_fsdp_with_adam_and_clipping_equals_all_reduce(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "grad_clip_norm": 0.5}
+    state, _ = train(shards, tmp_path / "fsdp", _adam, **settings)
+    allreduce, _ = run_workers(shards, tmp_path / "allreduce", _adam, **settings)
+    assert max_abs_diff(state, allreduce) < 1e-5
+    assert max_abs_diff(state, make_tiny_net().state_dict()) > 1e-2  # it did train
+
+
+def test_fsdp_accumulating_two_batches_of_4_equals_steps_on_batches_of_8(tmp_path):
+    shards = make_shards([37, 20])  # uneven, with a short last step: fillers make up the micro-batches
+    state, results = train(shards, tmp_path, batch_size=4, accumulate_steps=2, epochs=2, shuffle=False)
+    assert max_abs_diff(state, reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)) < 1e-5
+    assert [h["steps"] for h in results[0][0]] == [5, 5]
+
+
+def _poisoned(sizes, rank, row):
+    shards = make_shards(sizes)
+    shards[rank][0][row, 0] = 1000.0  # its forward gives NaN
+    return shards
+
+
+def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank_alike(tmp_path):
+    shards = _poisoned([32, 32], rank=1, row=17)  # step 2 of rank 1
+    state, results = train(
+        shards, tmp_path, model_fn=make_poison_net, batch_size=8, epochs=1, shuffle=False, on_nan_loss="skip"
+    )
+    assert [results[r][0][0]["nan_skips"] for r in (0, 1)] == [1, 1]
+    clean = make_shards([32, 32])
+    keep = [np.r_[0:16, 24:32], np.r_[0:16, 24:32]]  # the reference without step 2
+    expected = reference_sgd(
+        [(x[k], y[k]) for (x, y), k in zip(clean, keep, strict=True)], 8, 1, 0, LR, MOMENTUM, False
+    )
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_once(tmp_path):
+    shards = _poisoned([32, 32], rank=1, row=17)
+    started = time.monotonic()
+    config = SparkDLConfig().replace(
+        num_workers=2, collective_timeout_s=30.0, strategy="fsdp", batch_size=8, epochs=1, shuffle=False
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, make_poison_net, _sgd, "cross_entropy", plan, template)
+    results = spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path)
+    assert time.monotonic() - started < 25  # no rank waited for a collective timeout
+    errors = {r: results[r][1] for r in (0, 1)}
+    assert "non-finite loss or gradient at rank 1, epoch 1, step 2" in str(errors[1])
+    assert "non-finite averaged gradient at epoch 1, step 2" in str(errors[0])
+    assert all(e.agreed_by_all_ranks for e in errors.values())
+
+
+def test_fsdp_resumes_from_its_gathered_checkpoint_to_the_same_weights(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "checkpoint_every": 2}
+    marker = tmp_path / "drill"
+    config = SparkDLConfig().replace(
+        num_workers=2,
+        collective_timeout_s=10.0,
+        strategy="fsdp",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        fault_injection=f"raise:1:11:{marker}",  # epoch 2, after the checkpoint of step 10
+        **settings,
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, make_tiny_net, _adam, "cross_entropy", plan, template)
+    parts = [[shard_to_batch(x, y)] for x, y in shards]
+    failed = spawn(parts, spec, tmp_path)
+    assert "fault drill: rank 1 raised at step 11" in str(failed[1][1])
+    assert CheckpointStore(str(tmp_path / "ckpt")).latest() == 10
+    resumed = spawn(parts, spec, tmp_path / "again")
+    assert all(e is None for _, e, _ in resumed.values()), resumed
+    assert resumed[0][0][-1]["resumed_from_step"] == 10
+    state = last_checkpoint(tmp_path / "ckpt")["model"]
+    settings.pop("checkpoint_every")
+    uninterrupted, _ = run_workers(shards, tmp_path / "allreduce", _adam, **settings)
+    assert max_abs_diff(state, uninterrupted) < 1e-5
+
+
+def _with_held_out(x, y, held: int) -> pa.RecordBatch:
+    batch = shard_to_batch(x, y)
+    val = pa.array([i < held for i in range(len(y))])
+    return pa.RecordBatch.from_arrays([*batch.columns, val], [*batch.schema.names, "val"])
+
+
+def test_validation_with_unequal_held_out_rows_gives_all_reduces_figures(tmp_path):
+    shards = make_shards([40, 24])
+    parts = [[_with_held_out(*shards[0], held=20)], [_with_held_out(*shards[1], held=3)]]
+    plan = plan_data(
+        parts[0][0].schema,
+        feature_cols=("features",),
+        label_col="label",
+        label_kind=LabelKind.CLASS_INDEX,
+        validation_col="val",
+    )
+    template = to_batch(decode_block(parts[0][0].slice(0, 2), plan), plan)
+    figures = {}
+    for strategy in ("fsdp", "allreduce"):
+        config = SparkDLConfig().replace(
+            num_workers=2,
+            collective_timeout_s=30.0,
+            strategy=strategy,
+            batch_size=8,
+            epochs=3,
+            inference_batch_size=4,  # 5 held-out batches on rank 0, 1 on rank 1
+            early_stopping_patience=1,
+            optimizer="adam",
+            lr=0.5,  # high enough that some epoch gets worse
+        )
+        spec = TrainSpec(config, make_tiny_net, None, "cross_entropy", plan, template)
+        results = spawn(parts, spec, tmp_path / strategy)
+        assert all(e is None for _, e, _ in results.values()), results
+        figures[strategy] = [
+            (h["val_loss"], h["val_samples"], h.get("restored_epoch")) for h in results[0][0]
+        ]
+    assert [f[1] for f in figures["fsdp"]] == [23] * len(figures["fsdp"])
+    assert len(figures["fsdp"]) == len(figures["allreduce"])
+    for (fsdp_loss, _, fsdp_restored), (ar_loss, _, ar_restored) in zip(
+        figures["fsdp"], figures["allreduce"], strict=True
+    ):
+        assert fsdp_loss == pytest.approx(ar_loss, abs=1e-5)
+        assert fsdp_restored == ar_restored
+
+
+def test_fsdp_refuses_fp16_and_compression_naming_the_fix():
+    with pytest.raises(ConfigError, match="precision = 'bf16'"):
+        SparkDLConfig().replace(strategy="fsdp", precision="fp16")
+    with pytest.raises(ConfigError, match="compression = 'none'"):
+        SparkDLConfig().replace(strategy="fsdp", compression="fp16")
+
+
+def test_each_large_enough_submodule_is_its_own_unit_innermost_first():
+    model = nn.Sequential(
+        nn.Linear(100, 100), nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 2)), nn.ReLU()
+    )
+    units = shard_units(model)
+    assert units == [model[0], model[1][0]]  # model[1][1] (202 params) is under 5%: the root keeps it
+    tiny = TinyNet()
+    assert shard_units(tiny) == [tiny.body[0], tiny.body[2]]  # 56 and 27 of 83 parameters
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def test_fsdp_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(tmp_path, monkeypatch):
+    """Peak memory of a worker training 8 x Linear(1024, 1024) with Adam on 2 workers.
+
+    Measured in fresh spawned processes, each fitting twice in a row; the second fit is
+    measured, so one-time costs (lazy imports, DTensor's operator tables, about 30 MiB
+    at the first ``fully_shard``) stay out of the figure. model_fn resets the process's
+    peak RSS (VmHWM, via /proc/self/clear_refs) and records its RSS just before it builds
+    the model; after training, the peak minus that baseline is what the model, its
+    gradients, the optimizer state, the communication buffers and the activations took.
+    glibc's mmap threshold is fixed at 128 KiB, so that a freed tensor goes back to the
+    OS and RSS follows the live tensors (by default the threshold grows to 32 MiB and
+    freed blocks stay in the heap: RSS would measure the allocator's history). Rank 1's
+    figure is compared: rank 0 also gathers the final weights for the driver.
+    All-reduce holds weights, gradients (DDP's buckets) and two Adam moments whole,
+    about 4 x 32 MiB; fsdp holds half of each, plus one gathered unit at a time.
+    """
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    rng = np.random.default_rng(0)
+    shards = []
+    for _ in range(2):
+        shards.append(
+            (rng.normal(size=(32, 1024)).astype(np.float32), rng.integers(0, 10, 32).astype(np.int64))
+        )
+    plan, template = shard_plan(shards)
+    parts = [[shard_to_batch(x, y)] for x, y in shards]
+    peaks = {}
+    for strategy in ("allreduce", "fsdp"):
+        config = SparkDLConfig().replace(
+            num_workers=2, collective_timeout_s=30.0, strategy=strategy, batch_size=8, epochs=1, shuffle=False
+        )
+        spec = TrainSpec(config, make_wide_net, _adam, "cross_entropy", plan, template)
+        results = spawn(parts, spec, tmp_path / strategy, runs=2)
+        assert all(e is None for _, e, _ in results.values()), results
+        peaks[strategy] = results[1][2] / 1024
+    ratio = peaks["fsdp"] / peaks["allreduce"]
+    figures = f"allreduce {peaks['allreduce']:.1f}, fsdp {peaks['fsdp']:.1f}, ratio {ratio:.2f}"
+    print(f"peak MiB per worker (rank 1): {figures}")
+    assert ratio <= 0.6, figures
