@@ -174,7 +174,7 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     from sparkdl.datasets import load_arrays, to_dataframe, train_test_split
     from sparkdl.estimator import TorchEstimator
     from sparkdl.models import MLPFactory
-    from sparkdl.runtime.session import build_session
+    from sparkdl.runtime.session import build_session, warm_up
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,6 +182,7 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
         spark = build_session(
             config.spark.master or None, config.spark.app_name, config.sparkdl, config.spark.conf
         )
+        warm_up(spark, config.sparkdl)  # while the data loads
     data = load_arrays(config.job.dataset)
     train, test = train_test_split(data, config.job.test_fraction, config.sparkdl.training.seed)
     train_df = to_dataframe(spark, train, config.job.input_partitions)

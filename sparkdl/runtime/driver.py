@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from sparkdl.config import DataConfig, SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
@@ -149,11 +151,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     check_cluster(
         spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
     )
-    if config.runtime.preflight:  # mistakes that fail on every attempt fail here, once, in seconds
-        check_executor_environment(spark, max(config.runtime.executor_wait_timeout_s, 60.0))
-    sample = sample_batch(df, spec.plan)
-    if config.runtime.preflight:
-        check_model(df, spec, sample)
+    sample = _preflight(df, spec)
     spec = dataclasses.replace(
         spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
     )
@@ -197,6 +195,25 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             progress.stop()
         if hosted is not None:
             hosted.stop()
+
+
+def _preflight(df: Any, spec: TrainSpec) -> Batch | None:
+    """The DataFrame's first rows, decoded; with ``runtime.preflight``, mistakes that would
+    fail every attempt fail here, once, in seconds: the executors' Python (a Spark job, one
+    task per worker) is checked while the model runs on those rows here (driver CPU)."""
+    runtime = spec.config.runtime
+    if not runtime.preflight:
+        return sample_batch(df, spec.plan)
+    sample = sample_batch(df, spec.plan)  # first: the check's tasks would hold every slot
+    with ThreadPoolExecutor(1, thread_name_prefix="sparkdl-preflight") as pool:
+        wait_s = max(runtime.executor_wait_timeout_s, 60.0)
+        workers = spec.config.training.num_workers
+        environment = pool.submit(check_executor_environment, df.sparkSession, wait_s, workers)
+        try:
+            check_model(df, spec, sample)
+        finally:
+            environment.result()  # a wrong environment is the first thing to fix: its error wins
+    return sample
 
 
 def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:

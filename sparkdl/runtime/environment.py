@@ -60,8 +60,8 @@ class Interpreter:
         return cls(**{key: str(data.get(key, "")) for key in cls.__dataclass_fields__})
 
 
-def _probe_interpreter(_rows: Iterable[Any]) -> Iterator[str]:
-    """Runs on an executor (and on the driver): this interpreter and its imports, as JSON.
+def _interpreter_facts() -> str:
+    """This interpreter and its imports, as JSON (runs on an executor, and on the driver).
 
     Only the standard library, imported inside: it is shipped by value and must run where
     sparkdl is missing. Import errors are returned, never raised, so the task cannot fail.
@@ -79,24 +79,33 @@ def _probe_interpreter(_rows: Iterable[Any]) -> Iterator[str]:
             facts[name], facts[name + "_error"] = str(getattr(module, "__version__", "unknown")), ""
         except Exception as exc:  # the report must come back as data, not as a task failure
             facts[name], facts[name + "_error"] = "", f"{type(exc).__name__}: {exc}"
-    yield json.dumps(facts)
+    return json.dumps(facts)
 
 
-def _by_value(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` that cloudpickle ships by value: its module name is not importable,
-    so the pickle holds its code and no reference to sparkdl."""
-    clone = types.FunctionType(fn.__code__, {"__builtins__": builtins}, fn.__name__, fn.__defaults__)
+def _probe_partition(_rows: Iterable[Any]) -> Iterator[str]:
+    """The check's task: the facts of its interpreter. A plain RDD task, not Arrow: it must
+    answer where pyarrow is missing too."""
+    yield _interpreter_facts()
+
+
+def _by_value(fn: Callable[..., Any], **shipped: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` that cloudpickle ships by value (its code, and the ``shipped``
+    functions it calls): its module name is not importable, so the pickle holds no
+    reference to sparkdl."""
+    clone = types.FunctionType(
+        fn.__code__, {"__builtins__": builtins, **shipped}, fn.__name__, fn.__defaults__
+    )
     clone.__module__ = "__sparkdl_environment_probe__"
     clone.__qualname__ = fn.__qualname__
     return clone
 
 
-SHIPPED_PROBE = _by_value(_probe_interpreter)
+SHIPPED_PROBE = _by_value(_probe_partition, _interpreter_facts=_by_value(_interpreter_facts))
 
 
 def driver_interpreter() -> Interpreter:
     """This process's interpreter, described as an executor's is."""
-    return Interpreter.from_json(next(_probe_interpreter(())))
+    return Interpreter.from_json(_interpreter_facts())
 
 
 def environment_problems(driver: Interpreter, executor: Interpreter) -> list[str]:
@@ -131,16 +140,21 @@ def environment_job_group(sc: Any) -> str:
     return f"{JOB_GROUP_PREFIX}-{sc.applicationId}"
 
 
-def check_executor_environment(spark: Any, timeout_s: float) -> Interpreter | None:
-    """Run one tiny task on an executor and compare its Python with the driver's.
+def check_executor_environment(spark: Any, timeout_s: float, workers: int = 1) -> Interpreter | None:
+    """Run tiny tasks on the executors and compare their Python with the driver's.
+
+    One task per worker of the fit to come: on a fresh session this starts the Python
+    workers the training stage then reuses (warm, with sparkdl imported), rather than the
+    stage starting them.
 
     Skipped on Spark Connect (the client is not the driver); a pass is remembered for the
     application, so later fits do not pay for it again.
 
     Args:
         spark: the SparkSession of the fit.
-        timeout_s: how long to wait for the task; past it the job is cancelled and the
+        timeout_s: how long to wait for the tasks; past it the job is cancelled and the
             check skipped with a warning (a slow executor is not a wrong one).
+        workers: how many tasks to run at once.
 
     Returns:
         the executors' interpreter, or None when the check was skipped.
@@ -157,7 +171,7 @@ def check_executor_environment(spark: Any, timeout_s: float) -> Interpreter | No
         if sc.applicationId in _passed:
             return _passed[sc.applicationId]
         driver = driver_interpreter()
-        executor = _run_probe(sc, timeout_s, driver)
+        executor = _run_probe(sc, timeout_s, driver, workers)
         if executor is None:
             return None
         problems = environment_problems(driver, executor)
@@ -169,7 +183,7 @@ def check_executor_environment(spark: Any, timeout_s: float) -> Interpreter | No
         return executor
 
 
-def _run_probe(sc: Any, timeout_s: float, driver: Interpreter) -> Interpreter | None:
+def _run_probe(sc: Any, timeout_s: float, driver: Interpreter, tasks: int = 1) -> Interpreter | None:
     """The executor's answer; None when none came within ``timeout_s`` (job cancelled)."""
     from pyspark import InheritableThread
 
@@ -180,7 +194,7 @@ def _run_probe(sc: Any, timeout_s: float, driver: Interpreter) -> Interpreter | 
         try:
             sc.setJobGroup(group, "sparkdl fit: check the executors' Python", interruptOnCancel=True)
             sc.setLocalProperty("callSite.short", "sparkdl environment check")  # the stage's name
-            outcome["rows"] = sc.parallelize([0], 1).mapPartitions(SHIPPED_PROBE).collect()
+            outcome["rows"] = sc.parallelize(range(tasks), tasks).mapPartitions(SHIPPED_PROBE).collect()
         except Exception as exc:  # handed to the caller's thread below
             outcome["error"] = exc
 
@@ -204,7 +218,8 @@ def _run_probe(sc: Any, timeout_s: float, driver: Interpreter) -> Interpreter | 
             f"torch {driver.torch} installed (the driver runs {driver.executable}, Python "
             f"{driver.python}), before the SparkContext starts"
         ) from error
-    return Interpreter.from_json(outcome["rows"][0])
+    answers = [Interpreter.from_json(row) for row in outcome["rows"]]
+    return next((a for a in answers if environment_problems(driver, a)), answers[0])  # the worst
 
 
 def failure_excerpt(text: str) -> str:
@@ -241,14 +256,14 @@ _MEMORY_SIGNS = (
     ),
     (
         ("CUDA out of memory", "OutOfMemoryError: CUDA"),
-        "the GPU ran out of memory: lower batch_size, train in precision = \"bf16\", or shard the "
-        "model across the workers with strategy = \"fsdp\"",
+        'the GPU ran out of memory: lower batch_size, train in precision = "bf16", or shard the '
+        'model across the workers with strategy = "fsdp"',
     ),
     (
         ("DefaultCPUAllocator: can't allocate memory", "Python worker exited unexpectedly", "MemoryError"),
         "a Python worker ran out of memory (or was killed by the system for it): give executors more "
         "memory (spark.executor.pyspark.memory caps it when set), run fewer workers per host, or shard "
-        "the model with strategy = \"fsdp\"",
+        'the model with strategy = "fsdp"',
     ),
 )
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+
 from sparkdl.config import SparkDLConfig
+
+log = logging.getLogger(__name__)
 
 
 def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
@@ -28,6 +34,10 @@ def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
     }
 
 
+#: The Spark setting naming the Python worker daemon; sparkdl's imports torch before forking.
+DAEMON_MODULE = "spark.python.daemon.module"
+
+
 def build_session(
     master: str | None,
     app_name: str,
@@ -38,7 +48,9 @@ def build_session(
 
     ``master`` None keeps what spark-submit configured. Sets ``PYSPARK_PYTHON`` to
     this interpreter when unset, so local executors find torch; on a cluster whose
-    workers keep Python elsewhere, export ``PYSPARK_PYTHON`` before starting.
+    workers keep Python elsewhere, export ``PYSPARK_PYTHON`` before starting. A local
+    master's Python workers fork from :mod:`sparkdl.runtime.daemon`, torch already
+    imported (a faster first fit).
     """
     from pyspark.sql import SparkSession
 
@@ -46,7 +58,10 @@ def build_session(
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    for key, value in {**recommended_conf(config), **(extra or {})}.items():
+    conf = recommended_conf(config)
+    if master and master.startswith("local"):  # executors run this interpreter, which has sparkdl
+        conf[DAEMON_MODULE] = "sparkdl.runtime.daemon"
+    for key, value in {**conf, **(extra or {})}.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
 
@@ -61,6 +76,9 @@ def session(
     executors on this interpreter (``PYSPARK_PYTHON``), plus more Spark settings by their
     full names (``**{"spark.driver.memory": "4g"}``).
 
+    The session starts warming up at once, in the background (:func:`warm_up`), so that
+    the first fit starts about as fast as the later ones.
+
     Example::
 
         import sparkdl
@@ -72,4 +90,41 @@ def session(
         config: the settings whose timeouts the session should match (defaults if None).
         spark_conf: more Spark settings, by their full names.
     """
-    return build_session(master, app_name, config or SparkDLConfig(), spark_conf)
+    config = config or SparkDLConfig()
+    spark = build_session(master, app_name, config, spark_conf)
+    warm_up(spark, config)
+    return spark
+
+
+def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
+    """A ``mapInArrow`` function that changes nothing: the warm-up's first Arrow stage."""
+    yield from batches
+
+
+def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread:
+    """Do, in the background, what a fresh session's first fit would otherwise wait for.
+
+    On a fresh session the first fit paid about 5 s before training (measured in
+    ``benchmarks/bench_first_fit.py``): the executors' Python check, which starts the
+    Python worker daemon (torch imported) and the workers; the JVM's first Arrow stage
+    (about 2.5 s); and on the driver the first optimizer (torch imports its compiler
+    stack then). Started when the
+    session is built, this overlaps with the caller's own work (reading data); a fit that
+    starts sooner waits for the check already under way instead of running its own.
+    A failure here is left for the fit's own check to report.
+    """
+    from sparkdl.runtime.environment import check_executor_environment
+
+    def run() -> None:
+        try:
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+            workers = max(int(spark.sparkContext.defaultParallelism), 1)
+            wait_s = max(config.runtime.executor_wait_timeout_s, 60.0)
+            if check_executor_environment(spark, wait_s, workers) is not None:  # sparkdl runs there
+                spark.range(workers, numPartitions=workers).mapInArrow(_pass_through, "id long").collect()
+        except Exception as exc:  # the fit checks again and reports it
+            log.debug("warm-up of the new session failed: %s", exc)
+
+    thread = threading.Thread(target=run, name="sparkdl-warm-up", daemon=True)
+    thread.start()
+    return thread

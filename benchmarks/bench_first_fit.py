@@ -1,0 +1,96 @@
+"""The first fit in a fresh session against the later ones, and where the first one's time goes.
+
+    .venv/bin/python benchmarks/bench_first_fit.py [--sessions 3] [--fits 3]
+
+Each session is a fresh Python process (a new driver, JVM and executors, as a new job or
+notebook is): it builds a ``local[2]`` session with :func:`sparkdl.session`, then runs
+``--fits`` small fits (2,000 rows, 2 workers, 1 epoch, the benchmark MLP). Recorded per fit:
+its wall time and the phases sparkdl logs (the executor check, the preflight, the training
+stage). Also ``--daemon pyspark`` runs the same sessions with PySpark's own worker daemon
+instead of sparkdl's (``spark.python.daemon.module``), to show what pre-importing torch saves.
+Results: benchmarks/results/first_fit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import save_report  # noqa: E402
+
+_SESSION = r"""
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+started = time.perf_counter()
+import sparkdl
+from benchmarks.common import make_data, make_model, make_optimizer
+extra = {{}} if {daemon!r} == "sparkdl" else {{"spark.python.daemon.module": "pyspark.daemon"}}
+spark = sparkdl.session("local[2]", "sparkdl-first-fit", **{{"spark.ui.enabled": "false", **extra}})
+spark.sparkContext.setLogLevel("ERROR")
+spark.sparkContext.addPyFile(os.path.join({root!r}, "benchmarks", "common.py"))
+import pyarrow as pa
+x, y = make_data(2000)
+table = pa.table({{"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+                  .cast(pa.list_(pa.float32())), "label": pa.array(y)}})
+df = spark.createDataFrame(table).repartition(2).cache()
+df.count()
+session_s = time.perf_counter() - started
+fits = []
+for _ in range({fits}):
+    estimator = sparkdl.TorchEstimator(
+        model_fn=make_model, optimizer_fn=make_optimizer, loss_fn="cross_entropy",
+        num_workers=2, batch_size=128, epochs=1, progress=False, torch_threads=1,
+    )
+    t = time.perf_counter()
+    model = estimator.fit(df)
+    fits.append({{"seconds": time.perf_counter() - t, "training_s": model.history[-1]["seconds"]}})
+print(json.dumps({{"session_s": session_s, "fits": fits}}))
+spark.stop()
+"""
+
+
+def one_session(fits: int, daemon: str) -> dict[str, Any]:
+    code = _SESSION.format(root=str(ROOT), fits=fits, daemon=daemon)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--fits", type=int, default=3)
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, Any]]] = {"sparkdl": [], "pyspark": []}
+    for _ in range(args.sessions):  # interleaved
+        for daemon in results:
+            results[daemon].append(one_session(args.fits, daemon))
+            print(daemon, results[daemon][-1], flush=True)
+    summary = {}
+    for daemon, sessions in results.items():
+        first = statistics.median(s["fits"][0]["seconds"] for s in sessions)
+        later = statistics.median(f["seconds"] for s in sessions for f in s["fits"][1:])
+        summary[daemon] = {
+            "first_fit_s": round(first, 2),
+            "later_fit_s": round(later, 2),
+            "first_over_later": round(first / later, 2),
+            "session_start_s": round(statistics.median(s["session_s"] for s in sessions), 2),
+        }
+    save_report(str(ROOT / "benchmarks/results/first_fit.json"), summary=summary, sessions=results)
+
+
+if __name__ == "__main__":
+    main()
