@@ -1,7 +1,7 @@
 """Sync strategies compared in one run (issue 3 item 6, issue 4 item 9): samples/s, bytes sent per worker
 and held-out accuracy after the same number of epochs, on the same model and data.
 
-    .venv/bin/python benchmarks/bench_strategies.py [--rows 200000] [--epochs 4]
+    .venv/bin/python benchmarks/bench_strategies.py [--rows 200000] [--epochs 4] [--only fsdp,...]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ VARIANTS = [
         "parameter_server async push/pull every 4",
         {"strategy": "parameter_server", "ps_mode": "async", "push_every": 4, "pull_every": 4},
     ),
+    ("fsdp", {"strategy": "fsdp"}),
 ]
 
 
@@ -67,10 +68,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--output", default=str(HERE / "results/strategies.json"))
+    parser.add_argument("--only", default="", help="comma-separated variant names (allreduce always runs)")
     args = parser.parse_args()
+    wanted = {"allreduce", *filter(None, args.only.split(","))}
+    variants = [(name, s) for name, s in VARIANTS if not args.only or name in wanted]
     spark = bench_session("sparkdl-bench-strategies")
     train_df, test_df = dataframe(spark, args.rows, 2, seed=0), dataframe(spark, args.test_rows, 2, seed=1)
-    results = {name: run_variant(train_df, test_df, s, args.epochs, args.batch_size) for name, s in VARIANTS}
+    results = {name: run_variant(train_df, test_df, s, args.epochs, args.batch_size) for name, s in variants}
     base = results["allreduce"]
     for result in results.values():
         result["samples_per_s_vs_allreduce"] = (

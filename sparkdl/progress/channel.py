@@ -274,6 +274,43 @@ class ForwardToDriver(logging.Handler):
             self.handleError(record)
 
 
+class HeldRecords(logging.Handler):
+    """Keeps this worker's WARNING and ERROR records from before its reporter could start
+    (the reporter needs the stage attempt, known once the ranks have met), to send them
+    when it does: at most ``limit``, the later ones counted."""
+
+    def __init__(self, limit: int = 100) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self.dropped = 0
+        self._limit = limit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self._limit:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+
+    def __enter__(self) -> HeldRecords:
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        logging.getLogger().removeHandler(self)
+
+    def send_to(self, reporter: ProgressReporter | None) -> None:
+        """Stop holding; send what was held through ``reporter`` (nothing without one)."""
+        self.__exit__()
+        if reporter is None:
+            return
+        forward = ForwardToDriver(reporter)
+        for record in self.records:
+            forward.handle(record)
+        if self.dropped:
+            reporter.log(logging.WARNING, f"{self.dropped} more warnings before the reporter started")
+        self.records.clear()
+
+
 @contextlib.contextmanager
 def reporting_to_driver(
     endpoint: ProgressEndpoint | None, rank: int, attempt: int, *, heartbeat_s: float | None = None

@@ -41,7 +41,7 @@ from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
 from sparkdl.progress.board import Report
-from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
+from sparkdl.progress.channel import HeldRecords, ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
@@ -128,6 +128,7 @@ def run_worker(
     config, rank = spec.config, placement.rank
     with contextlib.ExitStack() as stack:
         last_out = stack.enter_context(contextlib.ExitStack())  # the reporter, once it can start
+        held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
         stack.enter_context(_socket_interface(config.runtime.network_interface))
@@ -136,6 +137,7 @@ def run_worker(
         reporter = last_out.enter_context(
             reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
         )
+        held.send_to(reporter)
         torch.manual_seed(config.training.seed)
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards

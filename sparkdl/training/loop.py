@@ -87,6 +87,7 @@ class EpochResult:
     source: str
     sync: SyncStats = field(default_factory=SyncStats)
     nan_skips: int = 0
+    peak_gpu_mb: float = 0.0  # the worker's peak CUDA memory so far (0 on CPU)
 
     def record(self) -> dict[str, Any]:
         """The epoch's entry of ``history``: its figures and the strategy's, flat."""
@@ -281,6 +282,7 @@ class Trainer:
             source=source,
             sync=self.strategy.end_epoch(),
             nan_skips=self.strategy.guard.skipped - skips_before,
+            peak_gpu_mb=_peak_gpu_mb(self.strategy.ctx.device),
         )
         return result, tally
 
@@ -362,3 +364,8 @@ class Trainer:
             f"rank {self._ctx.rank} stopped because another worker rejected its input"
         )
         return agreed(error)
+
+
+def _peak_gpu_mb(device: torch.device) -> float:
+    """The peak memory torch allocated on ``device`` so far, in MB (0 for a CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 1e6 if device.type == "cuda" else 0.0

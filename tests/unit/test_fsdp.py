@@ -72,12 +72,12 @@ def make_wide_net() -> nn.Module:
 # ------------------------------------------------------------------ spawning
 
 
-def _worker(rank, world, record_batches, spec, store_path, out, runs=1):
+def _worker(rank, world, record_batches, spec, store_path, out, runs=1, gpus=False):
     import os
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
-        placement = Placement(rank, world, "127.0.0.1")
+        placement = Placement(rank, world, "127.0.0.1", gpu_addresses=(str(rank),) if gpus else ())
         for run in range(runs):  # the last run is the one measured
             gather = _file_all_gather(f"{store_path}-{run}", rank, world)
             result = run_worker(spec, iter(record_batches), placement, gather)
@@ -87,7 +87,7 @@ def _worker(rank, world, record_batches, spec, store_path, out, runs=1):
         out.put((rank, [], exc, 0, b""))
 
 
-def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = None):
+def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = None, gpus: bool = False):
     """Run ``spec`` ``runs`` times in a row on one process per entry of ``parts`` (each a
     list of record batches); return {rank: (history, error, peak KiB)} of the last run, and
     put rank 0's trained weights into ``weights``."""
@@ -96,7 +96,7 @@ def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = Non
     out = ctx.Queue()
     world = len(parts)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, parts[r], spec, str(tmp_path / "store"), out, runs))
+        ctx.Process(target=_worker, args=(r, world, parts[r], spec, str(tmp_path / "store"), out, runs, gpus))
         for r in range(world)
     ]
     for p in procs:
@@ -112,7 +112,9 @@ def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = Non
     return results
 
 
-def train(shards, tmp_path: Path, optimizer_fn=_sgd, model_fn=make_tiny_net, parts=None, **settings):
+def train(
+    shards, tmp_path: Path, optimizer_fn=_sgd, model_fn=make_tiny_net, parts=None, gpus=False, **settings
+):
     """Train with strategy fsdp; return the final (gathered) weights and the results."""
     config = SparkDLConfig().replace(
         num_workers=len(shards),
@@ -127,7 +129,7 @@ def train(shards, tmp_path: Path, optimizer_fn=_sgd, model_fn=make_tiny_net, par
     if parts is None:
         parts = [[shard_to_batch(x, y)] if len(y) else [] for x, y in shards]
     state: dict = {}
-    results = spawn(parts, spec, tmp_path, weights=state)
+    results = spawn(parts, spec, tmp_path, weights=state, gpus=gpus)
     errors = {r: e for r, (_, e, _) in results.items() if e is not None}
     assert not errors, errors
     saved = last_checkpoint(tmp_path / "ckpt")["model"]
@@ -361,3 +363,16 @@ def test_fsdp_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(tmp_p
     figures = f"allreduce {peaks['allreduce']:.1f}, fsdp {peaks['fsdp']:.1f}, ratio {ratio:.2f}"
     print(f"peak MiB per worker (rank 1): {figures}")
     assert ratio <= 0.6, figures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp_on_gpus_with_nccl_matches_the_cpu_run(tmp_path):
+    """One worker per GPU (up to 2), each on the GPU its Spark resources would name, NCCL."""
+    world = min(torch.cuda.device_count(), 2)
+    shards = make_shards([48, 29][:world])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": False}
+    on_gpus, results = train(shards, tmp_path / "gpu", _adam, gpus=True, use_gpu="true", **settings)
+    on_cpu, _ = train(shards, tmp_path / "cpu", _adam, use_gpu="false", **settings)
+    assert max_abs_diff(on_gpus, on_cpu) < 1e-4
+    assert results[0][0][-1]["peak_gpu_mb"] > 0  # it did run on the GPU
