@@ -9,6 +9,7 @@ The model check itself is :func:`sparkdl.training.preflight.preflight` (pure tor
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,10 @@ def check_model(
         label_integer=label_integer,
         strict=_strict(df.sparkSession, spec),
     )
+    # The model built for the check may sit in a reference cycle (its layer-tracing hooks):
+    # free it now, not at some later collection, or the driver holds it beside the trained
+    # weights when they arrive (measured: 3.2x a 2 GB model's bytes at the peak, not 2.2x).
+    gc.collect()
     log.info("%s", report.summary())
     return report
 

@@ -154,6 +154,7 @@ def _run(
     value = _loss_and_backward(module, loss_fn, _loss_name(loss), output, sample)
     if optimizer_fn is not None:
         build_optimizer(module.parameters(), optimizer_fn, OptimizerConfig())
+    module.zero_grad(set_to_none=True)  # the gradients are as large as the model: free them now
     parameters = list(module.parameters())
     return PreflightReport(
         rows=len(sample.batch),

@@ -42,8 +42,11 @@ from sparkdl.weights.protocol import Ack, Op, receive_state, send_state, server_
 
 log = logging.getLogger(__name__)
 
-#: Offers of released models still served, newest first (for lazy DataFrames that outlive them).
+#: Offers of released models still served (for lazy DataFrames that outlive them): the
+#: newest offer always, and up to this many more released ones while they hold at most
+#: :data:`RELEASED_BYTES` together (a released 2 GB model is not kept beside the next one).
 KEEP_RELEASED = 2
+RELEASED_BYTES = 512 * 1024 * 1024
 _HELLO_TIMEOUT_S = 10.0
 
 
@@ -53,6 +56,7 @@ class _Offer:
 
     secret: bytes
     state: Mapping[str, torch.Tensor]
+    nbytes: int
     owner: int  # id() of the object that offered it
     fingerprint: Hashable  # (owner, what the owner said identifies the tensors' content)
     released: bool = False
@@ -125,7 +129,8 @@ class WeightServer:
                 if isinstance(held, _Offer) and held.owner == id(owner):
                     held.released = True
             slot, secret = next(self._numbers), secrets.token_bytes(32)
-            self._slots[slot] = _Offer(secret, state, id(owner), identity)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            self._slots[slot] = _Offer(secret, state, nbytes, id(owner), identity)
             self._prune()
         weakref.finalize(owner, self._release, slot)
         return self._endpoint(slot, secret)
@@ -157,10 +162,19 @@ class WeightServer:
                 self._prune()
 
     def _prune(self) -> None:
-        """Drop released offers beyond the newest :data:`KEEP_RELEASED` (lock held)."""
-        released = [s for s, h in self._slots.items() if isinstance(h, _Offer) and h.released]
-        for slot in sorted(released, reverse=True)[KEEP_RELEASED:]:
-            del self._slots[slot]
+        """Drop released offers but the newest offer and, beyond it, up to
+        :data:`KEEP_RELEASED` of the newest within :data:`RELEASED_BYTES` (lock held)."""
+        offers = sorted((s for s, h in self._slots.items() if isinstance(h, _Offer)), reverse=True)
+        kept, held = 0, 0
+        for slot in offers[1:]:  # the newest offer stays, released or not
+            offer = self._slots[slot]
+            assert isinstance(offer, _Offer)
+            if not offer.released:
+                continue
+            if kept < KEEP_RELEASED and held + offer.nbytes <= RELEASED_BYTES:
+                kept, held = kept + 1, held + offer.nbytes
+            else:
+                del self._slots[slot]
 
     def _close(self, slot: int) -> _Offer | _Inbox | None:
         with self._lock:

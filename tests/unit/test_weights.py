@@ -226,3 +226,18 @@ def test_a_module_with_tensors_the_state_lacks_is_built_normally_and_loaded():
     module = module_with_state(WithTable, state)
     assert torch.equal(module.table, torch.arange(3.0))
     assert torch.equal(module.linear.weight, torch.ones(2, 2))
+
+
+def test_a_large_released_model_is_not_kept_beside_the_next_one(server, monkeypatch):
+    from sparkdl.weights import server as serving
+
+    monkeypatch.setattr(serving, "RELEASED_BYTES", 1024)
+    big_owner, small_owner = Owner(), Owner()
+    big = server.offer({"w": torch.zeros(512)}, big_owner, 1)  # 2 KB: over the budget
+    del big_owner
+    gc.collect()
+    assert server.serves(big.slot)  # released, but still the newest offer: a lazy transform needs it
+    small = server.offer({"w": torch.zeros(16)}, small_owner, 1)
+    del small_owner
+    gc.collect()
+    assert not server.serves(big.slot) and server.serves(small.slot)
