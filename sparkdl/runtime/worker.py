@@ -51,7 +51,6 @@ from sparkdl.training.checkpointing import Checkpointer, Position, Resume, resto
 from sparkdl.training.factory import (
     ModelFn,
     OptimizerFn,
-    build_model,
     build_optimizer,
 )
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
@@ -141,7 +140,7 @@ def run_worker(
         torch.manual_seed(config.training.seed)
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
-        module = kind.prepare_module(build_model(spec.model_fn).to(device), config, device)
+        module = kind.build_module(spec.model_fn, config, device)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)

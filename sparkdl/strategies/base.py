@@ -135,6 +135,18 @@ class SyncStrategy(abc.ABC):
             self._scaler = torch.amp.GradScaler(ctx.device.type)
 
     @classmethod
+    def build_module(
+        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+    ) -> nn.Module:
+        """Build this worker's model with ``model_fn``, on ``device``, ready for the
+        optimizer (every rank, once the process group exists). By default the whole model
+        on every rank, then :meth:`prepare_module`; a sharding strategy may build it so
+        that no rank but one ever holds it whole."""
+        from sparkdl.training.factory import build_model
+
+        return cls.prepare_module(build_model(model_fn).to(device), config, device)
+
+    @classmethod
     def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
         """Make the freshly built ``module`` (already on ``device``) ready for this strategy,
         before the optimizer is built over its parameters: a sharding strategy shards it

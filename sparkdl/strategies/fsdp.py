@@ -33,12 +33,17 @@ strategies and worker counts. Gathering is a collective: every rank takes part a
 checkpoint step; on resume every rank reads the file and keeps its shards. The final
 weights and early stopping's best weights are gathered the same way, to rank 0.
 
+Building: only rank 0 builds the whole model (on CPU); every rank builds it on the meta
+device, shards it, allocates its shards and receives them from rank 0, so the other
+ranks never hold it whole (:meth:`FsdpStrategy.build_module`).
+
 Buffers (e.g. batch-norm statistics) are not sharded and, unlike DDP, not synchronised:
 each rank keeps its own; rank 0's are saved and returned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -56,6 +61,7 @@ from torch.distributed.fsdp import fully_shard
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, parameter_bytes
+from sparkdl.training.factory import build_model
 
 #: A submodule with at least this share of the parameters is sharded as its own unit.
 UNIT_SHARE = 0.05
@@ -79,6 +85,33 @@ class FsdpStrategy(SyncStrategy):
         payload = parameter_bytes(ctx.module)
         world = ctx.world_size
         self._step_bytes = 0 if world <= 1 else 3 * (world - 1) * payload // world
+
+    @classmethod
+    def build_module(
+        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+    ) -> nn.Module:
+        """Rank 0 builds the whole model on CPU; every rank builds it on the meta device
+        (no memory), shards it, allocates only its shards and receives them from rank 0.
+        So no other rank ever holds the whole model. A model with buffers outside its
+        state dict (non-persistent: nothing could fill them after allocation) is built
+        whole on every rank and sharded (:meth:`prepare_module`)."""
+        with torch.device("meta"):
+            skeleton = build_model(model_fn)
+        saved = set(skeleton.state_dict())
+        if any(name not in saved for name, _ in skeleton.named_buffers()):
+            return cls.prepare_module(build_model(model_fn).to(device), config, device)
+        whole = None
+        if dist.get_rank() == 0:
+            with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
+                whole = build_model(model_fn)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for unit in shard_units(skeleton):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(skeleton, mesh=mesh)
+        skeleton.to_empty(device=device)
+        state = whole.state_dict() if whole is not None else {}
+        set_model_state_dict(skeleton, cast(dict[str, Any], state), options=_FROM_RANK0)
+        return skeleton
 
     @classmethod
     def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
