@@ -169,6 +169,35 @@ def test_fsdp_equals_all_reduce_and_single_process_sgd_with_momentum(tmp_path, s
     assert all(h["steps"] == max((s + 7) // 8 for s in sizes) for h in history)
 
 
+class ScaledNet(TinyNet):
+    """TinyNet with a buffer outside its state dict: fsdp cannot build it on the meta device
+    (nothing would fill that buffer), so every rank builds it whole, then shards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def make_scaled_net() -> nn.Module:
+    return ScaledNet()
+
+
+def test_a_model_with_a_non_persistent_buffer_is_built_whole_and_trains_as_all_reduce(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": False}
+    state, _ = train(shards, tmp_path / "fsdp", model_fn=make_scaled_net, **settings)
+    plan, template = shard_plan(shards)
+    config = SparkDLConfig().replace(num_workers=2, collective_timeout_s=30.0, **settings)
+    spec = TrainSpec(config, make_scaled_net, _sgd, "cross_entropy", plan, template)
+    weights: dict = {}
+    spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path / "allreduce", weights=weights)
+    assert max_abs_diff(state, weights) < 1e-5
+    assert max_abs_diff(state, make_tiny_net().state_dict()) > 1e-2  # it did train
+
+
 def test_fsdp_with_adam_and_clipping_equals_all_reduce(tmp_path):
     shards = make_shards([50, 21])
     settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "grad_clip_norm": 0.5}
