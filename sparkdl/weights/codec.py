@@ -13,11 +13,11 @@ straight into place (:class:`StateAssembler`): no second copy of the model is he
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from sparkdl.errors import ProtocolError
@@ -43,6 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
 MAX_ENTRIES = 1_000_000
 MAX_NAME_CHARS = 4096
 MAX_DIMS = 32
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: a larger tensor is a forged manifest, not a model
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Entry:
     def nbytes(self) -> int:
         if self.alias:
             return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize  # Python ints: no overflow
 
 
 def manifest_of(state: Mapping[str, torch.Tensor]) -> tuple[list[Entry], list[torch.Tensor]]:
@@ -103,20 +104,20 @@ def decode_manifest(payload: bytes | bytearray) -> list[Entry]:
     """
     try:
         rows = json.loads(bytes(payload))
-    except ValueError as exc:
-        raise ProtocolError(f"weights manifest is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"weights manifest is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
         raise ProtocolError(f"weights manifest must be a list of at most {MAX_ENTRIES} entries")
     entries: list[Entry] = []
-    names: set[str] = set()
+    by_name: dict[str, Entry] = {}
     for row in rows:
-        entry = _entry(row, names)
-        names.add(entry.name)
+        entry = _entry(row, by_name)
+        by_name[entry.name] = entry
         entries.append(entry)
     return entries
 
 
-def _entry(row: Any, earlier: set[str]) -> Entry:
+def _entry(row: Any, earlier: dict[str, Entry]) -> Entry:
     if not (isinstance(row, list) and len(row) == 4):
         raise ProtocolError(f"weights manifest entry {str(row)[:80]!r} is not [name, dtype, shape, alias]")
     name, dtype, shape, alias = row
@@ -129,13 +130,17 @@ def _entry(row: Any, earlier: set[str]) -> Entry:
     if not (
         isinstance(shape, list)
         and len(shape) <= MAX_DIMS
-        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_BYTES for d in shape)
+        and Entry(name, dtype, tuple(shape)).nbytes <= MAX_TENSOR_BYTES
     ):
         raise ProtocolError(f"weights manifest entry {name!r} has shape {str(shape)[:80]}")
-    if not isinstance(alias, str) or (alias and alias not in earlier):
+    target = earlier.get(alias) if isinstance(alias, str) and alias else None
+    if not isinstance(alias, str) or (alias and (target is None or target.alias)):
         raise ProtocolError(
             f"weights manifest entry {name!r} aliases {str(alias)[:80]!r}, not an earlier entry"
         )
+    if target is not None and (target.dtype, target.shape) != (dtype, tuple(shape)):
+        raise ProtocolError(f"weights manifest entry {name!r} aliases {alias!r} of another dtype or shape")
     return Entry(name, dtype, tuple(shape), alias)
 
 

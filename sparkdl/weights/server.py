@@ -37,6 +37,7 @@ import torch
 from sparkdl.errors import ConnectionClosed, ProtocolError
 from sparkdl.net.framing import Fields
 from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.weights.codec import manifest_of
 from sparkdl.weights.endpoint import WeightsEndpoint
 from sparkdl.weights.protocol import Ack, Op, receive_state, send_state, server_hello
 
@@ -129,7 +130,7 @@ class WeightServer:
                 if isinstance(held, _Offer) and held.owner == id(owner):
                     held.released = True
             slot, secret = next(self._numbers), secrets.token_bytes(32)
-            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            nbytes = sum(t.numel() * t.element_size() for t in manifest_of(state)[1])  # tied once
             self._slots[slot] = _Offer(secret, state, nbytes, id(owner), identity)
             self._prune()
         weakref.finalize(owner, self._release, slot)
@@ -140,6 +141,7 @@ class WeightServer:
         with self._lock:
             slot, secret = next(self._numbers), secrets.token_bytes(32)
             self._slots[slot] = _Inbox(secret)
+            self._prune()
         return Upload(self, self._endpoint(slot, secret))
 
     def serves(self, slot: int) -> bool:
@@ -155,16 +157,18 @@ class WeightServer:
         return WeightsEndpoint(self.host, self.port, slot, secret, self.server_id, self._timeout_s)
 
     def _release(self, slot: int) -> None:
-        with self._lock:
-            held = self._slots.get(slot)
-            if isinstance(held, _Offer):
-                held.released = True
-                self._prune()
+        """The owner of offer ``slot`` was collected. Runs inside the garbage collector, which
+        may fire in any allocation, also one made while this thread holds ``_lock``: so it
+        takes no lock (a dict lookup and an attribute store are atomic) and prunes nothing;
+        the next offer or upload prunes."""
+        held = self._slots.get(slot)
+        if isinstance(held, _Offer):
+            held.released = True
 
     def _prune(self) -> None:
         """Drop released offers but the newest offer and, beyond it, up to
         :data:`KEEP_RELEASED` of the newest within :data:`RELEASED_BYTES` (lock held)."""
-        offers = sorted((s for s, h in self._slots.items() if isinstance(h, _Offer)), reverse=True)
+        offers = sorted((s for s, h in list(self._slots.items()) if isinstance(h, _Offer)), reverse=True)
         kept, held = 0, 0
         for slot in offers[1:]:  # the newest offer stays, released or not
             offer = self._slots[slot]
@@ -217,6 +221,8 @@ class WeightServer:
         except OSError as exc:
             if not self._listener.stopping:
                 log.warning("weights transfer with %s failed: %s", peer, exc)
+        except Exception as exc:  # e.g. a manifest whose tensors cannot be allocated
+            log.warning("weights transfer with %s failed: %s: %s", peer, type(exc).__name__, exc)
         finally:
             close_quietly(sock)
 

@@ -91,6 +91,10 @@ def test_a_tied_tensor_is_sent_once():
         (b'[["w", "float32", [-1], ""]]', "shape"),
         (b'[["w", "float32", [2], "later"]]', "aliases"),
         (b'{"w": 1}', "list"),
+        (b'[["w", "float32", [1000000000000000000000000000000], ""]]', "shape"),
+        (b'[["w", "float32", [1099511627776, 1099511627776], ""]]', "shape"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+        (b'[["w", "float32", [2], ""], ["v", "int64", [7, 7], "w"]]', "another dtype or shape"),
     ],
 )
 def test_a_malformed_manifest_is_refused_with_what_is_wrong(manifest, complaint):
@@ -140,6 +144,7 @@ def test_an_offer_outlives_its_model_only_among_the_newest_released_ones(server)
     alive = kept.pop()  # the newest model stays referenced
     kept.clear()
     gc.collect()
+    server.expect_upload().close()  # released offers are pruned at the next offer or upload
     served = [server.serves(e.slot) for e in endpoints]
     assert served == [False] + [True] * KEEP_RELEASED + [True]
     with pytest.raises(WeightTransferError, match="Keep a reference to the model"):
@@ -240,4 +245,24 @@ def test_a_large_released_model_is_not_kept_beside_the_next_one(server, monkeypa
     small = server.offer({"w": torch.zeros(16)}, small_owner, 1)
     del small_owner
     gc.collect()
+    server.expect_upload().close()  # prunes
     assert not server.serves(big.slot) and server.serves(small.slot)
+
+
+def test_an_owner_collected_while_the_server_holds_its_lock_does_not_deadlock_it(server):
+    """The collector may run an offer's finalizer inside any allocation, also one made while
+    this very thread holds the server's lock (seen: offer() -> gc -> _release, stuck)."""
+    owner = Owner()
+    offered = server.offer({"w": torch.zeros(2)}, owner, 1)
+    done = threading.Event()
+
+    def release_under_the_lock() -> None:
+        with server._lock:
+            server._release(offered.slot)
+        done.set()
+
+    thread = threading.Thread(target=release_under_the_lock, daemon=True)
+    thread.start()
+    assert done.wait(5), "the finalizer blocked on the server's lock"
+    server.offer({"w": torch.ones(2)}, Owner(), 1)  # the next offer prunes: still served, newest-but-one
+    assert server.serves(offered.slot)
