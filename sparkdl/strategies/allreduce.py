@@ -62,12 +62,7 @@ class AllReduceStrategy(SyncStrategy):
         loss = self._backward(step, batches, scale)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes
-        if self._judged_step(step, loss):
-            self._optimizer_step(step)
-        else:  # skipped: nothing of this step reaches the weights
-            loss = torch.zeros((), device=self.ctx.device)
-        self.ctx.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return self._step_on_shared_gradients(step, loss)
 
     def close(self) -> None:
         # Drop DDP's reducer while the process group is still registered, so that the

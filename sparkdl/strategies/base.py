@@ -258,6 +258,17 @@ class SyncStrategy(abc.ABC):
         if self._scheduler is not None:
             self._scheduler.step()
 
+    def _step_on_shared_gradients(self, step: StepInput, loss: torch.Tensor) -> torch.Tensor:
+        """The end of a step whose gradients every rank shares: the optimizer step if the
+        guard allows it, the gradients cleared either way; return the step's loss (0 when
+        skipped: nothing of it reached the weights)."""
+        if self._judged_step(step, loss):
+            self._optimizer_step(step)
+        else:
+            loss = torch.zeros((), device=self.ctx.device)
+        self.ctx.optimizer.zero_grad(set_to_none=True)
+        return loss
+
     def _judged_step(self, step: StepInput, loss: torch.Tensor) -> bool:
         """Ask the guard whether this step may reach the weights; if it may not and a
         failure is pending, hand it to :meth:`_stop`. The gradients are cleared either way

@@ -104,10 +104,7 @@ class FsdpStrategy(SyncStrategy):
         if dist.get_rank() == 0:
             with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
                 whole = build_model(model_fn)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for unit in shard_units(skeleton):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(skeleton, mesh=mesh)
+        _shard(skeleton, device)
         skeleton.to_empty(device=device)
         state = whole.state_dict() if whole is not None else {}
         set_model_state_dict(skeleton, cast(dict[str, Any], state), options=_FROM_RANK0)
@@ -120,10 +117,7 @@ class FsdpStrategy(SyncStrategy):
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for unit in shard_units(module):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+        _shard(module, device)
         return module
 
     @classmethod
@@ -163,12 +157,15 @@ class FsdpStrategy(SyncStrategy):
         loss = self._backward(step, step.batches, scale, fillers)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes * self._micro_batches
-        if self._judged_step(step, loss):
-            self._optimizer_step(step)
-        else:  # skipped: nothing of this step reaches the weights
-            loss = torch.zeros((), device=self.ctx.device)
-        self.ctx.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return self._step_on_shared_gradients(step, loss)
+
+
+def _shard(module: nn.Module, device: torch.device) -> None:
+    """``fully_shard`` each of :func:`shard_units`, then the root, over every rank."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in shard_units(module):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
 
 
 def shard_units(module: nn.Module, share: float = UNIT_SHARE) -> list[nn.Module]:
