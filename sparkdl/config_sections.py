@@ -356,6 +356,14 @@ class RuntimeConfig:
     progress_interval_s: float = field(
         default=0.5, metadata=about("Shortest time between two progress reports of a worker.", bound="> 0")
     )
+    encrypt: bool = field(
+        default=False,
+        metadata=about(
+            "Encrypt the driver's sockets (parameter server, progress, weights) with AES-256-GCM under "
+            "per-connection keys; frames are authenticated either way. Traffic between workers (gloo, "
+            "NCCL) is not covered: see the README's security section."
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "runtime")

@@ -1,16 +1,18 @@
-"""The wire under the driver's two servers (torch-free, Spark-free): authenticated
-framing that each protocol fills with its own messages (:mod:`sparkdl.net.framing`),
-and the listening socket with a thread per connection (:mod:`sparkdl.net.listener`)."""
+"""The wire under the driver's servers (torch-free, Spark-free): authenticated, optionally
+encrypted framing that each protocol fills with its own messages
+(:mod:`sparkdl.net.framing`), and the listening socket that authenticates a peer before it
+spends a thread on it (:mod:`sparkdl.net.listener`)."""
 
-from sparkdl.net.framing import Channel, WireProtocol, client_hello, read_raw, server_hello
-from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.net.framing import Channel, WireProtocol, accept_hello, client_hello, server_hello
+from sparkdl.net.listener import ConnectionListener, Refusals, close_quietly
 
 __all__ = [
     "Channel",
     "ConnectionListener",
+    "Refusals",
     "WireProtocol",
+    "accept_hello",
     "client_hello",
     "close_quietly",
-    "read_raw",
     "server_hello",
 ]

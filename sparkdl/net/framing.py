@@ -1,30 +1,36 @@
-"""Authenticated framing shared by the driver's sockets: a fixed header, raw payload bytes,
-a MAC tag. The parameter server (:mod:`sparkdl.ps.protocol`) and the progress channel
-(:mod:`sparkdl.progress.protocol`) each speak their own messages over it.
+"""Authenticated (optionally encrypted) framing shared by the driver's sockets. The
+parameter server (:mod:`sparkdl.ps.protocol`), the progress channel
+(:mod:`sparkdl.progress.protocol`) and the weights server (:mod:`sparkdl.weights.protocol`)
+each speak their own messages over it.
 
-    frame  = prefix || fields || payload || tag
-    prefix = magic, framing version, protocol id, kind, payload length   (PREFIX, 16 bytes)
-    fields = the protocol's own header fields (one fixed struct per protocol)
+    challenge = magic, framing version, protocol id, flags, server nonce   (server -> client)
+    hello     = header (kind HELLO, length 16) || client nonce || HMAC tag   (client -> server)
+    frame     = header || header tag || body || tag
+    header    = magic, framing version, protocol id, kind, payload length (PREFIX, 16 bytes)
+                || the protocol's own fields (one fixed struct per protocol)
 
-The framing knows nothing of what a frame means: a :class:`WireProtocol` names its
-kinds and its header fields and maps its messages onto them. No pickle, no JSON: a
-payload is raw bytes that the protocol decodes itself.
+The framing knows nothing of what a frame means: a :class:`WireProtocol` names its kinds
+and header fields and maps its messages onto them. No pickle, no JSON: a payload is raw
+bytes that the protocol decodes itself.
 
-Reading. A reader looks only at the prefix first: magic, version and protocol id are
-compared with its own, the length is checked against ``max_payload`` before a payload
-byte is read. Then the tag is verified in constant time; no kind, field or payload
-byte is interpreted before it verifies.
-
-Authentication. Keys are derived from the per-fit secret and the protocol's name
+Handshake. The server speaks first: a CHALLENGE with a fresh 16-byte nonce. The client
+answers with a HELLO carrying its own fresh nonce, tagged with HMAC-SHA256 under the hello
+key over the HELLO and the whole challenge. The session's transcript is both nonces, so a
+recorded HELLO, or any frame after it, verifies on no other connection: the server's
+nonce differs. Keys are derived from the per-fit secret and the protocol's name
 (``HMAC-SHA256(secret, "sparkdl-net/<version>/<name>/hello")``, ``.../frame`` likewise),
-so a frame of one protocol never verifies as another's. A connection opens with a
-HELLO from the client carrying a fresh 16-byte nonce, tagged with HMAC-SHA256 under
-the hello key. Every later frame is tagged with Poly1305 under a one-time key
-``HMAC-SHA256(frame key, nonce | direction | sequence)``: authenticating hundreds of
-MB per second at ~6 GB/s instead of HMAC's ~1 GB/s, and a replayed, reordered or
-reflected frame fails to verify because its key differs. A frame leaves in one
-``sendmsg`` (header, payload and tag, the payload uncopied) and is read with
-``recv_into``.
+so a frame of one protocol never verifies as another's.
+
+Frames. Each frame has two one-time Poly1305 keys, ``HMAC-SHA512(frame key, transcript |
+direction | sequence)`` split in two: one tags the header alone, the other the header and
+payload. A reader authenticates the header before it trusts its length or fields, so a
+peer allocates nothing, and places nothing, before it has proved it holds the secret; a
+replayed, reordered or reflected frame fails because its keys differ. Poly1305 runs at
+about 6 GB/s against HMAC's 1 GB/s. With ``encrypt`` the payload is AES-256-GCM
+ciphertext under a per-connection key (``HMAC-SHA256(frame key, transcript | "aead")``),
+the nonce being direction and sequence, the header as associated data: the AEAD tag
+then replaces the Poly1305 one. A frame leaves in one ``sendmsg`` (the plaintext payload
+uncopied) and is read with ``recv_into``.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ import struct
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from sparkdl.errors import ConnectionClosed, ProtocolError
@@ -51,7 +58,7 @@ M = TypeVar("M")
 E = TypeVar("E", bound=enum.IntEnum)
 
 #: Where a frame's payload is read to, by (kind, header fields, length): a writable view of
-#: exactly ``length`` bytes, or None for a fresh buffer.
+#: exactly ``length`` bytes, or None for a fresh buffer. Called once the header verified.
 Placement = Callable[[int, Fields, int], "memoryview | None"]
 
 #: The secret a HELLO must verify under, chosen by its (not yet authenticated) header fields;
@@ -59,14 +66,16 @@ Placement = Callable[[int, Fields, int], "memoryview | None"]
 SecretLookup = Callable[[Fields], "bytes | None"]
 
 MAGIC = b"SDNT"
-VERSION = 3
+VERSION = 4
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
+CHALLENGE = struct.Struct("<4sBBBx16s")  # magic, version, protocol id, flags, (pad), server nonce
+ENCRYPTED = 1  # the challenge's flag: every payload of the connection is encrypted
 NONCE_BYTES = 16
 HELLO_TAG_BYTES = 32  # HMAC-SHA256
-TAG_BYTES = 16  # Poly1305
-_KIND = 3  # index of the kind in an unpacked header; the protocol's fields start at _FIELDS
-_KIND_OFFSET = 6  # byte offset of the kind in the prefix
-_FIELDS = 5
+TAG_BYTES = 16  # Poly1305, or the AES-GCM tag
+_KIND = 3  # index of the kind in an unpacked header
+_LENGTH = 4  # index of the payload length
+_FIELDS = 5  # the protocol's fields start here
 
 
 class WireProtocol(abc.ABC, Generic[M]):
@@ -90,6 +99,11 @@ class WireProtocol(abc.ABC, Generic[M]):
         self.hello_kind = hello_kind
         self.oversize_hint = oversize_hint
         self.domain = f"sparkdl-net/{VERSION}/{name}".encode()
+
+    @property
+    def hello_size(self) -> int:
+        """The bytes of a HELLO: header, client nonce, tag (the same for every HELLO)."""
+        return self.header.size + NONCE_BYTES + HELLO_TAG_BYTES
 
     @abc.abstractmethod
     def encode(self, message: M) -> tuple[int, Fields, Payload]:
@@ -123,20 +137,26 @@ def _members(kinds: type[E]) -> dict[int, E]:
 
 
 class _Keys:
-    """The keys of one protocol under one secret: the HELLO's, and the root of the frame keys."""
+    """The keys of one protocol under one secret: the HELLO's, and the root of a session's keys."""
 
     def __init__(self, secret: bytes, protocol: WireProtocol) -> None:
         self.hello = hmac.new(secret, protocol.domain + b"/hello", hashlib.sha256).digest()
-        frame_root = hmac.new(secret, protocol.domain + b"/frame", hashlib.sha256).digest()
-        self._frame = hmac.new(frame_root, digestmod=hashlib.sha256)  # keyed once, copied per frame
+        self._root = hmac.new(secret, protocol.domain + b"/frame", hashlib.sha256).digest()
+        self._frame = hmac.new(self._root, digestmod=hashlib.sha512)  # keyed once, copied per frame
 
-    def hello_tag(self, header: bytes | bytearray, nonce: bytes | bytearray) -> bytes:
-        return hmac.new(self.hello, bytes(header) + bytes(nonce), hashlib.sha256).digest()
+    def hello_tag(self, hello: bytes, challenge: bytes) -> bytes:
+        return hmac.new(self.hello, hello + challenge, hashlib.sha256).digest()
 
-    def frame(self, nonce: bytes, direction: bytes, seq: int) -> bytes:
+    def frame(self, transcript: bytes, direction: bytes, seq: int) -> tuple[bytes, bytes]:
+        """The one-time Poly1305 keys of one frame: its header's, and its payload's."""
         mac = self._frame.copy()
-        mac.update(nonce + direction + seq.to_bytes(8, "little"))
-        return mac.digest()
+        mac.update(transcript + direction + seq.to_bytes(8, "little"))
+        keys = mac.digest()
+        return keys[:32], keys[32:]
+
+    def cipher(self, transcript: bytes) -> AESGCM:
+        """The session's AES-256-GCM cipher (a key of its own per connection)."""
+        return AESGCM(hmac.new(self._root, transcript + b"/aead", hashlib.sha256).digest())
 
 
 class Channel(Generic[M]):
@@ -148,118 +168,232 @@ class Channel(Generic[M]):
         sock: the connected socket.
         secret: the per-fit secret.
         protocol: the protocol spoken on it.
-        nonce: the connection nonce from the HELLO.
+        transcript: the session's nonces (the client's, then the server's).
         client: True on the side that sent the HELLO (it sends with direction ``c``).
+        encrypt: payloads travel encrypted (AES-256-GCM).
     """
 
     def __init__(
-        self, sock: socket.socket, secret: bytes, protocol: WireProtocol[M], nonce: bytes, client: bool
+        self,
+        sock: socket.socket,
+        secret: bytes,
+        protocol: WireProtocol[M],
+        transcript: bytes,
+        client: bool,
+        encrypt: bool = False,
     ) -> None:
         self.sock = sock
         self.protocol = protocol
         self._keys = _Keys(secret, protocol)
-        self._nonce = nonce
+        self._transcript = transcript
+        self._cipher = self._keys.cipher(transcript) if encrypt else None
         self._send_dir, self._recv_dir = (b"c", b"s") if client else (b"s", b"c")
         self._send_seq = 0
         self._recv_seq = 0
+        self._sealed = bytearray()  # encrypted: the last ciphertext sent, reused
+        self._opened = bytearray()  # encrypted: the last ciphertext received, reused
+
+    @property
+    def encrypted(self) -> bool:
+        return self._cipher is not None
 
     def send(self, message: M) -> int:
-        """Send one frame without copying its payload; return the bytes sent."""
+        """Send one frame (a plaintext payload uncopied); return the bytes sent."""
         kind, fields, data = self.protocol.encode(message)
         payload = memoryview(data).cast("B")
         header = self.protocol.pack(kind, fields, payload.nbytes)
-        mac = Poly1305(self._keys.frame(self._nonce, self._send_dir, self._send_seq))
-        mac.update(header)
-        mac.update(payload)
-        tag = mac.finalize()
+        header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
+        parts = [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
+        if self._cipher is None:
+            mac = Poly1305(body_key)
+            mac.update(header)
+            mac.update(payload)
+            parts += [payload, memoryview(mac.finalize())]
+        else:
+            sealed = _resized(self, "_sealed", payload.nbytes + TAG_BYTES)
+            self._cipher.encrypt_into(_aead_nonce(self._send_dir, self._send_seq), payload, header, sealed)
+            parts.append(sealed)
         self._send_seq += 1
-        _send_parts(self.sock, [memoryview(header), payload, memoryview(tag)])
-        return len(header) + payload.nbytes + len(tag)
+        _send_parts(self.sock, parts)
+        return len(header) + 2 * TAG_BYTES + payload.nbytes
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.
 
+        The header is authenticated before its length or fields are trusted: nothing is
+        allocated or placed for a frame whose header does not verify.
+
         Args:
             max_payload: the largest payload accepted (checked before it is read).
             into: where a payload goes, by the frame's kind, header fields and length:
-                the socket then reads straight into that memory (the kernel writes it:
-                no buffer, no copy), which holds unverified bytes until the tag checks.
+                the socket then reads straight into that memory (no buffer, no copy when
+                not encrypted), which holds unverified bytes until the tag checks.
 
         Raises:
             ConnectionClosed: the peer closed the connection between two frames.
-            ProtocolError: a bad prefix, a length over ``max_payload``, a truncated
-                frame, a tag that does not verify, or a message the protocol refuses.
+            ProtocolError: a bad prefix, a header or payload that does not verify, a length
+                over ``max_payload``, a truncated frame, or a message the protocol refuses.
         """
-        header, payload, tag = read_raw(self.sock, self.protocol, max_payload, TAG_BYTES, into)
-        mac = Poly1305(self._keys.frame(self._nonce, self._recv_dir, self._recv_seq))
-        mac.update(header)
-        mac.update(payload)
+        header = bytes(_recv_exactly(self.sock, self.protocol.header.size, at_frame_start=True))
+        check_prefix(header, self.protocol)
+        header_key, body_key = self._keys.frame(self._transcript, self._recv_dir, self._recv_seq)
         try:
-            mac.verify(bytes(tag))
+            Poly1305.verify_tag(header_key, header, bytes(_recv_exactly(self.sock, TAG_BYTES)))
         except InvalidSignature:
-            raise ProtocolError(
-                f"{self.protocol.name} frame failed authentication (wrong secret or protocol, "
-                "or a replayed, reordered or reflected frame)"
-            ) from None
-        self._recv_seq += 1
+            raise self._refused() from None
         values = self.protocol.header.unpack(header)
-        return self.protocol.decode(values[_KIND], values[_FIELDS:], payload)
+        kind, length, fields = values[_KIND], values[_LENGTH], values[_FIELDS:]
+        if length > max_payload:
+            hint = f"; {self.protocol.oversize_hint}" if self.protocol.oversize_hint else ""
+            raise ProtocolError(
+                f"{self.protocol.name} frame announces {length} payload bytes, "
+                f"over the cap of {max_payload}{hint}"
+            )
+        target = into(kind, fields, length) if into else None
+        payload: Any = target if target is not None else bytearray(length)
+        if self._cipher is None:
+            _recv_into(self.sock, memoryview(payload), length)
+            mac = Poly1305(body_key)
+            mac.update(header)
+            mac.update(payload)
+            try:
+                mac.verify(bytes(_recv_exactly(self.sock, TAG_BYTES)))
+            except InvalidSignature:
+                raise self._refused() from None
+        else:
+            sealed = _resized(self, "_opened", length + TAG_BYTES)
+            _recv_into(self.sock, sealed, length + TAG_BYTES)
+            try:
+                self._cipher.decrypt_into(
+                    _aead_nonce(self._recv_dir, self._recv_seq), sealed, header, payload
+                )
+            except InvalidTag:
+                raise self._refused() from None
+        self._recv_seq += 1
+        return self.protocol.decode(kind, fields, payload)
+
+    def _refused(self) -> ProtocolError:
+        return ProtocolError(
+            f"{self.protocol.name} frame failed authentication (wrong secret or protocol, "
+            "or a replayed, reordered or reflected frame)"
+        )
 
 
-def client_hello(sock: socket.socket, secret: bytes, protocol: WireProtocol[M], hello: M) -> Channel[M]:
-    """Open a connection with ``hello`` (a message of the protocol's HELLO kind); the
-    caller then reads the protocol's answer on the returned channel."""
+def _aead_nonce(direction: bytes, seq: int) -> bytes:
+    return direction + seq.to_bytes(11, "little")
+
+
+def _resized(channel: Channel, name: str, size: int) -> memoryview:
+    """A view of exactly ``size`` bytes of the channel's reused buffer ``name`` (grown as needed)."""
+    buffer = getattr(channel, name)
+    if len(buffer) < size:
+        buffer = bytearray(size)
+        setattr(channel, name, buffer)
+    return memoryview(buffer)[:size]
+
+
+def server_challenge(protocol: WireProtocol, encrypt: bool = False) -> bytes:
+    """The CHALLENGE a server sends first on a new connection: a fresh nonce, and whether
+    the connection is encrypted."""
+    return CHALLENGE.pack(
+        MAGIC, VERSION, protocol.ident, ENCRYPTED if encrypt else 0, os.urandom(NONCE_BYTES)
+    )
+
+
+def client_hello(
+    sock: socket.socket, secret: bytes, protocol: WireProtocol[M], hello: M, encrypt: bool = False
+) -> Channel[M]:
+    """Read the server's challenge and answer with ``hello`` (a message of the protocol's
+    HELLO kind); the caller then reads the protocol's answer on the returned channel.
+
+    Raises:
+        ProtocolError: the server closed before its challenge (it refused the connection),
+            is not a sparkdl server of ``protocol``, or disagrees about encryption.
+    """
     kind, fields, payload = protocol.encode(hello)
     if kind != protocol.hello_kind or len(payload):
         raise ValueError(f"a {protocol.name} connection opens with a HELLO without payload, not kind {kind}")
+    try:
+        challenge = bytes(_recv_exactly(sock, CHALLENGE.size, at_frame_start=True))
+    except ConnectionClosed:
+        raise ProtocolError(
+            f"the {protocol.name} server closed the connection before its challenge: it refused it "
+            "(over its connection cap, or shutting down)"
+        ) from None
+    magic, version, ident, flags, server_nonce = CHALLENGE.unpack(challenge)
+    _check_identity(magic, version, ident, protocol)
+    if bool(flags & ENCRYPTED) != encrypt:
+        raise ProtocolError(
+            f"the {protocol.name} server {'encrypts' if flags & ENCRYPTED else 'does not encrypt'} "
+            f"but this worker was told {'to' if encrypt else 'not to'}: the driver and the executors "
+            "disagree about runtime.encrypt"
+        )
     nonce = os.urandom(NONCE_BYTES)
     header = protocol.pack(kind, fields, NONCE_BYTES)
-    keys = _Keys(secret, protocol)
-    sock.sendall(header + nonce + keys.hello_tag(header, nonce))
-    return Channel(sock, secret, protocol, nonce, client=True)
+    sock.sendall(header + nonce + _Keys(secret, protocol).hello_tag(header + nonce, challenge))
+    return Channel(sock, secret, protocol, nonce + server_nonce, client=True, encrypt=encrypt)
 
 
-def server_hello(
-    sock: socket.socket, secret: bytes | SecretLookup, protocol: WireProtocol[M]
+def accept_hello(
+    sock: socket.socket,
+    raw: bytes | bytearray,
+    challenge: bytes,
+    secret: bytes | SecretLookup,
+    protocol: WireProtocol[M],
 ) -> tuple[M, Channel[M]]:
-    """Read and verify a client's HELLO; return it and the server's side of the channel.
+    """Verify a client's HELLO (``raw``: ``protocol.hello_size`` bytes, read after this
+    server sent ``challenge``); return it and the server's side of the channel.
 
     Args:
         secret: the secret, or a lookup from the HELLO's header fields to the secret of
             the resource it names (the fields are only trusted once the tag verifies).
 
     Raises:
+        ProtocolError: not a HELLO of ``protocol`` under ``secret`` answering ``challenge``.
+    """
+    raw = bytes(raw)
+    size = protocol.header.size
+    header, nonce, tag = raw[:size], raw[size : size + NONCE_BYTES], raw[size + NONCE_BYTES :]
+    check_prefix(header, protocol)
+    values = protocol.header.unpack(header)
+    if values[_KIND] != protocol.hello_kind or values[_LENGTH] != NONCE_BYTES:
+        raise ProtocolError(f"first {protocol.name} frame was of kind {values[_KIND]}, expected a HELLO")
+    key = secret if isinstance(secret, bytes) else secret(values[_FIELDS:])
+    if key is None or not hmac.compare_digest(tag, _Keys(key, protocol).hello_tag(header + nonce, challenge)):
+        raise ProtocolError(
+            f"{protocol.name} HELLO failed authentication (wrong or missing job secret, or a replayed HELLO)"
+        )
+    hello = protocol.decode(values[_KIND], values[_FIELDS:], bytearray())
+    encrypt = bool(CHALLENGE.unpack(challenge)[3] & ENCRYPTED)
+    return hello, Channel(
+        sock, key, protocol, nonce + challenge[-NONCE_BYTES:], client=False, encrypt=encrypt
+    )
+
+
+def server_hello(
+    sock: socket.socket, secret: bytes | SecretLookup, protocol: WireProtocol[M], encrypt: bool = False
+) -> tuple[M, Channel[M]]:
+    """The server's side of a handshake on one blocking socket: send a challenge, read and
+    verify the HELLO (the listener does the same for many connections at once, without
+    a thread each: :class:`sparkdl.net.listener.ConnectionListener`).
+
+    Raises:
         ConnectionClosed: the peer closed before sending anything.
         ProtocolError: not a HELLO of ``protocol`` under ``secret``.
     """
-    header, nonce, tag = read_raw(sock, protocol, NONCE_BYTES, HELLO_TAG_BYTES)
-    values = protocol.header.unpack(header)
-    key = secret if isinstance(secret, bytes) else secret(values[_FIELDS:])
-    if key is None or not hmac.compare_digest(bytes(tag), _Keys(key, protocol).hello_tag(header, nonce)):
-        raise ProtocolError(f"{protocol.name} HELLO failed authentication (wrong or missing job secret)")
-    if values[_KIND] != protocol.hello_kind or len(nonce) != NONCE_BYTES:
-        raise ProtocolError(f"first {protocol.name} frame was of kind {values[_KIND]}, expected a HELLO")
-    hello = protocol.decode(values[_KIND], values[_FIELDS:], bytearray())
-    return hello, Channel(sock, key, protocol, bytes(nonce), client=False)
+    challenge = server_challenge(protocol, encrypt)
+    sock.sendall(challenge)
+    raw = _recv_exactly(sock, protocol.hello_size, at_frame_start=True)
+    return accept_hello(sock, raw, challenge, secret, protocol)
 
 
-def read_raw(
-    sock: socket.socket,
-    protocol: WireProtocol,
-    max_payload: int,
-    tag_bytes: int,
-    into: Placement | None = None,
-) -> tuple[bytearray, Any, bytearray]:
-    """Header, payload and tag of one frame; only the prefix (and, for ``into``, the
-    header's fields) is looked at before the tag verifies.
+def check_prefix(header: bytes, protocol: WireProtocol) -> None:
+    """Refuse a header whose magic, framing version or protocol id is not ``protocol``'s."""
+    magic, version, ident, _, _ = PREFIX.unpack_from(header)
+    _check_identity(magic, version, ident, protocol)
 
-    Raises:
-        ConnectionClosed: a clean EOF before the frame's first byte.
-        ProtocolError: a bad prefix, a length over ``max_payload`` (before the payload
-            is read), or a stream that ends inside the frame.
-    """
-    header = _recv_exactly(sock, protocol.header.size, at_frame_start=True)
-    magic, version, ident, _, length = PREFIX.unpack_from(header)
+
+def _check_identity(magic: bytes, version: int, ident: int, protocol: WireProtocol) -> None:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a sparkdl {protocol.name} peer")
     if version != VERSION:
@@ -271,22 +405,10 @@ def read_raw(
         raise ProtocolError(
             f"a frame of protocol {ident} on a {protocol.name} connection (protocol {protocol.ident})"
         )
-    if length > max_payload:
-        hint = f"; {protocol.oversize_hint}" if protocol.oversize_hint else ""
-        raise ProtocolError(
-            f"{protocol.name} frame announces {length} payload bytes, over the cap of {max_payload}{hint}"
-        )
-    target = into(header[_KIND_OFFSET], protocol.header.unpack(header)[_FIELDS:], length) if into else None
-    if target is None:
-        payload: Any = _recv_exactly(sock, length)
-    else:
-        _recv_into(sock, target, length)
-        payload = target
-    return header, payload, _recv_exactly(sock, tag_bytes)
 
 
 def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Send header, payload and tag in one ``sendmsg`` (more only if the kernel takes part)."""
+    """Send a frame's parts in one ``sendmsg`` (more only if the kernel takes part)."""
     parts = [p for p in parts if p.nbytes]
     while parts:
         sent = sock.sendmsg(parts)

@@ -9,6 +9,12 @@ sent nothing else for ``heartbeat_s``. Nothing is answered after the HELLO's ACK
 a worker never waits on the driver; if the driver cannot be reached, the worker
 trains on without reports. The driver keeps when it last heard from each rank of
 the newest stage attempt (:meth:`ProgressServer.silence`).
+
+What a worker can make the driver do is bounded: a connection is bound at its HELLO to
+one rank and stage attempt (a frame claiming another closes it), a newer attempt is only
+believed when Spark started it (``attempt_started``), the board takes reports of the
+fit's own ranks and epochs only, and a worker's log record is escaped to one line and
+cut to :data:`MAX_LOG_CHARS` on the driver, whatever the worker sent.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from sparkdl.errors import ConfigError, ConnectionClosed, ProtocolError
-from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.net.listener import ConnectionListener, close_quietly, one_line
 from sparkdl.progress.board import ProgressBoard, Report
 from sparkdl.progress.protocol import (
     MAX_LOG_CHARS,
     MAX_PAYLOAD,
+    PROGRESS_WIRE,
     Ack,
     Heartbeat,
     Hello,
@@ -34,7 +41,6 @@ from sparkdl.progress.protocol import (
     Message,
     ProgressChannel,
     client_hello,
-    server_hello,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ class ProgressEndpoint:
     port: int
     secret: bytes
     interval_s: float
+    encrypt: bool = False
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ProgressEndpoint({self.host}:{self.port})"
 
 
 class ProgressServer:
@@ -62,6 +72,9 @@ class ProgressServer:
         secret: the per-fit secret.
         interval_s: how often workers report (shipped to them in the endpoint).
         clock: monotonic clock for :meth:`silence` (patched in tests).
+        encrypt: encrypt every frame (``runtime.encrypt``).
+        attempt_started: whether Spark really started the stage attempt a HELLO claims
+            (None believes any: for servers outside a Spark driver).
     """
 
     def __init__(
@@ -71,19 +84,38 @@ class ProgressServer:
         secret: bytes,
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        encrypt: bool = False,
+        attempt_started: Callable[[int], bool] | None = None,
     ) -> None:
         self.board = board
         self._secret = secret
         self._interval_s = interval_s
         self._clock = clock
+        self._encrypt = encrypt
+        self._attempt_started = attempt_started
         self._heard_lock = threading.Lock()
         self._attempt = -1  # the newest stage attempt that said HELLO
         self._last_heard: dict[int, float] = {}  # rank -> clock of its last frame, in that attempt
-        self._listener = ConnectionListener(host, self._serve, "sparkdl-progress")
+        self._listener = ConnectionListener(
+            host,
+            PROGRESS_WIRE,
+            secret,
+            self._serve,
+            "sparkdl-progress",
+            log,
+            encrypt=encrypt,
+            max_sessions=2 * board.num_workers + 16,
+        )
         self.host, self.port = self._listener.host, self._listener.port
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Refused connections and frames by reason."""
+        return dict(self._listener.refusals.counts)
+
     def endpoint(self) -> ProgressEndpoint:
-        return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s)
+        return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s, self._encrypt)
 
     def silence(self) -> dict[int, float]:
         """Seconds since the last frame (of any kind) of each rank that said HELLO in the
@@ -99,24 +131,29 @@ class ProgressServer:
         self._listener.stop(timeout, drain_s)
         self.board.close()
 
-    def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        hello: Hello | None = None
+    def _serve(self, hello: Message, channel: ProgressChannel, peer: tuple[str, int]) -> None:
+        assert isinstance(hello, Hello)  # the framing checked the kind
         try:
-            hello, channel = server_hello(sock, self._secret)
+            if not 0 <= hello.rank < self.board.num_workers:
+                raise ProtocolError(
+                    f"a HELLO of rank {hello.rank}; this fit has {self.board.num_workers} workers"
+                )
+            if self._attempt_started is not None and hello.attempt > self._attempt:
+                if not self._attempt_started(hello.attempt):
+                    raise ProtocolError(f"a HELLO of stage attempt {hello.attempt}, which Spark does not run")
             self._heard(hello.rank, hello.attempt)
             channel.send(Ack(hello.rank, hello.attempt))
             while True:  # until the worker closes (EOF) or stop() closes the socket
                 self._receive(hello, channel.recv(MAX_PAYLOAD))
         except ConnectionClosed:
-            if hello is not None:  # the worker is done (or gone): its silence means nothing now
-                self._forget(hello.rank, hello.attempt)
+            self._forget(
+                hello.rank, hello.attempt
+            )  # the worker is done (or gone): its silence means nothing now
         except ProtocolError as exc:
             if not self._listener.stopping:
-                log.warning("progress channel refused %s: %s", peer, exc)
+                self._listener.refusals.add("frame refused", peer, str(exc))
         except OSError:
             pass  # the worker finished, or stop() closed the socket
-        finally:
-            close_quietly(sock)
 
     def _receive(self, hello: Hello, message: Message) -> None:
         """Apply one frame from the worker that said ``hello`` on this connection."""
@@ -127,9 +164,14 @@ class ProgressServer:
             )
         self._heard(hello.rank, hello.attempt)
         if isinstance(message, Report):
+            if not 1 <= message.epoch <= self.board.epochs:
+                raise ProtocolError(
+                    f"a report of epoch {message.epoch}; this fit has {self.board.epochs} epochs"
+                )
             self.board.update(message)
         elif isinstance(message, Log):
-            worker_log.log(message.level or logging.WARNING, "[rank %d] %s", message.rank, message.text)
+            level = message.level if logging.DEBUG <= message.level <= logging.CRITICAL else logging.WARNING
+            worker_log.log(level, "[rank %d] %s", message.rank, one_line(message.text, MAX_LOG_CHARS))
         elif not isinstance(message, Heartbeat):
             raise ProtocolError(f"unexpected {type(message).__name__} from a worker on the progress channel")
 
@@ -197,7 +239,7 @@ class ProgressReporter:
             return None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = client_hello(sock, endpoint.secret, self.rank, self.attempt)
+            channel = client_hello(sock, endpoint.secret, self.rank, self.attempt, endpoint.encrypt)
             if isinstance(channel.recv(MAX_PAYLOAD), Ack):
                 self._last_sent = time.monotonic()
                 return channel

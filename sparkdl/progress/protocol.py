@@ -133,14 +133,17 @@ PROGRESS_WIRE = _ProgressWire("sparkdl-progress", ident=2, fields="II", hello_ki
 ProgressChannel = Channel[Message]
 
 
-def client_hello(sock: socket.socket, secret: bytes, rank: int, attempt: int) -> ProgressChannel:
+def client_hello(
+    sock: socket.socket, secret: bytes, rank: int, attempt: int, encrypt: bool = False
+) -> ProgressChannel:
     """Open a connection as worker ``rank``; the driver answers with an ACK."""
-    return net.client_hello(sock, secret, PROGRESS_WIRE, Hello(rank, attempt))
+    return net.client_hello(sock, secret, PROGRESS_WIRE, Hello(rank, attempt), encrypt)
 
 
-def server_hello(sock: socket.socket, secret: bytes) -> tuple[Hello, ProgressChannel]:
-    """Read and verify a worker's HELLO; return it and the driver's side of the channel."""
-    hello, channel = net.server_hello(sock, secret, PROGRESS_WIRE)
+def server_hello(sock: socket.socket, secret: bytes, encrypt: bool = False) -> tuple[Hello, ProgressChannel]:
+    """Read and verify a worker's HELLO on one blocking socket (the driver's server does
+    it in its listener); return it and the driver's side of the channel."""
+    hello, channel = net.server_hello(sock, secret, PROGRESS_WIRE, encrypt)
     if not isinstance(hello, Hello):  # the framing checked the kind; this tells mypy
         raise ProtocolError(f"first progress frame was {type(hello).__name__}, expected a HELLO")
     return hello, channel

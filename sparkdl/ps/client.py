@@ -66,7 +66,9 @@ class PsClient:
         sock.settimeout(self.endpoint.timeout_s + 30)  # the server answers a stuck pull itself
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            channel = client_hello(sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock)
+            channel = client_hello(
+                sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock, self.endpoint.encrypt
+            )
             self._expect(channel, Kind.ACK)
         except BaseException:
             sock.close()

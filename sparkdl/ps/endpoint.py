@@ -19,3 +19,7 @@ class PsEndpoint:
     shard_params: tuple[tuple[int, ...], ...]  # parameter indices of each shard
     timeout_s: float
     max_payload: int
+    encrypt: bool = False
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"PsEndpoint({self.host}:{self.port}, {len(self.shard_params)} shards)"

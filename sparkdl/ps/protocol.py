@@ -134,19 +134,14 @@ PsChannel = Channel[Frame]
 
 
 def client_hello(
-    sock: socket.socket, secret: bytes, rank: int, attempt: int, start_clock: int = 0
+    sock: socket.socket, secret: bytes, rank: int, attempt: int, start_clock: int = 0, encrypt: bool = False
 ) -> PsChannel:
     """Open a connection as worker ``rank``; the caller then expects an ACK on the channel.
 
     ``start_clock`` > 0 says the workers resumed from the checkpoint of that step.
     """
     hello = Frame(Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock)
-    return net.client_hello(sock, secret, PS_WIRE, hello)
-
-
-def server_hello(sock: socket.socket, secret: bytes) -> tuple[Frame, PsChannel]:
-    """Read and verify a worker's HELLO; return it and the server's side of the channel."""
-    return net.server_hello(sock, secret, PS_WIRE)
+    return net.client_hello(sock, secret, PS_WIRE, hello, encrypt)
 
 
 _CODES: tuple[tuple[type[SparkDLError], ErrorCode], ...] = (

@@ -1,12 +1,19 @@
 """The parameter server's socket side: one listening socket on the driver, a thread per
 worker connection, shards served in parallel (each shard has its own lock).
 
-Every connection must open with an authenticated HELLO. A frame that fails
-authentication, is truncated, or announces an oversized payload closes that
-connection (and is logged with the peer's address); the other workers are not
-affected. A request that fails is answered with an ERROR frame whose code names the
-error (:class:`sparkdl.ps.protocol.ErrorCode`); a rejected push (stale attempt,
-duplicate clock, wrong size or dtype) is also logged.
+Every connection must open with an authenticated HELLO (the listener's handshake,
+:mod:`sparkdl.net.listener`); it binds the connection to one rank and one stage attempt,
+and a frame claiming another closes it. A frame that fails authentication, is
+truncated, or announces more than the largest shard closes that connection (logged
+with the peer's address, rate-limited); the other workers are not affected. A request
+that fails is answered with an ERROR frame whose code names the error
+(:class:`sparkdl.ps.protocol.ErrorCode`); a rejected push (stale attempt, duplicate
+clock, wrong size or dtype, a NaN or infinite value) is counted and logged.
+
+Stage attempts. A HELLO from a newer stage attempt restarts the clocks, so it is only
+believed when ``attempt_started`` confirms Spark started that attempt (the driver asks
+Spark's status store: :func:`sparkdl.runtime.attempts.attempt_gate`); a worker holding
+the secret cannot lock the running attempt out by claiming a newer one.
 
 Snapshots. With a checkpoint directory, rank 0 asks every shard for a SNAPSHOT
 right before it writes the worker checkpoint of global step ``s``; each shard
@@ -17,10 +24,11 @@ snapshot of ``s``: the state that checkpoint was taken with.
 
 from __future__ import annotations
 
+import collections
 import logging
-import socket
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +41,9 @@ from sparkdl.errors import (
     ProtocolError,
     PushRejected,
 )
-from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.net.listener import ConnectionListener, one_line
 from sparkdl.ps.endpoint import PsEndpoint
-from sparkdl.ps.protocol import FLOAT32, Frame, Kind, PsChannel, error_frame, server_hello
+from sparkdl.ps.protocol import FLOAT32, MAX_ERROR_BYTES, PS_WIRE, Frame, Kind, PsChannel, error_frame
 from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -49,8 +57,13 @@ class ParameterServer:
         host: address to bind (the driver's address that executors reach).
         secret: per-fit HMAC key.
         timeout_s: how long a pull may wait (``runtime.ps_timeout_s``).
-        max_payload: frame payload cap in bytes.
+        max_payload: frame payload cap in bytes (what workers accept; the server itself
+            accepts no frame over its largest shard).
         snapshot_dir: where shards write their snapshots ("" = snapshots refused).
+        encrypt: encrypt every frame (``runtime.encrypt``).
+        attempt_started: whether Spark really started the stage attempt a HELLO claims
+            (None believes any newer attempt: for servers outside a Spark driver).
+        max_sessions: worker connections at once (each holds a thread).
     """
 
     def __init__(
@@ -61,6 +74,10 @@ class ParameterServer:
         timeout_s: float,
         max_payload: int,
         snapshot_dir: str = "",
+        *,
+        encrypt: bool = False,
+        attempt_started: Callable[[int], bool] | None = None,
+        max_sessions: int = 256,
     ) -> None:
         self.stores = list(stores)
         self._snapshots = [
@@ -72,12 +89,26 @@ class ParameterServer:
         self.secret = secret
         self.timeout_s = timeout_s
         self.max_payload = max_payload
-        self.rejected: list[str] = []  # reasons, for tests and logs
-        self._listener = ConnectionListener(host, self._serve, "sparkdl-ps")
+        self._frame_cap = max(max((s.numel * 4 for s in self.stores), default=0), MAX_ERROR_BYTES)
+        self._attempt_started = attempt_started
+        self.encrypt = encrypt
+        self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
+        self.rejected_pushes = 0
+        self.nonfinite_pushes = 0
+        self._listener = ConnectionListener(
+            host, PS_WIRE, secret, self._serve, "sparkdl-ps", log, encrypt=encrypt, max_sessions=max_sessions
+        )
         self.host, self.port = self._listener.host, self._listener.port
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Refused connections and frames by reason (HELLOs, bad frames, pushes)."""
+        return dict(self._listener.refusals.counts)
+
     def endpoint(self, shard_params: tuple[tuple[int, ...], ...]) -> PsEndpoint:
-        return PsEndpoint(self.host, self.port, self.secret, shard_params, self.timeout_s, self.max_payload)
+        return PsEndpoint(
+            self.host, self.port, self.secret, shard_params, self.timeout_s, self.max_payload, self.encrypt
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
         """Wake waiting pulls, close the port and every connection; join all threads (bounded)."""
@@ -85,9 +116,8 @@ class ParameterServer:
             store.close()
         self._listener.stop(timeout)
 
-    def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def _serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         try:
-            hello, channel = server_hello(sock, self.secret)
             try:
                 self._begin_attempt(hello.attempt, hello.clock)
             except (PushRejected, CheckpointError) as exc:
@@ -96,14 +126,18 @@ class ParameterServer:
                 return
             channel.send(Frame(Kind.ACK))
             while not self._listener.stopping:
-                self._handle(channel, channel.recv(self.max_payload))
+                frame = channel.recv(self._frame_cap)
+                if (frame.rank, frame.attempt) != (hello.rank, hello.attempt):
+                    raise ProtocolError(
+                        f"a frame of rank {frame.rank} attempt {frame.attempt} on the connection of "
+                        f"rank {hello.rank} attempt {hello.attempt}"
+                    )
+                self._handle(channel, frame)
         except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
-                self._reject(peer, str(exc))
+                self._listener.refusals.add("frame refused", peer, str(exc))
         except OSError:
             pass  # the worker went away, or stop() closed the socket
-        finally:
-            close_quietly(sock)
 
     def _begin_attempt(self, attempt: int, start_clock: int) -> None:
         """The first connection of a new stage attempt restarts the clocks (and restores
@@ -113,6 +147,11 @@ class ParameterServer:
                 if attempt < self._attempt:
                     raise PushRejected(f"stage attempt {attempt} is older than the current {self._attempt}")
                 return
+            if self._attempt_started is not None and not self._attempt_started(attempt):
+                raise PushRejected(
+                    f"a HELLO claims stage attempt {attempt} (running: {self._attempt}), but Spark "
+                    "runs no such attempt of the training stage"
+                )
             states = [
                 self._load_snapshot(i, start_clock) if start_clock else None for i in range(len(self.stores))
             ]
@@ -165,13 +204,19 @@ class ParameterServer:
                     f"{frame.shard}, which takes {store.numel * 4} bytes of float32"
                 )
             grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
+            if not math.isfinite(grad.sum(dtype=torch.float64)):
+                self.nonfinite_pushes += 1
+                raise PushRejected(
+                    f"push to shard {frame.shard} at clock {frame.clock} holds NaN or infinite values; "
+                    "it was not applied (the worker's own NaN guard should have skipped that step)"
+                )
             staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
             return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
         if frame.kind is Kind.PULL:
             version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
             return Frame(Kind.WEIGHTS, shard=frame.shard, version=version, payload=weights.numpy().data)
         if frame.kind is Kind.ABORT:
-            reason = bytes(frame.payload).decode(errors="replace")
+            reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
             log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
             for each in self.stores:
                 each.abort(f"rank {frame.rank} stopped: {reason}")
@@ -182,5 +227,6 @@ class ParameterServer:
         raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
 
     def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
-        log.warning("parameter server refused %s: %s", peer, reason)
+        self.rejected_pushes += 1
         self.rejected.append(reason)
+        self._listener.refusals.add("request rejected", peer, reason)

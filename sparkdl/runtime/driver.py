@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +28,14 @@ from sparkdl.data.tensors import Batch
 from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressServer
+from sparkdl.runtime.attempts import attempt_gate
 from sparkdl.runtime.cluster import check_cluster, driver_host, is_connect
 from sparkdl.runtime.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
 from sparkdl.runtime.resources import training_profile
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
-from sparkdl.runtime.watch import MARGIN_S, collect_watched
+from sparkdl.runtime.watch import MARGIN_S, collect_watched, fit_job_group
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
 from sparkdl.weights.server import weight_server
@@ -155,15 +157,17 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     spec = dataclasses.replace(
         spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
     )
-    hosted = progress = None
+    hosted = progress = inbox = None
+    group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
+    attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
-        hosted = start_parameter_server(spark, spec)
+        hosted = start_parameter_server(spark, spec, attempt_started)
         spec = hosted.spec
-    inbox = None if is_connect(spark) else weight_server(driver_host(spark)).expect_upload()
     try:
-        if inbox is not None:
+        if not is_connect(spark):
+            inbox = weight_server(driver_host(spark), config.runtime.encrypt).expect_upload()
             spec = dataclasses.replace(spec, weights=inbox.endpoint)
-        progress = start_progress_channel(spark, config)
+        progress = start_progress_channel(spark, config, attempt_started)
         if progress is not None:
             spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = df.select(*spec.plan.column_names)
@@ -177,7 +181,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
         try:
-            rows = collect_watched(spark, stage.repartition(1), silence, bound_s)
+            rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
         except StageStalledError:
             raise
         except Exception as exc:
@@ -242,7 +246,9 @@ def needs_repartition(data: Any, n: int, spark: Any) -> bool:
     return "Coalesce" in data._jdf.queryExecution().executedPlan().toString()
 
 
-def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer | None:
+def start_progress_channel(
+    spark: Any, config: SparkDLConfig, attempt_started: Callable[[int], bool] | None = None
+) -> ProgressServer | None:
     """Listen for the workers' progress and log records on the driver's address.
 
     A Spark Connect client is not the driver, and executors cannot reach it, so it
@@ -253,7 +259,14 @@ def start_progress_channel(spark: Any, config: SparkDLConfig) -> ProgressServer 
         return None
     board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
     secret = secrets.token_bytes(32)
-    return ProgressServer(board, driver_host(spark), secret, config.runtime.progress_interval_s)
+    return ProgressServer(
+        board,
+        driver_host(spark),
+        secret,
+        config.runtime.progress_interval_s,
+        encrypt=config.runtime.encrypt,
+        attempt_started=attempt_started,
+    )
 
 
 def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | None = None) -> FitResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,7 +37,9 @@ class HostedServer:
         self.server.stop()
 
 
-def start_parameter_server(spark: Any, spec: TrainSpec) -> HostedServer:
+def start_parameter_server(
+    spark: Any, spec: TrainSpec, attempt_started: Callable[[int], bool] | None = None
+) -> HostedServer:
     """Build the initial model, split it into shards and serve them on the driver's address.
 
     A fresh 32-byte secret authenticates every frame of this fit; it travels to the
@@ -53,7 +55,7 @@ def start_parameter_server(spark: Any, spec: TrainSpec) -> HostedServer:
             "Spark Connect client cannot run code in; use strategy 'allreduce' or "
             "'weight_averaging' with Spark Connect"
         )
-    return host_parameter_server(spec, driver_host(spark))
+    return host_parameter_server(spec, driver_host(spark), attempt_started)
 
 
 def _steps_per_version(config: SparkDLConfig) -> float:
@@ -66,8 +68,11 @@ def _steps_per_version(config: SparkDLConfig) -> float:
     return settings.push_every / config.training.num_workers
 
 
-def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
-    """Start the server for ``spec`` on ``host`` (port chosen by the OS)."""
+def host_parameter_server(
+    spec: TrainSpec, host: str, attempt_started: Callable[[int], bool] | None = None
+) -> HostedServer:
+    """Start the server for ``spec`` on ``host`` (port chosen by the OS); a HELLO of a stage
+    attempt is believed when ``attempt_started`` says Spark runs it (None: any)."""
     config = spec.config
     torch.manual_seed(config.training.seed)
     model = build_model(spec.model_fn)
@@ -97,6 +102,10 @@ def host_parameter_server(spec: TrainSpec, host: str) -> HostedServer:
         config.parameter_server.ps_timeout_s,
         int(config.parameter_server.ps_max_frame_mb * 1024 * 1024),
         snapshot_dir=config.reliability.checkpoint_dir,
+        encrypt=config.runtime.encrypt,
+        attempt_started=attempt_started,
+        # a connection per shard per worker, twice over while a failed attempt's close
+        max_sessions=2 * config.training.num_workers * len(stores) + 16,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards",

@@ -91,10 +91,19 @@ class StallMonitor:
                 return
 
 
+def fit_job_group(spark: Any) -> str:
+    """The job group the training stage runs in: the user's own (their tools track it), or
+    a fresh one. The stage is the group's only job from this thread while fit runs, so
+    cancelling the group cancels the stage, and the group names the stage's attempts
+    (:mod:`sparkdl.runtime.attempts`)."""
+    return spark.sparkContext.getLocalProperty("spark.jobGroup.id") or f"sparkdl-fit-{secrets.token_hex(6)}"
+
+
 def collect_watched(
-    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float
+    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float, group: str
 ) -> list[Any]:
-    """``stage.collect()``, cancelled when a worker goes silent for longer than ``bound_s``.
+    """``stage.collect()`` in job group ``group``, cancelled when a worker goes silent for
+    longer than ``bound_s``.
 
     Raises:
         StageStalledError: the stage was cancelled because a rank stopped reporting.
@@ -103,9 +112,6 @@ def collect_watched(
         return list(stage.collect())
     sc = spark.sparkContext
     users_group = sc.getLocalProperty("spark.jobGroup.id")
-    # The user's own job group is kept (their tools track it); the stage is its only job
-    # from this thread while fit runs, so cancelling the group cancels the stage.
-    group = users_group or f"sparkdl-fit-{secrets.token_hex(6)}"
     interrupt = sc.getLocalProperty("spark.job.interruptOnCancel")
     sc.setLocalProperty("spark.jobGroup.id", group)
     sc.setLocalProperty("spark.job.interruptOnCancel", "true")

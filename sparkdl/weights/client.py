@@ -23,7 +23,7 @@ def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor]) -> int:
     sock = _connect(endpoint)
     try:
         hello = Hello(Op.UPLOAD, endpoint.slot)
-        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot)
+        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
         expect(channel, Ack, hello)
         sent = send_state(channel, hello, state)
         confirmed = expect(channel, Ack, hello)
@@ -52,7 +52,7 @@ def download(endpoint: WeightsEndpoint) -> dict[str, torch.Tensor]:
     sock = _connect(endpoint)
     try:
         hello = Hello(Op.DOWNLOAD, endpoint.slot)
-        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot)
+        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
         try:
             expect(channel, Ack, hello)
         except ConnectionClosed:

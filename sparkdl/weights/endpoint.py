@@ -15,6 +15,7 @@ class WeightsEndpoint:
         slot: what is moved; its HELLO must verify under ``secret``, which is this slot's alone.
         server_id: the serving process's random id: with ``slot``, a key no other model shares.
         timeout_s: how long a connect or a read may wait.
+        encrypt: the server encrypts every transfer (``runtime.encrypt``).
     """
 
     host: str
@@ -23,6 +24,7 @@ class WeightsEndpoint:
     secret: bytes
     server_id: str
     timeout_s: float = 120.0
+    encrypt: bool = False
 
     @property
     def key(self) -> str:

@@ -125,14 +125,19 @@ WEIGHTS_WIRE = _WeightsWire("sparkdl-weights", ident=3, fields="IQQ", hello_kind
 WeightsChannel = Channel[Message]
 
 
-def client_hello(sock: socket.socket, secret: bytes, op: Op, slot: int) -> WeightsChannel:
+def client_hello(
+    sock: socket.socket, secret: bytes, op: Op, slot: int, encrypt: bool = False
+) -> WeightsChannel:
     """Open a connection for ``op`` on ``slot``; the driver answers with an ACK."""
-    return net.client_hello(sock, secret, WEIGHTS_WIRE, Hello(op, slot))
+    return net.client_hello(sock, secret, WEIGHTS_WIRE, Hello(op, slot), encrypt)
 
 
-def server_hello(sock: socket.socket, secret_of: SecretLookup) -> tuple[Hello, WeightsChannel]:
-    """Read a HELLO and verify it under the secret of the slot it names."""
-    hello, channel = net.server_hello(sock, secret_of, WEIGHTS_WIRE)
+def server_hello(
+    sock: socket.socket, secret_of: SecretLookup, encrypt: bool = False
+) -> tuple[Hello, WeightsChannel]:
+    """Read a HELLO on one blocking socket and verify it under the secret of the slot it
+    names (the driver's server does it in its listener)."""
+    hello, channel = net.server_hello(sock, secret_of, WEIGHTS_WIRE, encrypt)
     if not isinstance(hello, Hello):  # the framing checked the kind; this tells mypy
         raise ProtocolError(f"first weights frame was {type(hello).__name__}, expected a HELLO")
     return hello, channel

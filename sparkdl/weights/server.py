@@ -11,8 +11,8 @@ once and keeps it for every later task (:mod:`sparkdl.runtime.inference`).
 Slots. Every transfer names a slot: an upload slot opened by one fit (:meth:`expect_upload`)
 or a model offered for download (:meth:`offer`). Each slot has its own random secret,
 shipped only in the tasks that use it; a HELLO must verify under its slot's secret
-(:func:`sparkdl.net.framing.server_hello` with a lookup), so a task of one fit can
-neither read another model nor upload into another fit.
+(the listener's handshake with a lookup), so a task of one fit can neither read another
+model nor upload into another fit.
 
 How long an offer lives. ``transform`` is lazy: its DataFrame may run long after the call,
 even after the model object is gone (``TorchModel.load(p).transform(df).show()``). An
@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import socket
 import threading
 import weakref
 from collections.abc import Hashable, Mapping
@@ -36,10 +35,10 @@ import torch
 
 from sparkdl.errors import ConnectionClosed, ProtocolError
 from sparkdl.net.framing import Fields
-from sparkdl.net.listener import ConnectionListener, close_quietly
+from sparkdl.net.listener import ConnectionListener
 from sparkdl.weights.codec import manifest_of
 from sparkdl.weights.endpoint import WeightsEndpoint
-from sparkdl.weights.protocol import Ack, Op, receive_state, send_state, server_hello
+from sparkdl.weights.protocol import WEIGHTS_WIRE, Ack, Hello, Op, WeightsChannel, receive_state, send_state
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 #: :data:`RELEASED_BYTES` together (a released 2 GB model is not kept beside the next one).
 KEEP_RELEASED = 2
 RELEASED_BYTES = 512 * 1024 * 1024
-_HELLO_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -101,16 +99,20 @@ class WeightServer:
     Args:
         host: the address to bind (the driver's, which executors reach).
         timeout_s: how long a connection may wait on its peer between two frames.
+        encrypt: encrypt every transfer (a server encrypts all its connections or none).
     """
 
-    def __init__(self, host: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, host: str, timeout_s: float = 120.0, encrypt: bool = False) -> None:
         self.server_id = secrets.token_hex(8)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._slots: dict[int, _Offer | _Inbox] = {}
         self._numbers = itertools.count(1)
         # Not "sparkdl-" named: it serves for the life of the driver process, not of one fit.
-        self._listener = ConnectionListener(host, self._serve, "weights")
+        self._encrypt = encrypt
+        self._listener = ConnectionListener(
+            host, WEIGHTS_WIRE, self._secret_of, self._serve, "weights", log, encrypt=encrypt
+        )
         self.host, self.port = self._listener.host, self._listener.port
 
     def offer(
@@ -154,7 +156,9 @@ class WeightServer:
     # --------------------------------------------------------------- bookkeeping
 
     def _endpoint(self, slot: int, secret: bytes) -> WeightsEndpoint:
-        return WeightsEndpoint(self.host, self.port, slot, secret, self.server_id, self._timeout_s)
+        return WeightsEndpoint(
+            self.host, self.port, slot, secret, self.server_id, self._timeout_s, self._encrypt
+        )
 
     def _release(self, slot: int) -> None:
         """The owner of offer ``slot`` was collected. Runs inside the garbage collector, which
@@ -193,11 +197,9 @@ class WeightServer:
 
     # --------------------------------------------------------------- connections
 
-    def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def _serve(self, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
         try:
-            sock.settimeout(_HELLO_TIMEOUT_S)
-            hello, channel = server_hello(sock, self._secret_of)
-            sock.settimeout(self._timeout_s)
+            channel.sock.settimeout(self._timeout_s)
             with self._lock:
                 held = self._slots.get(hello.slot)
             if held is None:  # closed since its secret was looked up
@@ -217,23 +219,22 @@ class WeightServer:
             pass
         except ProtocolError as exc:
             if not self._listener.stopping:
-                log.warning("weights server refused %s: %s", peer, exc)
+                self._listener.refusals.add("transfer refused", peer, str(exc))
         except OSError as exc:
             if not self._listener.stopping:
                 log.warning("weights transfer with %s failed: %s", peer, exc)
         except Exception as exc:  # e.g. a manifest whose tensors cannot be allocated
             log.warning("weights transfer with %s failed: %s: %s", peer, type(exc).__name__, exc)
-        finally:
-            close_quietly(sock)
 
 
-_SERVERS: dict[str, WeightServer] = {}
+_SERVERS: dict[tuple[str, bool], WeightServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def weight_server(host: str) -> WeightServer:
-    """This process's weights server on ``host``, started on first use."""
+def weight_server(host: str, encrypt: bool = False) -> WeightServer:
+    """This process's weights server on ``host`` (an encrypting one with ``encrypt``),
+    started on first use."""
     with _SERVERS_LOCK:
-        if host not in _SERVERS:
-            _SERVERS[host] = WeightServer(host)
-        return _SERVERS[host]
+        if (host, encrypt) not in _SERVERS:
+            _SERVERS[(host, encrypt)] = WeightServer(host, encrypt=encrypt)
+        return _SERVERS[(host, encrypt)]

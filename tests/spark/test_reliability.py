@@ -253,3 +253,33 @@ def test_cancelling_the_job_ends_the_tasks_and_closes_their_ports(spark, tmp_pat
     ports_closed_after = time.monotonic() - cancelled
     assert not _python_listening_ports() - before, "a port opened by training is still open"
     print(f"FIGURE cancel tasks_ended_s={ended_after:.2f} ports_closed_s={ports_closed_after:.2f}")
+
+
+def _stage_attempt_name(_):
+    """A barrier task's view of its stage attempt, as a worker names it: the smallest task id."""
+    from pyspark import BarrierTaskContext
+
+    context = BarrierTaskContext.get()
+    yield min(int(i) for i in context.allGather(str(context.taskAttemptId())))
+
+
+def test_the_driver_believes_only_the_stage_attempts_spark_runs(spark):
+    """The gate of the driver's servers (a HELLO claiming a newer stage attempt) reads the
+    attempt's name from Spark's status store: the one the tasks compute, and no other."""
+    from sparkdl.runtime.attempts import attempt_gate, running_attempts
+
+    sc = spark.sparkContext
+    group = "sparkdl-test-attempt-gate"
+    sc.setJobGroup(group, "the attempt gate")
+    try:
+        names = (
+            sc.parallelize(range(2), 2).barrier().mapPartitions(_stage_attempt_name).repartition(1).collect()
+        )
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert len(set(names)) == 1
+    started = attempt_gate(sc, group, wait_s=0.5)
+    assert started(names[0])
+    assert not started(names[0] + 1) and not started(names[0] + 10_000)
+    assert names[0] in running_attempts(sc, group)
+    assert running_attempts(sc, "no-such-group") == set()

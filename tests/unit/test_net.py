@@ -28,22 +28,23 @@ from sparkdl.errors import (
 )
 from sparkdl.net.framing import (
     PREFIX,
+    TAG_BYTES,
     Channel,
     WireProtocol,
+    accept_hello,
     client_hello,
     member,
-    read_raw,
-    server_hello,
+    server_challenge,
 )
 from sparkdl.net.listener import ConnectionListener
 from sparkdl.progress.board import ProgressBoard
 from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, ProgressServer, reporting_to_driver
 from sparkdl.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Heartbeat, Hello, Log
-from sparkdl.progress.protocol import server_hello as progress_server_hello
 from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, error_frame, error_of
 
 SECRET = b"s" * 32
 NONCE = b"n" * 16
+log = logging.getLogger("test-net")
 
 
 def wait_until(condition, timeout=5.0):
@@ -104,44 +105,57 @@ def sent_bytes(protocol, messages, client=True):
 # --- the listener ---------------------------------------------------------------------
 
 
-def test_the_listener_serves_each_connection_on_its_own_thread():
+def listen(serve, name, **options):
+    """A listener of the echo protocol under SECRET."""
+    return ConnectionListener("127.0.0.1", ECHO, SECRET, serve, name, log, **options)
+
+
+def connect(listener, secret=SECRET, timeout=5):
+    """A client channel to ``listener`` after its handshake."""
+    sock = socket.create_connection((listener.host, listener.port), timeout=timeout)
+    return client_hello(sock, secret, ECHO, (EchoKind.HELLO, (1, 2), b""))
+
+
+def test_the_listener_serves_each_authenticated_connection_on_its_own_thread():
     release = threading.Event()
-    served: list[str] = []
+    served: list[tuple[str, object]] = []
 
-    def serve(sock, peer):
-        served.append(threading.current_thread().name)
-        sock.sendall(b"hi")
+    def serve(hello, channel, peer):
+        served.append((threading.current_thread().name, hello))
+        channel.send((EchoKind.DATA, (0, 0), b"hi"))
         release.wait(5)
-        sock.close()
 
-    listener = ConnectionListener("127.0.0.1", serve, "test-net")
-    clients = [socket.create_connection((listener.host, listener.port), timeout=5) for _ in range(3)]
+    listener = listen(serve, "test-net")
+    clients = [connect(listener) for _ in range(3)]
     try:
-        assert [c.recv(2) for c in clients] == [b"hi"] * 3  # all three served at once
-        assert len(set(served)) == 3 and all(name.startswith("test-net-") for name in served)
+        assert [c.recv(16)[2] for c in clients] == [b"hi"] * 3  # all three served at once
+        assert len({name for name, _ in served}) == 3
+        assert all(name.startswith("test-net-") for name, _ in served)
+        assert all(hello == (EchoKind.HELLO, (1, 2), b"") for _, hello in served)
     finally:
         release.set()
         listener.stop(timeout=5)
         for c in clients:
-            c.close()
+            c.sock.close()
     assert not any(t.name.startswith("test-net") and t.is_alive() for t in threading.enumerate())
+    assert listener.sessions == 0
 
 
 def test_stop_closes_open_connections_and_the_port_in_bounded_time():
-    def serve(sock, peer):
+    def serve(hello, channel, peer):
         try:
-            sock.recv(10)  # blocks until stop() closes the socket
+            channel.sock.recv(10)  # blocks until stop() closes the socket
         except OSError:
             pass
 
-    listener = ConnectionListener("127.0.0.1", serve, "test-net-idle")
-    client = socket.create_connection((listener.host, listener.port), timeout=5)
-    with client:
-        assert wait_until(lambda: any(t.name.startswith("test-net-idle-") for t in threading.enumerate()))
+    listener = listen(serve, "test-net-idle")
+    client = connect(listener)
+    with client.sock:
+        assert wait_until(lambda: listener.sessions == 1)
         started = time.monotonic()
         listener.stop(timeout=5)
         assert time.monotonic() - started < 3
-        assert client.recv(10) == b""  # the server closed our connection
+        assert client.sock.recv(10) == b""  # the server closed our connection
     with pytest.raises(OSError):
         socket.create_connection((listener.host, listener.port), timeout=2).close()
     assert not any(t.name.startswith("test-net-idle") and t.is_alive() for t in threading.enumerate())
@@ -149,9 +163,9 @@ def test_stop_closes_open_connections_and_the_port_in_bounded_time():
 
 def test_stop_is_bounded_even_when_a_connection_ignores_the_close():
     release = threading.Event()
-    listener = ConnectionListener("127.0.0.1", lambda sock, peer: release.wait(10), "test-net-stuck")
-    with socket.create_connection((listener.host, listener.port), timeout=5):
-        assert wait_until(lambda: any(t.name.startswith("test-net-stuck-") for t in threading.enumerate()))
+    listener = listen(lambda hello, channel, peer: release.wait(10), "test-net-stuck")
+    with connect(listener).sock:
+        assert wait_until(lambda: listener.sessions == 1)
         started = time.monotonic()
         listener.stop(timeout=0.3)
         assert time.monotonic() - started < 2
@@ -162,21 +176,22 @@ def test_stop_is_bounded_even_when_a_connection_ignores_the_close():
 def test_drain_lets_a_connection_read_what_its_peer_sent_before_it_is_closed(drain_s, finished):
     received: list[bytes | None] = []
 
-    def serve(sock, peer):
+    def serve(hello, channel, peer):
         time.sleep(0.3)  # a slow reader: the peer is done long before
         try:
             data = b""
-            while chunk := sock.recv(65536):
+            while chunk := channel.sock.recv(65536):
                 data += chunk
             received.append(data)
         except OSError:
             received.append(None)  # closed by stop() before it was done
 
-    listener = ConnectionListener("127.0.0.1", serve, "test-net-drain")
-    with socket.create_connection((listener.host, listener.port), timeout=5) as client:
-        client.sendall(b"x" * 100_000)
-        client.shutdown(socket.SHUT_WR)
-        assert wait_until(lambda: any(t.name.startswith("test-net-drain-") for t in threading.enumerate()))
+    listener = listen(serve, "test-net-drain")
+    client = connect(listener)
+    with client.sock:
+        client.sock.sendall(b"x" * 100_000)
+        client.sock.shutdown(socket.SHUT_WR)
+        assert wait_until(lambda: listener.sessions == 1)
         listener.stop(timeout=5, drain_s=drain_s)
     assert wait_until(lambda: received)
     assert (received == [b"x" * 100_000]) is finished
@@ -190,7 +205,7 @@ def test_frames_round_trip_with_their_kind_fields_and_payload():
     with a, b:
         weights = np.arange(4, dtype=np.float32)
         sent = client.send((EchoKind.DATA, (7, 2**40), weights.data))
-        assert sent == ECHO.header.size + 16 + 16  # header, 4 floats, tag
+        assert sent == ECHO.header.size + TAG_BYTES + 16 + TAG_BYTES  # header, its tag, 4 floats, tag
         assert server.recv(1024) == (EchoKind.DATA, (7, 2**40), weights.tobytes())
         server.send((EchoKind.DATA, (1, 2), b""))  # the other direction, empty payload
         assert client.recv(1024) == (EchoKind.DATA, (1, 2), b"")
@@ -207,10 +222,16 @@ def test_a_parameter_server_frame_keeps_every_named_field():
         assert struct.unpack("<4f", got.payload) == (0.0, 1.0, 2.0, 3.0)
 
 
-@pytest.mark.parametrize("where", ["header", "payload", "tag"])
+@pytest.mark.parametrize("where", ["header", "header tag", "payload", "tag"])
 def test_a_flipped_bit_anywhere_fails_authentication(where):
     (frame,) = sent_bytes(ECHO, [(EchoKind.DATA, (7, 8), b"p" * 32)])
-    index = {"header": ECHO.header.size - 3, "payload": ECHO.header.size + 5, "tag": len(frame) - 1}[where]
+    size = ECHO.header.size
+    index = {
+        "header": size - 3,
+        "header tag": size + 2,
+        "payload": size + TAG_BYTES + 5,
+        "tag": len(frame) - 1,
+    }[where]
     a, b, _, server = pair()
     with a, b:
         a.sendall(frame[:index] + bytes([frame[index] ^ 1]) + frame[index + 1 :])
@@ -248,28 +269,64 @@ def test_a_reflected_frame_fails():
             server.recv(1024)
 
 
-def test_frames_of_one_protocol_never_pass_as_the_other():
-    # a progress HELLO at a parameter server: refused by its protocol id, before any payload
+def answer(client_protocol, hello, secret=SECRET, server_protocol=None):
+    """The HELLO a client of ``client_protocol`` sends in answer to a fresh challenge of
+    ``server_protocol``'s id: (the challenge, the HELLO's bytes)."""
+    challenge = server_challenge(server_protocol or client_protocol)
     a, b = socket.socketpair()
     with a, b:
+        a.settimeout(5)
         b.settimeout(5)
-        client_hello(a, SECRET, PROGRESS_WIRE, Hello(0, 0))
-        with pytest.raises(ProtocolError, match="protocol 2 on a sparkdl-ps connection"):
-            server_hello(b, SECRET, PS_WIRE)
+        b.sendall(challenge)
+        client_hello(a, secret, client_protocol, hello)
+        raw = b""
+        while len(raw) < client_protocol.hello_size:
+            raw += b.recv(4096)
+    return challenge, raw
+
+
+def accept(raw, challenge, protocol=ECHO, secret=SECRET):
+    a, b = socket.socketpair()
+    with a, b:
+        return accept_hello(b, raw, challenge, secret, protocol)
+
+
+def test_frames_of_one_protocol_never_pass_as_the_other():
+    # a progress HELLO at a parameter server: refused by its protocol id
+    challenge, raw = answer(PROGRESS_WIRE, Hello(0, 0))
+    with pytest.raises(ProtocolError, match="protocol 2 on a sparkdl-ps connection"):
+        accept(raw, challenge, PS_WIRE)
     # a forger that copies the parameter server's id and layout under another name: the
     # keys differ, so neither its HELLO nor its frames verify
     forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQ", Kind.HELLO)
-    a, b = socket.socketpair()
-    with a, b:
-        b.settimeout(5)
-        client_hello(a, SECRET, forged, Frame(Kind.HELLO))
-        with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
-            server_hello(b, SECRET, PS_WIRE)
+    challenge, raw = answer(forged, Frame(Kind.HELLO))
+    with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
+        accept(raw, challenge, PS_WIRE)
     a, b, client, server = pair(PS_WIRE, client_protocol=forged)
     with a, b:
         client.send(Frame(Kind.PULL, clock=3))
         with pytest.raises(ProtocolError, match="authentication"):
             server.recv(1024)
+
+
+def test_a_client_refuses_a_server_of_another_protocol_before_it_says_anything():
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5)
+        b.sendall(server_challenge(PS_WIRE))
+        with pytest.raises(ProtocolError, match="protocol 1 on a sparkdl-progress connection"):
+            client_hello(a, SECRET, PROGRESS_WIRE, Hello(0, 0))
+        b.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            b.recv(1)  # no HELLO was sent
+
+
+def test_a_hello_answers_one_challenge_only():
+    challenge, raw = answer(ECHO, (EchoKind.HELLO, (0, 0), b""))
+    hello, _ = accept(raw, challenge)
+    assert hello == (EchoKind.HELLO, (0, 0), b"")
+    with pytest.raises(ProtocolError, match="replayed HELLO"):  # the same HELLO, a new challenge
+        accept(raw, server_challenge(ECHO))
 
 
 def test_a_clean_eof_is_connection_closed_but_a_truncated_frame_is_a_protocol_error():
@@ -279,7 +336,8 @@ def test_a_clean_eof_is_connection_closed_but_a_truncated_frame_is_a_protocol_er
         with pytest.raises(ConnectionClosed):
             server.recv(1024)
     (frame,) = sent_bytes(ECHO, [(EchoKind.DATA, (1, 0), b"abc")])
-    for cut in (5, ECHO.header.size + 1, len(frame) - 1):  # in the header, payload and tag
+    size = ECHO.header.size
+    for cut in (5, size + 3, size + TAG_BYTES + 1, len(frame) - 1):  # header, its tag, payload, tag
         a, b, _, server = pair()
         with b:
             a.sendall(frame[:cut])
@@ -290,22 +348,39 @@ def test_a_clean_eof_is_connection_closed_but_a_truncated_frame_is_a_protocol_er
 
 
 def test_an_oversized_frame_is_refused_before_its_payload_is_read():
-    a, b = socket.socketpair()
+    a, b, client, server = pair()
     with a, b:
-        b.settimeout(5)  # were the payload awaited, this would time out instead
-        a.sendall(ECHO.pack(EchoKind.DATA, (0, 0), 1 << 30) + b"first payload bytes")
-        with pytest.raises(ProtocolError, match=r"announces 1073741824 payload bytes, over the cap of 64"):
-            read_raw(b, ECHO, 64, 16)
+        client.send((EchoKind.DATA, (0, 0), b"p" * 100))
+        with pytest.raises(ProtocolError, match=r"announces 100 payload bytes, over the cap of 64"):
+            server.recv(64)
+        b.settimeout(0.5)
+        unread = b.recv(1000)
+        assert len(unread) == 100 + TAG_BYTES and unread[:100] == b"p" * 100  # payload and tag
+
+
+def test_a_forged_header_allocates_nothing_and_reads_no_payload():
+    """Without the secret, a header announcing 1 GiB fails on its own tag: the reader
+    neither allocates the payload nor reads a byte past the header's tag."""
+    import tracemalloc
+
+    a, b, _, server = pair()
+    with a, b:
+        a.sendall(ECHO.pack(EchoKind.DATA, (0, 0), 1 << 30) + b"t" * TAG_BYTES + b"first payload bytes")
+        tracemalloc.start()
+        try:
+            with pytest.raises(ProtocolError, match="authentication"):
+                server.recv(1 << 31)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20
         assert b.recv(100) == b"first payload bytes"  # still unread
 
 
 def test_a_hello_under_another_secret_is_refused():
-    a, b = socket.socketpair()
-    with a, b:
-        b.settimeout(5)
-        client_hello(a, b"x" * 32, ECHO, (EchoKind.HELLO, (0, 0), b""))
-        with pytest.raises(ProtocolError, match="HELLO failed authentication"):
-            server_hello(b, SECRET, ECHO)
+    challenge, raw = answer(ECHO, (EchoKind.HELLO, (0, 0), b""), secret=b"x" * 32)
+    with pytest.raises(ProtocolError, match="HELLO failed authentication"):
+        accept(raw, challenge)
 
 
 # --- the parameter server's errors are data -------------------------------------------
@@ -390,21 +465,21 @@ class Recorder:
 
     def __init__(self):
         self.messages: list[tuple[float, object]] = []
-        self.listener = ConnectionListener("127.0.0.1", self._serve, "test-net-progress")
+        self.listener = ConnectionListener(
+            "127.0.0.1", PROGRESS_WIRE, SECRET, self._serve, "test-net-progress", log
+        )
 
     def endpoint(self, interval_s=10.0):
         return ProgressEndpoint(self.listener.host, self.listener.port, SECRET, interval_s)
 
-    def _serve(self, sock, peer):
-        with sock:
-            try:
-                hello, channel = progress_server_hello(sock, SECRET)
-                channel.send(Ack(hello.rank, hello.attempt))
-                while True:
-                    message = channel.recv(MAX_PAYLOAD)
-                    self.messages.append((time.monotonic(), message))
-            except (ProtocolError, OSError):
-                pass
+    def _serve(self, hello, channel, peer):
+        try:
+            channel.send(Ack(hello.rank, hello.attempt))
+            while True:
+                message = channel.recv(MAX_PAYLOAD)
+                self.messages.append((time.monotonic(), message))
+        except (ProtocolError, OSError):
+            pass
 
     def kinds(self):
         return [type(m).__name__ for _, m in self.messages]

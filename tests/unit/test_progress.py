@@ -175,7 +175,7 @@ def test_a_report_and_a_log_record_cross_the_wire_with_every_field():
     with a, b:
         worker, driver = channel_pair(a, b, PROGRESS_WIRE)
         sent = worker.send(report)
-        assert sent == PROGRESS_WIRE.header.size + REPORT_PAYLOAD.size + 16  # header, 56 bytes, tag
+        assert sent == PROGRESS_WIRE.header.size + REPORT_PAYLOAD.size + 32  # header, 56 bytes, two tags
         assert driver.recv(MAX_PAYLOAD) == report
         worker.send(Log(3, 2, logging.ERROR, "disk full: 93%"))
         assert driver.recv(MAX_PAYLOAD) == Log(3, 2, logging.ERROR, "disk full: 93%")

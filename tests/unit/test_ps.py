@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.errors import CheckpointError, ParameterServerError, PeerStopped
+from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerError, PeerStopped
+from sparkdl.net.framing import CHALLENGE
 from sparkdl.ps.client import PsClient
 from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
 from sparkdl.ps.server import ParameterServer
@@ -169,6 +170,21 @@ def raw_connection(ps):
     return socket.create_connection((ps.host, ps.port), timeout=5)
 
 
+def assert_closed_after_challenge(sock):
+    """The server sent its challenge and nothing else, then closed the connection."""
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    assert len(received) == CHALLENGE.size and received.startswith(b"SDNT")
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.01)
+    return condition()
+
+
 def header(frame, length):
     """The header of ``frame`` announcing ``length`` payload bytes."""
     kind, fields, _ = PS_WIRE.encode(frame)
@@ -178,23 +194,31 @@ def header(frame, length):
 def test_a_client_with_the_wrong_secret_is_refused_and_logged(server, caplog):
     with pytest.raises(ParameterServerError, match="connection failed"):
         PsClient(endpoint(server, secret=b"x" * 32), 0, 0)
-    assert any("authentication" in r for r in server.rejected)
+    assert server.refusals == {"HELLO refused": 1}
+    assert "HELLO failed authentication" in caplog.text
     real_workers_still_train(server)
 
 
 def test_no_credentials_truncated_and_oversized_frames_are_refused(server):
+    hello_size = PS_WIRE.hello_size
     with raw_connection(server) as sock:  # no HELLO, just bytes
-        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
-        assert sock.recv(10) == b""
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * hello_size)
+        assert_closed_after_challenge(sock)
     with raw_connection(server) as sock:  # a truncated HELLO, then the peer goes away
         sock.sendall(header(Frame(Kind.HELLO), 16) + b"n" * 16 + b"tag")
         sock.shutdown(socket.SHUT_WR)
-        assert sock.recv(10) == b""
-    with raw_connection(server) as sock:  # announces 1 GiB
-        sock.sendall(header(Frame(Kind.PUSH), 1 << 30))
-        assert sock.recv(10) == b""
-    reasons = " | ".join(server.rejected)
-    assert "bad magic" in reasons and "truncated" in reasons and "over the cap" in reasons
+        assert_closed_after_challenge(sock)
+    with raw_connection(server) as sock:  # a "HELLO" announcing 1 GiB of payload
+        sock.sendall(header(Frame(Kind.PUSH), 1 << 30).ljust(hello_size, b"\0"))
+        assert_closed_after_challenge(sock)
+    with raw_connection(server) as sock:  # an authenticated frame over the largest shard
+        channel = client_hello(sock, SECRET, rank=0, attempt=0)
+        assert channel.recv(1 << 20).kind is Kind.ACK
+        channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=b"\0" * 9000))
+        with pytest.raises(ConnectionClosed):
+            channel.recv(1 << 20)
+    assert wait_until(lambda: sum(server.refusals.values()) == 4)
+    assert server.refusals == {"HELLO refused": 2, "closed before its HELLO": 1, "frame refused": 1}
     real_workers_still_train(server)
 
 

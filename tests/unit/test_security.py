@@ -1,0 +1,496 @@
+"""The driver's sockets under attack, as someone on the cluster network would try it:
+recorded sessions replayed through a relay, floods of idle and half-open connections,
+a process out of file descriptors, and a worker that holds the fit's secret and lies.
+Real sockets on loopback; every loop and wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.errors import ConnectionClosed, ProtocolError, PushRejected
+from sparkdl.net.framing import TAG_BYTES, Channel
+from sparkdl.net.listener import one_line
+from sparkdl.progress.board import ProgressBoard, Report
+from sparkdl.progress.channel import ProgressReporter, ProgressServer
+from sparkdl.progress.protocol import MAX_LOG_CHARS, MAX_PAYLOAD, Ack, Log
+from sparkdl.progress.protocol import client_hello as progress_hello
+from sparkdl.ps.client import PsClient
+from sparkdl.ps.endpoint import PsEndpoint
+from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.store import PsMode, ShardStore
+from sparkdl.weights.client import download, upload
+from sparkdl.weights.server import WeightServer
+
+SECRET = b"k" * 32
+
+
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.01)
+    return condition()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def shard(values, mode=PsMode.SYNC, workers=2):
+    return ShardStore([nn.Parameter(torch.tensor(values))], sgd, mode, workers, 0)
+
+
+def parameter_server(mode=PsMode.SYNC, workers=2, **options):
+    stores = [shard((1.0, 2.0), mode, workers), shard((3.0, 4.0, 5.0, 6.0), mode, workers)]
+    return ParameterServer(stores, "127.0.0.1", SECRET, timeout_s=2.0, max_payload=1 << 20, **options)
+
+
+def endpoint(host, port, encrypt=False):
+    return PsEndpoint(host, port, SECRET, ((0,), (0,)), 2.0, 1 << 20, encrypt)
+
+
+def two_workers_train(host, port, encrypt=False):
+    """Both workers push ones at clock 0 and pull clock 1: the sync mean step, lr 0.5."""
+    clients = [PsClient(endpoint(host, port, encrypt), rank, 0) for rank in range(2)]
+    try:
+        for c in clients:
+            c.push(0, 1, [torch.ones(2), torch.ones(4)])
+        version, weights = clients[0].pull(1)[1]
+        assert version == 1 and weights.tolist() == [2.5, 3.5, 4.5, 5.5]
+    finally:
+        for c in clients:
+            c.close()
+
+
+class Relay:
+    """A man in the middle on loopback: forwards one connection to ``target`` and records
+    every byte each side sent."""
+
+    def __init__(self, target):
+        self._target = target
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(10)
+        self.port = self._server.getsockname()[1]
+        self.from_client = bytearray()
+        self.from_server = bytearray()
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="test-relay", daemon=True).start()
+
+    def _run(self):
+        try:
+            client, _ = self._server.accept()
+            upstream = socket.create_connection(self._target, timeout=10)
+            with client, upstream:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    ready, _, _ = select.select([client, upstream], [], [], 0.1)
+                    for sock in ready:
+                        data = sock.recv(1 << 16)
+                        if not data:
+                            return
+                        (upstream if sock is client else client).sendall(data)
+                        (self.from_client if sock is client else self.from_server).extend(data)
+        except OSError:
+            pass
+        finally:
+            self._server.close()
+            self.done.set()
+
+
+def replay(host, port, recorded):
+    """Send ``recorded`` on a fresh connection; return what the server sent back."""
+    received = b""
+    with socket.create_connection((host, port), timeout=5) as sock:
+        try:
+            sock.sendall(recorded)
+            while chunk := sock.recv(4096):
+                received += chunk
+        except OSError:  # the server closed while the replay was still arriving
+            pass
+    return received
+
+
+# --- replay -----------------------------------------------------------------------------
+
+
+def test_a_recorded_parameter_server_session_replayed_applies_nothing_and_is_logged_once(caplog):
+    ps = parameter_server(PsMode.ASYNC, workers=1)
+    try:
+        relay = Relay((ps.host, ps.port))
+        client = PsClient(PsEndpoint("127.0.0.1", relay.port, SECRET, ((0,),), 2.0, 1 << 20), 0, 0)
+        for clock in range(3):  # async: each push is applied at once
+            client._push_one(0, clock, 1, torch.ones(2))
+        client.close()
+        assert relay.done.wait(10)
+        store = ps.stores[0]
+        version, weights = store.version, store.flat_weights().clone()
+        assert version == 3 and weights.tolist() == [-0.5, 0.5]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sparkdl.ps"):
+            answered = replay(ps.host, ps.port, bytes(relay.from_client))
+            assert wait_until(lambda: ps.refusals)
+        assert len(answered) == 24  # its own fresh challenge, then the close
+        assert store.version == version and torch.equal(store.flat_weights(), weights)
+        assert ps.refusals == {"HELLO refused": 1}
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "replayed HELLO" in lines[0], lines
+    finally:
+        ps.stop()
+
+
+def test_a_recorded_progress_record_replayed_reaches_the_driver_s_log_once(caplog):
+    server = ProgressServer(ProgressBoard(1, 1, show=False), "127.0.0.1", SECRET, 10.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            relay = Relay((server.host, server.port))
+            reporter = ProgressReporter(
+                server.endpoint().__class__("127.0.0.1", relay.port, SECRET, 10.0), 0, 0
+            )
+            reporter.log(logging.ERROR, "rank 0 ran out of disk")
+            reporter.close()
+            assert relay.done.wait(10)
+            assert wait_until(lambda: "ran out of disk" in caplog.text)
+            for _ in range(3):
+                replay(server.host, server.port, bytes(relay.from_client))
+            assert wait_until(lambda: server.refusals.get("HELLO refused") == 3)
+        records = [r for r in caplog.records if "ran out of disk" in r.getMessage()]
+        assert len(records) == 1
+    finally:
+        server.stop()
+
+
+# --- floods: nothing held before a peer proves who it is --------------------------------
+
+
+def test_thousands_of_idle_and_half_open_connections_cost_no_thread_and_lock_no_one_out():
+    ps = parameter_server()
+    threads_before = threading.active_count()
+    attackers: list[socket.socket] = []
+    partial_hello = PS_WIRE.pack(int(Kind.HELLO), (1, 0, 0, 0, 0, 0, 0, 0, 0), 16)[:20]
+    try:
+        for i in range(2000):
+            sock = socket.create_connection((ps.host, ps.port), timeout=10)
+            if i % 2:  # half-open: a HELLO begun and never finished
+                sock.sendall(partial_hello)
+            attackers.append(sock)
+        assert wait_until(
+            lambda: ps.refusals.get("evicted: 128 connections were waiting for their HELLO", 0) >= 1800
+        )
+        assert ps._listener.pending <= 128
+        assert threading.active_count() <= threads_before + 1  # no thread per connection
+        two_workers_train(ps.host, ps.port)  # a late worker still gets in, at once
+        assert wait_until(lambda: ps._listener.sessions == 0)  # its sessions ended and were pruned
+    finally:
+        for sock in attackers:
+            sock.close()
+        ps.stop()
+
+
+def test_a_connection_that_never_finishes_its_hello_is_closed_after_the_timeout():
+    from sparkdl.net.listener import ConnectionListener
+
+    listener = ConnectionListener(
+        "127.0.0.1",
+        PS_WIRE,
+        SECRET,
+        lambda *a: None,
+        "test-sec",
+        logging.getLogger("test"),
+        hello_timeout_s=0.5,
+    )
+    try:
+        with socket.create_connection((listener.host, listener.port), timeout=5) as sock:
+            started = time.monotonic()
+            sock.settimeout(0.1)
+            received, closed = b"", False
+            while not closed and time.monotonic() - started < 5:  # a byte every 0.1 s: a
+                try:  # per-read timeout would never fire, a deadline from the accept does
+                    chunk = sock.recv(100)
+                    received, closed = received + chunk, not chunk
+                except TimeoutError:
+                    sock.sendall(b"S")
+                except ConnectionResetError:
+                    closed = True
+            assert closed and received[:4] == b"SDNT" and len(received) == 24
+            assert 0.4 < time.monotonic() - started < 3
+        assert listener.refusals.counts == {"no HELLO within 0.5 s": 1}
+    finally:
+        listener.stop()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from torch import nn
+    from sparkdl.ps.server import ParameterServer
+    from sparkdl.ps.store import PsMode, ShardStore
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    def shard(values):
+        sgd = lambda params: torch.optim.SGD(params, lr=0.5)
+        return ShardStore([nn.Parameter(torch.tensor(values))], sgd, PsMode.SYNC, 2, 0)
+    stores = [shard((1.0, 2.0)), shard((3.0, 4.0, 5.0, 6.0))]
+    ps = ParameterServer(stores, "127.0.0.1", b"k" * 32, 2.0, 1 << 20)
+    print(ps.port, flush=True)
+    sys.stdin.readline()
+    print(json.dumps(ps.refusals), flush=True)
+    ps.stop()
+    """
+)
+
+
+def test_a_server_out_of_file_descriptors_keeps_serving_and_a_late_worker_connects():
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    attackers: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        for _ in range(300):  # more than the child's 96 descriptors
+            attackers.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.5)
+        two_workers_train("127.0.0.1", port)
+        for sock in attackers:  # the attacker leaves; the server is still whole
+            sock.close()
+        time.sleep(0.2)
+        PsClient(endpoint("127.0.0.1", port), 0, 0).close()  # and a worker connects after it
+        child.stdin.write("report\n")
+        child.stdin.flush()
+        refusals = json.loads(child.stdout.readline())
+    finally:
+        for sock in attackers:
+            sock.close()
+        child.kill()
+        child.wait(10)
+    assert refusals.get("accept failed for lack of file descriptors", 0) >= 1, refusals
+
+
+# --- a worker that holds the secret and lies ---------------------------------------------
+
+
+def authenticated(ps, rank=0, attempt=0):
+    sock = socket.create_connection((ps.host, ps.port), timeout=5)
+    channel = client_hello(sock, SECRET, rank=rank, attempt=attempt)
+    return channel
+
+
+def test_a_frame_claiming_another_rank_than_its_hello_closes_the_connection():
+    ps = parameter_server()
+    try:
+        channel = authenticated(ps, rank=0)
+        with channel.sock:
+            assert channel.recv(1 << 20).kind is Kind.ACK
+            channel.send(Frame(Kind.PUSH, shard=0, rank=1, rows=1, payload=np.ones(2, np.float32).data))
+            with pytest.raises(ConnectionClosed):
+                channel.recv(1 << 20)
+        assert ps.refusals == {"frame refused": 1}
+        assert ps.stores[0].version == 0
+        two_workers_train(ps.host, ps.port)
+    finally:
+        ps.stop()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_push_is_refused_counted_and_not_applied(bad):
+    ps = parameter_server()
+    try:
+        channel = authenticated(ps, rank=0)
+        with channel.sock:
+            assert channel.recv(1 << 20).kind is Kind.ACK
+            grad = np.array([1.0, bad], np.float32)
+            channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=grad.data))
+            reply = channel.recv(1 << 20)
+            assert reply.kind is Kind.ERROR and reply.error is ErrorCode.REJECTED
+            assert b"NaN or infinite" in bytes(reply.payload)
+        assert ps.nonfinite_pushes == 1 and ps.rejected_pushes == 1
+        two_workers_train(ps.host, ps.port)  # the bad push never counted towards clock 0
+    finally:
+        ps.stop()
+
+
+def test_a_newer_stage_attempt_is_believed_only_when_spark_runs_it():
+    running = {0}
+    ps = parameter_server(attempt_started=lambda attempt: attempt in running)
+    try:
+        real = PsClient(endpoint(ps.host, ps.port), 0, 0)
+        try:
+            with pytest.raises(PushRejected, match=r"claims stage attempt 9.*Spark runs no such attempt"):
+                PsClient(endpoint(ps.host, ps.port), 1, 9)
+            real.push(0, 1, [torch.ones(2), torch.ones(4)])  # the running attempt goes on
+            running.add(12)  # Spark re-ran the stage
+            PsClient(endpoint(ps.host, ps.port), 1, 12).close()
+            with pytest.raises(PushRejected, match="stage attempt 0 is older than the current 12"):
+                PsClient(endpoint(ps.host, ps.port), 0, 0)
+        finally:
+            real.close()
+    finally:
+        ps.stop()
+
+
+def test_a_worker_log_record_is_one_capped_line_on_the_driver(caplog):
+    server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", SECRET, 10.0)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="sparkdl.worker"),
+            socket.create_connection((server.host, server.port), timeout=5) as sock,
+        ):
+            channel = progress_hello(sock, SECRET, rank=1, attempt=0)
+            assert channel.recv(MAX_PAYLOAD) == Ack(1, 0)
+            forged = "done\n2026-11-22 09:00:00 ERROR sparkdl: the driver was compromised\r\x1b[2K"
+            channel.send(Log(1, 0, logging.WARNING, forged))
+            channel.send(
+                Log(1, 0, logging.WARNING, "x" * 60_000)
+            )  # the reporter caps at 8,000; a liar need not
+            channel.send(Log(1, 0, 1234, "a made-up level"))
+            assert wait_until(lambda: len([r for r in caplog.records if r.name == "sparkdl.worker"]) == 3)
+        messages = [r.getMessage() for r in caplog.records if r.name == "sparkdl.worker"]
+        assert (
+            messages[0]
+            == "[rank 1] done\\n2026-11-22 09:00:00 ERROR sparkdl: the driver was compromised\\r\\x1b[2K"
+        )
+        assert all("\n" not in m and "\r" not in m for m in messages)
+        assert len(messages[1]) < MAX_LOG_CHARS + 100 and messages[1].endswith("(52000 more characters)")
+        assert [r.levelno for r in caplog.records if r.name == "sparkdl.worker"][2] == logging.WARNING
+    finally:
+        server.stop()
+
+
+def test_one_line_keeps_printable_text_as_it_is():
+    assert one_line("loss 0.5 — über ✓") == "loss 0.5 — über ✓"
+    assert one_line("a\tb\nc") == "a\\tb\\nc"
+
+
+@pytest.mark.parametrize(
+    "hello_rank, report_epoch, refusal",
+    [
+        (0, 2, "a report of epoch 2; this fit has 1 epochs"),
+        (5, 1, "a HELLO of rank 5; this fit has 2 workers"),
+    ],
+)
+def test_the_board_takes_only_the_fit_s_own_ranks_and_epochs(hello_rank, report_epoch, refusal, caplog):
+    board = ProgressBoard(2, 1, show=False)
+    server = ProgressServer(board, "127.0.0.1", SECRET, 10.0)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="sparkdl.progress"),
+            socket.create_connection((server.host, server.port), timeout=5) as sock,
+        ):
+            channel = progress_hello(sock, SECRET, rank=hello_rank, attempt=0)
+            try:
+                assert channel.recv(MAX_PAYLOAD) == Ack(hello_rank, 0)
+                for epoch in range(report_epoch, report_epoch + 2000):  # until the driver hangs up
+                    channel.send(Report(hello_rank, epoch, 0, 1, -1, 8, 1.0, 0.1))
+            except (ConnectionClosed, OSError):
+                pass
+        assert wait_until(lambda: refusal in caplog.text)
+        assert board._reports == {}  # not one epoch more than the fit's
+        assert server.refusals == {"frame refused": 1}
+    finally:
+        server.stop()
+
+
+# --- encryption ---------------------------------------------------------------------------
+
+
+def encrypted_pair():
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    nonce = b"n" * 32
+    client = Channel(a, SECRET, PS_WIRE, nonce, client=True, encrypt=True)
+    server = Channel(b, SECRET, PS_WIRE, nonce, client=False, encrypt=True)
+    return a, b, client, server
+
+
+def test_an_encrypted_frame_round_trips_and_its_payload_is_not_on_the_wire():
+    a, b, client, server = encrypted_pair()
+    with a, b:
+        weights = np.full(1000, 1234.5, np.float32)
+        client.send(Frame(Kind.PUSH, shard=1, rank=2, rows=3, payload=weights.data))
+        x, y = socket.socketpair()  # the same frame again, as an eavesdropper sees it
+        with x, y:
+            Channel(x, SECRET, PS_WIRE, b"n" * 32, client=True, encrypt=True).send(
+                Frame(Kind.PUSH, shard=1, rank=2, rows=3, payload=weights.data)
+            )
+            y.settimeout(5)
+            wire = b""
+            while len(wire) < PS_WIRE.header.size + TAG_BYTES + 4000 + TAG_BYTES:
+                wire += y.recv(1 << 16)
+        got = server.recv(1 << 20)
+        assert (got.shard, got.rank, got.rows) == (1, 2, 3)
+        assert np.frombuffer(got.payload, np.float32).tolist() == weights.tolist()
+        assert weights.tobytes()[:16] not in wire and len(wire) == PS_WIRE.header.size + 4032
+
+
+def test_a_flipped_ciphertext_bit_is_refused():
+    a, b, _, server = encrypted_pair()
+    x, y = socket.socketpair()
+    with a, b, x, y:
+        Channel(x, SECRET, PS_WIRE, b"n" * 32, client=True, encrypt=True).send(
+            Frame(Kind.PUSH, payload=b"\0" * 64)
+        )
+        y.settimeout(5)
+        frame = bytearray(y.recv(1 << 16))
+        frame[PS_WIRE.header.size + TAG_BYTES + 10] ^= 1
+        a.sendall(frame)
+        with pytest.raises(ProtocolError, match="authentication"):
+            server.recv(1 << 20)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_with_encrypt_an_eavesdropper_on_a_real_session_sees_no_gradient(encrypt):
+    ps = parameter_server(PsMode.ASYNC, workers=1, encrypt=encrypt)
+    try:
+        relay = Relay((ps.host, ps.port))
+        client = PsClient(PsEndpoint("127.0.0.1", relay.port, SECRET, ((0,),), 2.0, 1 << 20, encrypt), 0, 0)
+        marker = torch.tensor([1234.5, -98.25])
+        client._push_one(0, 0, 1, marker)
+        weights = client.pull(1)[0][1]
+        client.close()
+        assert relay.done.wait(10)
+        assert weights.tolist() == [1.0 - 0.5 * 1234.5, 2.0 + 0.5 * 98.25]
+        seen = marker.numpy().tobytes() in relay.from_client
+        seen_back = weights.numpy().tobytes() in relay.from_server
+        assert (seen, seen_back) == (not encrypt, not encrypt)
+    finally:
+        ps.stop()
+
+
+def test_a_worker_and_a_driver_that_disagree_about_encryption_say_so():
+    ps = parameter_server(encrypt=True)
+    try:
+        with pytest.raises(Exception, match=r"disagree about runtime\.encrypt"):
+            PsClient(endpoint(ps.host, ps.port, encrypt=False), 0, 0)
+        two_workers_train(ps.host, ps.port, encrypt=True)
+    finally:
+        ps.stop()
+
+
+def test_encrypted_weights_upload_and_download_round_trip():
+    server = WeightServer("127.0.0.1", encrypt=True)
+    try:
+        state = {"w": torch.randn(300, 200), "b": torch.arange(7, dtype=torch.int64)}
+        inbox = server.expect_upload()
+        assert inbox.endpoint.encrypt
+        upload(inbox.endpoint, state)
+        received = inbox.take()
+        assert received is not None and all(torch.equal(received[k], state[k]) for k in state)
+        owner = nn.Linear(2, 2)
+        offered = server.offer(dict(owner.state_dict()), owner, "v1")
+        fetched = download(offered)
+        assert all(torch.equal(fetched[k], v) for k, v in owner.state_dict().items())
+    finally:
+        server.stop()
