@@ -115,6 +115,14 @@ class SparkDLConfig:
             )
         if self.training.strategy is Strategy.FSDP:
             _check_fsdp(self)
+        if (
+            self.runtime.compression is Compression.POWERSGD
+            and self.training.strategy is not Strategy.ALLREDUCE
+        ):
+            raise ConfigError(
+                f"compression = 'powersgd' is PyTorch's DDP hook of strategy 'allreduce'; with strategy = "
+                f"{self.training.strategy.value!r} use '1bit', 'topk', 'fp16' or 'bf16'"
+            )
 
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).
@@ -185,6 +193,6 @@ def _check_fsdp(config: SparkDLConfig) -> None:
         )
     if config.runtime.compression is not Compression.NONE:
         raise ConfigError(
-            f"compression = {config.runtime.compression.value!r} is a DDP hook of strategy 'allreduce' "
-            "and does nothing with strategy = 'fsdp'; set compression = 'none'"
+            f"compression = {config.runtime.compression.value!r} is not available with strategy = 'fsdp' "
+            "(its gathers and reduce-scatters have no compression hook); set compression = 'none'"
         )

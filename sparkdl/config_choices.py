@@ -53,10 +53,14 @@ class OnError(str, enum.Enum):
 
 
 class Compression(str, enum.Enum):
-    """Gradient compression applied by the all-reduce communication hook."""
+    """What the strategies compress before it travels (see sparkdl.compression)."""
 
     NONE = "none"
     FP16 = "fp16"
+    BF16 = "bf16"
+    ONEBIT = "1bit"
+    TOPK = "topk"
+    POWERSGD = "powersgd"  # PyTorch's own low-rank DDP hook: all-reduce only
 
 
 class LrSchedule(str, enum.Enum):

@@ -325,7 +325,27 @@ class RuntimeConfig:
     )
     compression: Compression = field(
         default=Compression.NONE,
-        metadata=about("Gradient compression of the allreduce strategy (a DDP hook); fp16 halves the bytes."),
+        metadata=about(
+            "What the strategies compress before it travels: allreduce its gradients (a DDP hook), "
+            "weight_averaging the change since the last average, parameter_server its pushes. fp16 and "
+            "bf16 halve the bytes; 1bit sends signs and two means per 1,024 values (1/30 of float32); topk "
+            "the topk_ratio largest values; 1bit and topk carry what they lose into the next round (error "
+            "feedback). powersgd is PyTorch's low-rank hook (allreduce only)."
+        ),
+    )
+    topk_ratio: float = field(
+        default=0.01,
+        metadata=about("The share of values compression = 'topk' sends, at most 1.", bound="> 0"),
+    )
+    error_feedback: bool = field(
+        default=True,
+        metadata=about(
+            "Carry what 1bit and topk compression lost into the next round; turn off only to see what "
+            "it is worth (1bit then loses accuracy)."
+        ),
+    )
+    powersgd_rank: int = field(
+        default=2, metadata=about("Rank of PowerSGD's low-rank approximation.", bound="> 0")
     )
     bucket_cap_mb: float = field(
         default=25.0,
@@ -367,6 +387,10 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "runtime")
+        if self.topk_ratio > 1:
+            raise ConfigError(
+                f"runtime.topk_ratio = {self.topk_ratio} must be at most 1 (the share of values sent)"
+            )
         if self.backend is Backend.NCCL and self.use_gpu is UseGpu.NO:
             raise ConfigError(
                 "runtime.backend = 'nccl' needs GPUs but runtime.use_gpu = false; "

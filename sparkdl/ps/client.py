@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparkdl.compression.codecs import ErrorFeedback
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
@@ -35,10 +36,19 @@ class PsClient:
         attempt: the stage attempt number (a retry must not mix with the old attempt).
         start_clock: the first clock of this attempt (the global step the workers
             resumed from; 0 when they start afresh).
+        feedback: compress pushes with this codec and error feedback (None: float32).
     """
 
-    def __init__(self, endpoint: PsEndpoint, rank: int, attempt: int, start_clock: int = 0) -> None:
+    def __init__(
+        self,
+        endpoint: PsEndpoint,
+        rank: int,
+        attempt: int,
+        start_clock: int = 0,
+        feedback: ErrorFeedback | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.feedback = feedback
         self.rank = rank
         self.attempt = attempt
         self.start_clock = start_clock
@@ -120,7 +130,15 @@ class PsClient:
     def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
         """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
         channel = self._channels[shard]
-        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data)
+        if self.feedback is None:
+            frame = Frame(
+                Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data
+            )
+        else:  # one stream per shard, each on its own pool thread
+            payload = self.feedback.encode(shard, grad).numpy().data
+            frame = Frame(
+                Kind.PUSH, shard, self.rank, self.attempt, clock, rows, payload, self.feedback.codec.code
+            )
         sent = channel.send(frame)
         return sent, self._expect(channel, Kind.ACK).staleness
 

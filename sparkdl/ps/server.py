@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.compression.codecs import push_codecs
 from sparkdl.errors import (
     CheckpointError,
     ConnectionClosed,
@@ -61,6 +62,7 @@ class ParameterServer:
             accepts no frame over its largest shard).
         snapshot_dir: where shards write their snapshots ("" = snapshots refused).
         encrypt: encrypt every frame (``runtime.encrypt``).
+        topk_ratio: the share of values a top-k compressed push holds (``runtime.topk_ratio``).
         attempt_started: whether Spark really started the stage attempt a HELLO claims
             (None believes any newer attempt: for servers outside a Spark driver).
         max_sessions: worker connections at once (each holds a thread).
@@ -78,6 +80,7 @@ class ParameterServer:
         encrypt: bool = False,
         attempt_started: Callable[[int], bool] | None = None,
         max_sessions: int = 256,
+        topk_ratio: float = 0.01,
     ) -> None:
         self.stores = list(stores)
         self._snapshots = [
@@ -89,7 +92,11 @@ class ParameterServer:
         self.secret = secret
         self.timeout_s = timeout_s
         self.max_payload = max_payload
-        self._frame_cap = max(max((s.numel * 4 for s in self.stores), default=0), MAX_ERROR_BYTES)
+        self._codecs = {c.code: c for c in push_codecs(topk_ratio)}
+        largest = max((s.numel for s in self.stores), default=0)
+        self._frame_cap = max(
+            4 * largest, *(c.nbytes(largest) for c in self._codecs.values()), MAX_ERROR_BYTES
+        )
         self._attempt_started = attempt_started
         self.encrypt = encrypt
         self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
@@ -198,12 +205,7 @@ class ParameterServer:
     def _answer(self, frame: Frame) -> Frame:
         store = self.stores[frame.shard]
         if frame.kind is Kind.PUSH:
-            if frame.dtype != FLOAT32 or len(frame.payload) != store.numel * 4:
-                raise PushRejected(
-                    f"push of {len(frame.payload)} bytes (dtype code {frame.dtype}) to shard "
-                    f"{frame.shard}, which takes {store.numel * 4} bytes of float32"
-                )
-            grad = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
+            grad = self._gradient(frame, store.numel)
             if not math.isfinite(grad.sum(dtype=torch.float64)):
                 self.nonfinite_pushes += 1
                 raise PushRejected(
@@ -225,6 +227,23 @@ class ParameterServer:
             version = self._save_snapshot(frame.shard, frame.clock)
             return Frame(Kind.ACK, shard=frame.shard, version=version)
         raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
+
+    def _gradient(self, frame: Frame, numel: int) -> torch.Tensor:
+        """The float32 gradient a PUSH carries, plain or compressed (the frame's dtype)."""
+        codec = self._codecs.get(frame.dtype)
+        if codec is None and frame.dtype != FLOAT32:
+            raise PushRejected(
+                f"push to shard {frame.shard} in encoding {frame.dtype}, which this server does not know"
+            )
+        name, expected = ("float32", 4 * numel) if codec is None else (codec.name, codec.nbytes(numel))
+        if len(frame.payload) != expected:
+            raise PushRejected(
+                f"push of {len(frame.payload)} bytes to shard {frame.shard}, which takes {expected} bytes "
+                f"of {name} ({numel} values)"
+            )
+        if codec is None:
+            return torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
+        return codec.decode(torch.from_numpy(np.frombuffer(frame.payload, dtype=np.uint8)), numel)
 
     def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
         self.rejected_pushes += 1

@@ -106,6 +106,7 @@ def host_parameter_server(
         attempt_started=attempt_started,
         # a connection per shard per worker, twice over while a failed attempt's close
         max_sessions=2 * config.training.num_workers * len(stores) + 16,
+        topk_ratio=config.runtime.topk_ratio,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards",

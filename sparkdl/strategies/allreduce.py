@@ -1,8 +1,9 @@
 """Gradient averaging every step with PyTorch DDP.
 
 DDP buckets gradients and starts each bucket's all-reduce while backward is still
-running, so communication overlaps compute. With compression = "fp16" DDP's own
-communication hook halves the bytes on the wire.
+running, so communication overlaps compute. Compression is a DDP communication hook:
+PyTorch's own for fp16 and PowerSGD, ours for bf16 (PyTorch's needs NCCL), 1bit and topk, which exchange each
+bucket by all-gather with error feedback (:class:`sparkdl.compression.collectives.CompressedAllReduce`).
 
 Every worker scales its mean loss by ``world * local_rows / global_rows``: after DDP's
 mean over workers the gradient is exactly the mean over every row of the step, as
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from sparkdl.config import Compression, Strategy
+from sparkdl.compression.codecs import ErrorFeedback, OneBit, TopK
+from sparkdl.compression.collectives import CompressedAllReduce, bf16_allreduce_hook
+from sparkdl.config import Compression, RuntimeConfig, Strategy
 from sparkdl.strategies.base import (
     StepInput,
     StrategyContext,
@@ -46,11 +49,37 @@ class AllReduceStrategy(SyncStrategy):
             bucket_cap_mb=runtime.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
-        bytes_per_grad = parameter_bytes(ctx.module)
-        if runtime.compression is Compression.FP16:
-            self._ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            bytes_per_grad //= 2
-        self._step_bytes = ring_allreduce_bytes(bytes_per_grad, ctx.world_size)
+        self._compressed: CompressedAllReduce | None = None
+        self._step_bytes = self._register_hook(
+            self._ddp, runtime, parameter_bytes(ctx.module), ctx.world_size
+        )
+
+    def _register_hook(
+        self, ddp: DistributedDataParallel, runtime: RuntimeConfig, grad_bytes: int, world: int
+    ) -> int:
+        """Register the compression's hook; return the bytes a step sends (None: counted by the hook)."""
+        compression = runtime.compression
+        if compression is Compression.FP16:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            return ring_allreduce_bytes(grad_bytes // 2, world)
+        if compression is Compression.BF16:
+            ddp.register_comm_hook(None, bf16_allreduce_hook)
+            return ring_allreduce_bytes(grad_bytes // 2, world)
+        if compression is Compression.POWERSGD:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=runtime.powersgd_rank,
+                start_powerSGD_iter=2,  # DDP rebuilds its buckets after the first step
+                use_error_feedback=runtime.error_feedback,
+            )
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            return ring_allreduce_bytes(_powersgd_bytes(self.ctx.module, runtime.powersgd_rank), world)
+        if compression in (Compression.ONEBIT, Compression.TOPK):
+            codec = OneBit() if compression is Compression.ONEBIT else TopK(runtime.topk_ratio)
+            self._compressed = CompressedAllReduce(ErrorFeedback(codec, runtime.error_feedback))
+            ddp.register_comm_hook(self._compressed, CompressedAllReduce.hook)
+            return 0  # the hook counts what it sends
+        return ring_allreduce_bytes(grad_bytes, world)
 
     @property
     def model(self) -> nn.Module:
@@ -62,9 +91,26 @@ class AllReduceStrategy(SyncStrategy):
         loss = self._backward(step, batches, scale)
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes
+        if self._compressed is not None:
+            self.stats.bytes_sent += self._compressed.bytes_sent
+            self._compressed.bytes_sent = 0
         return self._step_on_shared_gradients(step, loss)
 
     def close(self) -> None:
         # Drop DDP's reducer while the process group is still registered, so that the
         # group's own teardown (which joins gloo's threads) does not run inside it.
         self._ddp = None
+
+
+def _powersgd_bytes(module: nn.Module, rank: int) -> int:
+    """What PowerSGD all-reduces per step: for a matrix n x m, its factors P (n x r) and
+    Q (m x r) when they are smaller than it; any other gradient whole (float32)."""
+    total = 0
+    for param in module.parameters():
+        if not param.requires_grad:
+            continue
+        n = param.shape[0] if param.dim() > 1 else 0
+        m = param.numel() // n if n else 0
+        low_rank = n and (n + m) * rank < n * m
+        total += 4 * ((n + m) * rank if low_rank else param.numel())
+    return total

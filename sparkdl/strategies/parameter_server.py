@@ -7,6 +7,10 @@ server's per-clock mean is the mean over every row of the step (exactly all-redu
 SGD in ``sync`` mode). In ``async`` mode a worker accumulates gradients for
 ``push_every`` steps before pushing (Downpour's n_push) and fetches fresh weights
 every ``pull_every`` steps (n_fetch).
+
+Compression. With ``compression`` set, each push is encoded with error feedback on the
+worker (one residual per shard), and the server decodes it by the frame's encoding;
+pulls stay float32 (the worker's copy must be the server's weights exactly).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparkdl.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.config import PsMode, Strategy
 from sparkdl.errors import ConfigError, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
@@ -47,7 +52,10 @@ class ParameterServerStrategy(SyncStrategy):
         self._version = 0
         # ctx.resume_step > 0: resumed from the checkpoint of that global step; the server
         # returns to its snapshot of it, and its weights win over the checkpoint's copy.
-        self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step)
+        runtime = ctx.config.runtime
+        codec = codec_for(runtime.compression, runtime.topk_ratio)
+        feedback = ErrorFeedback(codec, runtime.error_feedback) if codec is not None else None
+        self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback)
         try:
             self._pull(ctx.resume_step)
         except BaseException:

@@ -20,6 +20,12 @@ tensor in ``optimizer.state`` is averaged as well, once every worker holds it (a
 worker that has not stepped yet has no momentum buffer). Integer or scalar
 bookkeeping (Adam's step count) is the same on every worker and left alone. With
 ``false`` each worker keeps its own optimizer state; only weights and buffers move.
+
+Compression. With ``compression`` set, what travels is each worker's weighted change
+since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedback
+(:class:`sparkdl.compression.collectives.CompressedAverage`): a worker sends the
+compression factor less on top of ``1/tau``, and every worker still ends each average
+with the same tensors.
 """
 
 from __future__ import annotations
@@ -30,9 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparkdl.compression.codecs import ErrorFeedback, codec_for
+from sparkdl.compression.collectives import CompressedAverage
 from sparkdl.config import Strategy
 from sparkdl.errors import PeerStopped, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
+
+Named = tuple[str, torch.Tensor]
 
 
 class WeightAveragingStrategy(SyncStrategy):
@@ -48,8 +58,14 @@ class WeightAveragingStrategy(SyncStrategy):
         self._rows_since_sync = 0
         self._steps_since_sync = 0
         self._stopping: SparkDLError | None = None
-        for tensor in self._model_tensors():  # start from rank 0's weights, like DDP
+        for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             dist.broadcast(tensor, src=0)
+        runtime = ctx.config.runtime
+        codec = codec_for(runtime.compression, runtime.topk_ratio)
+        self._compressed = None
+        if codec is not None:
+            self._compressed = CompressedAverage(ErrorFeedback(codec, runtime.error_feedback))
+            self._compressed.remember(self._model_tensors())
 
     @property
     def checkpoint_multiple(self) -> int:
@@ -91,21 +107,24 @@ class WeightAveragingStrategy(SyncStrategy):
             raise agreed(
                 self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
             )
-        tensors = list(self._model_tensors())
+        named = list(self._model_tensors())
         if self._include_optimizer_state():
-            tensors += list(self._optimizer_tensors())
+            named += list(self._optimizer_tensors())
         if total > 0:
-            self._weighted_all_reduce(tensors, self._rows_since_sync / total)
+            buckets = list(_buckets(named, self._bucket_bytes))
+            if self._compressed is not None:
+                self.stats.bytes_sent += self._compressed(buckets, self._rows_since_sync / total)
+            else:
+                self._weighted_all_reduce([[t for _, t in b] for b in buckets], self._rows_since_sync / total)
+                payload = sum(t.numel() * t.element_size() for _, t in named)
+                self.stats.bytes_sent += ring_allreduce_bytes(payload, world)
         self.stats.sync_rounds += 1
-        self.stats.bytes_sent += ring_allreduce_bytes(
-            sum(t.numel() * t.element_size() for t in tensors), world
-        )
         self._rows_since_sync = self._steps_since_sync = 0
 
-    def _weighted_all_reduce(self, tensors: list[torch.Tensor], own_weight: float) -> None:
-        """sum_i own_weight_i * t_i, in buckets of ``bucket_cap_mb`` all-reduced concurrently."""
+    def _weighted_all_reduce(self, buckets: list[list[torch.Tensor]], own_weight: float) -> None:
+        """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently."""
         pending = []
-        for bucket in _buckets(tensors, self._bucket_bytes):
+        for bucket in buckets:
             flat = torch.cat([t.detach().reshape(-1) for t in bucket]).mul_(own_weight)
             pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
         for bucket, flat, work in pending:
@@ -117,26 +136,28 @@ class WeightAveragingStrategy(SyncStrategy):
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
 
-    def _model_tensors(self) -> Iterator[torch.Tensor]:
+    def _model_tensors(self) -> Iterator[Named]:
         module = self.ctx.module
-        yield from (p.data for p in module.parameters())
-        yield from (b for b in module.buffers() if b.is_floating_point())
+        yield from ((f"parameter {name}", p.data) for name, p in module.named_parameters())
+        yield from ((f"buffer {name}", b) for name, b in module.named_buffers() if b.is_floating_point())
 
-    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+    def _optimizer_tensors(self) -> Iterator[Named]:
         optimizer = self.ctx.optimizer
+        index = 0
         for group in optimizer.param_groups:
             for param in group["params"]:
                 state = optimizer.state.get(param, {})
                 for key in sorted(state):
                     value = state[key]
                     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-                        yield value
+                        yield f"optimizer {index} {key}", value
+                index += 1
 
     def _include_optimizer_state(self) -> bool:
         """True when state is averaged and every worker holds the same set of state tensors."""
         if not self._average_state:
             return False
-        count = sum(t.numel() for t in self._optimizer_tensors())
+        count = sum(t.numel() for _, t in self._optimizer_tensors())
         counts = torch.tensor([count, -count], dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         return count > 0 and counts[0].item() == count and -counts[1].item() == count
@@ -161,17 +182,18 @@ class RoundMessage:
         return values[0], [r for r, flag in enumerate(values[1:]) if flag]
 
 
-def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+def _buckets(named: list[Named], cap_bytes: int) -> Iterator[list[Named]]:
     """Consecutive groups of tensors of the same dtype and device, each under ``cap_bytes``."""
-    bucket: list[torch.Tensor] = []
+    bucket: list[Named] = []
     size = 0
-    for tensor in tensors:
+    for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        compatible = not bucket or (tensor.dtype == bucket[0].dtype and tensor.device == bucket[0].device)
+        first = bucket[0][1] if bucket else tensor
+        compatible = tensor.dtype == first.dtype and tensor.device == first.device
         if bucket and (size + nbytes > cap_bytes or not compatible):
             yield bucket
             bucket, size = [], 0
-        bucket.append(tensor)
+        bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket
