@@ -90,12 +90,14 @@ class OptimizerName(str, enum.Enum):
 
 
 class DrillKind(str, enum.Enum):
-    """What a fault drill does: raise before the step, exit mid-backward, hang, kill the executor JVM."""
+    """What a fault drill does: raise before the step, exit mid-backward, hang, kill the
+    executor JVM, or (slow) take three times as long over every step from STEP on."""
 
     RAISE = "raise"
     EXIT = "exit"
     HANG = "hang"
     KILLJVM = "killjvm"
+    SLOW = "slow"
 
 
 LOSS_NAMES = ("cross_entropy", "mse", "bce_with_logits")

@@ -438,6 +438,15 @@ class ParameterServerConfig:
     pull_every: int = field(
         default=1, metadata=about("async: steps between two fetches of fresh weights.", bound="> 0")
     )
+    backup_workers: int = field(
+        default=0,
+        metadata=about(
+            "sync: apply each step once num_workers - backup_workers workers pushed it; a late push is "
+            "dropped and counted, and a worker that fell behind skips ahead (from epoch 2: the first "
+            "epoch streams in lockstep).",
+            bound=">= 0",
+        ),
+    )
     ps_timeout_s: float = field(
         default=120.0,
         metadata=about(

@@ -29,6 +29,7 @@ import abc
 import math
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
 from sparkdl.config_choices import Compression
@@ -54,6 +55,12 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """The float32 values a payload of ``numel`` values stands for."""
+
+    def encode_and_decode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload of ``flat`` and the values it stands for (what error feedback needs;
+        a codec may know them without decoding)."""
+        payload = self.encode(flat)
+        return payload, self.decode(payload, flat.numel())
 
 
 class Half(Codec):
@@ -84,31 +91,36 @@ class OneBit(Codec):
         return _aligned(8 * math.ceil(numel / _CHUNK) + math.ceil(numel / 8))
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.encode_and_decode(flat)[0]
+
+    def encode_and_decode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         numel = flat.numel()
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.uint8, device=flat.device), flat.float()
         chunks = math.ceil(numel / _CHUNK)
-        padded = torch.zeros(chunks * _CHUNK, dtype=torch.float32, device=flat.device)
-        padded[:numel] = flat
-        valid = torch.zeros(chunks * _CHUNK, dtype=torch.bool, device=flat.device)
-        valid[:numel] = True
-        values, valid = padded.view(chunks, _CHUNK), valid.view(chunks, _CHUNK)
-        positive = values >= 0
-        up, down = positive & valid, ~positive & valid
-        means = torch.stack(
-            [
-                (values * up).sum(1) / up.sum(1).clamp(min=1),
-                (values * down).sum(1) / down.sum(1).clamp(min=1),
-            ],
-            dim=1,
-        )  # chunks x 2 float32
-        payload = torch.cat([means.reshape(-1).view(torch.uint8), _pack_bits(positive.reshape(-1)[:numel])])
-        return _pad(payload, self.nbytes(numel))
+        pad = chunks * _CHUNK - numel
+        values = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(chunks, _CHUNK)
+        bits = _pack_bits((values >= 0).reshape(-1)[:numel])
+        up = _unpack_floats(bits, chunks * _CHUNK).view(chunks, _CHUNK)  # 1.0 where >= 0, 0.0 past the end
+        ups = up.sum(1)
+        downs = torch.full_like(ups, _CHUNK)
+        downs[-1] -= pad
+        downs -= ups
+        up_sum = values.clamp(min=0).sum(1)  # the padding zeros add nothing to either sum
+        means = torch.stack([up_sum / ups.clamp(min=1), (values.sum(1) - up_sum) / downs.clamp(min=1)], dim=1)
+        payload = _pad(torch.cat([means.reshape(-1).view(torch.uint8), bits]), self.nbytes(numel))
+        return payload, _reconstructed(up, means, numel)
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         chunks = math.ceil(numel / _CHUNK)
         means = payload[: 8 * chunks].view(torch.float32).view(chunks, 2)
-        positive = _unpack_bits(payload[8 * chunks :], numel)
-        index = torch.arange(numel, device=payload.device) // _CHUNK
-        return torch.where(positive, means[index, 0], means[index, 1])
+        up = _unpack_floats(payload[8 * chunks :], chunks * _CHUNK).view(chunks, _CHUNK)
+        return _reconstructed(up, means, numel)
+
+
+def _reconstructed(up: torch.Tensor, means: torch.Tensor, numel: int) -> torch.Tensor:
+    """Each value's chunk mean: the non-negative one where ``up`` is 1, the negative one where 0."""
+    return torch.addcmul(means[:, 1:], up, means[:, :1] - means[:, 1:]).reshape(-1)[:numel]
 
 
 class TopK(Codec):
@@ -185,8 +197,8 @@ class ErrorFeedback:
             return self.codec.encode(flat)
         residual = self._residuals.get(key)
         corrected = flat if residual is None or residual.numel() != flat.numel() else flat + residual
-        payload = self.codec.encode(corrected)
-        self._residuals[key] = corrected - self.codec.decode(payload, corrected.numel())
+        payload, decoded = self.codec.encode_and_decode(corrected)
+        self._residuals[key] = corrected.sub_(decoded) if corrected is not flat else corrected - decoded
         return payload
 
     def residual_norm(self) -> float:
@@ -207,12 +219,20 @@ def _pad(payload: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Booleans, eight to a byte, the first in the highest bit."""
+    """Booleans, eight to a byte, the first in the highest bit (numpy's packbits on CPU)."""
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.packbits(bits.numpy()))
     padded = torch.zeros(math.ceil(bits.numel() / 8) * 8, dtype=torch.uint8, device=bits.device)
     padded[: bits.numel()] = bits
     return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
 
 
-def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
-    return bits.reshape(-1)[:numel]
+def _unpack_floats(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` bits of ``packed`` as float32 ones and zeros (zeros past its end)."""
+    if packed.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=min(numel, 8 * packed.numel())))
+    else:
+        bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0).reshape(-1)[:numel]
+    out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
+    out[: bits.numel()] = bits
+    return out

@@ -120,7 +120,8 @@ class CompressedAverage:
         self.feedback = feedback
         self.group = group
         self.world = dist.get_world_size(group)
-        self._references: dict[str, torch.Tensor] = {}
+        self._references: dict[str, torch.Tensor] = {}  # by tensor name (views into a bucket's)
+        self._bucket_references: dict[Hashable, torch.Tensor] = {}  # by the names in the bucket
 
     def remember(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the current values of ``named`` tensors as their references (every worker
@@ -133,24 +134,29 @@ class CompressedAverage:
         by ``own_weight``; return the bytes this worker sent."""
         sent = 0
         pending = []
+        used: dict[Hashable, torch.Tensor] = {}
         for bucket in buckets:
-            flat = torch.cat([t.detach().reshape(-1).float() for _, t in bucket])
-            reference = torch.cat([self._reference(name, t) for name, t in bucket])
             key: Hashable = tuple(name for name, _ in bucket)
-            payload = self.feedback.encode(key, (flat - reference).mul_(own_weight))
+            flat = torch.cat([t.detach().reshape(-1).float() for _, t in bucket])
+            reference = self._bucket_references.get(key)
+            if reference is None:
+                reference = torch.cat([self._reference(name, t) for name, t in bucket])
+            payload = self.feedback.encode(key, flat.sub_(reference).mul_(own_weight))
             gathered, work = _gather(payload, self.world, self.group, async_op=True)
             sent += (self.world - 1) * payload.numel()
-            pending.append((bucket, reference, gathered, work))
-        for bucket, reference, gathered, work in pending:
+            pending.append((key, bucket, reference, gathered, work))
+        for key, bucket, reference, gathered, work in pending:
             work.wait()
-            averaged = reference.add_(_decoded_sum(self.feedback, gathered, self.world, reference.numel()))
+            averaged = reference + _decoded_sum(self.feedback, gathered, self.world, reference.numel())
+            used[key] = averaged
             offset = 0
             with torch.no_grad():
                 for name, tensor in bucket:
                     values = averaged[offset : offset + tensor.numel()]
                     tensor.copy_(values.view_as(tensor))
-                    self._references[name] = values.clone()
+                    self._references[name] = values
                     offset += tensor.numel()
+        self._bucket_references = used  # a bucket of another layout is not kept alive
         return sent
 
     def _reference(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ class ClientStats:
     wait_s: float = 0.0
     staleness_sum: int = 0  # running figures: one entry per push would grow all epoch
     staleness_max: int = 0
+    late_pushes: int = 0  # shard pushes the server called late (sync with backups: dropped)
 
 
 class PsClient:
@@ -53,6 +54,7 @@ class PsClient:
         self.attempt = attempt
         self.start_clock = start_clock
         self.stats = ClientStats()
+        self.ahead = 0
         shards = len(endpoint.shard_params)
         self._channels: list[PsChannel] = []
         try:
@@ -95,18 +97,23 @@ class PsClient:
             self.stats.bytes_sent += sent
             self.stats.staleness_sum += staleness
             self.stats.staleness_max = max(self.stats.staleness_max, staleness)
+            self.stats.late_pushes += staleness > 0
         self.stats.pushes += 1
 
     def pull(self, clock: int) -> list[tuple[int, torch.Tensor]]:
-        """(version, flat weights) of every shard for a worker about to compute ``clock``."""
+        """(version, flat weights) of every shard for a worker about to compute ``clock``;
+        :attr:`ahead` is then how many clocks past ``clock`` every shard already is."""
         started = time.perf_counter()
         futures = [self._pool.submit(self._pull_one, shard, clock) for shard in range(len(self._channels))]
         results = []
+        aheads = []
         for future in futures:
-            sent, received, version, weights = future.result()
+            sent, received, version, weights, ahead = future.result()
             self.stats.bytes_sent += sent
             self.stats.bytes_received += received
             results.append((version, weights))
+            aheads.append(ahead)
+        self.ahead = min(aheads, default=0)
         self.stats.wait_s += time.perf_counter() - started
         self.stats.pulls += 1
         return results
@@ -142,13 +149,13 @@ class PsClient:
         sent = channel.send(frame)
         return sent, self._expect(channel, Kind.ACK).staleness
 
-    def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor]:
-        """Runs on a pool thread: returns (bytes sent, bytes received, version, weights)."""
+    def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor, int]:
+        """Runs on a pool thread: (bytes sent, bytes received, version, weights, clocks ahead)."""
         channel = self._channels[shard]
         sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
         reply = self._expect(channel, Kind.WEIGHTS)
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
-        return sent, len(reply.payload), reply.version, weights
+        return sent, len(reply.payload), reply.version, weights, reply.staleness
 
     def _expect(self, channel: PsChannel, kind: Kind) -> Frame:
         """The server's answer of ``kind``; an ERROR frame raises the class its code names."""

@@ -13,7 +13,9 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
                the step the worker is about to compute, SNAPSHOT the step to save at
     rows       PUSH: the rows the gradient sum covers
     version    WEIGHTS: the weights' version; ACK of a SNAPSHOT: the version saved
-    staleness  ACK of a PUSH: how many updates the pushed gradient was behind
+    staleness  ACK of a PUSH: how many updates the pushed gradient was behind (sync with
+               backup workers: how many clocks late it came, and was dropped);
+               WEIGHTS: how many clocks past the one pulled the weights already are
 
 Errors are data: an ERROR frame carries an :class:`ErrorCode` and the message, and the
 worker raises the class the code names (:func:`error_of`), never deciding from wording.

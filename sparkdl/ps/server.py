@@ -216,7 +216,14 @@ class ParameterServer:
             return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
         if frame.kind is Kind.PULL:
             version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
-            return Frame(Kind.WEIGHTS, shard=frame.shard, version=version, payload=weights.numpy().data)
+            ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
+            return Frame(
+                Kind.WEIGHTS,
+                shard=frame.shard,
+                version=version,
+                staleness=ahead,
+                payload=weights.numpy().data,
+            )
         if frame.kind is Kind.ABORT:
             reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
             log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)

@@ -15,6 +15,11 @@ pulls clock ``t + 1``. A shard's ``version`` counts the updates it has applied.
 - ``async`` (Downpour): every push is applied on arrival (its rows-weighted mean);
   pulls never wait. Staleness of a push = updates applied since the version the
   worker computed it on.
+- ``sync`` with ``backup_workers = b`` (Chen et al., "Revisiting distributed synchronous
+  SGD"): a clock is applied once the first ``N - b`` workers pushed it; a later push
+  of that clock is dropped and counted (its ACK says by how many clocks it was late),
+  and a pull answers how many clocks the server is past the one asked for, so that a
+  worker that fell behind skips ahead instead of setting the pace.
 
 Resume. A stage attempt may start at clock ``s`` > 0 (the workers resumed from the
 checkpoint of global step ``s``); the store is then restored from its snapshot of
@@ -64,6 +69,7 @@ class ShardStore:
         lr: the learning-rate schedule, applied at the global step each version stands for.
         scheduler_fn: the user's LR scheduler over this shard's optimizer, stepped per version.
         steps_per_version: global steps one version stands for (see the host).
+        backup_workers: sync: apply a clock once ``num_workers - backup_workers`` pushed it.
     """
 
     def __init__(
@@ -77,7 +83,12 @@ class ShardStore:
         lr: LrPlan = CONSTANT_LR,
         scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
         steps_per_version: float = 1.0,
+        backup_workers: int = 0,
     ) -> None:
+        if not 0 <= backup_workers < num_workers:
+            raise ValueError(
+                f"backup_workers = {backup_workers} must be >= 0 and < the {num_workers} workers"
+            )
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.optimizer = optimizer_fn(params)
@@ -87,6 +98,8 @@ class ShardStore:
         self.mode = mode
         self.num_workers = num_workers
         self.staleness = staleness if mode is PsMode.SSP else 0
+        self.quorum = num_workers - (backup_workers if mode is PsMode.SYNC else 0)
+        self.dropped = 0  # late pushes of clocks already applied without them
         self.version = 0
         self.attempt = 0
         self._base_version = 0  # version when the current stage attempt began
@@ -170,6 +183,10 @@ class ShardStore:
                     self._apply(grad_sum.div_(rows))
                 self._cond.notify_all()
                 return staleness
+            late = self.applied_clock - clock
+            if late > 0:  # backup workers: this clock went ahead without it
+                self.dropped += 1
+                return late
             entry = self._pending.get(clock)
             if entry is None:
                 entry = self._pending[clock] = _Clock(grad_sum)
@@ -198,6 +215,16 @@ class ShardStore:
                 self._cond.wait(remaining)
             return self.version, self.flat_weights()
 
+    @property
+    def applied_clock(self) -> int:
+        """The next clock this attempt applies (every earlier one is in the weights)."""
+        return self._start_clock + self.version - self._base_version
+
+    def ahead_of(self, clock: int) -> int:
+        """How many clocks past ``clock`` the weights already are (sync with backup workers)."""
+        with self._cond:
+            return max(self.applied_clock - clock, 0) if self.quorum < self.num_workers else 0
+
     def flat_weights(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]).float()
 
@@ -211,18 +238,19 @@ class ShardStore:
                 f"gradient of {grad_sum.numel()} {grad_sum.dtype} values; this shard holds "
                 f"{self.numel} float32 values"
             )
-        if self.mode is not PsMode.ASYNC and clock != self._next_clock[rank]:
+        expected = self._next_clock[rank]
+        skipped_ahead = self.quorum < self.num_workers and clock > expected  # a backup that caught up
+        if self.mode is not PsMode.ASYNC and clock != expected and not skipped_ahead:
             raise PushRejected(
                 f"rank {rank} pushed clock {clock}, expected {self._next_clock[rank]} (duplicate or skipped)"
             )
 
     def _apply_complete_clocks(self) -> None:
         while True:
-            clock = self._start_clock + self.version - self._base_version
-            entry = self._pending.get(clock)
-            if entry is None or len(entry.pushed) < self.num_workers:
+            entry = self._pending.get(self.applied_clock)
+            if entry is None or len(entry.pushed) < self.quorum:
                 return
-            del self._pending[clock]
+            del self._pending[self.applied_clock]
             self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
             self._cond.notify_all()
 

@@ -92,6 +92,7 @@ def host_parameter_server(
             lr=spec.lr,
             scheduler_fn=spec.scheduler_fn,
             steps_per_version=_steps_per_version(config),
+            backup_workers=config.parameter_server.backup_workers,
         )
         for group in groups
     ]

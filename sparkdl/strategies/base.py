@@ -102,6 +102,8 @@ class SyncStats:
     staleness_mean: float = 0.0
     staleness_max: int = 0
     wait_s: float = 0.0
+    skipped_steps: int = 0  # parameter server with backup workers: steps this worker skipped to catch up
+    dropped_pushes: int = 0  # ... and its pushes that came after their step was applied
 
 
 class SyncStrategy(abc.ABC):
@@ -127,6 +129,9 @@ class SyncStrategy(abc.ABC):
             reliability.on_nan_loss, reliability.max_nan_skips, ctx.rank, self.shares_gradients
         )
         self.stats = SyncStats()
+        #: The last train_step trained nothing: its rows went to no gradient (a backup
+        #: worker catching up); the loop leaves them out of the epoch's loss and samples.
+        self.skipped_step = False
         self._lr = None if ctx.lr.is_constant else ScheduledLr(ctx.optimizer, ctx.lr)
         self._scheduler = ctx.scheduler_fn(ctx.optimizer) if ctx.scheduler_fn is not None else None
         self._clip_norm = ctx.config.optimizer.grad_clip_norm

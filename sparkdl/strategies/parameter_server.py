@@ -8,6 +8,11 @@ SGD in ``sync`` mode). In ``async`` mode a worker accumulates gradients for
 ``push_every`` steps before pushing (Downpour's n_push) and fetches fresh weights
 every ``pull_every`` steps (n_fetch).
 
+Backup workers (sync, ``backup_workers = b``). The server applies a step once ``N - b``
+workers pushed it; a pull then says how many steps past the one asked for the weights
+already are, and a worker that fell behind skips that many steps (it consumes their
+batches and trains on none of them) instead of setting everyone's pace.
+
 Compression. With ``compression`` set, each push is encoded with error feedback on the
 worker (one residual per shard), and the server decodes it by the frame's encoding;
 pulls stay float32 (the worker's copy must be the server's weights exactly).
@@ -50,6 +55,7 @@ class ParameterServerStrategy(SyncStrategy):
         self._accumulated = [torch.zeros(sum(p.numel() for p in s)) for s in self._shards]
         self._rows = 0
         self._version = 0
+        self._skip = 0  # steps to skip: the server is already past them
         # ctx.resume_step > 0: resumed from the checkpoint of that global step; the server
         # returns to its snapshot of it, and its weights win over the checkpoint's copy.
         runtime = ctx.config.runtime
@@ -64,6 +70,11 @@ class ParameterServerStrategy(SyncStrategy):
 
     def train_step(self, step: StepInput) -> torch.Tensor:
         loss = torch.zeros((), device=self.ctx.device)
+        self.skipped_step = self._skip > 0
+        if self.skipped_step:  # a backup worker catching up: the server applied this step without it
+            self._skip -= 1
+            self.stats.skipped_steps += 1
+            return loss
         if step.batches:  # the optimizer runs on the server: the worker only computes gradients
             loss = self._backward(step, step.batches, 1.0)
             if self._judged_step(step, loss):
@@ -107,7 +118,10 @@ class ParameterServerStrategy(SyncStrategy):
             staleness_mean=client.staleness_sum / shard_pushes if shard_pushes else 0.0,
             staleness_max=client.staleness_max,
             wait_s=client.wait_s,
+            skipped_steps=self.stats.skipped_steps,
+            dropped_pushes=client.late_pushes if self._mode is PsMode.SYNC else 0,
         )
+        self.stats = SyncStats()
         self._client.stats = ClientStats()
         return stats
 
@@ -124,6 +138,7 @@ class ParameterServerStrategy(SyncStrategy):
 
     def _pull(self, clock: int) -> None:
         results = self._client.pull(clock)
+        self._skip = self._client.ahead
         with torch.no_grad():
             for (_, flat), shard in zip(results, self._shards, strict=True):
                 offset = 0

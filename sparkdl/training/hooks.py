@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.config import FaultDrillSpec
+from sparkdl.config import DrillKind, FaultDrillSpec
 from sparkdl.training.checkpointing import Checkpointer, Position
 from sparkdl.training.guards import fire_drill
 
@@ -74,15 +74,27 @@ class ReseedHook(StepHook):
 
 
 class DrillHook(StepHook):
-    """Fires the configured fault drill at its rank and step."""
+    """Fires the configured fault drill at its rank and step; a ``slow`` drill makes every
+    step of its rank from that step on take three times as long (a straggler)."""
+
+    SLOWDOWN = 3.0
 
     def __init__(self, drill: FaultDrillSpec, rank: int, module: nn.Module) -> None:
         self._drill = drill
         self._rank = rank
         self._module = module
+        self._started: float | None = None
 
     def before_step(self, position: Position) -> None:
+        if self._drill.kind is DrillKind.SLOW:
+            slow = self._rank == self._drill.rank and position.global_steps_done >= self._drill.step
+            self._started = time.perf_counter() if slow else None
+            return
         fire_drill(self._drill, self._rank, position.global_steps_done, self._module)
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        if self._started is not None:
+            time.sleep((self.SLOWDOWN - 1) * (time.perf_counter() - self._started))
 
 
 class CheckpointHook(StepHook):

@@ -306,8 +306,9 @@ class Trainer:
             self._filler.batch,
         )
         loss = self.strategy.train_step(step)
-        tally.loss_sum += loss.detach().double() * rows
-        tally.samples += rows
+        if not self.strategy.skipped_step:
+            tally.loss_sum += loss.detach().double() * rows
+            tally.samples += rows
         tally.steps += 1
         self.global_step += 1
         after = Position(tally.epoch, tally.steps, self.global_step)

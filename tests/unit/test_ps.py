@@ -316,3 +316,39 @@ def test_a_new_server_resumes_from_the_snapshots_written_through_the_old_one(tmp
         clean.stop()
     assert [v for v, _ in resumed] == [v for v, _ in expected] == [4, 4]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, expected, strict=True))
+
+
+# --- backup workers (sync): the first N - b pushes of a clock make the step -----------------
+
+
+def test_with_a_backup_worker_a_clock_is_applied_without_the_slowest_and_its_push_is_dropped():
+    param = nn.Parameter(torch.tensor([1.0, 2.0]))
+    s = ShardStore([param], sgd, PsMode.SYNC, 3, backup_workers=1)
+    s.push(0, 0, 0, rows=1, grad_sum=torch.tensor([2.0, 2.0]))
+    assert s.version == 0  # one of the two needed
+    s.push(2, 0, 0, rows=3, grad_sum=torch.tensor([6.0, 6.0]))
+    assert s.version == 1 and s.flat_weights().tolist() == [0.0, 1.0]  # (2 + 6) / 4 rows, lr 0.5
+    assert s.push(1, 0, 0, rows=5, grad_sum=torch.tensor([100.0, 100.0])) == 1  # one clock late
+    assert s.dropped == 1 and s.version == 1 and s.flat_weights().tolist() == [0.0, 1.0]
+    assert s.ahead_of(0) == 1 and s.ahead_of(1) == 0  # what a pull tells the late worker
+
+
+def test_a_backup_worker_that_skipped_ahead_may_push_a_later_clock_but_never_an_old_one_twice():
+    s = ShardStore([nn.Parameter(torch.zeros(2))], sgd, PsMode.SYNC, 2, backup_workers=1)
+    for clock in range(3):  # rank 0 alone makes clocks 0, 1, 2
+        s.push(0, 0, clock, 1, torch.ones(2))
+    assert s.version == 3 and s.ahead_of(0) == 3
+    s.push(1, 0, 3, 1, torch.ones(2))  # rank 1 skipped clocks 0-2: accepted, and it makes clock 3
+    assert s.version == 4
+    with pytest.raises(PushRejected, match="pushed clock 2, expected 4"):
+        s.push(1, 0, 2, 1, torch.ones(2))
+
+
+def test_without_backup_workers_nothing_is_dropped_and_no_pull_is_told_to_skip():
+    s = store(workers=2)
+    s.push(0, 0, 0, 1, torch.ones(3))
+    assert s.ahead_of(0) == 0 and s.dropped == 0
+    with pytest.raises(PushRejected, match="pushed clock 2, expected 1"):
+        s.push(0, 0, 2, 1, torch.ones(3))
+    with pytest.raises(ValueError, match="backup_workers = 2 must be >= 0 and < the 2 workers"):
+        ShardStore([nn.Parameter(torch.zeros(1))], sgd, PsMode.SYNC, 2, backup_workers=2)

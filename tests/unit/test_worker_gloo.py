@@ -213,3 +213,28 @@ def test_accumulating_two_batches_of_4_equals_steps_on_batches_of_8(tmp_path, st
     )
     assert max_abs_diff(state, reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)) < 1e-5
     assert [h["steps"] for h in results[0][1]] == [5, 5]  # ceil(37 / 8), in the streamed and cached epochs
+
+
+@pytest.mark.slow
+def test_a_slow_worker_with_a_backup_skips_ahead_instead_of_setting_the_pace(tmp_path):
+    """Two workers, one backup (each step is made by the first push), rank 1 three times
+    slower (the slow drill). Epoch 1 streams in lockstep, so nothing can be skipped; in
+    epoch 2 rank 0 runs ahead, rank 1's late pushes are dropped and it skips the steps the
+    server has already made, training on fewer of its rows rather than holding rank 0 back."""
+    shards = make_shards([96, 96])
+    _, results = run_workers(
+        shards,
+        tmp_path,
+        _plain_sgd,
+        strategy="parameter_server",
+        ps_mode="sync",
+        backup_workers=1,
+        batch_size=8,
+        epochs=2,
+        fault_injection="slow:1:0:",
+    )
+    fast, slow = results[0][1], results[1][1]
+    assert fast[1]["skipped_steps"] == 0 and fast[1]["local_samples"] == 96
+    assert slow[1]["skipped_steps"] > 0 and slow[1]["dropped_pushes"] > 0
+    assert slow[1]["local_samples"] == 96 - 8 * slow[1]["skipped_steps"]
+    assert slow[0]["skipped_steps"] == 0  # epoch 1: in lockstep
