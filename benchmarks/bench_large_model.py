@@ -102,7 +102,7 @@ def part1(width: int) -> dict[str, Any]:
     path = "/tmp/sparkdl-bench-large-model"
     peaks.run("save", lambda: fitted.write().overwrite().save(path))
     fitted = None  # released before the load, as a new session would be
-    loaded = peaks.run("load", lambda: TorchModel.load(path))
+    loaded = peaks.run("load", lambda: TorchModel.load(path, model_fn=lambda: make_big_net(width)))
     peaks.run("transform after load", lambda: loaded.transform(df).select("prediction").collect())
     spark.stop()
     peak = max(p["peak_rss_gb"] for p in peaks.phases.values()) * 1e9

@@ -28,6 +28,7 @@ _PUBLIC = {
     "load_config": "sparkdl.config",
     "TorchEstimator": "sparkdl.estimator",
     "TorchModel": "sparkdl.estimator",
+    "loading": "sparkdl.persistence",
     "session": "sparkdl.runtime.session",
 }
 
@@ -47,6 +48,7 @@ __all__ = [
     "TorchModel",
     "TrainingFailedError",
     "load_config",
+    "loading",
     "session",
 ]
 
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
         TrainingFailedError,
     )
     from sparkdl.estimator import TorchEstimator, TorchModel
+    from sparkdl.persistence import loading
     from sparkdl.runtime.session import session
 
 

@@ -536,3 +536,10 @@ class TrackingConfig:
     mlflow_log_model: bool = field(
         default=True, metadata=about("Log the trained model to the run (mlflow.pytorch).")
     )
+    mlflow_pickle_model: bool = field(
+        default=False,
+        metadata=about(
+            "Log a model that does not export as pt2 pickled (loading a pickle runs its code); "
+            "off: only its weights are logged, as a weights_only torch file."
+        ),
+    )

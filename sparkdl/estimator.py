@@ -214,6 +214,28 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
 
         return TorchEstimatorReader()
 
+    @classmethod
+    def load(cls, path: str, trust_pickle: bool | None = None, **functions: Any) -> TorchEstimator:
+        """Load an estimator saved with ``save``: its settings, and its functions from you
+        (``model_fn=make_model``, and any other it was saved with: ``optimizer_fn=``, ...).
+
+        The functions saved with it are pickled code and are unpickled, which runs it, only
+        with ``trust_pickle=True``: for directories you trust (see :func:`sparkdl.loading`).
+
+        Raises:
+            ConfigError: a function it was saved with was not passed, and trust_pickle is not set.
+        """
+        from sparkdl.persistence import TorchEstimatorReader
+
+        unknown = sorted(
+            name for name in functions if not hasattr(TorchEstimator(), name) or not name.endswith("_fn")
+        )
+        if unknown:
+            raise ConfigError(
+                f"TorchEstimator.load got {unknown}, which are not functions of a TorchEstimator"
+            )
+        return TorchEstimatorReader(trust_pickle, **functions).load(path)
+
     def _fit(self, dataset: Any) -> TorchModel:
         if self.model_fn is None:
             raise ConfigError("TorchEstimator needs model_fn: a function that builds the torch.nn.Module")
@@ -345,3 +367,24 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         from sparkdl.persistence import TorchModelReader
 
         return TorchModelReader()
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        model_fn: ModelFn | None = None,
+        transform_fn: TransformFn | None = None,
+        trust_pickle: bool | None = None,
+    ) -> TorchModel:
+        """Load a model saved with ``save``: its weights (tensors only, memory-mapped), its
+        architecture from ``model_fn`` (and ``transform_fn`` if it was trained with one).
+
+        The factory saved with it is pickled code and is unpickled, which runs it, only with
+        ``trust_pickle=True``: for directories you trust (see :func:`sparkdl.loading`).
+
+        Raises:
+            ConfigError: no model_fn was given and trust_pickle is not set.
+        """
+        from sparkdl.persistence import TorchModelReader
+
+        return TorchModelReader(model_fn, transform_fn, trust_pickle).load(path)

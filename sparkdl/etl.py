@@ -3,7 +3,9 @@
 The whole thing is one ``pyspark.ml`` Pipeline whose last stage is the
 :class:`~sparkdl.TorchEstimator`, so the feature steps fitted on the training rows
 are replayed, unchanged, on the held-out rows and on any later data
-(``PipelineModel.load(out/pipeline).transform(new_raw_rows)``).
+(``PipelineModel.load(out/pipeline).transform(new_raw_rows)`` inside
+``sparkdl.loading(model_fn=MLPFactory(features, hidden, classes, dropout))``, so that
+loading runs no code from the directory).
 
     SQLTransformer (clean / derive columns in SQL)
       -> StringIndexer (label text -> class index)

@@ -1,8 +1,11 @@
 """MLflow logging of a fit, on the driver, when MLflow is installed and pointed somewhere.
 
 Logged: every setting as a param, each epoch's figures as metrics (step = epoch), and
-the trained model through ``mlflow.pytorch`` (the safe ``pt2`` graph format when the
-model exports with an example batch; pickled otherwise, with MLflow's warning). Inside
+the trained model through ``mlflow.pytorch`` in the ``pt2`` graph format when the model
+exports with an example batch (loading it runs no Python code of ours). A model that
+does not export is logged pickled only when ``mlflow_pickle_model`` asks for it (loading
+a pickle runs its code); otherwise only its weights are logged, as a ``weights_only``
+torch file that ``TorchModel.load``'s own format reads back into ``model_fn()``. Inside
 an active run (a notebook's, or a pipeline's) the fit becomes a nested run.
 
 Nothing is logged unless a tracking URI was chosen (``MLFLOW_TRACKING_URI``,
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.training.factory import cpu_state_dict
 
 if TYPE_CHECKING:
     from sparkdl.estimator import TorchModel
@@ -90,7 +95,7 @@ def log_fit(config: SparkDLConfig, model: TorchModel, fit_seconds: float) -> str
             mlflow.log_metrics(metrics, step=int(record["epoch"]))
         mlflow.log_metric("fit_seconds", fit_seconds)
         if tracking.mlflow_log_model and model.module is not None:
-            _log_model(mlflow, model)
+            _log_model(mlflow, model, config.tracking.mlflow_pickle_model)
         log.info("logged the fit to MLflow run %s (%s)", run.info.run_id, mlflow.get_tracking_uri())
         return str(run.info.run_id)
 
@@ -100,13 +105,14 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     return str(experiment.experiment_id) if experiment is not None else str(mlflow.create_experiment(name))
 
 
-def _log_model(mlflow: Any, model: TorchModel) -> None:
+def _log_model(mlflow: Any, model: TorchModel, pickle: bool = False) -> None:
     import mlflow.pytorch
 
     assert model.module is not None
     module = model.module.eval()
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     shapes = model.trained_input_shapes
+    reason = "it takes named inputs, which the pt2 export is not given an example of"
     if len(shapes) == 1 and not model.keyword_inputs:  # model(x): an example export can trace
         example = torch.zeros((2, *next(iter(shapes.values()))))  # a batch of 1 would fix the batch size
         try:
@@ -115,10 +121,23 @@ def _log_model(mlflow: Any, model: TorchModel) -> None:
             )
             return
         except Exception as exc:  # torch.export cannot trace every model
-            log.warning("MLflow: the model does not export as pt2 (%s); logging it pickled", exc)
-    mlflow.pytorch.log_model(
-        module, name="model", serialization_format="pickle", pip_requirements=requirements
+            reason = f"it does not export as pt2 ({exc})"
+    if pickle:
+        log.warning("MLflow: logging the model pickled (mlflow_pickle_model = true) because %s", reason)
+        mlflow.pytorch.log_model(
+            module, name="model", serialization_format="pickle", pip_requirements=requirements
+        )
+        return
+    log.warning(
+        "MLflow: logging only the model's weights (model_weights/weights.pt, a weights_only torch file) "
+        "because %s; load them into model_fn() with torch.load(..., weights_only=True), or set "
+        "mlflow_pickle_model = true to log the whole model pickled (loading a pickle runs its code)",
+        reason,
     )
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "weights.pt")
+        torch.save(cpu_state_dict(module), path)
+        mlflow.log_artifact(path, artifact_path="model_weights")
 
 
 def _param(value: Any) -> str:

@@ -42,7 +42,12 @@ def test_the_etl_job_reads_parquet_and_writes_predictions_a_reloadable_pipeline_
     assert (tmp_path / "out/history.png").stat().st_size > 0
 
     # The saved pipeline replays every step on raw rows: same predictions as the job wrote.
-    reloaded = PipelineModel.load(str(tmp_path / "out/pipeline"))
+    from sparkdl import loading
+    from sparkdl.models import MLPFactory
+
+    architecture = MLPFactory(64, config.etl.hidden, 10, config.etl.dropout)
+    with loading(model_fn=architecture):
+        reloaded = PipelineModel.load(str(tmp_path / "out/pipeline"))
     raw = spark.read.parquet(str(raw_path)).limit(50)
     again = {tuple(r) for r in reloaded.transform(raw).select("digit", "label", "prediction").collect()}
     correct = sum(1 for _, label, prediction in again if label == prediction)

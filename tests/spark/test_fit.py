@@ -9,9 +9,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+import sparkdl
 from sparkdl import (
     BadDataError,
     ClusterConfigError,
+    ConfigError,
     SchemaError,
     TorchEstimator,
     TorchModel,
@@ -83,6 +85,61 @@ def test_an_empty_partition_does_not_hang_and_keeps_the_math(spark, settings):
     assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
 
 
+class _Planted:
+    """What an attacker puts in model_fn.cloudpickle: unpickling it writes a marker file
+    (a real attack would run a command), then hands back a working factory."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_plant, (self.marker,))
+
+
+def _plant(marker):
+    from pathlib import Path
+
+    Path(marker).write_text("code from the saved directory ran")
+    return make_tiny_net
+
+
+def test_loading_a_model_or_a_pipeline_runs_no_code_from_the_saved_directory(spark, tmp_path):
+    import cloudpickle
+    from pyspark.ml import Pipeline, PipelineModel
+
+    df = shards_dataframe(spark, make_shards([24, 24]))
+    fitted = Pipeline(stages=[estimator(epochs=1, progress=False)]).fit(df)
+    fitted.save(str(tmp_path / "pipeline"))
+    stage = next((tmp_path / "pipeline/stages").iterdir())
+    marker = tmp_path / "marker"
+    (stage / "model_fn.cloudpickle").write_bytes(cloudpickle.dumps(_Planted(str(marker))))
+    with pytest.raises(ConfigError, match=r"only as pickled code .* model_fn=\.\.\."):
+        TorchModel.load(str(stage))
+    with pytest.raises(ConfigError, match=r"sparkdl\.loading"):
+        PipelineModel.load(str(tmp_path / "pipeline"))
+    assert not marker.exists()
+    loaded = TorchModel.load(str(stage), model_fn=make_tiny_net)  # the architecture from the caller
+    with sparkdl.loading(model_fn=make_tiny_net):
+        pipeline = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert not marker.exists()
+    expected = fitted.transform(df).select("prediction").collect()
+    assert pipeline.transform(df).select("prediction").collect() == expected
+    assert loaded.transform(df).select("prediction").collect() == expected
+    TorchModel.load(str(stage), trust_pickle=True)  # the explicit opt-in really unpickles
+    assert marker.exists()
+
+
+def test_an_estimator_loads_with_its_functions_from_the_caller_or_on_trust(spark, tmp_path):
+    path = str(tmp_path / "estimator")
+    estimator(epochs=2).save(path)
+    with pytest.raises(ConfigError, match=r"optimizer_fn=\.\.\."):
+        TorchEstimator.load(path, model_fn=make_tiny_net)  # it was saved with an optimizer_fn too
+    loaded = TorchEstimator.load(path, model_fn=make_tiny_net, optimizer_fn=_sgd)
+    assert loaded.model_fn is make_tiny_net and loaded.getOrDefault("epochs") == 2
+    trusted = TorchEstimator.load(path, trust_pickle=True)
+    assert trusted.model_fn().state_dict().keys() == make_tiny_net().state_dict().keys()
+
+
 def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_path):
     shards = make_shards([60, 60])
     df = shards_dataframe(spark, shards)
@@ -95,7 +152,9 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
     assert [r["prediction"] for r in before] == direct
     path = str(tmp_path / "model")
     model.save(path)
-    loaded = TorchModel.load(path)
+    with pytest.raises(ConfigError, match=r"only as pickled code \(model_fn.cloudpickle\)"):
+        TorchModel.load(path)  # the architecture is code: it comes from the caller
+    loaded = TorchModel.load(path, model_fn=model.model_fn)
     assert loaded.history == model.history
     assert loaded.getOrDefault("batch_size") == 8
     after = loaded.transform(df).orderBy("features").collect()
@@ -145,7 +204,8 @@ def test_pipeline_with_vector_assembler_fits_saves_and_loads(spark, tmp_path):
     assert accuracy > 0.9
     path = str(tmp_path / "pipeline")
     fitted.save(path)
-    reloaded = PipelineModel.load(path)
+    with sparkdl.loading(model_fn=fitted.stages[-1].model_fn):  # PipelineModel.load takes no arguments
+        reloaded = PipelineModel.load(path)
     again = reloaded.transform(df).select("prediction").collect()
     assert [r["prediction"] for r in again] == [r["prediction"] for r in predictions]
 

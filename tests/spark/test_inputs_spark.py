@@ -113,7 +113,7 @@ def test_sequences_of_different_lengths_train_padded_with_a_mask_and_predict(spa
     accuracy = float((predicted["label"] == predicted["prediction"]).mean())
     assert accuracy > 0.9, accuracy
     model.write().overwrite().save(str(tmp_path / "m"))
-    loaded = TorchModel.load(str(tmp_path / "m"))
+    loaded = TorchModel.load(str(tmp_path / "m"), model_fn=model.model_fn)
     again = loaded.transform(test).select("prediction").toPandas()
     assert (again["prediction"].to_numpy() == predicted["prediction"].to_numpy()).all()
 

@@ -13,6 +13,7 @@ import pytest
 
 from sparkdl import TorchModel
 from sparkdl.job import load_job_config, run_train_job
+from sparkdl.models import MLPFactory
 from tests.spark.processes import spark_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,8 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
     assert metrics["train_rows"] + metrics["test_rows"] == 1797
     assert len(metrics["history"]) == config.sparkdl.training.epochs
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
-    model = TorchModel.load(str(tmp_path / "model"))
+    job = config.job
+    model = TorchModel.load(str(tmp_path / "model"), model_fn=MLPFactory(64, job.hidden, 10, job.dropout))
     assert model.history == metrics["history"]
     picture = plt.imread(tmp_path / "history.png")  # written next to metrics.json
     assert picture.shape[:2] == (400, 1000)

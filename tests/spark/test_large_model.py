@@ -67,7 +67,7 @@ def test_a_100m_parameter_model_fits_transforms_saves_and_loads_on_a_default_ses
 
     path = str(tmp_path / "large")
     model.write().overwrite().save(path)
-    loaded = TorchModel.load(path)
+    loaded = TorchModel.load(path, model_fn=model.model_fn)
     for name, tensor in model.module.state_dict().items():
         assert torch.equal(loaded.module.state_dict()[name], tensor), name
     again = np.array([r.prediction for r in loaded.transform(df).orderBy("features").collect()])
