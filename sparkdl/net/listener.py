@@ -229,16 +229,33 @@ class ConnectionListener(Generic[M]):
                     wait = min(wait, max(next(iter(self._pending.values())).deadline - now, 0.0))
                 for key, _ in self._selector.select(wait):
                     if key.data is None:
-                        if not self._accept_some():
+                        if not self._accept_safely():
                             self._selector.unregister(self._socket)
                             self._accepting, resume_at = False, time.monotonic() + _BACKOFF_S
-                    else:
-                        self._read_hello(key.data)
+                    elif key.data.sock in self._pending:  # not evicted earlier in this batch
+                        self._read_safely(key.data)
         finally:
             for pending in list(self._pending.values()):
                 self._drop(pending)
             self._selector.close()
             self._socket.close()
+
+    def _accept_safely(self) -> bool:
+        """:meth:`_accept_some`, whose unexpected failure pauses accepting, never the loop."""
+        try:
+            return self._accept_some()
+        except Exception as exc:
+            self.refusals.add("accept failed", "a new connection", f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _read_safely(self, pending: _Pending) -> None:
+        """:meth:`_read_hello`, whose unexpected failure costs that connection, never the loop."""
+        try:
+            self._read_hello(pending)
+        except Exception as exc:
+            self.refusals.add("handshake failed", pending.peer, f"{type(exc).__name__}: {exc}")
+            self._drop(pending)
+            close_quietly(pending.sock)
 
     def _accept_some(self) -> bool:
         """Accept what is waiting (a batch at most); False when accepting must pause."""
@@ -356,8 +373,10 @@ class ConnectionListener(Generic[M]):
             self._drop(oldest)
 
     def _drop(self, pending: _Pending, close: bool = True) -> None:
-        """Forget a pending handshake (and close its socket unless told not to)."""
-        del self._pending[pending.sock]
+        """Forget a pending handshake (and close its socket unless told not to); forgetting
+        one already forgotten does nothing."""
+        if self._pending.pop(pending.sock, None) is None:
+            return
         self._selector.unregister(pending.sock)
         if close:
             close_quietly(pending.sock)

@@ -494,3 +494,35 @@ def test_encrypted_weights_upload_and_download_round_trip():
         assert all(torch.equal(fetched[k], v) for k, v in owner.state_dict().items())
     finally:
         server.stop()
+
+
+def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_handshake_loop():
+    """Eviction and reading meet in one selector batch: a connection evicted by a newer one
+    may have its bytes reported in the same batch. The loop must skip it, not die."""
+    from sparkdl.net.listener import ConnectionListener
+
+    served = []
+    listener = ConnectionListener(
+        "127.0.0.1",
+        PS_WIRE,
+        SECRET,
+        lambda h, c, p: served.append(h.rank),
+        "test-burst",
+        logging.getLogger("test"),
+        max_pending=2,
+    )
+    try:
+        for _ in range(10):
+            burst = [socket.create_connection((listener.host, listener.port), timeout=5) for _ in range(50)]
+            for sock in burst:
+                sock.sendall(b"S")  # bytes waiting on every one, most of them evicted meanwhile
+            time.sleep(0.05)
+            for sock in burst:
+                sock.close()
+        assert listener._loop.is_alive()
+        with socket.create_connection((listener.host, listener.port), timeout=5) as sock:
+            client_hello(sock, SECRET, rank=1, attempt=0)
+            assert wait_until(lambda: served == [1])
+        assert listener.refusals.counts["evicted: 2 connections were waiting for their HELLO"] >= 400
+    finally:
+        listener.stop()
