@@ -80,8 +80,7 @@ def _ps_client_sized(endpoint, sizes, trips, out) -> None:
     client.stats.bytes_sent = client.stats.bytes_received = 0
     started = time.perf_counter()
     for _ in range(trips):
-        client.push(0, 1, grads)
-        client.pull(0)
+        client.push_pull(0, 1, grads, 0)
     elapsed = time.perf_counter() - started
     moved = client.stats.bytes_sent + client.stats.bytes_received
     out.put({"trips_per_s": trips / elapsed, "bytes_per_s": moved / elapsed})

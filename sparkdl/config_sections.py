@@ -454,7 +454,21 @@ class ParameterServerConfig:
         ),
     )
     ps_shards: int = field(
-        default=4, metadata=about("Shards of the parameters, each served on its own connection.", bound="> 0")
+        default=0,
+        metadata=about(
+            "Shards of the parameters, each served on its own connection and thread; 0 = one per MB "
+            "of parameters, at most 4 (one for a small model: each shard is a round trip per step).",
+            bound=">= 0",
+        ),
+    )
+    ps_torch_threads: int = field(
+        default=1,
+        metadata=about(
+            "torch intra-op threads on the driver while the server runs (restored after fit; 0 = "
+            "leave them): shards already run in parallel, and an idle OpenMP pool spins on cores "
+            "the executors may share in local mode.",
+            bound=">= 0",
+        ),
     )
     ps_max_frame_mb: float = field(
         default=1024.0,

@@ -30,7 +30,9 @@ about 6 GB/s against HMAC's 1 GB/s. With ``encrypt`` the payload is AES-256-GCM
 ciphertext under a per-connection key (``HMAC-SHA256(frame key, transcript | "aead")``),
 the nonce being direction and sequence, the header as associated data: the AEAD tag
 then replaces the Poly1305 one. A frame leaves in one ``sendmsg`` (the plaintext payload
-uncopied) and is read with ``recv_into``.
+uncopied) and is read with ``recv_into``; a plaintext payload over ``STREAM_CHUNK`` is
+streamed in pieces, each hashed by the sender once the kernel holds it and by the reader
+as it lands, so that neither side's hashing waits for the whole payload.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ TAG_BYTES = 16  # Poly1305, or the AES-GCM tag
 _KIND = 3  # index of the kind in an unpacked header
 _LENGTH = 4  # index of the payload length
 _FIELDS = 5  # the protocol's fields start here
+#: A larger plaintext payload is sent in pieces of this size, each hashed once the kernel
+#: holds it, so the sender's hashing overlaps the reader's copying and hashing.
+STREAM_CHUNK = 1 << 19
 
 
 class WireProtocol(abc.ABC, Generic[M]):
@@ -204,17 +209,26 @@ class Channel(Generic[M]):
         header = self.protocol.pack(kind, fields, payload.nbytes)
         header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
         parts = [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
-        if self._cipher is None:
+        nonce = _aead_nonce(self._send_dir, self._send_seq)
+        self._send_seq += 1
+        if self._cipher is not None:
+            sealed = _resized(self, "_sealed", payload.nbytes + TAG_BYTES)
+            self._cipher.encrypt_into(nonce, payload, header, sealed)
+            _send_parts(self.sock, [*parts, sealed])
+        elif payload.nbytes <= STREAM_CHUNK:
             mac = Poly1305(body_key)
             mac.update(header)
             mac.update(payload)
-            parts += [payload, memoryview(mac.finalize())]
-        else:
-            sealed = _resized(self, "_sealed", payload.nbytes + TAG_BYTES)
-            self._cipher.encrypt_into(_aead_nonce(self._send_dir, self._send_seq), payload, header, sealed)
-            parts.append(sealed)
-        self._send_seq += 1
-        _send_parts(self.sock, parts)
+            _send_parts(self.sock, [*parts, payload, memoryview(mac.finalize())])
+        else:  # stream: hash each chunk once the kernel has it, while the reader copies it out
+            _send_parts(self.sock, parts)
+            mac = Poly1305(body_key)
+            mac.update(header)
+            for start in range(0, payload.nbytes, STREAM_CHUNK):
+                chunk = payload[start : start + STREAM_CHUNK]
+                self.sock.sendall(chunk)
+                mac.update(chunk)
+            self.sock.sendall(mac.finalize())
         return len(header) + 2 * TAG_BYTES + payload.nbytes
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
@@ -252,10 +266,9 @@ class Channel(Generic[M]):
         target = into(kind, fields, length) if into else None
         payload: Any = target if target is not None else bytearray(length)
         if self._cipher is None:
-            _recv_into(self.sock, memoryview(payload), length)
             mac = Poly1305(body_key)
             mac.update(header)
-            mac.update(payload)
+            _recv_into(self.sock, memoryview(payload), length, mac=mac)  # hashed as it arrives
             try:
                 mac.verify(bytes(_recv_exactly(self.sock, TAG_BYTES)))
             except InvalidSignature:
@@ -425,7 +438,14 @@ def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False)
     return buffer
 
 
-def _recv_into(sock: socket.socket, view: memoryview, count: int, at_frame_start: bool = False) -> None:
+def _recv_into(
+    sock: socket.socket,
+    view: memoryview,
+    count: int,
+    at_frame_start: bool = False,
+    mac: Poly1305 | None = None,
+) -> None:
+    """Fill ``view`` (``count`` bytes) from ``sock``; ``mac`` hashes each piece as it lands."""
     if view.nbytes != count:
         raise ValueError(f"a payload of {count} bytes cannot be read into {view.nbytes} bytes")
     received = 0
@@ -435,4 +455,6 @@ def _recv_into(sock: socket.socket, view: memoryview, count: int, at_frame_start
             if received == 0 and at_frame_start:
                 raise ConnectionClosed("the peer closed the connection")
             raise ProtocolError(f"connection closed after {received} of {count} bytes (truncated frame)")
+        if mac is not None:
+            mac.update(view[received : received + n])
         received += n

@@ -66,6 +66,11 @@ class ParameterServer:
         attempt_started: whether Spark really started the stage attempt a HELLO claims
             (None believes any newer attempt: for servers outside a Spark driver).
         max_sessions: worker connections at once (each holds a thread).
+        torch_threads: torch's intra-op threads while the server runs (restored when the
+            last server stops; 0 leaves them). Shards already run in parallel, one thread
+            each, and an idle OpenMP pool spins: on a driver that shares its host with
+            executors (local mode) that spinning took a third of the cores the workers
+            compute on (``parameter_server.ps_torch_threads``).
     """
 
     def __init__(
@@ -81,8 +86,10 @@ class ParameterServer:
         attempt_started: Callable[[int], bool] | None = None,
         max_sessions: int = 256,
         topk_ratio: float = 0.01,
+        torch_threads: int = 1,
     ) -> None:
         self.stores = list(stores)
+        self._threads = _torch_threads.hold(torch_threads)
         self._snapshots = [
             CheckpointStore(snapshot_dir, name=f"ps-shard-{i:03d}") if snapshot_dir else None
             for i in range(len(self.stores))
@@ -122,6 +129,9 @@ class ParameterServer:
         for store in self.stores:
             store.close()
         self._listener.stop(timeout)
+        if self._threads:
+            self._threads = False
+            _torch_threads.release()
 
     def _serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         try:
@@ -206,7 +216,7 @@ class ParameterServer:
         store = self.stores[frame.shard]
         if frame.kind is Kind.PUSH:
             grad = self._gradient(frame, store.numel)
-            if not math.isfinite(grad.sum(dtype=torch.float64)):
+            if not _all_finite(grad):
                 self.nonfinite_pushes += 1
                 raise PushRejected(
                     f"push to shard {frame.shard} at clock {frame.clock} holds NaN or infinite values; "
@@ -256,3 +266,37 @@ class ParameterServer:
         self.rejected_pushes += 1
         self.rejected.append(reason)
         self._listener.refusals.add("request rejected", peer, reason)
+
+
+class _ThreadsHold:
+    """torch's intra-op thread count while servers run: set by the first, restored by the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._previous = 0
+
+    def hold(self, threads: int) -> bool:
+        if threads <= 0:
+            return False
+        with self._lock:
+            if self._holders == 0:
+                self._previous = torch.get_num_threads()
+                torch.set_num_threads(threads)
+            self._holders += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                torch.set_num_threads(self._previous)
+
+
+_torch_threads = _ThreadsHold()
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite: one float32 sum (NaN and infinities carry through it);
+    only a sum that overflowed needs the element-wise look."""
+    return math.isfinite(values.sum()) or bool(torch.isfinite(values).all())

@@ -14,7 +14,7 @@ from torch import nn
 from sparkdl.config import PsMode, SparkDLConfig
 from sparkdl.errors import ClusterConfigError
 from sparkdl.ps.server import ParameterServer
-from sparkdl.ps.store import ShardStore, split_into_shards
+from sparkdl.ps.store import ShardStore, shard_count, split_into_shards
 from sparkdl.runtime.cluster import driver_host, is_connect
 from sparkdl.runtime.worker import TrainSpec
 from sparkdl.training.factory import build_model, build_optimizer
@@ -77,7 +77,7 @@ def host_parameter_server(
     torch.manual_seed(config.training.seed)
     model = build_model(spec.model_fn)
     params = list(model.parameters())
-    groups = split_into_shards(params, config.parameter_server.ps_shards)
+    groups = split_into_shards(params, shard_count(params, config.parameter_server.ps_shards))
 
     def optimizer_fn(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return build_optimizer(shard, spec.optimizer_fn, config.optimizer)
@@ -108,6 +108,7 @@ def host_parameter_server(
         # a connection per shard per worker, twice over while a failed attempt's close
         max_sessions=2 * config.training.num_workers * len(stores) + 16,
         topk_ratio=config.runtime.topk_ratio,
+        torch_threads=config.parameter_server.ps_torch_threads,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards",

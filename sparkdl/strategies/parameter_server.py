@@ -86,9 +86,18 @@ class ParameterServerStrategy(SyncStrategy):
             else:
                 loss = torch.zeros((), device=self.ctx.device)
             self.ctx.optimizer.zero_grad(set_to_none=True)
-        if (step.step + 1) % self._push_every == 0:
+        push = (step.step + 1) % self._push_every == 0
+        pull = (step.step + 1) % self._pull_every == 0
+        if push and pull:
+            self._install(
+                self._client.push_pull(
+                    self._push_clock(step.step), self._rows, self._accumulated, step.step + 1
+                )
+            )
+            self._pushed()
+        elif push:
             self._push(step.step)
-        if (step.step + 1) % self._pull_every == 0:
+        elif pull:
             self._pull(step.step + 1)
         return loss
 
@@ -128,16 +137,24 @@ class ParameterServerStrategy(SyncStrategy):
     def close(self) -> None:
         self._client.close()
 
-    def _push(self, step: int) -> None:
+    def _push_clock(self, step: int) -> int:
         # sync/ssp push the clock they computed; async pushes the version it computed on
-        clock = self._version if self._mode is PsMode.ASYNC else step
-        self._client.push(clock, self._rows, self._accumulated)
+        return self._version if self._mode is PsMode.ASYNC else step
+
+    def _push(self, step: int) -> None:
+        self._client.push(self._push_clock(step), self._rows, self._accumulated)
+        self._pushed()
+
+    def _pushed(self) -> None:
         for acc in self._accumulated:
             acc.zero_()
         self._rows = 0
 
     def _pull(self, clock: int) -> None:
-        results = self._client.pull(clock)
+        self._install(self._client.pull(clock))
+
+    def _install(self, results: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy pulled shards into the model; note how far ahead the server is."""
         self._skip = self._client.ahead
         with torch.no_grad():
             for (_, flat), shard in zip(results, self._shards, strict=True):

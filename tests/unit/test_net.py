@@ -28,6 +28,7 @@ from sparkdl.errors import (
 )
 from sparkdl.net.framing import (
     PREFIX,
+    STREAM_CHUNK,
     TAG_BYTES,
     Channel,
     WireProtocol,
@@ -237,6 +238,47 @@ def test_a_flipped_bit_anywhere_fails_authentication(where):
         a.sendall(frame[:index] + bytes([frame[index] ^ 1]) + frame[index + 1 :])
         with pytest.raises(ProtocolError, match="authentication"):
             server.recv(1024)
+
+
+def _large_frame_bytes(payload):
+    """The bytes a client channel sends for one frame too large for one socket buffer."""
+    x, y = socket.socketpair()
+    with x, y:
+        y.settimeout(5)
+        channel = Channel(x, SECRET, ECHO, NONCE, client=True)
+        sender = threading.Thread(target=channel.send, args=((EchoKind.DATA, (7, 8), payload),))
+        sender.start()
+        size = ECHO.header.size + 2 * TAG_BYTES + len(payload)
+        data = bytearray()
+        while len(data) < size:
+            data += y.recv(1 << 20)
+        sender.join(5)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("flip", [None, "first piece", "middle piece", "last byte", "tag"])
+def test_a_payload_streamed_in_pieces_round_trips_and_any_flipped_bit_fails(flip):
+    payload = np.random.default_rng(0).integers(0, 256, 3 * STREAM_CHUNK + 5, dtype=np.uint8).tobytes()
+    frame = bytearray(_large_frame_bytes(payload))
+    start = ECHO.header.size + TAG_BYTES
+    if flip is not None:
+        index = {
+            "first piece": start + 10,
+            "middle piece": start + STREAM_CHUNK + STREAM_CHUNK // 2,
+            "last byte": start + len(payload) - 1,
+            "tag": len(frame) - 1,
+        }[flip]
+        frame[index] ^= 1
+    a, b, _, server = pair()
+    with a, b:
+        feeder = threading.Thread(target=a.sendall, args=(bytes(frame),))
+        feeder.start()
+        if flip is None:
+            assert server.recv(len(payload)) == (EchoKind.DATA, (7, 8), payload)
+        else:
+            with pytest.raises(ProtocolError, match="authentication"):
+                server.recv(len(payload))
+        feeder.join(5)
 
 
 def test_a_replayed_frame_fails():

@@ -15,8 +15,8 @@ from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerErr
 from sparkdl.net.framing import CHALLENGE
 from sparkdl.ps.client import PsClient
 from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
-from sparkdl.ps.server import ParameterServer
-from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, split_into_shards
+from sparkdl.ps.server import ParameterServer, _all_finite
+from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, shard_count, split_into_shards
 
 SECRET = b"k" * 32
 
@@ -352,3 +352,92 @@ def test_without_backup_workers_nothing_is_dropped_and_no_pull_is_told_to_skip()
         s.push(0, 0, 2, 1, torch.ones(3))
     with pytest.raises(ValueError, match="backup_workers = 2 must be >= 0 and < the 2 workers"):
         ShardStore([nn.Parameter(torch.zeros(1))], sgd, PsMode.SYNC, 2, backup_workers=2)
+
+
+def test_push_pull_sends_the_pull_behind_the_push_and_gets_the_applied_weights(server):
+    clients = [PsClient(endpoint(server), rank, 0) for rank in range(2)]
+    results = {}
+
+    def step(rank):
+        results[rank] = clients[rank].push_pull(0, 1, [torch.ones(2), torch.full((4,), float(rank))], 1)
+
+    try:
+        threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        for rank in range(2):  # the sync clock 0 is both pushes: mean gradient 0.5 on shard 1
+            (v0, w0), (v1, w1) = results[rank]
+            assert (v0, v1) == (1, 1)
+            assert w0.tolist() == [0.5, 1.5] and w1.tolist() == [2.75, 3.75, 4.75, 5.75]
+            stats = clients[rank].stats
+            assert (stats.pushes, stats.pulls, stats.bytes_received) == (1, 1, 4 * 6)
+            assert stats.bytes_sent > 4 * 6  # the gradients, the PULLs and every frame's header
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_rejected_push_fails_push_pull_at_once_without_waiting_for_its_pull(server):
+    client = PsClient(endpoint(server), 0, 0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ParameterServerError, match="push of 12 bytes to shard 0"):
+            client.push_pull(0, 1, [torch.ones(3), torch.ones(4)], 1)  # shard 0 holds 2 values
+        assert time.monotonic() - started < server.timeout_s  # the pull behind it would wait 2 s
+    finally:
+        client.close()
+
+
+def test_a_gradient_is_finite_exactly_when_every_value_is_even_where_its_float32_sum_overflows():
+    assert _all_finite(torch.full((4,), 3e38))  # the sum is inf; every value is finite
+    assert _all_finite(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.full((1000,), 3e38)
+        values[517] = bad
+        assert not _all_finite(values)
+
+
+def test_the_server_runs_torch_on_one_thread_and_gives_the_drivers_setting_back():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        servers = [ParameterServer([store()], "127.0.0.1", SECRET, 2.0, 1 << 20) for _ in range(2)]
+        assert torch.get_num_threads() == 1
+        servers[0].stop()
+        assert torch.get_num_threads() == 1  # the other server still runs
+        servers[1].stop()
+        servers[1].stop()  # twice: still restored once
+        assert torch.get_num_threads() == 2
+        kept = ParameterServer([store()], "127.0.0.1", SECRET, 2.0, 1 << 20, torch_threads=0)
+        assert torch.get_num_threads() == 2
+        kept.stop()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_shards_give_a_small_model_one_shard_and_a_large_one_up_to_four():
+    def params(*sizes):
+        return [nn.Parameter(torch.zeros(n)) for n in sizes]
+
+    small = params(64 * 256, 256, 256 * 256, 256, 256 * 10, 10)  # the benchmark MLP: 340 KB
+    assert shard_count(small, 0) == 1
+    assert shard_count(params(250_000, 250_000), 0) == 2  # 2 MB
+    assert shard_count(params(*[1_000_000] * 10), 0) == 4  # 40 MB: at most 4
+    assert shard_count(small, 3) == 3  # an explicit count is kept
+    assert len(split_into_shards(small, shard_count(small, 0))) == 1
+
+
+def test_a_single_shard_client_works_without_its_pool():
+    one = ParameterServer([store(values=(1.0, 2.0))], "127.0.0.1", SECRET, timeout_s=2.0, max_payload=1 << 20)
+    e = one.endpoint(((0,),))
+    clients = [PsClient(e, rank, 0) for rank in range(2)]
+    try:
+        clients[0].push(0, 1, [torch.ones(2)])
+        ((version, weights),) = clients[1].push_pull(0, 3, [torch.full((2,), 5.0)], 1)
+        assert version == 1 and weights.tolist() == [0.25, 1.25]  # sums 1 + 5 over 4 rows: lr 0.5 x 1.5
+    finally:
+        for c in clients:
+            c.close()
+        one.stop()
