@@ -32,6 +32,7 @@ from sparkdl.config_choices import (
     Compression,
     DrillKind,
     FaultDrillSpec,
+    Hierarchy,
     LrSchedule,
     OnError,
     OptimizerName,
@@ -69,6 +70,7 @@ __all__ = [
     "DataConfig",
     "DrillKind",
     "FaultDrillSpec",
+    "Hierarchy",
     "LrSchedule",
     "OnError",
     "OptimizerConfig",
@@ -123,6 +125,9 @@ class SparkDLConfig:
                 f"compression = 'powersgd' is PyTorch's DDP hook of strategy 'allreduce'; with strategy = "
                 f"{self.training.strategy.value!r} use '1bit', 'topk', 'fp16' or 'bf16'"
             )
+
+        if self.runtime.hierarchy is not Hierarchy.NONE:
+            _check_hierarchy(self)
 
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).
@@ -181,6 +186,27 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> SparkDLConfi
             "the library's sections only: use load_job_config(path).sparkdl"
         )
     return SparkDLConfig(**config_from_tables(raw, str(path), SECTIONS))
+
+
+def _check_hierarchy(config: SparkDLConfig) -> None:
+    """What hierarchical aggregation cannot be combined with, refused with the fix."""
+    strategy, compression = config.training.strategy, config.runtime.compression
+    level = config.runtime.hierarchy.value
+    if strategy is Strategy.FSDP:
+        raise ConfigError(
+            f"hierarchy = {level!r} is not available with strategy = 'fsdp' (its collectives are FSDP's "
+            "own); set hierarchy = 'none'"
+        )
+    if strategy is not Strategy.PARAMETER_SERVER and compression is not Compression.NONE:
+        raise ConfigError(
+            f"hierarchy = {level!r} and compression = {compression.value!r} do not combine with strategy "
+            f"{strategy.value!r} (the leaders exchange float32); choose one of them"
+        )
+    if strategy is Strategy.PARAMETER_SERVER and config.parameter_server.backup_workers:
+        raise ConfigError(
+            f"hierarchy = {level!r} with backup_workers = {config.parameter_server.backup_workers}: with "
+            "a hierarchy the hosts' leaders push, not the workers; set backup_workers = 0"
+        )
 
 
 def _check_fsdp(config: SparkDLConfig) -> None:

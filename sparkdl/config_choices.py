@@ -63,6 +63,14 @@ class Compression(str, enum.Enum):
     POWERSGD = "powersgd"  # PyTorch's own low-rank DDP hook: all-reduce only
 
 
+class Hierarchy(str, enum.Enum):
+    """What counts as one host for hierarchical aggregation (see sparkdl.strategies.hierarchy)."""
+
+    NONE = "none"
+    HOST = "host"  # tasks with the same address
+    EXECUTOR = "executor"  # tasks of the same executor (several executors may share a host)
+
+
 class LrSchedule(str, enum.Enum):
     """How the learning rate changes over the run."""
 

@@ -16,6 +16,7 @@ from sparkdl.config_choices import (
     Backend,
     Compression,
     FaultDrillSpec,
+    Hierarchy,
     LrSchedule,
     OnError,
     OptimizerName,
@@ -346,6 +347,14 @@ class RuntimeConfig:
     )
     powersgd_rank: int = field(
         default=2, metadata=about("Rank of PowerSGD's low-rank approximation.", bound="> 0")
+    )
+    hierarchy: Hierarchy = field(
+        default=Hierarchy.NONE,
+        metadata=about(
+            "Aggregate within a host first: its workers reduce into one leader, the leaders exchange "
+            "across hosts, and each hands the result back (parameter_server: only the leaders push and "
+            "pull). host groups the tasks by address, executor by executor; none = flat."
+        ),
     )
     bucket_cap_mb: float = field(
         default=25.0,

@@ -42,6 +42,8 @@ class PsClient:
         start_clock: the first clock of this attempt (the global step the workers
             resumed from; 0 when they start afresh).
         feedback: compress pushes with this codec and error feedback (None: float32).
+        pushers: the attempt pushes through that many pushers, ``rank`` being this one's
+            number among them (a hierarchy's hosts); 0: every worker pushes.
     """
 
     def __init__(
@@ -51,12 +53,14 @@ class PsClient:
         attempt: int,
         start_clock: int = 0,
         feedback: ErrorFeedback | None = None,
+        pushers: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.feedback = feedback
         self.rank = rank
         self.attempt = attempt
         self.start_clock = start_clock
+        self.pushers = pushers
         self.stats = ClientStats()
         self.ahead = 0
         shards = len(endpoint.shard_params)
@@ -84,7 +88,13 @@ class PsClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             channel = client_hello(
-                sock, self.endpoint.secret, self.rank, self.attempt, self.start_clock, self.endpoint.encrypt
+                sock,
+                self.endpoint.secret,
+                self.rank,
+                self.attempt,
+                self.start_clock,
+                self.endpoint.encrypt,
+                self.pushers,
             )
             self._expect(channel, Kind.ACK)
         except BaseException:

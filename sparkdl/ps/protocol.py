@@ -136,13 +136,21 @@ PsChannel = Channel[Frame]
 
 
 def client_hello(
-    sock: socket.socket, secret: bytes, rank: int, attempt: int, start_clock: int = 0, encrypt: bool = False
+    sock: socket.socket,
+    secret: bytes,
+    rank: int,
+    attempt: int,
+    start_clock: int = 0,
+    encrypt: bool = False,
+    pushers: int = 0,
 ) -> PsChannel:
     """Open a connection as worker ``rank``; the caller then expects an ACK on the channel.
 
-    ``start_clock`` > 0 says the workers resumed from the checkpoint of that step.
+    ``start_clock`` > 0 says the workers resumed from the checkpoint of that step;
+    ``pushers`` > 0 that the attempt pushes through that many pushers (a HELLO's ``rows``),
+    ``rank`` being this one's number among them.
     """
-    hello = Frame(Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock)
+    hello = Frame(Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock, rows=pushers)
     return net.client_hello(sock, secret, PS_WIRE, hello, encrypt)
 
 

@@ -95,6 +95,7 @@ class ParameterServer:
             for i in range(len(self.stores))
         ]
         self._attempt: int | None = None  # the stage attempt the stores serve now
+        self._pushers = 0  # ... and how many push to them (0: every worker)
         self._attempt_lock = threading.Lock()
         self.secret = secret
         self.timeout_s = timeout_s
@@ -136,7 +137,7 @@ class ParameterServer:
     def _serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         try:
             try:
-                self._begin_attempt(hello.attempt, hello.clock)
+                self._begin_attempt(hello.attempt, hello.clock, hello.rows)
             except (PushRejected, CheckpointError) as exc:
                 channel.send(error_frame(exc))
                 self._reject(peer, str(exc))
@@ -156,13 +157,19 @@ class ParameterServer:
         except OSError:
             pass  # the worker went away, or stop() closed the socket
 
-    def _begin_attempt(self, attempt: int, start_clock: int) -> None:
+    def _begin_attempt(self, attempt: int, start_clock: int, pushers: int = 0) -> None:
         """The first connection of a new stage attempt restarts the clocks (and restores
-        the snapshot of ``start_clock`` when the workers resumed from a checkpoint)."""
+        the snapshot of ``start_clock`` when the workers resumed from a checkpoint); every
+        connection of an attempt must agree on its pushers (0: every worker pushes)."""
         with self._attempt_lock:
             if self._attempt is not None and attempt <= self._attempt:
                 if attempt < self._attempt:
                     raise PushRejected(f"stage attempt {attempt} is older than the current {self._attempt}")
+                if pushers != self._pushers:
+                    raise PushRejected(
+                        f"a HELLO of stage attempt {attempt} says {pushers} pushers, its first said "
+                        f"{self._pushers} (0 = every worker): the workers disagree about runtime.hierarchy"
+                    )
                 return
             if self._attempt_started is not None and not self._attempt_started(attempt):
                 raise PushRejected(
@@ -173,8 +180,9 @@ class ParameterServer:
                 self._load_snapshot(i, start_clock) if start_clock else None for i in range(len(self.stores))
             ]
             for store, state in zip(self.stores, states, strict=True):
-                store.begin_attempt(attempt, start_clock, state)
+                store.begin_attempt(attempt, start_clock, state, pushers)
             self._attempt = attempt
+            self._pushers = pushers
             if start_clock:
                 log.info(
                     "parameter server resumed at step %d, versions %s",

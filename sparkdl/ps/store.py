@@ -97,6 +97,8 @@ class ShardStore:
         self._steps_per_version = steps_per_version
         self.mode = mode
         self.num_workers = num_workers
+        self._workers = num_workers  # as configured: an attempt may push through fewer (its hosts)
+        self._backup = backup_workers if mode is PsMode.SYNC else 0
         self.staleness = staleness if mode is PsMode.SSP else 0
         self.quorum = num_workers - (backup_workers if mode is PsMode.SYNC else 0)
         self.dropped = 0  # late pushes of clocks already applied without them
@@ -123,16 +125,28 @@ class ShardStore:
             self._aborted = reason
             self._cond.notify_all()
 
-    def begin_attempt(self, attempt: int, start_clock: int = 0, state: dict[str, Any] | None = None) -> None:
+    def begin_attempt(
+        self, attempt: int, start_clock: int = 0, state: dict[str, Any] | None = None, pushers: int = 0
+    ) -> None:
         """A (re-run) stage attempt connects; its clocks start at ``start_clock``.
 
         Without ``state`` the weights are kept (the workers start afresh on them);
         with one, the store first returns to that snapshot (the workers resumed from
-        the checkpoint it was taken with).
+        the checkpoint it was taken with). ``pushers`` > 0: this attempt's pushes come
+        from that many pushers, numbered from 0 (the hosts' leaders of a hierarchy), not
+        from every worker.
         """
+        pushers = pushers or self._workers
+        if not self._backup < pushers <= self._workers:
+            raise PushRejected(
+                f"stage attempt {attempt} pushes through {pushers} pushers; this server takes 1 to "
+                f"{self._workers} (and more than backup_workers = {self._backup})"
+            )
         with self._cond:
             if attempt < self.attempt:
                 raise PushRejected(f"stage attempt {attempt} is older than the current {self.attempt}")
+            self.num_workers = pushers
+            self.quorum = pushers - self._backup
             if state is not None:
                 self._load(state)
             self.attempt = attempt

@@ -82,6 +82,7 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
         gpu_addresses=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         torch_threads=spec.config.runtime.torch_threads or int(ctx.cpus() or 1),
         task_attempt=ctx.taskAttemptId(),
+        peers=tuple(info.address for info in infos),
     )
     try:
         result = run_worker(spec, batches, placement, ctx.allGather)

@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.config import Hierarchy as HierarchyLevel
 from sparkdl.config import OnError, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
+from sparkdl.errors import ClusterConfigError
 from sparkdl.progress.board import Report
 from sparkdl.progress.channel import HeldRecords, ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.ps.endpoint import PsEndpoint
@@ -47,6 +49,7 @@ from sparkdl.runtime.device import choose_backend, choose_device
 from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.base import SchedulerFn
+from sparkdl.strategies.hierarchy import Hierarchy, host_key
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import (
     ModelFn,
@@ -104,6 +107,7 @@ class Placement:
     gpu_addresses: tuple[str, ...] = ()
     torch_threads: int = 1
     task_attempt: int = 0  # Spark's taskAttemptId; the smallest over the ranks names the stage attempt
+    peers: tuple[str, ...] = ()  # every rank's executor address ("host:port"), by rank
 
 
 @dataclass
@@ -133,6 +137,7 @@ def run_worker(
         stack.enter_context(_socket_interface(config.runtime.network_interface))
         device, groups = _join(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
+        hierarchy = _hierarchy(config, placement)
         reporter = last_out.enter_context(
             reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
         )
@@ -158,6 +163,7 @@ def run_worker(
             start.global_steps_done,
             spec.lr,
             spec.scheduler_fn,
+            hierarchy,
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
@@ -192,6 +198,24 @@ def run_worker(
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _hierarchy(config: SparkDLConfig, placement: Placement) -> Hierarchy | None:
+    """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two)."""
+    level = config.runtime.hierarchy
+    if level is HierarchyLevel.NONE:
+        return None
+    if len(placement.peers) != placement.world_size:
+        raise ClusterConfigError(
+            f"runtime.hierarchy = {level.value!r} needs every task's address; this worker got "
+            f"{len(placement.peers)} for {placement.world_size} ranks"
+        )
+    keys = [host_key(address, level) for address in placement.peers]
+    hierarchy = Hierarchy.build(keys, placement.rank, config.runtime.collective_timeout_s)
+    if hierarchy is not None:
+        where = (hierarchy.host, hierarchy.hosts, hierarchy.leader)
+        log.info("rank %d: host %d of %d, led by rank %d", placement.rank, *where)
+    return hierarchy
 
 
 def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:

@@ -4,6 +4,8 @@ DDP buckets gradients and starts each bucket's all-reduce while backward is stil
 running, so communication overlaps compute. Compression is a DDP communication hook:
 PyTorch's own for fp16 and PowerSGD, ours for bf16 (PyTorch's needs NCCL), 1bit and topk, which exchange each
 bucket by all-gather with error feedback (:class:`sparkdl.compression.collectives.CompressedAllReduce`).
+With ``runtime.hierarchy`` the hook reduces each bucket within the host, all-reduces it among
+the hosts' leaders and broadcasts it back (:class:`sparkdl.strategies.hierarchy.HierarchicalAllReduce`).
 
 Every worker scales its mean loss by ``world * local_rows / global_rows``: after DDP's
 mean over workers the gradient is exactly the mean over every row of the step, as
@@ -29,6 +31,7 @@ from sparkdl.strategies.base import (
     parameter_bytes,
     ring_allreduce_bytes,
 )
+from sparkdl.strategies.hierarchy import HierarchicalAllReduce, hierarchical_bytes
 
 
 class AllReduceStrategy(SyncStrategy):
@@ -50,6 +53,7 @@ class AllReduceStrategy(SyncStrategy):
             gradient_as_bucket_view=True,
         )
         self._compressed: CompressedAllReduce | None = None
+        self._hierarchical: HierarchicalAllReduce | None = None
         self._step_bytes = self._register_hook(
             self._ddp, runtime, parameter_bytes(ctx.module), ctx.world_size
         )
@@ -59,6 +63,10 @@ class AllReduceStrategy(SyncStrategy):
     ) -> int:
         """Register the compression's hook; return the bytes a step sends (None: counted by the hook)."""
         compression = runtime.compression
+        if self.ctx.hierarchy is not None:  # config refuses it with compression
+            self._hierarchical = HierarchicalAllReduce(self.ctx.hierarchy, world)
+            ddp.register_comm_hook(self._hierarchical, HierarchicalAllReduce.hook)
+            return hierarchical_bytes(self.ctx.hierarchy, grad_bytes)
         if compression is Compression.FP16:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             return ring_allreduce_bytes(grad_bytes // 2, world)
@@ -94,12 +102,17 @@ class AllReduceStrategy(SyncStrategy):
         if self._compressed is not None:
             self.stats.bytes_sent += self._compressed.bytes_sent
             self._compressed.bytes_sent = 0
+        if self._hierarchical is not None:
+            self.stats.bytes_across_hosts += self._hierarchical.bytes_across_hosts
+            self._hierarchical.bytes_across_hosts = 0
         return self._step_on_shared_gradients(step, loss)
 
     def close(self) -> None:
         # Drop DDP's reducer while the process group is still registered, so that the
         # group's own teardown (which joins gloo's threads) does not run inside it.
         self._ddp = None
+        if self._hierarchical is not None:
+            self._hierarchical.close()
 
 
 def _powersgd_bytes(module: nn.Module, rank: int) -> int:

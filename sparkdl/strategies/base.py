@@ -15,7 +15,7 @@ import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.guards import NanGuard, grads_finite
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
+
+if TYPE_CHECKING:
+    from sparkdl.strategies.hierarchy import Hierarchy
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
@@ -49,6 +52,7 @@ class StrategyContext:
         resume_step: the global step the run resumed from (0: a fresh start).
         lr: the learning-rate schedule, a factor of the configured lr per global step.
         scheduler_fn: the user's ``(optimizer) -> LRScheduler``, stepped after every step.
+        hierarchy: this worker's host and its leader (``runtime.hierarchy``; None: flat).
     """
 
     config: SparkDLConfig
@@ -63,6 +67,7 @@ class StrategyContext:
     resume_step: int = 0
     lr: LrPlan = CONSTANT_LR
     scheduler_fn: SchedulerFn | None = None
+    hierarchy: Hierarchy | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class SyncStats:
     wait_s: float = 0.0
     skipped_steps: int = 0  # parameter server with backup workers: steps this worker skipped to catch up
     dropped_pushes: int = 0  # ... and its pushes that came after their step was applied
+    bytes_across_hosts: int = 0  # runtime.hierarchy: what this worker sent to other hosts
 
 
 class SyncStrategy(abc.ABC):

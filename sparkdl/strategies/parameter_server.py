@@ -16,6 +16,14 @@ batches and trains on none of them) instead of setting everyone's pace.
 Compression. With ``compression`` set, each push is encoded with error feedback on the
 worker (one residual per shard), and the server decodes it by the frame's encoding;
 pulls stay float32 (the worker's copy must be the server's weights exactly).
+
+Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
+the driver: the host's workers sum their gradients and rows into the leader
+(:class:`sparkdl.strategies.hierarchy.Hierarchy`), the leader pushes the host's sum as pusher
+number ``host`` of ``hosts`` and pulls, and broadcasts the weights to its host. The driver's
+traffic falls by the workers per host, and in sync mode the answer is unchanged: the
+server's mean is still over every row of the step. A worker that must stop says so in the
+host's next sum; its leader aborts the server and tells the host.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from torch import nn
 
 from sparkdl.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.config import PsMode, Strategy
-from sparkdl.errors import ConfigError, SparkDLError, agreed
+from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy
 
@@ -61,11 +69,18 @@ class ParameterServerStrategy(SyncStrategy):
         runtime = ctx.config.runtime
         codec = codec_for(runtime.compression, runtime.topk_ratio)
         feedback = ErrorFeedback(codec, runtime.error_feedback) if codec is not None else None
-        self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback)
+        self._hierarchy = ctx.hierarchy
+        self._stopping: SparkDLError | None = None  # hierarchy: told to the leader at the next push
+        self._client: PsClient | None = None
+        if self._hierarchy is None:
+            self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback)
+        elif self._hierarchy.is_leader:  # pusher number `host` of `hosts`
+            h = self._hierarchy
+            self._client = PsClient(ctx.ps, h.host, ctx.attempt, ctx.resume_step, feedback, pushers=h.hosts)
         try:
-            self._pull(ctx.resume_step)
+            self._exchange(None, ctx.resume_step)
         except BaseException:
-            self._client.close()
+            self.close()
             raise
 
     def train_step(self, step: StepInput) -> torch.Tensor:
@@ -88,34 +103,44 @@ class ParameterServerStrategy(SyncStrategy):
             self.ctx.optimizer.zero_grad(set_to_none=True)
         push = (step.step + 1) % self._push_every == 0
         pull = (step.step + 1) % self._pull_every == 0
-        if push and pull:
-            self._install(
-                self._client.push_pull(
-                    self._push_clock(step.step), self._rows, self._accumulated, step.step + 1
-                )
-            )
-            self._pushed()
-        elif push:
-            self._push(step.step)
-        elif pull:
-            self._pull(step.step + 1)
+        if push or pull:
+            self._exchange(step.step if push else None, step.step + 1 if pull else None)
         return loss
 
     def _stop(self, error: SparkDLError) -> None:
-        """Tell the server, which fails the other workers' next pull or push; stop together."""
+        """Tell the server, which fails the other workers' next pull or push; stop together.
+        In a hierarchy a member tells its leader, in the host's next sum."""
+        if self._client is None or self._hierarchy is not None:
+            self._stopping = error
+            return
         self._client.abort(f"{type(error).__name__}: {error}")
         raise agreed(error)
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
-        if self._rows:  # async, between pushes: send what was accumulated so it is not lost
-            self._push(global_step - 1)
+        # rank 0 alone (it leads its host): async, between pushes, its own accumulated rows
+        # go now so that they are not lost; a hierarchy's members send theirs at the next push
+        assert self._client is not None, "rank 0 always holds a client"
+        if self._rows:
+            self._client.push(self._push_clock(global_step - 1), self._rows, self._accumulated)
+            self._pushed()
         return {"ps_versions": self._client.snapshot(global_step)}
 
     def finish(self) -> None:
-        if self._rows:
-            self._push(-1)
+        if self._hierarchy is not None:  # every rank of a host joins the sum, rows or none
+            if self._mode is PsMode.ASYNC and self._push_every > 1:
+                self._exchange(-1, None)
+        elif self._rows:
+            self._exchange(-1, None)
 
     def end_epoch(self) -> SyncStats:
+        if self._client is None:  # a hierarchy's member: its traffic stays on its host
+            stats = SyncStats(
+                sync_rounds=self.stats.sync_rounds,
+                bytes_sent=self.stats.bytes_sent,
+                skipped_steps=self.stats.skipped_steps,
+            )
+            self.stats = SyncStats()
+            return stats
         client = self._client.stats
         shard_pushes = client.pushes * len(self._shards)
         stats = SyncStats(
@@ -129,33 +154,103 @@ class ParameterServerStrategy(SyncStrategy):
             wait_s=client.wait_s,
             skipped_steps=self.stats.skipped_steps,
             dropped_pushes=client.late_pushes if self._mode is PsMode.SYNC else 0,
+            bytes_across_hosts=client.bytes_sent,  # to the driver's host
         )
+        if self._hierarchy is not None:  # and what it sent its host: the weights, to each member
+            stats.bytes_sent += self.stats.bytes_sent
         self.stats = SyncStats()
         self._client.stats = ClientStats()
         return stats
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
     def _push_clock(self, step: int) -> int:
         # sync/ssp push the clock they computed; async pushes the version it computed on
         return self._version if self._mode is PsMode.ASYNC else step
 
-    def _push(self, step: int) -> None:
-        self._client.push(self._push_clock(step), self._rows, self._accumulated)
-        self._pushed()
+    def _exchange(self, push_step: int | None, pull_clock: int | None) -> None:
+        """Push what was accumulated (as of ``push_step``) and/or pull the weights for
+        ``pull_clock``: straight with the server, or through the host's leader."""
+        if self._hierarchy is None:
+            assert self._client is not None
+            results = None
+            if push_step is not None and pull_clock is not None:
+                clock = self._push_clock(push_step)
+                results = self._client.push_pull(clock, self._rows, self._accumulated, pull_clock)
+            elif push_step is not None:
+                self._client.push(self._push_clock(push_step), self._rows, self._accumulated)
+            elif pull_clock is not None:
+                results = self._client.pull(pull_clock)
+            if push_step is not None:
+                self._pushed()
+            if results is not None:
+                self._install(results, self._client.ahead)
+            return
+        self._exchange_in_host(push_step, pull_clock)
+
+    def _exchange_in_host(self, push_step: int | None, pull_clock: int | None) -> None:
+        h = self._hierarchy
+        assert h is not None
+        rows, stopping = self._rows, self._stopping is not None
+        if push_step is not None:  # level 1: the host's gradients, rows and stop flags into the leader
+            flat = torch.cat([*self._accumulated, torch.tensor([float(rows), float(stopping)])])
+            h.reduce_to_leader(flat)
+            if not h.is_leader:
+                self.stats.bytes_sent += flat.numel() * 4
+            sizes = [a.numel() for a in self._accumulated]
+            grads = list(flat[: sum(sizes)].split(sizes))
+            rows, stopping = int(flat[-2].item()), flat[-1].item() > 0
+            self._pushed()
+            if not h.is_leader:
+                self.stats.sync_rounds += 1
+        # level 2, on the leader: the host's sum to the server, the weights back; then to the host
+        shapes = [a.numel() for a in self._accumulated]
+        weights = torch.zeros(sum(shapes))
+        meta = torch.zeros(3, dtype=torch.float64)  # min version, clocks ahead, stop
+        if h.is_leader:
+            assert self._client is not None
+            try:
+                if stopping:
+                    self._client.abort(f"a worker of host {h.host} stopped")
+                    raise PeerStopped(f"a worker of host {h.host} (ranks {h.groups[h.host]}) stopped")
+                if push_step is not None and pull_clock is not None:
+                    clock = self._push_clock(push_step)
+                    results = self._client.push_pull(clock, rows, grads, pull_clock)
+                elif push_step is not None:
+                    if rows or self._mode is not PsMode.ASYNC:
+                        self._client.push(self._push_clock(push_step), rows, grads)
+                    results = []
+                else:
+                    results = self._client.pull(pull_clock)
+            except SparkDLError as exc:  # the host stops with it
+                meta[2] = 1.0
+                h.broadcast_from_leader(meta)
+                raise agreed(self._stopping or exc) from exc
+            if results:
+                torch.cat([w for _, w in results], out=weights)
+                meta[0] = min(v for v, _ in results)
+                meta[1] = self._client.ahead
+        h.broadcast_from_leader(meta)
+        if meta[2] > 0:
+            raise agreed(self._stopping or PeerStopped(f"a worker of host {h.host}'s peers stopped"))
+        if pull_clock is None:
+            return
+        h.broadcast_from_leader(weights)
+        if h.is_leader:
+            self.stats.bytes_sent += weights.numel() * 4 * (len(h.groups[h.host]) - 1)
+        version = int(meta[0].item())
+        self._install([(version, w) for w in weights.split(shapes)], int(meta[1].item()))
 
     def _pushed(self) -> None:
         for acc in self._accumulated:
             acc.zero_()
         self._rows = 0
 
-    def _pull(self, clock: int) -> None:
-        self._install(self._client.pull(clock))
-
-    def _install(self, results: list[tuple[int, torch.Tensor]]) -> None:
+    def _install(self, results: list[tuple[int, torch.Tensor]], ahead: int) -> None:
         """Copy pulled shards into the model; note how far ahead the server is."""
-        self._skip = self._client.ahead
+        self._skip = ahead
         with torch.no_grad():
             for (_, flat), shard in zip(results, self._shards, strict=True):
                 offset = 0

@@ -26,6 +26,10 @@ since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedbac
 (:class:`sparkdl.compression.collectives.CompressedAverage`): a worker sends the
 compression factor less on top of ``1/tau``, and every worker still ends each average
 with the same tensors.
+
+Hierarchy. With ``runtime.hierarchy`` each bucket is summed within the host into its
+leader, all-reduced among the leaders and broadcast back (:mod:`sparkdl.strategies.hierarchy`):
+one model's worth crosses the network per host and average.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from sparkdl.compression.collectives import CompressedAverage
 from sparkdl.config import Strategy
 from sparkdl.errors import PeerStopped, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
+from sparkdl.strategies.hierarchy import hierarchical_bytes
 
 Named = tuple[str, torch.Tensor]
 
@@ -117,15 +122,25 @@ class WeightAveragingStrategy(SyncStrategy):
             else:
                 self._weighted_all_reduce([[t for _, t in b] for b in buckets], self._rows_since_sync / total)
                 payload = sum(t.numel() * t.element_size() for _, t in named)
-                self.stats.bytes_sent += ring_allreduce_bytes(payload, world)
+                hierarchy = self.ctx.hierarchy
+                self.stats.bytes_sent += (
+                    ring_allreduce_bytes(payload, world)
+                    if hierarchy is None
+                    else hierarchical_bytes(hierarchy, payload)
+                )
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
 
     def _weighted_all_reduce(self, buckets: list[list[torch.Tensor]], own_weight: float) -> None:
-        """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently."""
+        """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently
+        (one after the other through the two levels of a hierarchy)."""
         pending = []
         for bucket in buckets:
             flat = torch.cat([t.detach().reshape(-1) for t in bucket]).mul_(own_weight)
+            if self.ctx.hierarchy is not None:
+                self.stats.bytes_across_hosts += self.ctx.hierarchy.all_reduce(flat)
+                pending.append((bucket, flat, None))
+                continue
             pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
         for bucket, flat, work in pending:
             if work is not None:

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.net.framing import TAG_BYTES
+from sparkdl.ps.protocol import PS_WIRE
 from sparkdl.runtime.ps_host import host_parameter_server
 from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
 from tests.reference import (
@@ -52,21 +54,21 @@ def _file_all_gather(path: str, rank: int, world: int):
     return all_gather
 
 
-def _worker(rank, world, shards, spec, store_path, out):
+def _worker(rank, world, shards, spec, store_path, out, peers=()):
     import os
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     x, y = shards[rank]
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
-        placement = Placement(rank, world, "127.0.0.1")
+        placement = Placement(rank, world, "127.0.0.1", peers=peers)
         result = run_worker(spec, batches, placement, _file_all_gather(store_path, rank, world))
         out.put((rank, result.state, result.history, None))
     except Exception as exc:  # reported to the test process
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
 
 
-def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
+def run_workers(shards, tmp_path, optimizer_fn=_sgd, peers=(), **settings):
     """Train in spawned worker processes; with strategy parameter_server, host it here."""
     config = SparkDLConfig().replace(
         num_workers=len(shards), collective_timeout_s=30.0, prefetch_batches=2, **settings
@@ -78,7 +80,7 @@ def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
         hosted = host_parameter_server(spec, "127.0.0.1")
         spec = hosted.spec
     try:
-        state, results = _spawn(shards, tmp_path, spec)
+        state, results = _spawn(shards, tmp_path, spec, peers)
     finally:
         if hosted is not None:
             hosted.stop()
@@ -87,13 +89,13 @@ def run_workers(shards, tmp_path, optimizer_fn=_sgd, **settings):
     return state, results
 
 
-def _spawn(shards, tmp_path, spec):
+def _spawn(shards, tmp_path, spec, peers=()):
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     world = len(shards)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, shards, spec, str(tmp_path / "store"), out))
+        ctx.Process(target=_worker, args=(r, world, shards, spec, str(tmp_path / "store"), out, peers))
         for r in range(world)
     ]
     for p in procs:
@@ -238,3 +240,63 @@ def test_a_slow_worker_with_a_backup_skips_ahead_instead_of_setting_the_pace(tmp
     assert slow[1]["skipped_steps"] > 0 and slow[1]["dropped_pushes"] > 0
     assert slow[1]["local_samples"] == 96 - 8 * slow[1]["skipped_steps"]
     assert slow[0]["skipped_steps"] == 0  # epoch 1: in lockstep
+
+
+# --- hierarchical aggregation: 4 workers on 2 "hosts" (executors) ----------------------
+
+TWO_HOSTS = ("10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7001", "10.0.0.2:7001")  # ranks 0, 2 | 1, 3
+MODEL_BYTES = 4 * sum(p.numel() for p in make_tiny_net().parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("settings", "momentum"),
+    [
+        ({"strategy": "allreduce"}, MOMENTUM),
+        ({"strategy": "weight_averaging", "sync_every": 1}, 0.0),  # momentum: the empty rank has none
+        ({"strategy": "parameter_server", "ps_mode": "sync"}, MOMENTUM),
+    ],
+)
+def test_a_hierarchy_gives_the_flat_answer_and_sends_one_model_per_host_across(tmp_path, settings, momentum):
+    sizes = [40, 24, 33, 0]  # uneven, and a worker without rows
+    shards = make_shards(sizes)
+    state, results = run_workers(
+        shards,
+        tmp_path,
+        _sgd if momentum else _plain_sgd,
+        peers=TWO_HOSTS,
+        hierarchy="executor",
+        batch_size=8,
+        epochs=2,
+        shuffle=True,
+        **settings,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, momentum, True)
+    assert max_abs_diff(state, expected) < 1e-5
+    steps = 2 * max((s + 7) // 8 for s in sizes)
+    across = {rank: sum(h["bytes_across_hosts"] for h in results[rank][1]) for rank in range(4)}
+    assert across[2] == across[3] == 0  # members: everything stays on their host (leaders: 0 and 1)
+    if settings["strategy"] == "parameter_server":
+        # each leader pushes the host's sum to the driver: per step one model in a PUSH frame and a
+        # PULL frame (one shard), after the first pull's frame
+        frame = PS_WIRE.header.size + 2 * TAG_BYTES
+        assert across[0] == across[1] == frame + steps * (MODEL_BYTES + 2 * frame)
+    else:  # the leaders' ring of two: each sends one model's worth per sync
+        assert across[0] == across[1] == steps * MODEL_BYTES
+
+
+@pytest.mark.slow
+def test_with_a_hierarchy_the_driver_receives_half_the_pushes_of_a_flat_parameter_server(tmp_path):
+    shards = make_shards([32, 32, 32, 32])
+    common = {"strategy": "parameter_server", "ps_mode": "sync", "batch_size": 8, "epochs": 1}
+    flat_state, flat = run_workers(shards, tmp_path / "flat", _plain_sgd, peers=TWO_HOSTS, **common)
+    tree_state, tree = run_workers(
+        shards, tmp_path / "tree", _plain_sgd, peers=TWO_HOSTS, hierarchy="executor", **common
+    )
+    assert max_abs_diff(flat_state, tree_state) < 1e-5
+
+    def to_driver(results):
+        return sum(results[rank][1][0]["bytes_across_hosts"] for rank in range(4))
+
+    assert to_driver(flat) > 0
+    assert to_driver(tree) / to_driver(flat) == pytest.approx(0.5, rel=0.02)
