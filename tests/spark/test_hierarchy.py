@@ -1,0 +1,30 @@
+"""Hierarchical aggregation on a local-cluster of 2 executors x 2 slots (its own process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reference import make_tiny_net
+from tests.spark.processes import run_drill
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+MODEL_BYTES = 4 * sum(p.numel() for p in make_tiny_net().parameters())
+STEPS = 2 * 7  # 2 epochs of the largest partition's 56 rows in batches of 8
+
+
+def test_four_workers_on_two_executors_aggregate_per_executor_and_match_the_flat_runs(tmp_path):
+    result = run_drill("hierarchy_drill.py", tmp_path)
+    for name, run in result.items():
+        assert run["max_abs_diff"] < 1e-5, name  # every run: the flat all-reduce's weights
+    for strategy in ("allreduce", "weight_averaging"):
+        across = result[f"{strategy} executor"]["across"]
+        leaders = [rank for rank, sent in enumerate(across) if sent]
+        assert len(leaders) == 2 and 0 in leaders  # one per executor; rank 0 leads its own
+        # the two leaders' ring: one model's worth crosses per executor and sync, not more
+        assert all(across[rank] == STEPS * MODEL_BYTES for rank in leaders)
+    flat = result["parameter_server flat"]["across"]
+    tree = result["parameter_server executor"]["across"]
+    assert all(flat) and sum(1 for sent in tree if sent) == 2
+    assert sum(tree) / sum(flat) == pytest.approx(0.5, rel=0.02)  # the driver receives half
+    print(f"FIGURE hierarchy driver bytes flat={sum(flat)} executor={sum(tree)}")
