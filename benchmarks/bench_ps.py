@@ -30,7 +30,7 @@ from common import save_report  # noqa: E402
 from sparkdl.config import PsMode  # noqa: E402
 from sparkdl.ps.client import PsClient  # noqa: E402
 from sparkdl.ps.server import ParameterServer  # noqa: E402
-from sparkdl.ps.store import ShardStore, split_into_shards  # noqa: E402
+from sparkdl.ps.store import ShardStore, shard_count, split_into_shards  # noqa: E402
 
 SECRET = os.urandom(32)
 
@@ -43,7 +43,7 @@ def model_of(params: int) -> nn.Module:
 def bench_ps(params: int, shards: int, trips: int, encrypt: bool = False, flood: int = 0) -> dict:
     model = model_of(params)
     tensors = list(model.parameters())
-    groups = split_into_shards(tensors, shards)
+    groups = split_into_shards(tensors, shard_count(tensors, shards))
     stores = [
         ShardStore([tensors[i] for i in g], lambda p: torch.optim.SGD(p, lr=0.0), PsMode.ASYNC, 1)
         for g in groups
@@ -168,7 +168,7 @@ def bench_bare(size: int, trips: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trips", type=int, default=30)
-    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=0, help="0 = sparkdl's choice (ps_shards = 0)")
     parser.add_argument("--flood", type=int, default=2000, help="idle connections of the flood run")
     parser.add_argument("--output", default=str(HERE / "results/ps_transport.json"))
     args = parser.parse_args()

@@ -465,7 +465,7 @@ class ParameterServerConfig:
     ps_shards: int = field(
         default=0,
         metadata=about(
-            "Shards of the parameters, each served on its own connection and thread; 0 = one per MB "
+            "Shards of the parameters, each served on its own connection and thread; 0 = one per 16 MB "
             "of parameters, at most 4 (one for a small model: each shard is a round trip per step).",
             bound=">= 0",
         ),

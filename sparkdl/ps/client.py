@@ -14,6 +14,7 @@ import torch
 
 from sparkdl.compression.codecs import ErrorFeedback
 from sparkdl.errors import ParameterServerError, ProtocolError
+from sparkdl.net.framing import Placement
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
 
@@ -73,6 +74,7 @@ class PsClient:
                 channel.sock.close()
             raise
         self._shards = shards
+        self._weights = [bytearray() for _ in range(shards)]  # pulled weights land here, reused
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
     def _connect(self) -> PsChannel:
@@ -135,7 +137,8 @@ class PsClient:
 
     def pull(self, clock: int) -> list[tuple[int, torch.Tensor]]:
         """(version, flat weights) of every shard for a worker about to compute ``clock``;
-        :attr:`ahead` is then how many clocks past ``clock`` every shard already is."""
+        :attr:`ahead` is then how many clocks past ``clock`` every shard already is. The
+        weights are valid until the next pull (each shard's memory is reused)."""
         started = time.perf_counter()
         results = []
         aheads = []
@@ -210,14 +213,23 @@ class PsClient:
         return self._read_weights(channel, sent)
 
     def _read_weights(self, channel: PsChannel, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
-        reply = self._expect(channel, Kind.WEIGHTS)
+        shard = self._channels.index(channel)
+        reply = self._expect(channel, Kind.WEIGHTS, lambda kind, _, n: self._weights_buffer(shard, kind, n))
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
         return sent, len(reply.payload), reply.version, weights, reply.staleness
 
-    def _expect(self, channel: PsChannel, kind: Kind) -> Frame:
+    def _weights_buffer(self, shard: int, kind: int, length: int) -> memoryview | None:
+        """Where a shard's WEIGHTS are read to: its own buffer, reused by every pull."""
+        if kind != Kind.WEIGHTS:
+            return None
+        if len(self._weights[shard]) < length:
+            self._weights[shard] = bytearray(length)
+        return memoryview(self._weights[shard])[:length]
+
+    def _expect(self, channel: PsChannel, kind: Kind, into: Placement | None = None) -> Frame:
         """The server's answer of ``kind``; an ERROR frame raises the class its code names."""
         try:
-            frame = channel.recv(self.endpoint.max_payload)
+            frame = channel.recv(self.endpoint.max_payload, into)
         except (ProtocolError, OSError) as exc:
             raise ParameterServerError(
                 f"rank {self.rank}: parameter server connection failed: {exc}"

@@ -143,14 +143,15 @@ class ParameterServer:
                 self._reject(peer, str(exc))
                 return
             channel.send(Frame(Kind.ACK))
+            warm = _WarmBuffers()  # this connection's pushes and pulled weights, reused
             while not self._listener.stopping:
-                frame = channel.recv(self._frame_cap)
+                frame = channel.recv(self._frame_cap, into=warm.push_payload)
                 if (frame.rank, frame.attempt) != (hello.rank, hello.attempt):
                     raise ProtocolError(
                         f"a frame of rank {frame.rank} attempt {frame.attempt} on the connection of "
                         f"rank {hello.rank} attempt {hello.attempt}"
                     )
-                self._handle(channel, frame)
+                self._handle(channel, frame, warm)
         except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 self._listener.refusals.add("frame refused", peer, str(exc))
@@ -208,19 +209,19 @@ class ParameterServer:
         snapshots.save(step, {"format": 1, **state})
         return int(state["version"])
 
-    def _handle(self, channel: PsChannel, frame: Frame) -> None:
+    def _handle(self, channel: PsChannel, frame: Frame, warm: _WarmBuffers) -> None:
         """Answer one request: its result, or an ERROR frame with the error's code."""
         if not 0 <= frame.shard < len(self.stores):
             raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
         try:
-            reply = self._answer(frame)
+            reply = self._answer(frame, warm)
         except (ParameterServerError, CheckpointError) as exc:
             if isinstance(exc, PushRejected):
                 self._reject(("rank", frame.rank), str(exc))
             reply = error_frame(exc, frame.shard)
         channel.send(reply)
 
-    def _answer(self, frame: Frame) -> Frame:
+    def _answer(self, frame: Frame, warm: _WarmBuffers) -> Frame:
         store = self.stores[frame.shard]
         if frame.kind is Kind.PUSH:
             grad = self._gradient(frame, store.numel)
@@ -233,7 +234,7 @@ class ParameterServer:
             staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
             return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
         if frame.kind is Kind.PULL:
-            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s)
+            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, warm.weights(store.numel))
             ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
             return Frame(
                 Kind.WEIGHTS,
@@ -274,6 +275,28 @@ class ParameterServer:
         self.rejected_pushes += 1
         self.rejected.append(reason)
         self._listener.refusals.add("request rejected", peer, reason)
+
+
+class _WarmBuffers:
+    """One connection's reused memory: what a PUSH is read into (the store keeps no
+    reference to it), and the weights a PULL sends (sent before the next frame is read).
+    Fresh memory for every frame cost page faults: on this VM up to 2.4 ms per MB."""
+
+    def __init__(self) -> None:
+        self._push = bytearray()
+        self._weights = torch.empty(0)
+
+    def push_payload(self, kind: int, fields: tuple[int, ...], length: int) -> memoryview | None:
+        if kind != Kind.PUSH:
+            return None
+        if len(self._push) < length:
+            self._push = bytearray(length)
+        return memoryview(self._push)[:length]
+
+    def weights(self, numel: int) -> torch.Tensor:
+        if self._weights.numel() < numel:
+            self._weights = torch.empty(numel)
+        return self._weights[:numel]
 
 
 class _ThreadsHold:

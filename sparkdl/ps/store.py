@@ -109,6 +109,7 @@ class ShardStore:
         self._clock = clock
         self._cond = threading.Condition()
         self._pending: dict[int, _Clock] = {}
+        self._spare: list[torch.Tensor] = []  # sums of applied clocks, reused
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
@@ -183,8 +184,8 @@ class ShardStore:
     def push(self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor) -> int:
         """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0.
 
-        The store takes ownership of ``grad_sum`` (it may be scaled or kept in place):
-        on a 10M-parameter model every avoided copy is 40 MB.
+        The store may scale ``grad_sum`` in place, but keeps no reference to it once this
+        returns: the caller reads the next push into the same memory.
         """
         with self._cond:
             if self._aborted:
@@ -202,8 +203,9 @@ class ShardStore:
                 self.dropped += 1
                 return late
             entry = self._pending.get(clock)
-            if entry is None:
-                entry = self._pending[clock] = _Clock(grad_sum)
+            if entry is None:  # the caller's buffer is reused: sum into one of ours
+                spare = self._spare.pop() if self._spare else torch.empty_like(grad_sum)
+                entry = self._pending[clock] = _Clock(spare.copy_(grad_sum))
             else:
                 entry.grad_sum += grad_sum
             entry.rows += rows
@@ -211,8 +213,11 @@ class ShardStore:
             self._apply_complete_clocks()
             return 0
 
-    def pull(self, rank: int, clock: int, timeout_s: float) -> tuple[int, torch.Tensor]:
-        """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy)."""
+    def pull(
+        self, rank: int, clock: int, timeout_s: float, out: torch.Tensor | None = None
+    ) -> tuple[int, torch.Tensor]:
+        """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy),
+        the copy written to ``out`` when given (``numel`` float32 values)."""
         needed = self._base_version + max(clock - self._start_clock - self.staleness, 0)
         deadline = self._clock() + timeout_s
         with self._cond:
@@ -227,7 +232,7 @@ class ShardStore:
                 if remaining <= 0:
                     raise PsTimeoutError(self._timeout_message(rank, clock, needed, timeout_s))
                 self._cond.wait(remaining)
-            return self.version, self.flat_weights()
+            return self.version, self.flat_weights(out)
 
     @property
     def applied_clock(self) -> int:
@@ -239,8 +244,9 @@ class ShardStore:
         with self._cond:
             return max(self.applied_clock - clock, 0) if self.quorum < self.num_workers else 0
 
-    def flat_weights(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params]).float()
+    def flat_weights(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = [p.detach().reshape(-1).float() for p in self.params]
+        return torch.cat(flat) if out is None else torch.cat(flat, out=out)
 
     def _check_push(self, rank: int, attempt: int, clock: int, grad_sum: torch.Tensor) -> None:
         if not 0 <= rank < self.num_workers:
@@ -266,6 +272,8 @@ class ShardStore:
                 return
             del self._pending[self.applied_clock]
             self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
+            if len(self._spare) < 2:  # warm memory for a later clock (no page faults)
+                self._spare.append(entry.grad_sum)
             self._cond.notify_all()
 
     def _apply(self, grad: torch.Tensor) -> None:
@@ -295,10 +303,11 @@ class ShardStore:
 
 #: ``ps_shards = 0`` (auto): one shard per this many bytes of float32 parameters, at most
 #: ``AUTO_MAX_SHARDS``. Each shard costs every worker a round trip and the server a thread
-#: per step: for a small model they are pure overhead (the strategies benchmark's 340 KB
-#: model: 4 shards reached 0.31 of all-reduce's samples/s, one shard 0.76), while a model
-#: of several MB moves faster in parallel pieces (4 MB: 4 shards 1.3x the round trips of 1).
-AUTO_SHARD_BYTES = 1_000_000
+#: per step, and the frames' hashing holds the GIL on both ends: for a small model shards
+#: are pure overhead (the strategies benchmark's 340 KB model: 4 shards reached 0.31 of
+#: all-reduce's samples/s, one shard 0.76); push+pull round trips per second (bench_ps):
+#: 4 MB 196 / 171 / 145 with 1 / 2 / 4 shards, 40 MB 17.0 / 18.0 / 16.6.
+AUTO_SHARD_BYTES = 16_000_000
 AUTO_MAX_SHARDS = 4
 
 

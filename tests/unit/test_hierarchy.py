@@ -1,0 +1,38 @@
+"""Hierarchical aggregation: the grouping of ranks, and the settings it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkdl.config import Hierarchy, SparkDLConfig
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.hierarchy import group_ranks, host_key
+
+ADDRESSES = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7002", "10.0.0.1:7001"]
+
+
+def test_tasks_group_by_address_or_by_executor_in_order_of_their_first_rank():
+    by_host = group_ranks([host_key(a, Hierarchy.HOST) for a in ADDRESSES])
+    by_executor = group_ranks([host_key(a, Hierarchy.EXECUTOR) for a in ADDRESSES])
+    assert by_host == [[0, 2, 3], [1]]  # two executors share 10.0.0.1
+    assert by_executor == [[0, 3], [1], [2]]
+    assert [g[0] for g in by_executor] == [0, 1, 2]  # the leaders: each group's smallest rank
+
+
+@pytest.mark.parametrize(
+    ("settings", "refusal"),
+    [
+        ({"strategy": "fsdp"}, "fsdp"),
+        ({"strategy": "allreduce", "compression": "1bit"}, "compression = '1bit'"),
+        ({"strategy": "weight_averaging", "compression": "fp16"}, "compression = 'fp16'"),
+        ({"strategy": "parameter_server", "backup_workers": 1, "num_workers": 4}, "backup_workers = 0"),
+    ],
+)
+def test_a_hierarchy_refuses_what_it_cannot_combine_with(settings, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        SparkDLConfig().replace(hierarchy="host", **settings)
+
+
+def test_the_parameter_server_compresses_the_hosts_pushes():
+    config = SparkDLConfig().replace(hierarchy="executor", strategy="parameter_server", compression="1bit")
+    assert config.runtime.hierarchy is Hierarchy.EXECUTOR
