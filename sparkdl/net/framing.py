@@ -80,7 +80,7 @@ _LENGTH = 4  # index of the payload length
 _FIELDS = 5  # the protocol's fields start here
 #: A larger plaintext payload is sent in pieces of this size, each hashed once the kernel
 #: holds it, so the sender's hashing overlaps the reader's copying and hashing.
-STREAM_CHUNK = 1 << 19
+STREAM_CHUNK = 1 << 18
 
 
 class WireProtocol(abc.ABC, Generic[M]):
