@@ -441,3 +441,22 @@ def test_a_single_shard_client_works_without_its_pool():
         for c in clients:
             c.close()
         one.stop()
+
+
+def test_an_attempt_pushes_through_the_pushers_its_hello_says_and_its_connections_must_agree():
+    ps = ParameterServer([store(workers=4)], "127.0.0.1", SECRET, timeout_s=2.0, max_payload=1 << 20)
+    e = ps.endpoint(((0,),))
+    leaders = [PsClient(e, host, 0, pushers=2) for host in range(2)]  # 4 workers on 2 hosts
+    try:
+        for host, leader in enumerate(leaders):  # each leader pushes its host's sum of 2 rows
+            leader.push(0, 2, [torch.full((3,), float(host))])
+        ((version, weights),) = leaders[0].pull(1)
+        assert version == 1 and weights.tolist() == [0.875, 1.875, 2.875]  # lr 0.5 x (0 + 1) / 4 rows
+        with pytest.raises(ParameterServerError, match="says 0 pushers, its first said 2"):
+            PsClient(e, 0, 0)  # a flat worker of the same attempt
+        with pytest.raises(ParameterServerError, match="1 to 4"):
+            PsClient(e, 0, 1, pushers=5)  # a newer attempt with more pushers than workers
+    finally:
+        for leader in leaders:
+            leader.close()
+        ps.stop()

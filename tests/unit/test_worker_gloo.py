@@ -300,3 +300,33 @@ def test_with_a_hierarchy_the_driver_receives_half_the_pushes_of_a_flat_paramete
 
     assert to_driver(flat) > 0
     assert to_driver(tree) / to_driver(flat) == pytest.approx(0.5, rel=0.02)
+
+
+@pytest.mark.slow
+def test_an_async_parameter_server_in_a_hierarchy_trains_and_only_leaders_reach_the_driver(tmp_path):
+    shards = make_shards([48, 40, 56, 32])
+    state, results = run_workers(
+        shards,
+        tmp_path,
+        _plain_sgd,
+        peers=TWO_HOSTS,
+        hierarchy="executor",
+        strategy="parameter_server",
+        ps_mode="async",
+        push_every=2,
+        pull_every=2,
+        batch_size=8,
+        epochs=2,
+    )
+    torch.manual_seed(SparkDLConfig().training.seed)  # the server's initial weights
+    untrained = make_tiny_net().state_dict()
+    assert max_abs_diff(state, untrained) > 1e-3  # they moved
+    losses = [h["loss"] for h in results[0][1]]
+    assert losses[1] < losses[0]
+    for rank in range(4):
+        history = results[rank][1]
+        assert [h["local_samples"] for h in history] == [len(shards[rank][1])] * 2
+        pushes = sum(h["pushes"] for h in history)
+        assert (pushes > 0) == (rank in (0, 1)), (rank, pushes)  # members never push themselves
+    # 7 steps an epoch, a push every 2 (and the last one at the end): each leader's pushes
+    assert sum(h["pushes"] for h in results[0][1]) == sum(h["pushes"] for h in results[1][1]) >= 7
