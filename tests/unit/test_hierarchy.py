@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparkdl.config import Hierarchy, SparkDLConfig
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.hierarchy import group_ranks, host_key
+from sparkdl.strategies.hierarchy import HierarchicalAllReduce, group_ranks, host_key
 
 ADDRESSES = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7002", "10.0.0.1:7001"]
 
@@ -36,3 +37,40 @@ def test_a_hierarchy_refuses_what_it_cannot_combine_with(settings, refusal):
 def test_the_parameter_server_compresses_the_hosts_pushes():
     config = SparkDLConfig().replace(hierarchy="executor", strategy="parameter_server", compression="1bit")
     assert config.runtime.hierarchy is Hierarchy.EXECUTOR
+
+
+class _Bucket:
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def buffer(self):
+        return self._tensor
+
+
+class _FailingHierarchy:
+    def all_reduce(self, tensor):
+        raise RuntimeError("leaders' group timed out")
+
+
+class _SummingHierarchy:
+    """Stands in for the three collectives: every one of 4 workers holds the same bucket."""
+
+    def all_reduce(self, tensor):
+        tensor.mul_(4)
+        return 8
+
+
+def test_the_hook_thread_answers_each_bucket_in_order_and_passes_a_failure_to_the_step():
+    ok = HierarchicalAllReduce(_SummingHierarchy(), world_size=4)
+    futures = [HierarchicalAllReduce.hook(ok, _Bucket(torch.full((3,), float(i)))) for i in range(5)]
+    assert [f.wait().tolist() for f in futures] == [[float(i)] * 3 for i in range(5)]  # the mean
+    assert ok.bytes_across_hosts == 5 * 8
+    ok.close()
+    assert not ok._thread.is_alive()
+
+    failing = HierarchicalAllReduce(_FailingHierarchy(), world_size=2)
+    future = HierarchicalAllReduce.hook(failing, _Bucket(torch.ones(2)))
+    with pytest.raises(RuntimeError, match="leaders' group timed out"):
+        future.wait()
+    failing.close()
+    assert not failing._thread.is_alive()
