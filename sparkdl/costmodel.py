@@ -132,10 +132,9 @@ def host_bytes(
     a ring, one host's outgoing edge (ranks of a host consecutive in the ring, as the
     hierarchy's groups and NCCL's rings arrange them)."""
     m = model_bytes * COMPRESSION_FACTOR[compression]
-    n, h = cluster.workers, cluster.hosts
-    ring = h if hierarchical else n
+    ring = cluster.hosts if hierarchical else cluster.workers  # the ring's members, or the pushers
     if exchange is Exchange.PARAMETER_SERVER:  # pulls stay float32: they fill the server's NIC
-        return (h if hierarchical else n) * model_bytes
+        return ring * model_bytes
     if ring == 1:
         return 0.0
     if compression in ("1bit", "topk"):  # all-gather: every payload reaches every other ring member

@@ -14,7 +14,7 @@ import torch
 
 from sparkdl.compression.codecs import ErrorFeedback
 from sparkdl.errors import ParameterServerError, ProtocolError
-from sparkdl.net.framing import Placement
+from sparkdl.net.framing import Placement, ReusedBuffer
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
 
@@ -74,7 +74,7 @@ class PsClient:
                 channel.sock.close()
             raise
         self._shards = shards
-        self._weights = [bytearray() for _ in range(shards)]  # pulled weights land here, reused
+        self._weights = [ReusedBuffer() for _ in range(shards)]  # each shard's pulled weights land here
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
     def _connect(self) -> PsChannel:
@@ -204,27 +204,21 @@ class PsClient:
         sent = channel.send(self._push_frame(shard, clock, rows, grad))
         pull_sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, pull_clock))
         staleness = self._expect(channel, Kind.ACK).staleness
-        return (sent, staleness), self._read_weights(channel, pull_sent)
+        return (sent, staleness), self._read_weights(shard, pull_sent)
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor, int]:
         """Runs on a pool thread: (bytes sent, bytes received, version, weights, clocks ahead)."""
         channel = self._channels[shard]
         sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
-        return self._read_weights(channel, sent)
+        return self._read_weights(shard, sent)
 
-    def _read_weights(self, channel: PsChannel, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
-        shard = self._channels.index(channel)
-        reply = self._expect(channel, Kind.WEIGHTS, lambda kind, _, n: self._weights_buffer(shard, kind, n))
+    def _read_weights(self, shard: int, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
+        """The shard's WEIGHTS, read into its reused buffer (valid until its next pull)."""
+        buffer = self._weights[shard]
+        into: Placement = lambda kind, _, n: buffer.view(n) if kind == Kind.WEIGHTS else None  # noqa: E731
+        reply = self._expect(self._channels[shard], Kind.WEIGHTS, into)
         weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
         return sent, len(reply.payload), reply.version, weights, reply.staleness
-
-    def _weights_buffer(self, shard: int, kind: int, length: int) -> memoryview | None:
-        """Where a shard's WEIGHTS are read to: its own buffer, reused by every pull."""
-        if kind != Kind.WEIGHTS:
-            return None
-        if len(self._weights[shard]) < length:
-            self._weights[shard] = bytearray(length)
-        return memoryview(self._weights[shard])[:length]
 
     def _expect(self, channel: PsChannel, kind: Kind, into: Placement | None = None) -> Frame:
         """The server's answer of ``kind``; an ERROR frame raises the class its code names."""

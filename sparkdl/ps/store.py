@@ -100,7 +100,6 @@ class ShardStore:
         self._workers = num_workers  # as configured: an attempt may push through fewer (its hosts)
         self._backup = backup_workers if mode is PsMode.SYNC else 0
         self.staleness = staleness if mode is PsMode.SSP else 0
-        self.quorum = num_workers - (backup_workers if mode is PsMode.SYNC else 0)
         self.dropped = 0  # late pushes of clocks already applied without them
         self.version = 0
         self.attempt = 0
@@ -147,7 +146,6 @@ class ShardStore:
             if attempt < self.attempt:
                 raise PushRejected(f"stage attempt {attempt} is older than the current {self.attempt}")
             self.num_workers = pushers
-            self.quorum = pushers - self._backup
             if state is not None:
                 self._load(state)
             self.attempt = attempt
@@ -233,6 +231,11 @@ class ShardStore:
                     raise PsTimeoutError(self._timeout_message(rank, clock, needed, timeout_s))
                 self._cond.wait(remaining)
             return self.version, self.flat_weights(out)
+
+    @property
+    def quorum(self) -> int:
+        """Pushes that make a clock (sync with backup workers: fewer than the pushers)."""
+        return self.num_workers - self._backup
 
     @property
     def applied_clock(self) -> int:

@@ -55,12 +55,14 @@ class Hierarchy:
     Attributes:
         groups: every host's ranks (the same list on every rank).
         rank: this worker's global rank.
+        host: the index of this rank's host (its group).
         local: the process group of this rank's host.
         leaders: the process group of the hosts' leaders (None on a rank that leads none).
     """
 
     groups: list[list[int]]
     rank: int
+    host: int
     local: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
 
@@ -74,13 +76,8 @@ class Hierarchy:
         timeout = timedelta(seconds=timeout_s)
         local, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
         leaders = dist.new_group([g[0] for g in groups], timeout=timeout)
-        is_leader = any(g[0] == rank for g in groups)
-        return cls(groups, rank, local, leaders if is_leader else None)
-
-    @property
-    def host(self) -> int:
-        """The index of this rank's host (its group)."""
-        return next(i for i, g in enumerate(self.groups) if self.rank in g)
+        host = next(i for i, g in enumerate(groups) if rank in g)
+        return cls(groups, rank, host, local, leaders if groups[host][0] == rank else None)
 
     @property
     def hosts(self) -> int:
@@ -94,6 +91,11 @@ class Hierarchy:
     @property
     def is_leader(self) -> bool:
         return self.rank == self.leader
+
+    @property
+    def members(self) -> int:
+        """The other workers of this rank's host."""
+        return len(self.groups[self.host]) - 1
 
     def reduce_to_leader(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over this host's workers into its leader's copy."""
@@ -119,8 +121,7 @@ def hierarchical_bytes(hierarchy: Hierarchy, payload: int) -> int:
     payload to the leader; a leader its share of the leaders' ring, and the result to each member."""
     if not hierarchy.is_leader:
         return payload
-    members = len(hierarchy.groups[hierarchy.host]) - 1
-    return ring_allreduce_bytes(payload, hierarchy.hosts) + members * payload
+    return ring_allreduce_bytes(payload, hierarchy.hosts) + hierarchy.members * payload
 
 
 class HierarchicalAllReduce:

@@ -60,7 +60,8 @@ class ParameterServerStrategy(SyncStrategy):
         self._pull_every = settings.pull_every if self._mode is PsMode.ASYNC else 1
         params = list(ctx.module.parameters())
         self._shards = [[params[i] for i in shard] for shard in ctx.ps.shard_params]
-        self._accumulated = [torch.zeros(sum(p.numel() for p in s)) for s in self._shards]
+        self._sizes = [sum(p.numel() for p in s) for s in self._shards]  # flat values per shard
+        self._accumulated = [torch.zeros(n) for n in self._sizes]
         self._rows = 0
         self._version = 0
         self._skip = 0  # steps to skip: the server is already past them
@@ -110,9 +111,10 @@ class ParameterServerStrategy(SyncStrategy):
     def _stop(self, error: SparkDLError) -> None:
         """Tell the server, which fails the other workers' next pull or push; stop together.
         In a hierarchy a member tells its leader, in the host's next sum."""
-        if self._client is None or self._hierarchy is not None:
+        if self._hierarchy is not None:
             self._stopping = error
             return
+        assert self._client is not None
         self._client.abort(f"{type(error).__name__}: {error}")
         raise agreed(error)
 
@@ -173,41 +175,45 @@ class ParameterServerStrategy(SyncStrategy):
     def _exchange(self, push_step: int | None, pull_clock: int | None) -> None:
         """Push what was accumulated (as of ``push_step``) and/or pull the weights for
         ``pull_clock``: straight with the server, or through the host's leader."""
-        if self._hierarchy is None:
-            assert self._client is not None
-            results = None
-            if push_step is not None and pull_clock is not None:
-                clock = self._push_clock(push_step)
-                results = self._client.push_pull(clock, self._rows, self._accumulated, pull_clock)
-            elif push_step is not None:
-                self._client.push(self._push_clock(push_step), self._rows, self._accumulated)
-            elif pull_clock is not None:
-                results = self._client.pull(pull_clock)
-            if push_step is not None:
-                self._pushed()
-            if results is not None:
-                self._install(results, self._client.ahead)
+        if self._hierarchy is not None:
+            self._exchange_in_host(push_step, pull_clock)
             return
-        self._exchange_in_host(push_step, pull_clock)
+        results = self._to_server(push_step, pull_clock, self._rows, self._accumulated)
+        if push_step is not None:
+            self._pushed()
+        if results is not None:
+            assert self._client is not None
+            self._install(results, self._client.ahead)
+
+    def _to_server(
+        self, push_step: int | None, pull_clock: int | None, rows: int, grads: list[torch.Tensor]
+    ) -> list[tuple[int, torch.Tensor]] | None:
+        """One push and/or pull with the server (one round trip for both); the pulled shards."""
+        assert self._client is not None
+        if push_step is not None and pull_clock is not None:
+            return self._client.push_pull(self._push_clock(push_step), rows, grads, pull_clock)
+        if push_step is not None:
+            self._client.push(self._push_clock(push_step), rows, grads)
+            return None
+        assert pull_clock is not None
+        return self._client.pull(pull_clock)
 
     def _exchange_in_host(self, push_step: int | None, pull_clock: int | None) -> None:
         h = self._hierarchy
         assert h is not None
         rows, stopping = self._rows, self._stopping is not None
+        grads = self._accumulated
         if push_step is not None:  # level 1: the host's gradients, rows and stop flags into the leader
             flat = torch.cat([*self._accumulated, torch.tensor([float(rows), float(stopping)])])
             h.reduce_to_leader(flat)
-            if not h.is_leader:
-                self.stats.bytes_sent += flat.numel() * 4
-            sizes = [a.numel() for a in self._accumulated]
-            grads = list(flat[: sum(sizes)].split(sizes))
+            grads = list(flat[: sum(self._sizes)].split(self._sizes))
             rows, stopping = int(flat[-2].item()), flat[-1].item() > 0
             self._pushed()
             if not h.is_leader:
+                self.stats.bytes_sent += flat.numel() * 4
                 self.stats.sync_rounds += 1
         # level 2, on the leader: the host's sum to the server, the weights back; then to the host
-        shapes = [a.numel() for a in self._accumulated]
-        weights = torch.zeros(sum(shapes))
+        weights = torch.empty(sum(self._sizes)) if pull_clock is not None else None
         meta = torch.zeros(3, dtype=torch.float64)  # min version, clocks ahead, stop
         if h.is_leader:
             assert self._client is not None
@@ -215,33 +221,26 @@ class ParameterServerStrategy(SyncStrategy):
                 if stopping:
                     self._client.abort(f"a worker of host {h.host} stopped")
                     raise PeerStopped(f"a worker of host {h.host} (ranks {h.groups[h.host]}) stopped")
-                if push_step is not None and pull_clock is not None:
-                    clock = self._push_clock(push_step)
-                    results = self._client.push_pull(clock, rows, grads, pull_clock)
-                elif push_step is not None:
-                    if rows or self._mode is not PsMode.ASYNC:
-                        self._client.push(self._push_clock(push_step), rows, grads)
-                    results = []
-                else:
-                    results = self._client.pull(pull_clock)
+                empty_async = pull_clock is None and not rows and self._mode is PsMode.ASYNC
+                results = None if empty_async else self._to_server(push_step, pull_clock, rows, grads)
             except SparkDLError as exc:  # the host stops with it
                 meta[2] = 1.0
                 h.broadcast_from_leader(meta)
                 raise agreed(self._stopping or exc) from exc
-            if results:
+            if results is not None:
                 torch.cat([w for _, w in results], out=weights)
                 meta[0] = min(v for v, _ in results)
                 meta[1] = self._client.ahead
         h.broadcast_from_leader(meta)
         if meta[2] > 0:
             raise agreed(self._stopping or PeerStopped(f"a worker of host {h.host}'s peers stopped"))
-        if pull_clock is None:
+        if weights is None:
             return
         h.broadcast_from_leader(weights)
         if h.is_leader:
-            self.stats.bytes_sent += weights.numel() * 4 * (len(h.groups[h.host]) - 1)
+            self.stats.bytes_sent += weights.numel() * 4 * h.members
         version = int(meta[0].item())
-        self._install([(version, w) for w in weights.split(shapes)], int(meta[1].item()))
+        self._install([(version, w) for w in weights.split(self._sizes)], int(meta[1].item()))
 
     def _pushed(self) -> None:
         for acc in self._accumulated:
