@@ -2,6 +2,7 @@
 
 spark-submit jobs/train.py --config conf/local.toml [--set section.key=value ...] [--output DIR]
 python jobs/train.py --config conf/local.toml          # local embedded Spark
+python jobs/train.py --config conf/local.toml --advise # predicted samples/s of every strategy
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.job import job_main, load_job_config, run_train_job
+from sparkdl.job import job_main, load_job_config, run_advise_job, run_train_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         load_job_config,
         run_train_job,
         ("test_accuracy", "final_loss", "fit_seconds", "train_rows", "test_rows"),
+        advise=run_advise_job,
     )
 
 

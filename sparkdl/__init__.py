@@ -28,6 +28,7 @@ _PUBLIC = {
     "load_config": "sparkdl.config",
     "TorchEstimator": "sparkdl.estimator",
     "TorchModel": "sparkdl.estimator",
+    "advise": "sparkdl.runtime.advise",
     "loading": "sparkdl.persistence",
     "session": "sparkdl.runtime.session",
 }
@@ -47,6 +48,7 @@ __all__ = [
     "TorchEstimator",
     "TorchModel",
     "TrainingFailedError",
+    "advise",
     "load_config",
     "loading",
     "session",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     )
     from sparkdl.estimator import TorchEstimator, TorchModel
     from sparkdl.persistence import loading
+    from sparkdl.runtime.advise import advise
     from sparkdl.runtime.session import session
 
 

@@ -237,6 +237,37 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         return TorchEstimatorReader(trust_pickle, **functions).load(path)
 
     def _fit(self, dataset: Any) -> TorchModel:
+        dataset, spec = self.training_spec(dataset)
+        config, loss = spec.config, spec.loss
+        assert self.model_fn is not None  # training_spec refuses an estimator without one
+        started = time.perf_counter()
+        result = run_training(dataset, spec)
+        module = module_with_state(self.model_fn, result.state_dict)
+        model = TorchModel(
+            module=module,
+            model_fn=self.model_fn,
+            history=result.history,
+            output_shape=result.output_shape,
+            classifier=isinstance(loss, str) and loss == "cross_entropy",
+            trained_input_shapes=result.input_shapes,
+            transform_fn=self.transform_fn,
+        )
+        model.worker_rows = result.worker_rows
+        model.worker_devices = result.worker_devices
+        model.bad_rows_skipped = result.bad_rows_skipped
+        model = self._copyValues(model)
+        model.mlflow_run_id = log_fit(config, model, time.perf_counter() - started)
+        return model
+
+    def training_spec(self, dataset: Any) -> tuple[Any, TrainSpec]:
+        """The DataFrame as the training stage reads it (RDDs converted, Vectors as arrays,
+        held-out rows marked) and the workers' task spec: what ``fit`` and
+        :func:`sparkdl.advise` run.
+
+        Raises:
+            ConfigError: settings that contradict each other or the functions given.
+            SchemaError: a column the settings name is missing or of a type it cannot be.
+        """
         if self.model_fn is None:
             raise ConfigError("TorchEstimator needs model_fn: a function that builds the torch.nn.Module")
         if is_rdd(dataset):  # Rows, dicts or (features, label) tuples, typed where they live
@@ -259,24 +290,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
         plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
         spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)
-        started = time.perf_counter()
-        result = run_training(dataset, spec)
-        module = module_with_state(self.model_fn, result.state_dict)
-        model = TorchModel(
-            module=module,
-            model_fn=self.model_fn,
-            history=result.history,
-            output_shape=result.output_shape,
-            classifier=isinstance(loss, str) and loss == "cross_entropy",
-            trained_input_shapes=result.input_shapes,
-            transform_fn=self.transform_fn,
-        )
-        model.worker_rows = result.worker_rows
-        model.worker_devices = result.worker_devices
-        model.bad_rows_skipped = result.bad_rows_skipped
-        model = self._copyValues(model)
-        model.mlflow_run_id = log_fit(config, model, time.perf_counter() - started)
-        return model
+        return dataset, spec
 
 
 TorchEstimator.__doc__ = with_settings_section(TorchEstimator.__doc__)

@@ -105,11 +105,14 @@ def job_main(
     load: Callable[[str, list[str]], Any],
     run: Callable[[Any, str], dict[str, Any]],
     summary_keys: tuple[str, ...],
+    advise: Callable[[Any, str], dict[str, Any]] | None = None,
 ) -> int:
-    """The command line of a job: ``--config``, repeatable ``--set``, ``--output``.
+    """The command line of a job: ``--config``, repeatable ``--set``, ``--output`` (and
+    ``--advise`` when the job gives an ``advise`` runner).
 
     ``defaults`` are the config file and output directory. Prints the metrics named
-    by ``summary_keys`` as JSON; a SparkDLError is one line on stderr and exit code 2.
+    by ``summary_keys`` as JSON (with ``--advise``: the advice's table, and the
+    recommendation as JSON); a SparkDLError is one line on stderr and exit code 2.
     """
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,7 +127,15 @@ def job_main(
         help="override one setting (repeatable), e.g. --set training.epochs=3",
     )
     parser.add_argument("--output", default=defaults[1], help="directory for the results")
+    if advise is not None:
+        parser.add_argument(
+            "--advise",
+            action="store_true",
+            help="probe the cluster and print each strategy's predicted samples/s instead of training",
+        )
     args = parser.parse_args(argv)
+    if advise is not None and args.advise:
+        run, summary_keys = advise, ("recommended", "settings", "samples_per_s")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
     from pyspark.sql import SparkSession
@@ -164,20 +175,39 @@ def stop_job_session() -> None:
     spark.stop()
 
 
-def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
-    """Train on the bundled data set, evaluate on the held-out split, write the results.
+def run_advise_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
+    """Probe the cluster with the main job's data, model and settings; print the advisor's
+    table (:func:`sparkdl.advise`) and write it to ``advice.json`` under ``output_dir``.
+    Returns the recommendation."""
+    from sparkdl.runtime.advise import advise
 
-    Writes ``metrics.json``, ``history.png`` (loss and samples/s per epoch) and the
-    saved model (``model/``) under ``output_dir``.
-    Returns the metrics.
-    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = _job_inputs(config, spark)
+    advice = advise(inputs.train_df, inputs.estimator, project_to=(8, 32, 128))
+    print(advice)
+    (out / "advice.json").write_text(json.dumps(advice.to_dict(), indent=2))
+    best = advice.recommended
+    return {"recommended": best.name, "settings": dict(best.settings), "samples_per_s": best.samples_per_s}
+
+
+class JobInputs(typing.NamedTuple):
+    """The main job's session, training and held-out DataFrames, estimator and training rows."""
+
+    spark: Any
+    train_df: Any
+    test_df: Any
+    estimator: Any
+    train_rows: int
+
+
+def _job_inputs(config: JobConfig, spark: Any | None) -> JobInputs:
+    """What the main job trains on, and with what (training and advice alike)."""
     from sparkdl.datasets import load_arrays, to_dataframe, train_test_split
     from sparkdl.estimator import TorchEstimator
     from sparkdl.models import MLPFactory
     from sparkdl.runtime.session import build_session, warm_up
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if spark is None:
         spark = build_session(
             config.spark.master or None, config.spark.app_name, config.sparkdl, config.spark.conf
@@ -189,8 +219,21 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     test_df = to_dataframe(spark, test, config.job.input_partitions)
     model_fn = MLPFactory(train.features.shape[1], config.job.hidden, data.num_classes, config.job.dropout)
     estimator = TorchEstimator(model_fn=model_fn, config=config.sparkdl)
+    return JobInputs(spark, train_df, test_df, estimator, len(train.labels))
+
+
+def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
+    """Train on the bundled data set, evaluate on the held-out split, write the results.
+
+    Writes ``metrics.json``, ``history.png`` (loss and samples/s per epoch) and the
+    saved model (``model/``) under ``output_dir``.
+    Returns the metrics.
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = _job_inputs(config, spark)
     started = time.perf_counter()
-    model = estimator.fit(train_df)
+    model = inputs.estimator.fit(inputs.train_df)
     fit_seconds = time.perf_counter() - started
     for record in model.history:
         log.info(
@@ -201,11 +244,13 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
             record["samples_per_s"],
             record["source"],
         )
-    predictions = model.transform(test_df).select("label", config.sparkdl.data.prediction_col).collect()
+    predictions = (
+        model.transform(inputs.test_df).select("label", config.sparkdl.data.prediction_col).collect()
+    )
     correct = sum(int(row[0] == row[1]) for row in predictions)
     metrics = {
         "dataset": config.job.dataset,
-        "train_rows": len(train.labels),
+        "train_rows": inputs.train_rows,
         "test_rows": len(predictions),
         "test_accuracy": correct / max(len(predictions), 1),
         "final_loss": model.history[-1]["loss"],

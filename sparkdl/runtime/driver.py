@@ -185,7 +185,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         except StageStalledError:
             raise
         except Exception as exc:
-            raise _translate(exc) from exc
+            raise translate_failure(exc) from exc
         result = _fit_result(rows, n, inbox.take() if inbox is not None else None)
         if hosted is not None and "restored_epoch" not in result.history[-1]:
             # the server's weights are the newest (async pushes land after a worker's last pull);
@@ -317,7 +317,7 @@ def _raise_agreed_error(rows: list[Any]) -> None:
         raise located(records[0].to_error())
 
 
-def _translate(exc: Exception) -> SparkDLError:
+def translate_failure(exc: Exception) -> SparkDLError:
     """The error a worker raised, rebuilt from the record its failed task carried; the
     Spark failure itself (first line) when no worker's record is in it."""
     text = str(exc)

@@ -21,9 +21,10 @@ from typing import Any
 import pyarrow as pa
 
 from sparkdl.errors import ErrorRecord, WorkerFailed
+from sparkdl.runtime.probe import ProbeSpec, run_probe
 from sparkdl.runtime.worker import Placement, TrainSpec, WorkerResult, run_worker
 
-__all__ = ["RESULT_SCHEMA", "TrainSpec", "WorkerResult", "train_partition"]
+__all__ = ["PROBE_SCHEMA", "RESULT_SCHEMA", "TrainSpec", "WorkerResult", "probe_partition", "train_partition"]
 
 RESULT_ARROW_SCHEMA = pa.schema(
     [
@@ -42,6 +43,9 @@ RESULT_SCHEMA = (
     "rank int, rows long, bad_rows long, history string, state binary, input_shapes string, "
     "output_shape string, device string, error string"
 )
+
+PROBE_ARROW_SCHEMA = pa.schema([("probe", pa.string())])
+PROBE_SCHEMA = "probe string"
 
 
 def result_batch(result: WorkerResult) -> pa.RecordBatch:
@@ -67,23 +71,45 @@ def error_batch(record: ErrorRecord) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(columns, schema=RESULT_ARROW_SCHEMA)
 
 
+def placement_of(ctx: Any, torch_threads: int) -> Placement:
+    """Where this barrier task's worker runs, from its ``BarrierTaskContext``."""
+    rank = ctx.partitionId()
+    infos = ctx.getTaskInfos()
+    resources = ctx.resources()
+    return Placement(
+        rank=rank,
+        world_size=len(infos),
+        host=infos[rank].address.rsplit(":", 1)[0],
+        gpu_addresses=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
+        torch_threads=torch_threads or int(ctx.cpus() or 1),
+        task_attempt=ctx.taskAttemptId(),
+        peers=tuple(info.address for info in infos),
+    )
+
+
+def probe_partition(spec: ProbeSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The ``mapInArrow`` function of the advisor's probe stage: one JSON row per rank."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    placement = placement_of(ctx, spec.train.config.runtime.torch_threads)
+    try:
+        figures = run_probe(spec, batches, placement, ctx.allGather)
+    except Exception as exc:
+        rank = placement.rank
+        raise WorkerFailed(
+            ErrorRecord.of(exc, rank=rank, partition=rank, attempt=ctx.attemptNumber())
+        ) from exc
+    yield pa.RecordBatch.from_pydict({"probe": [json.dumps(figures)]}, schema=PROBE_ARROW_SCHEMA)
+
+
 def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The ``mapInArrow`` function of the barrier training stage."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
-    rank = ctx.partitionId()
-    infos = ctx.getTaskInfos()
-    resources = ctx.resources()
-    placement = Placement(
-        rank=rank,
-        world_size=len(infos),
-        host=infos[rank].address.rsplit(":", 1)[0],
-        gpu_addresses=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
-        torch_threads=spec.config.runtime.torch_threads or int(ctx.cpus() or 1),
-        task_attempt=ctx.taskAttemptId(),
-        peers=tuple(info.address for info in infos),
-    )
+    placement = placement_of(ctx, spec.config.runtime.torch_threads)
+    rank = placement.rank
     try:
         result = run_worker(spec, batches, placement, ctx.allGather)
     except Exception as exc:

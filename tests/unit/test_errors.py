@@ -115,8 +115,8 @@ def test_a_record_of_an_unknown_class_keeps_its_message():
     ],
 )
 def test_a_stage_that_ran_out_of_memory_fails_naming_the_memory_and_the_setting(failure, setting):
-    from sparkdl.runtime.driver import _translate
+    from sparkdl.runtime.driver import translate_failure
 
-    error = _translate(Exception(f"Job aborted due to stage failure: {failure}"))
+    error = translate_failure(Exception(f"Job aborted due to stage failure: {failure}"))
     assert setting in error.message and "memory" in error.message
-    assert "Java heap" not in _translate(Exception("Job aborted: something else")).message
+    assert "Java heap" not in translate_failure(Exception("Job aborted: something else")).message

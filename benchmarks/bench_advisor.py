@@ -1,0 +1,91 @@
+"""The strategy advisor against the strategies benchmark (issue 15, item 4): in one session,
+``sparkdl.advise`` probes the cluster, then every variant of bench_strategies.py trains for
+real; each row's predicted samples/s (epochs 2+) is compared with the measured one.
+
+    .venv/bin/python benchmarks/bench_advisor.py [--rows 200000] [--epochs 4] [--link loopback]
+    ../shared/tools/slow-net --rate 1gbit -- .venv/bin/python benchmarks/bench_advisor.py --link 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
+
+from bench_strategies import VARIANTS, run_variant  # noqa: E402
+from common import make_model, save_report  # noqa: E402
+from spark_setup import bench_session, dataframe  # noqa: E402
+
+from sparkdl import TorchEstimator, advise  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--test-rows", type=int, default=20_000)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32, help="the probe's batches per worker")
+    parser.add_argument("--link", default="loopback", help="a label for the results file")
+    parser.add_argument("--only", default="", help="comma-separated variant names to train for real")
+    args = parser.parse_args()
+    spark = bench_session("sparkdl-bench-advisor")
+    train_df, test_df = dataframe(spark, args.rows, 2, seed=0), dataframe(spark, args.test_rows, 2, seed=1)
+    estimator = TorchEstimator(
+        model_fn=make_model,
+        feature_cols=["features"],
+        num_workers=2,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        seed=0,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.0,
+    )
+    started = time.perf_counter()
+    advice = advise(train_df, estimator, steps=args.steps, project_to=(8, 32, 128))
+    probe_s = time.perf_counter() - started
+    print(advice)
+    wanted = set(filter(None, args.only.split(",")))
+    rows = {}
+    for name, settings in VARIANTS:
+        if wanted and name not in wanted:
+            continue
+        measured = run_variant(train_df, test_df, settings, args.epochs, args.batch_size)
+        predicted = advice.prediction(name)
+        rows[name] = {
+            "predicted_samples_per_s": predicted.samples_per_s,
+            "measured_samples_per_s": measured["samples_per_s_epochs_2plus"],
+            "predicted_over_measured": predicted.samples_per_s / measured["samples_per_s_epochs_2plus"],
+            "source": predicted.source,
+            "measured": measured,
+        }
+        print(
+            f"{name:<44} predicted {predicted.samples_per_s:>10,.0f}  measured "
+            f"{measured['samples_per_s_epochs_2plus']:>10,.0f}  "
+            f"ratio {rows[name]['predicted_over_measured']:.2f}",
+            flush=True,
+        )
+    save_report(
+        str(HERE / f"results/advisor_{args.link}.json"),
+        setup={
+            "rows": args.rows,
+            "epochs": args.epochs,
+            "batch_size_per_worker": args.batch_size,
+            "workers": 2,
+            "probe_steps": args.steps,
+            "link": args.link,
+            "probe_seconds": probe_s,
+        },
+        advice=advice.to_dict(),
+        rows=rows,
+    )
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""The strategy advisor's arithmetic: from what a probe measured on the real cluster to
+predicted samples/s for each strategy, tau and compression, and a recommendation.
+
+Pure (no Spark, no torch). The probe (:mod:`sparkdl.runtime.probe`) trains a few steps
+of each *probed* candidate on the cluster, with the real training loop, feed and
+strategy, on the first rows of every partition, and times them; the other candidates
+are *modelled* from a probed one by what changes between them:
+
+- weight averaging every ``tau`` steps: a local step plus ``1/tau`` of the average that
+  ``tau = 1`` measured (``step_1 - local``), and ``1/tau`` of its bytes;
+- the asynchronous parameter server pushing and pulling every ``k`` steps: a local step
+  plus ``1/k`` of the asynchronous round trip that ``k = 1`` measured;
+- the stale-synchronous parameter server: between the synchronous and the asynchronous
+  one (it waits only for a worker more than ``staleness`` clocks behind; with workers of
+  equal speed it runs close to sync, with a straggler close to async).
+
+A run's epoch is then ``steps x step_s`` plus the epoch's own overhead (the feed's start,
+the end-of-epoch all-reduce), both measured, for the run's rows: predicted samples/s is
+what ``history`` reports as ``samples_per_s`` from the second epoch on (the first streams
+from Spark). The link's latency and bandwidth (measured by all-reducing a tiny tensor and
+one of the model's size) feed :mod:`sparkdl.costmodel` to project the same run to more
+workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdl.costmodel import Cluster, Exchange, Link, Workload, step_cost
+
+#: The internal candidate that trains with no communication at all: the compute a step costs.
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A strategy setting to predict: its name (as in BENCHMARKS.md) and its settings,
+    applied over the estimator's own."""
+
+    name: str
+    settings: Mapping[str, Any]
+    exact: bool = True  # computes the same step as single-process SGD on the global batch
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A candidate modelled from a probed one (``parent``) and the local step.
+
+    ``kind``: "divide" (a local step plus ``1/factor`` of the parent's communication) or
+    "between" (the mean of the parent's and ``other``'s steps).
+    """
+
+    candidate: Candidate
+    parent: str
+    kind: str
+    factor: int = 1
+    other: str = ""
+
+
+def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], list[Derived]]:
+    """The candidates the probe trains, and those modelled from them.
+
+    Args:
+        tau: the estimator's ``sync_every`` (modelled besides 4 and 16).
+        staleness: the estimator's ``staleness`` (the ssp row's bound; 0 counts as 2).
+        every: the estimator's ``push_every`` (the async row pushing every ``k``; 1 counts as 4).
+    """
+    probed = [
+        Candidate(LOCAL, {"strategy": "weight_averaging", "sync_every": 1 << 30, "compression": "none"}),
+        Candidate("allreduce", {"strategy": "allreduce", "compression": "none"}),
+        Candidate("allreduce fp16", {"strategy": "allreduce", "compression": "fp16"}, exact=False),
+        Candidate("allreduce 1bit", {"strategy": "allreduce", "compression": "1bit"}, exact=False),
+        Candidate(
+            "weight_averaging tau=1",
+            {"strategy": "weight_averaging", "sync_every": 1, "compression": "none"},
+        ),
+        Candidate(
+            "weight_averaging tau=1 1bit",
+            {"strategy": "weight_averaging", "sync_every": 1, "compression": "1bit"},
+            exact=False,
+        ),
+        Candidate(
+            "parameter_server sync",
+            {"strategy": "parameter_server", "ps_mode": "sync", "compression": "none", "backup_workers": 0},
+        ),
+        Candidate(
+            "parameter_server sync 1bit",
+            {"strategy": "parameter_server", "ps_mode": "sync", "compression": "1bit", "backup_workers": 0},
+            exact=False,
+        ),
+        Candidate(
+            "parameter_server async",
+            {
+                "strategy": "parameter_server",
+                "ps_mode": "async",
+                "compression": "none",
+                "push_every": 1,
+                "pull_every": 1,
+            },
+            exact=False,
+        ),
+        Candidate("fsdp", {"strategy": "fsdp", "compression": "none"}),
+    ]
+    derived: list[Derived] = []
+    for t in sorted({4, 16, tau} - {1}):
+        for suffix, compression in (("", "none"), (" 1bit", "1bit")):
+            name = f"weight_averaging tau={t}{suffix}"
+            settings = {"strategy": "weight_averaging", "sync_every": t, "compression": compression}
+            derived.append(
+                Derived(
+                    Candidate(name, settings, exact=False), f"weight_averaging tau=1{suffix}", "divide", t
+                )
+            )
+    s = staleness or 2
+    ssp = Candidate(
+        f"parameter_server ssp s={s}",
+        {"strategy": "parameter_server", "ps_mode": "ssp", "staleness": s, "compression": "none"},
+        exact=False,
+    )
+    derived.append(Derived(ssp, "parameter_server sync", "between", other="parameter_server async"))
+    k = every if every > 1 else 4
+    async_k = Candidate(
+        f"parameter_server async push/pull every {k}",
+        {
+            "strategy": "parameter_server",
+            "ps_mode": "async",
+            "push_every": k,
+            "pull_every": k,
+            "compression": "none",
+        },
+        exact=False,
+    )
+    derived.append(Derived(async_k, "parameter_server async", "divide", k))
+    return probed, derived
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One probed candidate on the cluster: seconds per step (the slowest rank's, median of
+    the timed epochs), seconds an epoch adds beyond its steps, bytes a worker sent per step."""
+
+    step_s: float
+    epoch_overhead_s: float
+    bytes_per_step: float
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """The workers' network as the probe saw it: latency of one message, and the bandwidth a
+    ring all-reduce of the model's size achieved (bytes each worker sent per second)."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    @classmethod
+    def from_all_reduce(cls, workers: int, tiny_s: float, model_s: float, model_bytes: float) -> LinkEstimate:
+        """From the time of an all-reduce of one float (``tiny_s``: latency only) and of one of
+        the model's size (``model_s``): a ring of ``N`` sends ``2 (N-1)`` messages and
+        ``2 (N-1)/N`` of the model per worker."""
+        messages = max(2 * (workers - 1), 1)
+        sent = 2 * (workers - 1) / workers * model_bytes
+        moving = max(model_s - tiny_s, 1e-9)
+        return cls(latency_s=tiny_s / messages, bytes_per_s=sent / moving if sent else math.inf)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe stage measured."""
+
+    workers: int
+    batch_size: int  # rows per worker per step (batch_size x accumulate_steps)
+    params: int
+    timings: Mapping[str, Timing]
+    skipped: Mapping[str, str]  # candidates the probe could not train, and why
+    link: LinkEstimate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One row of the advice: a candidate's predicted samples/s for the run."""
+
+    name: str
+    settings: Mapping[str, Any]
+    samples_per_s: float
+    epoch_s: float
+    bytes_per_step: float  # sent per worker
+    source: str  # "measured", or what it was modelled from
+    exact: bool
+
+
+@dataclass
+class Advice:
+    """The advisor's answer: every prediction (fastest first), what it could not predict,
+    and the recommendation."""
+
+    rows: list[Prediction]
+    skipped: dict[str, str]
+    total_rows: int
+    probe: ProbeResult
+    projections: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @property
+    def recommended(self) -> Prediction:
+        """The fastest candidate that takes the same step as all-reduce (the safe choice)."""
+        return next(row for row in self.rows if row.exact)
+
+    @property
+    def fastest(self) -> Prediction:
+        """The fastest candidate of all (some change the optimisation: tau, compression, async)."""
+        return self.rows[0]
+
+    def prediction(self, name: str) -> Prediction:
+        """The row called ``name`` (as in the table)."""
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no prediction named {name!r}; the rows are {[r.name for r in self.rows]}")
+
+    def summary(self) -> str:
+        """One paragraph: what to set, and what the faster approximate choice would give."""
+        best, fastest = self.recommended, self.fastest
+        text = (
+            f"recommended: {_settings_text(best.settings)} ({best.name}: {best.samples_per_s:,.0f} "
+            "samples/s predicted, the same step as all-reduce)"
+        )
+        if fastest is not best and fastest.samples_per_s > 1.2 * best.samples_per_s:
+            text += (
+                f"; {fastest.name} is predicted {fastest.samples_per_s / best.samples_per_s:.1f}x "
+                f"faster ({_settings_text(fastest.settings)}) but changes the optimisation "
+                "(local steps, compression or stale gradients): check its accuracy on a held-out set"
+            )
+        return text
+
+    def table(self) -> str:
+        """The predictions as a text table, fastest first."""
+        lines = [
+            f"{'candidate':<44} {'samples/s':>11} {'epoch s':>9} {'MB/step':>9}  source",
+        ]
+        for row in self.rows:
+            lines.append(
+                f"{row.name:<44} {row.samples_per_s:>11,.0f} {row.epoch_s:>9.2f} "
+                f"{row.bytes_per_step / 1e6:>9.3f}  {row.source}"
+            )
+        for name, why in self.skipped.items():
+            lines.append(f"{name:<44} {'-':>11} {'-':>9} {'-':>9}  not probed: {why}")
+        link = self.probe.link
+        lines.append(
+            f"link: {link.latency_s * 1e6:,.0f} us per message, {link.bytes_per_s * 8 / 1e9:.2f} Gbit/s "
+            f"per worker (all-reduces of one float and of the model's {4 * self.probe.params / 1e6:.3g} MB)"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": [row.__dict__ | {"settings": dict(row.settings)} for row in self.rows],
+            "skipped": self.skipped,
+            "recommended": self.recommended.name,
+            "fastest": self.fastest.name,
+            "link": self.probe.link.__dict__,
+            "projections": {k: {str(n): v for n, v in p.items()} for k, p in self.projections.items()},
+        }
+
+    def __str__(self) -> str:
+        return f"{self.table()}\n{self.summary()}"
+
+
+def predict(
+    probe: ProbeResult,
+    probed: Sequence[Candidate],
+    derived: Iterable[Derived],
+    total_rows: int,
+    project_to: Sequence[int] = (),
+) -> Advice:
+    """Predicted samples/s of every candidate for a run over ``total_rows`` rows.
+
+    Raises:
+        ValueError: the probe has no timing of the local step (nothing to model from).
+    """
+    if LOCAL not in probe.timings:
+        raise ValueError(f"the probe has no {LOCAL!r} timing: {probe.skipped.get(LOCAL, 'not run')}")
+    steps = max(math.ceil(total_rows / (probe.workers * probe.batch_size)), 1)
+    local = probe.timings[LOCAL]
+    timed = {
+        c.name: (c, probe.timings[c.name]) for c in probed if c.name in probe.timings and c.name != LOCAL
+    }
+    rows = [_row(c, t, steps, total_rows, "measured") for c, t in timed.values()]
+    skipped = {c.name: probe.skipped.get(c.name, "not run") for c in probed if c.name not in probe.timings}
+    for d in derived:
+        parent = probe.timings.get(d.parent)
+        other = probe.timings.get(d.other) if d.other else None
+        if parent is None or (d.other and other is None):
+            skipped[d.candidate.name] = f"modelled from {d.parent!r}, which was not probed"
+            continue
+        timing = _modelled(d, parent, other, local)
+        source = f"modelled: {d.parent}" + (f" and {d.other}" if d.other else f", 1/{d.factor}")
+        rows.append(_row(d.candidate, timing, steps, total_rows, source))
+    rows.sort(key=lambda r: -r.samples_per_s)
+    if not rows:
+        raise ValueError(f"the probe trained no candidate: {skipped}")
+    advice = Advice(rows, skipped, total_rows, probe)
+    advice.projections = project(probe, project_to) if project_to else {}
+    return advice
+
+
+def _modelled(d: Derived, parent: Timing, other: Timing | None, local: Timing) -> Timing:
+    if d.kind == "between" and other is not None:
+        return Timing(
+            (parent.step_s + other.step_s) / 2,
+            (parent.epoch_overhead_s + other.epoch_overhead_s) / 2,
+            (parent.bytes_per_step + other.bytes_per_step) / 2,
+        )
+    communication = max(parent.step_s - local.step_s, 0.0)
+    return Timing(
+        local.step_s + communication / d.factor, parent.epoch_overhead_s, parent.bytes_per_step / d.factor
+    )
+
+
+def _row(candidate: Candidate, timing: Timing, steps: int, total_rows: int, source: str) -> Prediction:
+    epoch_s = steps * timing.step_s + timing.epoch_overhead_s
+    return Prediction(
+        candidate.name,
+        candidate.settings,
+        total_rows / epoch_s,
+        epoch_s,
+        timing.bytes_per_step,
+        source,
+        candidate.exact,
+    )
+
+
+_EXCHANGES = {
+    "allreduce": (Exchange.ALLREDUCE, "none"),
+    "allreduce 1bit": (Exchange.ALLREDUCE, "1bit"),
+    "weight_averaging tau=4": (Exchange.WEIGHT_AVERAGING, "none"),
+    "parameter_server sync": (Exchange.PARAMETER_SERVER, "none"),
+}
+
+
+def project(probe: ProbeResult, workers: Sequence[int]) -> dict[str, dict[int, float]]:
+    """Samples/s of a few strategies at ``workers`` workers (one per host), from the probe's
+    local step and link through :mod:`sparkdl.costmodel` (alpha-beta; the real cluster's
+    larger rings are assumed to see the same per-link bandwidth)."""
+    local = probe.timings[LOCAL]
+    link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
+    work = Workload(params=probe.params, compute_s=local.step_s, batch=probe.batch_size)
+    out: dict[str, dict[int, float]] = {}
+    for name, (exchange, compression) in _EXCHANGES.items():
+        tau = 4 if exchange is Exchange.WEIGHT_AVERAGING else 1
+        out[name] = {
+            n: step_cost(exchange, Cluster(n), link, work, compression=compression, tau=tau).samples_per_s
+            for n in workers
+        }
+    return out
+
+
+def _settings_text(settings: Mapping[str, Any]) -> str:
+    shown = {k: v for k, v in settings.items() if not (k == "compression" and v == "none")}
+    return ", ".join(f"{k}={v!r}" for k, v in shown.items())

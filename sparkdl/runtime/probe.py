@@ -1,0 +1,252 @@
+"""The advisor's probe on one worker: a few steps of every candidate strategy, timed.
+
+No Spark here, like :mod:`sparkdl.runtime.worker`, whose assembly it reuses: the same
+process group, feed, strategy classes and training loop as ``fit``, so what it times is
+what a run would do. The worker reads the first ``steps`` batches of its partition once
+into the epoch cache (as a run's first epoch does), then for each candidate builds the
+model, optimizer and strategy afresh and trains cached epochs over those batches: one to
+warm up (DDP's buckets, the parameter server's connections, the allocator), then timed
+ones until the candidate's time budget is spent. A step's time is the slowest rank's
+(they wait for each other), the median over the timed epochs.
+
+Last, the link: the median time of an all-reduce of one float (latency) and of the
+model's size (bandwidth, capped at 16 MB so a probe of a big model on a slow network
+stays short).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.feed import PartitionFeed
+from sparkdl.ps.endpoint import PsEndpoint
+from sparkdl.runtime.rendezvous import AllGather, ProcessGroups
+from sparkdl.runtime.worker import (
+    Placement,
+    TeardownWatchdog,
+    TrainSpec,
+    _close_strategy,
+    _feed_options,
+    _hierarchy,
+    _join,
+    _socket_interface,
+    _trainer,
+)
+from sparkdl.strategies import StrategyContext, create_strategy, strategy_class
+from sparkdl.strategies.hierarchy import Hierarchy
+from sparkdl.training.checkpointing import Position
+from sparkdl.training.factory import build_optimizer
+from sparkdl.training.hooks import EpochTally, StepHook
+from sparkdl.training.loop import Schedule
+from sparkdl.training.planning import coordinator_for, exchange_row_counts
+
+log = logging.getLogger(__name__)
+
+_LINK_CAP = 4 * 1024 * 1024  # floats in the bandwidth all-reduce (16 MB)
+_MAX_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class ProbeCandidate:
+    """One candidate as a worker trains it: its name, full settings and, for the parameter
+    server, the endpoint of the server the driver started for it."""
+
+    name: str
+    config: SparkDLConfig
+    ps: PsEndpoint | None = None
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Everything a probe worker needs, shipped with the task (cloudpickled).
+
+    Attributes:
+        train: the estimator's task spec (model, optimizer, loss, data plan, template).
+        candidates: what to time, in order (every rank the same).
+        steps: batches of its partition each worker reads (its first rows).
+        budget_s: timed seconds per candidate (at least two timed epochs, at most eight).
+    """
+
+    train: TrainSpec
+    candidates: tuple[ProbeCandidate, ...]
+    steps: int
+    budget_s: float
+
+
+class StepClock(StepHook):
+    """The span from the start of an epoch's first step to the end of its last."""
+
+    def __init__(self) -> None:
+        self._first: float | None = None
+        self._last = 0.0
+
+    def before_step(self, position: Position) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        self._last = time.perf_counter()
+
+    def take(self) -> float:
+        """The last epoch's span; the clock starts afresh."""
+        span = self._last - self._first if self._first is not None else 0.0
+        self._first = None
+        return span
+
+
+def run_probe(
+    spec: ProbeSpec, batches: Iterator[pa.RecordBatch], placement: Placement, all_gather: AllGather
+) -> dict[str, Any]:
+    """Time every candidate on this worker's first rows; return rank 0's view (the slowest
+    rank's figures) as a JSON-able dict."""
+    config, rank = spec.train.config, placement.rank
+    with contextlib.ExitStack() as stack:
+        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
+        stack.callback(watchdog.disarm)
+        stack.enter_context(_socket_interface(config.runtime.network_interface))
+        device, groups = _join(config, placement, all_gather, stack)
+        hierarchy = _hierarchy(config, placement)
+        rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
+        feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, _feed_options(config, rank, device))
+        stack.callback(feed.close)
+        feed.fill_cache()  # what a run's first epoch leaves behind
+        counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, groups.control)
+        timings: dict[str, dict[str, float]] = {}
+        epoch = 2
+        params = 0
+        for candidate in spec.candidates:
+            log.info("rank %d: probing %s", rank, candidate.name)
+            timing, epoch, size = _time_candidate(
+                spec, candidate, feed, counts, device, groups, hierarchy, placement, epoch
+            )
+            timings[candidate.name] = timing
+            params = max(params, size)
+        link = _measure_link(params, device, placement.world_size, groups.control)
+        stack.callback(watchdog.arm)  # bounds the teardown, like a worker's
+        return {"rank": rank, "timings": timings, "link": link, "params": params, "rows": counts}
+    raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def first_rows(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """The record batches of the first ``rows`` rows (the last one sliced); the rest unread."""
+    left = rows
+    for batch in batches:
+        if left <= 0:
+            return
+        yield batch if batch.num_rows <= left else batch.slice(0, left)
+        left -= batch.num_rows
+
+
+def _time_candidate(
+    spec: ProbeSpec,
+    candidate: ProbeCandidate,
+    feed: PartitionFeed,
+    counts: list[int],
+    device: torch.device,
+    groups: ProcessGroups,
+    hierarchy: Hierarchy | None,
+    placement: Placement,
+    epoch: int,
+) -> tuple[dict[str, float], int, int]:
+    """Train ``candidate`` for a warm-up epoch and timed ones; return its timing (the
+    slowest rank's), the next unused epoch number and the model's parameter count."""
+    config = candidate.config
+    train = dataclasses.replace(spec.train, config=config)
+    torch.manual_seed(config.training.seed)
+    kind = strategy_class(config.training.strategy)
+    module = kind.build_module(train.model_fn, config, device)
+    params = sum(p.numel() for p in module.parameters())  # a sharded (DTensor) one counts whole
+    optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
+    context = StrategyContext(
+        config,
+        placement.rank,
+        placement.world_size,
+        device,
+        module,
+        optimizer,
+        groups.control,
+        candidate.ps,
+        groups.attempt,
+        0,
+        train.lr,
+        train.scheduler_fn,
+        hierarchy,
+    )
+    strategy = create_strategy(context)
+    try:
+        clock = StepClock()
+        schedule = Schedule(1 << 20, config.training.batch_size, accumulate=config.training.accumulate_steps)
+        trainer = _trainer(train, context, strategy, feed, schedule, [clock])
+        rows_per_step = schedule.rows_per_step
+
+        def one_epoch() -> tuple[float, float, float]:
+            nonlocal epoch
+            batches, source = feed.epoch(epoch)
+            coordinator = coordinator_for(False, counts, rows_per_step, groups.control)
+            started = time.perf_counter()
+            result, tally = trainer.run_epoch(epoch, batches, coordinator, source)
+            wall = time.perf_counter() - started
+            epoch += 1
+            steps = max(tally.steps, 1)
+            span = clock.take()
+            return span / steps, wall - span, result.sync.bytes_sent / steps
+
+        _, warm_overhead, _ = one_epoch()
+        first = one_epoch()
+        steps = -(-max(counts) // rows_per_step)
+        per_epoch = _agreed_max(torch.tensor([first[0] * steps + first[1]]), groups.control)[0]
+        repeats = min(_MAX_REPEATS, max(1, int(spec.budget_s / max(per_epoch, 1e-6))))
+        samples = [first] + [one_epoch() for _ in range(repeats)]
+        figures = [statistics.median(s[i] for s in samples) for i in range(3)]
+        step_s, overhead_s, sent = _agreed_max(torch.tensor(figures, dtype=torch.float64), groups.control)
+    finally:
+        _close_strategy(strategy)
+    timing = {"step_s": step_s, "epoch_overhead_s": max(overhead_s, 0.0), "bytes_per_step": sent}
+    log.info(
+        "probe %s: %.2f ms a step (warm-up epoch overhead %.3fs)", candidate.name, step_s * 1e3, warm_overhead
+    )
+    return timing, epoch, params
+
+
+def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
+    """The element-wise maximum over the ranks (the slowest rank sets a synchronous pace)."""
+    values = values.to(torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in values.tolist()]
+
+
+def _measure_link(
+    params: int, device: torch.device, world_size: int, control: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """Median seconds of an all-reduce of one float and of ``min(params, 4M)`` floats on the
+    default group (the data path: gloo or NCCL), the slowest rank's."""
+    floats = max(1, min(params, _LINK_CAP))
+    tiny_s = _timed_all_reduce(torch.zeros(1, device=device), 20)
+    model_s = _timed_all_reduce(torch.zeros(floats, device=device), 5)
+    tiny_s, model_s = _agreed_max(torch.tensor([tiny_s, model_s]), control)
+    return {"tiny_s": tiny_s, "model_s": model_s, "floats": floats, "workers": world_size}
+
+
+def _timed_all_reduce(tensor: torch.Tensor, repeats: int) -> float:
+    dist.all_reduce(tensor)  # warm-up: the connections, the buffers
+    times = []
+    for _ in itertools.repeat(None, repeats):
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -1,0 +1,69 @@
+"""sparkdl.advise on a real local[2] session: one probe stage trains each candidate with
+the real loop, strategies and parameter servers, and the advice predicts the run."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import sparkdl
+from tests.reference import make_shards
+from tests.spark.test_fit import estimator, shards_dataframe
+
+pytestmark = pytest.mark.spark
+
+TINY_NET_PARAMS = 6 * 8 + 8 + 8 * 3 + 3  # TinyNet: Linear(6, 8), Tanh, Linear(8, 3)
+
+
+def _plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.1)  # no momentum: weight averaging moves the weights only
+
+
+def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
+    df = shards_dataframe(spark, make_shards([96, 64]))
+    est = estimator(optimizer_fn=_plain_sgd, hierarchy="host", epochs=3)
+    advice = sparkdl.advise(
+        df,
+        est,
+        steps=4,
+        budget_s=0.05,
+        strategies=["allreduce", "weight_averaging", "parameter_server sync", "fsdp"],
+    )
+    model_bytes = 4 * TINY_NET_PARAMS
+    measured = {row.name: row for row in advice.rows if row.source == "measured"}
+    assert set(measured) == {
+        "allreduce",
+        "weight_averaging tau=1",
+        "parameter_server sync",
+        "parameter_server sync 1bit",
+    }
+    # what each sent per step, counted by the strategies themselves while the probe trained
+    # (local[2] is one host: the hierarchy has nothing to combine, the ring is flat)
+    assert measured["allreduce"].bytes_per_step == model_bytes  # a ring of 2 sends the model once
+    assert model_bytes <= measured["weight_averaging tau=1"].bytes_per_step < 2 * model_bytes
+    ps = measured["parameter_server sync"].bytes_per_step
+    # the same frames, the payload 1-bit: 83 signs in 12 bytes plus two float32 means
+    assert ps > model_bytes and ps - measured["parameter_server sync 1bit"].bytes_per_step == model_bytes - 20
+    # hierarchy refuses fsdp and compressed all-reduce: skipped, with the configuration's reason
+    assert "hierarchy = 'host'" in advice.skipped["fsdp"]
+    assert "hierarchy = 'host'" in advice.skipped["allreduce 1bit"]
+    assert "which was not probed" in advice.skipped["weight_averaging tau=4 1bit"]
+    # modelled from tau=1: a local step plus 1/tau of its average, for the run's 160 rows
+    tau4 = advice.prediction("weight_averaging tau=4")
+    assert tau4.source == "modelled: weight_averaging tau=1, 1/4"
+    assert advice.total_rows == 160
+    assert advice.prediction("weight_averaging tau=16").samples_per_s >= tau4.samples_per_s
+    assert advice.recommended.exact and advice.recommended.name in {"allreduce", "parameter_server sync"}
+    assert advice.probe.params == TINY_NET_PARAMS and advice.probe.batch_size == 8
+    assert advice.probe.link.latency_s > 0 and advice.probe.link.bytes_per_s > 0
+    text = str(advice)
+    assert "recommended: strategy=" in text and "not probed: " in text
+    assert not [t for t in threading.enumerate() if t.name.startswith("sparkdl-ps")]
+
+
+def test_advise_refuses_a_probe_too_short_to_time(spark):
+    df = shards_dataframe(spark, make_shards([8, 8]))
+    with pytest.raises(sparkdl.ConfigError, match="steps >= 2"):
+        sparkdl.advise(df, estimator(), steps=1)

@@ -1,0 +1,110 @@
+"""The advisor's arithmetic (sparkdl.advice): modelled candidates, the run's epoch, the
+recommendation and the link estimate, on hand-made probe figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkdl.advice import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
+
+MODEL_BYTES = 4 * 85_000
+
+
+def _probe(**timings: Timing) -> ProbeResult:
+    return ProbeResult(
+        workers=2,
+        batch_size=128,
+        params=85_000,
+        timings={LOCAL: Timing(0.002, 0.05, 0.0), **timings},
+        skipped={"fsdp": "fsdp with precision 'fp16': use bf16"},
+        link=LinkEstimate(50e-6, 1e9),
+    )
+
+
+TIMINGS = {
+    "allreduce": Timing(0.004, 0.06, MODEL_BYTES),
+    "weight_averaging tau=1": Timing(0.006, 0.07, MODEL_BYTES),
+    "parameter_server sync": Timing(0.008, 0.08, 2 * MODEL_BYTES),
+    "parameter_server async": Timing(0.005, 0.10, 2 * MODEL_BYTES),
+}
+
+
+def _advice(rows: int = 256_000, **extra: Timing):
+    probed, derived = probe_set(tau=8, staleness=0, every=1)
+    return predict(_probe(**TIMINGS, **extra), probed, derived, rows, project_to=(8, 32))
+
+
+def test_a_measured_candidate_runs_its_steps_plus_its_epoch_overhead():
+    advice = _advice()
+    row = advice.prediction("allreduce")
+    steps = 256_000 // (2 * 128)  # 1,000 steps of 2 x 128 rows
+    assert row.epoch_s == pytest.approx(steps * 0.004 + 0.06)
+    assert row.samples_per_s == pytest.approx(256_000 / (steps * 0.004 + 0.06))
+    assert row.source == "measured" and row.bytes_per_step == MODEL_BYTES
+
+
+def test_weight_averaging_every_tau_steps_pays_one_tau_th_of_the_measured_average():
+    advice = _advice()
+    for tau in (4, 8, 16):  # 8: the estimator's own sync_every
+        row = advice.prediction(f"weight_averaging tau={tau}")
+        step_s = 0.002 + (0.006 - 0.002) / tau
+        assert row.epoch_s == pytest.approx(1000 * step_s + 0.07)
+        assert row.bytes_per_step == pytest.approx(MODEL_BYTES / tau)
+        assert "1/" in row.source and not row.exact
+
+
+def test_asynchronous_pushes_every_k_steps_and_ssp_between_sync_and_async():
+    advice = _advice()
+    every4 = advice.prediction("parameter_server async push/pull every 4")
+    assert every4.epoch_s == pytest.approx(1000 * (0.002 + 0.003 / 4) + 0.10)
+    ssp = advice.prediction("parameter_server ssp s=2")
+    sync, async_ = advice.prediction("parameter_server sync"), advice.prediction("parameter_server async")
+    assert async_.samples_per_s > ssp.samples_per_s > sync.samples_per_s
+
+
+def test_the_recommendation_is_the_fastest_exact_candidate_and_names_a_much_faster_approximate_one():
+    advice = _advice()
+    assert [r.samples_per_s for r in advice.rows] == sorted(
+        (r.samples_per_s for r in advice.rows), reverse=True
+    )
+    assert advice.recommended.name == "allreduce"  # faster than sync PS and tau=1
+    assert advice.fastest.name == "weight_averaging tau=16"
+    summary = advice.summary()
+    assert "strategy='allreduce'" in summary and "weight_averaging tau=16 is predicted" in summary
+    assert "check its accuracy" in summary
+
+
+def test_a_candidate_not_probed_and_those_modelled_from_it_are_listed_with_the_reason():
+    advice = _advice()
+    assert advice.skipped["fsdp"] == "fsdp with precision 'fp16': use bf16"
+    assert "weight_averaging tau=1 1bit" in advice.skipped  # not in the probe's timings
+    assert "weight_averaging tau=4 1bit" in advice.skipped
+    assert "which was not probed" in advice.skipped["weight_averaging tau=4 1bit"]
+    table = advice.table()
+    assert "not probed: fsdp with precision 'fp16'" in table
+    with pytest.raises(KeyError, match="no prediction named 'fsdp'"):
+        advice.prediction("fsdp")
+
+
+def test_without_the_local_step_there_is_nothing_to_model_from():
+    probe = ProbeResult(
+        2, 128, 10, {"allreduce": Timing(0.1, 0.0, 4.0)}, {LOCAL: "boom"}, LinkEstimate(1e-5, 1e9)
+    )
+    with pytest.raises(ValueError, match="no 'local' timing: boom"):
+        predict(probe, [Candidate("allreduce", {})], [], 1000)
+
+
+def test_the_link_follows_from_a_tiny_and_a_model_sized_ring_all_reduce():
+    # 4 workers: 6 messages; each sends 2 * 3/4 of 8 MB = 12 MB in (0.106 - 0.006) s
+    link = LinkEstimate.from_all_reduce(4, tiny_s=0.006, model_s=0.106, model_bytes=8e6)
+    assert link.latency_s == pytest.approx(0.001)
+    assert link.bytes_per_s == pytest.approx(12e6 / 0.1)
+
+
+def test_projections_grow_with_workers_for_all_reduce_and_stall_for_one_server():
+    advice = _advice()
+    projected = advice.projections
+    assert projected["allreduce"][32] > projected["allreduce"][8]
+    ps = projected["parameter_server sync"]
+    assert ps[32] < 1.5 * ps[8]  # one server's link carries every worker's push and pull
+    assert set(advice.to_dict()["projections"]["allreduce"]) == {"8", "32"}
