@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from sparkdl import TorchModel
-from sparkdl.job import load_job_config, run_train_job
+from sparkdl.job import load_job_config, run_advise_job, run_train_job
 from sparkdl.models import MLPFactory
 from tests.spark.processes import spark_env
 
@@ -35,6 +35,20 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
     assert model.history == metrics["history"]
     picture = plt.imread(tmp_path / "history.png")  # written next to metrics.json
     assert picture.shape[:2] == (400, 1000)
+
+
+@pytest.mark.slow
+def test_the_main_job_advises_a_strategy_instead_of_training(spark, tmp_path):
+    config = load_job_config(ROOT / "conf/local.toml")
+    summary = run_advise_job(config, tmp_path, spark=spark)
+    advice = json.loads((tmp_path / "advice.json").read_text())
+    assert summary["recommended"] == advice["recommended"]
+    names = {row["name"] for row in advice["rows"]}
+    assert {"allreduce", "weight_averaging tau=16", "parameter_server sync", "fsdp"} <= names
+    chosen = next(row for row in advice["rows"] if row["name"] == advice["recommended"])
+    assert chosen["exact"] and summary["samples_per_s"] == chosen["samples_per_s"] > 0
+    assert set(advice["projections"]["allreduce"]) == {"8", "32", "128"}
+    assert not (tmp_path / "model").exists()  # advice only: nothing trained, nothing saved
 
 
 @pytest.mark.slow
