@@ -69,7 +69,10 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         every: the estimator's ``push_every`` (the async row pushing every ``k``; 1 counts as 4).
     """
     probed = [
-        Candidate(LOCAL, {"strategy": "weight_averaging", "sync_every": 1 << 30, "compression": "none"}),
+        Candidate(
+            LOCAL,
+            {"strategy": "weight_averaging", "sync_every": 1 << 30, "compression": "none", "wa_backup_workers": 0},
+        ),
         Candidate("allreduce", {"strategy": "allreduce", "compression": "none"}),
         Candidate("allreduce fp16", {"strategy": "allreduce", "compression": "fp16"}, exact=False),
         Candidate("allreduce 1bit", {"strategy": "allreduce", "compression": "1bit"}, exact=False),

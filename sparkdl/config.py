@@ -115,6 +115,8 @@ class SparkDLConfig:
                 f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
                 "checkpoints right after an average, when every worker holds the same weights"
             )
+        if self.training.strategy is Strategy.WEIGHT_AVERAGING:
+            _check_weight_averaging(self)
         if self.training.strategy is Strategy.FSDP:
             _check_fsdp(self)
         if (
@@ -202,10 +204,27 @@ def _check_hierarchy(config: SparkDLConfig) -> None:
             f"hierarchy = {level!r} and compression = {compression.value!r} do not combine with strategy "
             f"{strategy.value!r} (the leaders exchange float32); choose one of them"
         )
+    if strategy is Strategy.WEIGHT_AVERAGING and config.weight_averaging.wa_backup_workers:
+        raise ConfigError(
+            f"hierarchy = {level!r} with wa_backup_workers = {config.weight_averaging.wa_backup_workers}: "
+            "backup workers are not available with two-level averaging yet; set wa_backup_workers = 0 "
+            "or hierarchy = 'none'"
+        )
     if strategy is Strategy.PARAMETER_SERVER and config.parameter_server.backup_workers:
         raise ConfigError(
             f"hierarchy = {level!r} with backup_workers = {config.parameter_server.backup_workers}: with "
             "a hierarchy the hosts' leaders push, not the workers; set backup_workers = 0"
+        )
+
+
+def _check_weight_averaging(config: SparkDLConfig) -> None:
+    """What weight averaging's settings must agree with, refused with the fix."""
+    backups, workers = config.weight_averaging.wa_backup_workers, config.training.num_workers
+    if backups >= workers:
+        raise ConfigError(
+            f"wa_backup_workers = {backups} must be < num_workers = {workers}: each period ends once "
+            f"num_workers - wa_backup_workers workers finished it, so at least one must; set "
+            f"wa_backup_workers to at most {workers - 1} (0 waits for every worker), or raise num_workers"
         )
 
 

@@ -421,6 +421,16 @@ class WeightAveragingConfig:
             "Average the optimizer state (momentum, Adam moments) too; false keeps it per worker."
         ),
     )
+    wa_backup_workers: int = field(
+        default=0,
+        metadata=about(
+            "End each period of sync_every local steps once num_workers - wa_backup_workers workers "
+            "finished it; a worker still behind trains none of the period's remaining steps (it counts "
+            "them as skipped_steps) and joins the average weighted by the rows it did train (from "
+            "epoch 2: the first epoch streams in lockstep).",
+            bound=">= 0",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "weight_averaging")

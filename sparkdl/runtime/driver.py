@@ -296,7 +296,11 @@ def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | Non
         record["worker_bytes_across_hosts"] = [
             per_worker[r][i].get("bytes_across_hosts", 0) for r in range(n)
         ]
+        record["worker_skipped_steps"] = [per_worker[r][i].get("skipped_steps", 0) for r in range(n)]
         record["nan_skips"] = max(record["worker_nan_skips"])
+        # backup workers: whichever ranks fell behind, the job's figures count them all
+        record["skipped_steps"] = sum(record["worker_skipped_steps"])
+        record["dropped_pushes"] = sum(per_worker[r][i].get("dropped_pushes", 0) for r in range(n))
         del record["local_samples"]
     return FitResult(
         state_dict=state,

@@ -184,6 +184,7 @@ def _time_candidate(
         train.lr,
         train.scheduler_fn,
         hierarchy,
+        groups.store,
     )
     strategy = create_strategy(context)
     try:

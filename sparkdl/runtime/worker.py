@@ -164,6 +164,7 @@ def run_worker(
             spec.lr,
             spec.scheduler_fn,
             hierarchy,
+            groups.store,
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)

@@ -53,6 +53,8 @@ class StrategyContext:
         lr: the learning-rate schedule, a factor of the configured lr per global step.
         scheduler_fn: the user's ``(optimizer) -> LRScheduler``, stepped after every step.
         hierarchy: this worker's host and its leader (``runtime.hierarchy``; None: flat).
+        store: the process group's key-value store (rank 0's TCPStore), reachable by every
+            rank: weight averaging's backup workers count finished periods in it.
     """
 
     config: SparkDLConfig
@@ -68,6 +70,7 @@ class StrategyContext:
     lr: LrPlan = CONSTANT_LR
     scheduler_fn: SchedulerFn | None = None
     hierarchy: Hierarchy | None = None
+    store: dist.Store | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class SyncStats:
     staleness_mean: float = 0.0
     staleness_max: int = 0
     wait_s: float = 0.0
-    skipped_steps: int = 0  # parameter server with backup workers: steps this worker skipped to catch up
+    skipped_steps: int = 0  # backup workers: steps this worker skipped to keep up (their rows untrained)
     dropped_pushes: int = 0  # ... and its pushes that came after their step was applied
     bytes_across_hosts: int = 0  # runtime.hierarchy: what this worker sent to other hosts
 

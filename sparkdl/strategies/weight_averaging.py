@@ -27,6 +27,19 @@ since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedbac
 compression factor less on top of ``1/tau``, and every worker still ends each average
 with the same tensors.
 
+Backup workers (``wa_backup_workers = b``; Chen et al.'s idea, applied to periods). A
+period of ``tau`` local steps ends once the first ``N - b`` workers finished it: each
+worker that trained every step of a period adds one to the period's counter in the
+process group's store, and before each step a worker checks that counter (one small
+round trip). A worker that finds the period over trains none of its remaining steps
+(it consumes their batches, counted as ``skipped_steps``) and joins the average at the
+period's last step with what it did train: its weight is its rows, so it pulls the
+model proportionally less. Every rank still calls the same collectives in the same
+order. From epoch 2 on only: epoch 1 streams from Spark with an all-reduce per step,
+so no worker can run ahead of a straggler there. Unlike the parameter server's backup
+workers, which skip steps already made without them, the rows of a cut-short period
+are not trained by anyone.
+
 Hierarchy. With ``runtime.hierarchy`` each bucket is summed within the host into its
 leader, all-reduced among the leaders and broadcast back (:mod:`sparkdl.strategies.hierarchy`):
 one model's worth crosses the network per host and average.
@@ -43,7 +56,7 @@ import torch.distributed as dist
 from sparkdl.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.compression.collectives import CompressedAverage
 from sparkdl.config import Strategy
-from sparkdl.errors import PeerStopped, SparkDLError, agreed
+from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
 from sparkdl.strategies.hierarchy import hierarchical_bytes
 
@@ -63,6 +76,10 @@ class WeightAveragingStrategy(SyncStrategy):
         self._rows_since_sync = 0
         self._steps_since_sync = 0
         self._stopping: SparkDLError | None = None
+        self._ending = _period_ending(ctx)
+        self._period = 0  # averages so far: the same count on every rank
+        self._cut_short = False  # the period ended without this worker
+        self._trained_throughout = True  # rows at every step of the period so far
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             dist.broadcast(tensor, src=0)
         runtime = ctx.config.runtime
@@ -81,7 +98,10 @@ class WeightAveragingStrategy(SyncStrategy):
     def train_step(self, step: StepInput) -> torch.Tensor:
         rows = 0
         loss = torch.zeros((), device=self.ctx.device)
-        if step.batches:  # a worker without rows only joins the averages
+        self.skipped_step = self._period_ended(step)
+        if self.skipped_step:  # a backup worker: the period ended without it
+            self.stats.skipped_steps += 1 if step.batches else 0
+        elif step.batches:  # a worker without rows only joins the averages
             loss = self._backward(step, step.batches, 1.0)  # each worker steps on its own mean loss
             if self._judged_step(step, loss):
                 self._optimizer_step(step)
@@ -89,15 +109,31 @@ class WeightAveragingStrategy(SyncStrategy):
             else:
                 loss = torch.zeros((), device=self.ctx.device)
             self.ctx.optimizer.zero_grad(set_to_none=True)
+        else:
+            self._trained_throughout = False
         self._rows_since_sync += rows
         self._steps_since_sync += 1
         if (step.step + 1) % self._tau == 0:
-            self._average()
+            self._end_period()
         return loss
 
     def finish(self) -> None:
         if self._steps_since_sync:
-            self._average()
+            self._end_period()
+
+    def _period_ended(self, step: StepInput) -> bool:
+        """Whether the period has ended without this worker: asked of the store before each
+        step from epoch 2 on (epoch 1 steps in lockstep: nobody can be ahead)."""
+        if not self._cut_short and step.epoch > 1:
+            self._cut_short = self._ending.over(self._period)
+        return self._cut_short
+
+    def _end_period(self) -> None:
+        # A worker counts towards a period's quorum only when it trained all of it: one whose
+        # rows ran out would otherwise end the period for the workers that still have rows.
+        if self._trained_throughout and not self._cut_short:
+            self._ending.finished(self._period)
+        self._average()
 
     def _stop(self, error: SparkDLError) -> None:
         self._stopping = error  # raised on every rank at the next average
@@ -112,6 +148,8 @@ class WeightAveragingStrategy(SyncStrategy):
             raise agreed(
                 self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
             )
+        if rank == 0:  # every rank is past its last look at the period's counter: drop it
+            self._ending.forget(self._period)
         named = list(self._model_tensors())
         if self._include_optimizer_state():
             named += list(self._optimizer_tensors())
@@ -130,6 +168,8 @@ class WeightAveragingStrategy(SyncStrategy):
                 )
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
+        self._period += 1
+        self._cut_short, self._trained_throughout = False, True
 
     def _weighted_all_reduce(self, buckets: list[list[torch.Tensor]], own_weight: float) -> None:
         """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently
@@ -176,6 +216,64 @@ class WeightAveragingStrategy(SyncStrategy):
         counts = torch.tensor([count, -count], dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         return count > 0 and counts[0].item() == count and -counts[1].item() == count
+
+
+class EveryWorker:
+    """``wa_backup_workers = 0``: a period ends when every worker has finished it; no messages."""
+
+    def finished(self, period: int) -> None:
+        """This worker trained every step of ``period``."""
+
+    def over(self, period: int) -> bool:
+        """Whether ``period`` has ended for the workers still in it."""
+        return False
+
+    def forget(self, period: int) -> None:
+        """Every worker has joined ``period``'s average."""
+
+
+class FirstFinishers(EveryWorker):
+    """A period ends once ``quorum`` workers finished it: one counter per period in the
+    process group's store, its key naming the stage attempt so that a re-run stage never
+    reads an earlier attempt's counts.
+
+    Args:
+        store: the process group's store (every rank reaches it).
+        attempt: the stage attempt, the same on every rank.
+        quorum: ``num_workers - wa_backup_workers``.
+    """
+
+    def __init__(self, store: dist.Store, attempt: int, quorum: int) -> None:
+        self._store = store
+        self._prefix = f"sparkdl/weight_averaging/attempt-{attempt}/period-"
+        self._quorum = quorum
+
+    def finished(self, period: int) -> None:
+        self._store.add(f"{self._prefix}{period}", 1)
+
+    def over(self, period: int) -> bool:
+        return self._store.add(f"{self._prefix}{period}", 0) >= self._quorum  # one round trip
+
+    def forget(self, period: int) -> None:
+        self._store.delete_key(f"{self._prefix}{period}")
+
+
+def _period_ending(ctx: StrategyContext) -> EveryWorker:
+    """How this run's periods end: with every worker, or with the first ``N - b``."""
+    backups = ctx.config.weight_averaging.wa_backup_workers
+    if not backups:
+        return EveryWorker()
+    if ctx.store is None:
+        raise ConfigError(
+            f"wa_backup_workers = {backups} needs the process group's store (StrategyContext.store), "
+            "which the worker's assembly passes; set wa_backup_workers = 0 where there is none"
+        )
+    if not 0 < backups < ctx.world_size:
+        raise ConfigError(
+            f"wa_backup_workers = {backups} must be < the {ctx.world_size} workers; set it to at most "
+            f"{ctx.world_size - 1}"
+        )
+    return FirstFinishers(ctx.store, ctx.attempt, ctx.world_size - backups)
 
 
 @dataclass(frozen=True)

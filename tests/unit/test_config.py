@@ -91,7 +91,9 @@ def test_strategy_settings_live_in_the_section_named_after_their_strategy(tmp_pa
     assert config.parameter_server.ps_timeout_s == 9.0
     assert config.parameter_server.push_every == 5
     owners = flat_field_owners()
-    assert {owners[n] for n in ("sync_every", "average_optimizer_state")} == {"weight_averaging"}
+    assert {owners[n] for n in ("sync_every", "average_optimizer_state", "wa_backup_workers")} == {
+        "weight_averaging"
+    }
     moved = (
         "ps_mode",
         "staleness",
@@ -218,6 +220,22 @@ def test_cross_field_rules_give_the_fix():
         SparkDLConfig().replace(backend="nccl", use_gpu="false")
     with pytest.raises(ConfigError, match="is also a feature column"):
         SparkDLConfig().replace(feature_cols=["label"])
+
+
+def test_weight_averaging_backups_must_leave_a_worker_to_end_each_period():
+    with pytest.raises(
+        ConfigError,
+        match=r"^wa_backup_workers = 2 must be < num_workers = 2: .* set wa_backup_workers to at most 1 "
+        r"\(0 waits for every worker\), or raise num_workers$",
+    ):
+        SparkDLConfig().replace(strategy="weight_averaging", num_workers=2, wa_backup_workers=2)
+    with pytest.raises(ConfigError, match=r"weight_averaging\.wa_backup_workers = -1 must be >= 0"):
+        SparkDLConfig().replace(wa_backup_workers=-1)
+    config = SparkDLConfig().replace(
+        strategy="weight_averaging", num_workers=3, wa_backup_workers=2, compression="1bit"
+    )
+    assert config.weight_averaging.wa_backup_workers == 2  # every worker still joins each average
+    assert SparkDLConfig().replace(num_workers=1, wa_backup_workers=1).training.num_workers == 1  # unused
 
 
 def test_estimator_kwargs_and_config_describe_the_same_settings(tmp_path):

@@ -27,6 +27,7 @@ def test_tasks_group_by_address_or_by_executor_in_order_of_their_first_rank():
         ({"strategy": "allreduce", "compression": "1bit"}, "compression = '1bit'"),
         ({"strategy": "weight_averaging", "compression": "fp16"}, "compression = 'fp16'"),
         ({"strategy": "parameter_server", "backup_workers": 1, "num_workers": 4}, "backup_workers = 0"),
+        ({"strategy": "weight_averaging", "wa_backup_workers": 1, "num_workers": 4}, "wa_backup_workers = 0"),
     ],
 )
 def test_a_hierarchy_refuses_what_it_cannot_combine_with(settings, refusal):

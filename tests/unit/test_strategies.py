@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from sparkdl.config import SparkDLConfig
-from sparkdl.errors import TrainingFailedError
+from sparkdl.errors import ConfigError, TrainingFailedError
 from sparkdl.strategies import StepInput, StrategyContext, create_strategy, strategy_class
 from sparkdl.strategies.allreduce import AllReduceStrategy
-from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
+from sparkdl.strategies.weight_averaging import FirstFinishers, WeightAveragingStrategy
 from tests.reference import make_tiny_net
 
 X = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
@@ -110,6 +112,66 @@ def test_weight_averaging_defers_a_non_finite_step_to_the_next_average(gloo_grou
     ) as raised:
         built.train_step(step_input(2))  # step 3 of tau 3: the average raises on every rank
     assert raised.value.agreed_by_all_ranks
+
+
+class _RecordingStore:
+    """A process group's store that remembers every ``add`` it was asked."""
+
+    def __init__(self):
+        self.shared = dist.HashStore()  # what the other ranks reach
+        self.adds: list[tuple[str, int]] = []
+
+    def add(self, key, amount):
+        self.adds.append((key, amount))
+        return self.shared.add(key, amount)
+
+    def delete_key(self, key):
+        return self.shared.delete_key(key)
+
+
+def test_weight_averaging_with_a_backup_trains_none_of_a_period_the_others_finished(gloo_group):
+    """Rank 0 of two with one backup (rank 1 plays its part through the store): a period of
+    2 steps ends once one worker finished it; rank 0 then skips the rest of it, yet joins
+    its average. Only from epoch 2, and only a worker with rows at every step counts."""
+    config = SparkDLConfig().replace(
+        num_workers=2, strategy="weight_averaging", sync_every=2, wa_backup_workers=1
+    )
+    module = make_tiny_net()
+    store = _RecordingStore()
+    ctx = dataclasses.replace(context(config, module), world_size=2, attempt=3, store=store)
+    built = create_strategy(ctx)
+    other = FirstFinishers(store.shared, 3, quorum=1)  # rank 1, as it counts
+
+    def step(index, epoch, batch=(X, Y)):
+        rows = len(batch[0]) if batch else 0
+        batches = (batch,) if batch else ()
+        loss = built.train_step(StepInput(index, epoch, batches, rows, 16, loss_of, lambda: (X[:2], Y[:2])))
+        return float(loss.detach()), built.skipped_step
+
+    (loss_0, skipped_0), (loss_1, skipped_1) = step(0, 1), step(1, 1)  # period 0, epoch 1
+    assert loss_0 > 0 and loss_1 > 0 and not skipped_0 and not skipped_1
+    assert not any(amount == 0 for _, amount in store.adds)  # epoch 1: nobody asks the store
+    other.finished(1)  # rank 1 finished period 1 (epoch 2) before rank 0 began it
+    before = copy.deepcopy(module.state_dict())
+    assert [step(2, 2), step(3, 2)] == [(0.0, True), (0.0, True)]
+    assert_same_weights(module, before)  # nothing trained (its own average leaves them as they are)
+    assert step(4, 2)[1] is False and step(5, 2)[1] is False  # period 2: nobody finished before it
+    assert step(6, 2)[1] is False and step(7, 2, batch=None)[1] is False  # period 3: rows ran out
+    stats = built.end_epoch()
+    assert (stats.skipped_steps, stats.sync_rounds) == (2, 4)  # every average joined
+    finishes = [key.rsplit("-", 1)[1] for key, amount in store.adds if amount == 1]
+    assert finishes == ["0", "2"]  # not period 1 (cut short), nor 3 (its rows ran out)
+    assert {key.split("/")[2] for key, _ in store.adds} == {"attempt-3"}
+    assert not other.over(1)  # rank 0 dropped each period's counter after its average
+
+
+def test_weight_averaging_refuses_backups_without_a_store(gloo_group):
+    config = SparkDLConfig().replace(
+        num_workers=2, strategy="weight_averaging", sync_every=2, wa_backup_workers=1
+    )
+    ctx = dataclasses.replace(context(config, make_tiny_net()), world_size=2)
+    with pytest.raises(ConfigError, match="wa_backup_workers = 1 needs the process group's store"):
+        create_strategy(ctx)
 
 
 def test_all_reduce_stops_at_once_on_a_non_finite_average(gloo_group):

@@ -68,19 +68,52 @@ def _worker(rank, world, shards, spec, store_path, out, peers=()):
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
 
 
-def run_workers(shards, tmp_path, optimizer_fn=_sgd, peers=(), **settings):
-    """Train in spawned worker processes; with strategy parameter_server, host it here."""
+class _OwnWeights:
+    """The results queue of a worker that sends back its own final weights, every rank
+    (``run_worker`` returns rank 0's only)."""
+
+    def __init__(self, out, built):
+        self._out = out
+        self._built = built  # the strategy the worker assembled
+
+    def put(self, item):
+        rank, _, history, error = item
+        buffer = io.BytesIO()
+        if self._built:
+            torch.save(self._built[0].ctx.module.state_dict(), buffer)
+        self._out.put((rank, buffer.getvalue(), history, error))
+
+
+def _worker_sending_its_weights(rank, world, shards, spec, store_path, out, peers=()):
+    import sparkdl.runtime.worker as assembly
+
+    built = []
+    create = assembly.create_strategy
+
+    def keep(ctx):
+        built.append(create(ctx))
+        return built[-1]
+
+    assembly.create_strategy = keep
+    _worker(rank, world, shards, spec, store_path, _OwnWeights(out, built), peers)
+
+
+def run_workers(
+    shards, tmp_path, optimizer_fn=_sgd, peers=(), model_fn=make_tiny_net, worker=None, **settings
+):
+    """Train in spawned worker processes; with strategy parameter_server, host it here.
+    ``worker`` replaces :func:`_worker` as what each process runs."""
     config = SparkDLConfig().replace(
         num_workers=len(shards), collective_timeout_s=30.0, prefetch_batches=2, **settings
     )
     plan, template = shard_plan(shards)
-    spec = TrainSpec(config, make_tiny_net, optimizer_fn, "cross_entropy", plan, template)
+    spec = TrainSpec(config, model_fn, optimizer_fn, "cross_entropy", plan, template)
     hosted = None
     if config.training.strategy.value == "parameter_server":
         hosted = host_parameter_server(spec, "127.0.0.1")
         spec = hosted.spec
     try:
-        state, results = _spawn(shards, tmp_path, spec, peers)
+        state, results = _spawn(shards, tmp_path, spec, peers, worker or _worker)
     finally:
         if hosted is not None:
             hosted.stop()
@@ -89,13 +122,13 @@ def run_workers(shards, tmp_path, optimizer_fn=_sgd, peers=(), **settings):
     return state, results
 
 
-def _spawn(shards, tmp_path, spec, peers=()):
+def _spawn(shards, tmp_path, spec, peers=(), worker=_worker):
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     world = len(shards)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, shards, spec, str(tmp_path / "store"), out, peers))
+        ctx.Process(target=worker, args=(r, world, shards, spec, str(tmp_path / "store"), out, peers))
         for r in range(world)
     ]
     for p in procs:
@@ -240,6 +273,115 @@ def test_a_slow_worker_with_a_backup_skips_ahead_instead_of_setting_the_pace(tmp
     assert slow[1]["skipped_steps"] > 0 and slow[1]["dropped_pushes"] > 0
     assert slow[1]["local_samples"] == 96 - 8 * slow[1]["skipped_steps"]
     assert slow[0]["skipped_steps"] == 0  # epoch 1: in lockstep
+
+
+# --- weight averaging with backup workers -------------------------------------------
+
+
+def _wide_net():
+    # steps of a few milliseconds: a rank three times slower then trails by far more than
+    # the scheduler's noise, so which rank finishes a period first is never a coin toss
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(6, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 3))
+
+
+def reference_local_sgd(shards, batch_size, epochs, tau, lr, seed=0):
+    """Plain SGD on every shard in one process, unshuffled, the weights replaced by their
+    row-weighted mean every ``tau`` steps and at the end (equal shards: the plain mean)."""
+    torch.manual_seed(seed)
+    start = _wide_net().state_dict()
+    models = []
+    for _ in shards:
+        model = _wide_net()
+        model.load_state_dict(start)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=lr)))
+    steps = (len(shards[0][1]) + batch_size - 1) // batch_size
+    global_step = 0
+    for _ in range(epochs):
+        for step in range(steps):
+            for (model, optimizer), (x, y) in zip(models, shards, strict=True):
+                picked = slice(step * batch_size, (step + 1) * batch_size)
+                x_step, y_step = torch.from_numpy(x[picked]), torch.from_numpy(y[picked])
+                loss = torch.nn.functional.cross_entropy(model(x_step), y_step)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            global_step += 1
+            if global_step % tau == 0:
+                _average([m for m, _ in models])
+    _average([m for m, _ in models])
+    return {k: v.detach().clone() for k, v in models[0][0].state_dict().items()}
+
+
+def _average(models):
+    with torch.no_grad():
+        for tensors in zip(*(m.parameters() for m in models), strict=True):
+            mean = sum(t * (1.0 / len(models)) for t in tensors)
+            for t in tensors:
+                t.copy_(mean)
+
+
+def _states(results):
+    return {rank: torch.load(io.BytesIO(state), weights_only=True) for rank, (state, _, _) in results.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["none", "1bit"])  # 1bit: the shared reference holds
+def test_weight_averaging_ends_a_period_without_the_slow_worker_when_it_has_a_backup(tmp_path, compression):
+    """Two workers, one backup: a period of 4 local steps ends when the first worker has
+    finished it. Rank 1 is three times slower (the slow drill); from epoch 2 on it trains
+    only the steps it reaches before rank 0 finishes the period, skips the rest, and joins
+    every average with the rows it trained. Every rank still ends with the same weights."""
+    shards = make_shards([96, 96])
+    _, results = run_workers(
+        shards,
+        tmp_path,
+        _plain_sgd,
+        model_fn=_wide_net,
+        worker=_worker_sending_its_weights,
+        strategy="weight_averaging",
+        sync_every=4,
+        wa_backup_workers=1,
+        compression=compression,
+        batch_size=8,
+        epochs=3,
+        fault_injection="slow:1:0:",
+    )
+    fast, slow = results[0][1], results[1][1]
+    assert [h["skipped_steps"] for h in fast] == [0, 0, 0]
+    assert [h["local_samples"] for h in fast] == [96, 96, 96]
+    assert slow[0]["skipped_steps"] == 0 and slow[0]["local_samples"] == 96  # epoch 1: in lockstep
+    for epoch in slow[1:]:
+        assert epoch["skipped_steps"] > 0
+        assert epoch["local_samples"] == 96 - 8 * epoch["skipped_steps"]
+        assert epoch["samples"] == 96 + epoch["local_samples"]  # skipped rows are not counted as trained
+        assert epoch["sync_rounds"] == 3  # every average still joined: 12 steps, tau 4
+    states = _states(results)
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name  # bitwise: one average, decoded by both
+
+
+@pytest.mark.slow
+def test_weight_averaging_without_backups_waits_for_the_slow_worker_and_gives_local_sgds_answer(tmp_path):
+    shards = make_shards([96, 96])
+    _, results = run_workers(
+        shards,
+        tmp_path,
+        _plain_sgd,
+        model_fn=_wide_net,
+        worker=_worker_sending_its_weights,
+        strategy="weight_averaging",
+        sync_every=4,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        fault_injection="slow:1:0:",
+    )
+    assert all(h["skipped_steps"] == 0 and h["local_samples"] == 96 for r in (0, 1) for h in results[r][1])
+    states = _states(results)
+    assert max_abs_diff(states[0], reference_local_sgd(shards, 8, 2, 4, LR)) < 1e-5
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name
 
 
 # --- hierarchical aggregation: 4 workers on 2 "hosts" (executors) ----------------------
