@@ -71,7 +71,12 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
     probed = [
         Candidate(
             LOCAL,
-            {"strategy": "weight_averaging", "sync_every": 1 << 30, "compression": "none", "wa_backup_workers": 0},
+            {
+                "strategy": "weight_averaging",
+                "sync_every": 1 << 30,
+                "compression": "none",
+                "wa_backup_workers": 0,
+            },
         ),
         Candidate("allreduce", {"strategy": "allreduce", "compression": "none"}),
         Candidate("allreduce fp16", {"strategy": "allreduce", "compression": "fp16"}, exact=False),
