@@ -1,10 +1,11 @@
 """Stragglers (issue 15, item 3): one worker of two made three times slower by the ``slow``
 fault drill, under the parameter server's synchronous mode, synchronous with one backup
-worker, SSP and async, and with no drill for reference; the same data, model and epochs in
-one run. Epoch time (the first epoch streams from Spark in lockstep, so epochs 2+ are what
-a mode changes), held-out accuracy, and what the slow rank skipped and had dropped.
+worker, SSP and async, under weight averaging (tau 4) with and without one backup worker,
+and with no drill for reference; the same data, model and epochs in one run. Epoch time
+(the first epoch streams from Spark in lockstep, so epochs 2+ are what a mode changes),
+held-out accuracy, and what the slow rank skipped.
 
-    .venv/bin/python benchmarks/bench_stragglers.py [--rows 40000] [--epochs 3]
+    .venv/bin/python benchmarks/bench_stragglers.py [--rows 40000] [--epochs 3] [--only "sync,..."]
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ VARIANTS = [
     ("sync, 1 backup worker", {"ps_mode": "sync", "backup_workers": 1, "fault_injection": SLOW}),
     ("ssp s=2", {"ps_mode": "ssp", "staleness": 2, "fault_injection": SLOW}),
     ("async", {"ps_mode": "async", "fault_injection": SLOW}),
+    ("weight_averaging tau=4, no straggler", {"strategy": "weight_averaging", "sync_every": 4}),
+    ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4, "fault_injection": SLOW}),
+    (
+        "weight_averaging tau=4, 1 backup worker",
+        {"strategy": "weight_averaging", "sync_every": 4, "wa_backup_workers": 1, "fault_injection": SLOW},
+    ),
 ]
 
 
@@ -41,8 +48,7 @@ def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int)
         seed=0,
         optimizer="sgd",
         lr=0.05,
-        strategy="parameter_server",
-        **settings,
+        **{"strategy": "parameter_server", **settings},
     )
     model = estimator.fit(train_df)
     rows = model.transform(test_df).select("label", "prediction").collect()
@@ -52,6 +58,7 @@ def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int)
         "epoch_s_2plus_mean": sum(h["seconds"] for h in later) / len(later),
         "test_accuracy": sum(int(r[0] == r[1]) for r in rows) / len(rows),
         "trained_samples": [h["samples"] for h in model.history],
+        "skipped_steps": [h["skipped_steps"] for h in model.history],
     }
 
 
@@ -62,11 +69,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--output", default=str(HERE / "results/stragglers.json"))
+    parser.add_argument("--only", default="", help="comma-separated variant names (sync always runs)")
     args = parser.parse_args()
+    wanted = {"sync", *filter(None, args.only.split(","))}
     spark = bench_session("sparkdl-bench-stragglers")
     train_df, test_df = dataframe(spark, args.rows, 2, seed=0), dataframe(spark, args.test_rows, 2, seed=1)
     results = {}
     for name, settings in VARIANTS:
+        if args.only and name not in wanted:
+            continue
         results[name] = run_variant(train_df, test_df, settings, args.epochs, args.batch_size)
         print(name, results[name], flush=True)
     base = results["sync"]["epoch_s_2plus_mean"]

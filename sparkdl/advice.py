@@ -268,6 +268,7 @@ class Advice:
             "recommended": self.recommended.name,
             "fastest": self.fastest.name,
             "link": self.probe.link.__dict__,
+            "probe": {name: timing.__dict__ for name, timing in self.probe.timings.items()},
             "projections": {k: {str(n): v for n, v in p.items()} for k, p in self.projections.items()},
         }
 

@@ -48,6 +48,7 @@ def advise(
     *,
     steps: int = 32,
     budget_s: float = 0.5,
+    passes: int = 2,
     strategies: Sequence[str] | None = None,
     project_to: Sequence[int] = (),
 ) -> Advice:
@@ -60,7 +61,9 @@ def advise(
             optimizer and loss are what the probe trains.
         steps: batches of its partition each worker trains per candidate epoch (its first
             rows); more steps, steadier figures.
-        budget_s: timed seconds per candidate (at least two timed epochs, at most eight).
+        budget_s: timed seconds per candidate and pass (at least two timed epochs, at most nine).
+        passes: how often each candidate is probed, in alternating order (the figures are
+            the mean): a shared machine's drifting speed then favours none.
         strategies: only the candidates whose names start with one of these (e.g.
             ``["allreduce", "weight_averaging"]``); default: every one.
         project_to: worker counts to project a few strategies to (:mod:`sparkdl.costmodel`).
@@ -74,8 +77,11 @@ def advise(
         ConfigError: ``steps`` or ``budget_s`` out of range.
         SparkDLError: the probe stage failed (the worker's error, with its rank).
     """
-    if steps < 2 or budget_s <= 0:
-        raise ConfigError(f"advise needs steps >= 2 and budget_s > 0, got steps={steps}, budget_s={budget_s}")
+    if steps < 2 or budget_s <= 0 or passes < 1:
+        raise ConfigError(
+            f"advise needs steps >= 2, budget_s > 0 and passes >= 1, got steps={steps}, "
+            f"budget_s={budget_s}, passes={passes}"
+        )
     dataset, spec = estimator.training_spec(df)
     config = spec.config
     probed, derived = probe_set(
@@ -88,14 +94,14 @@ def advise(
         probed = [c for c in probed if c.name == "local" or c.name.startswith(wanted)]
         derived = [d for d in derived if d.candidate.name.startswith(wanted)]
     total_rows = dataset.count()
-    result = probe(dataset, spec, probed, steps, budget_s)
+    result = probe(dataset, spec, probed, steps, budget_s, passes)
     advice = predict(result, probed, derived, total_rows, project_to)
     log.info("strategy advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
     return advice
 
 
 def probe(
-    df: Any, spec: TrainSpec, candidates: Sequence[Candidate], steps: int, budget_s: float
+    df: Any, spec: TrainSpec, candidates: Sequence[Candidate], steps: int, budget_s: float, passes: int = 2
 ) -> ProbeResult:
     """Run the probe stage: every candidate trained for a few timed epochs on the first
     ``steps`` batches of each partition. A candidate the settings refuse (e.g. fsdp with
@@ -117,7 +123,7 @@ def probe(
         data = df.select(*spec.plan.column_names)
         if needs_repartition(data, n, spark):
             data = data.repartition(n)
-        task = ProbeSpec(spec, tuple(chosen), steps, budget_s)
+        task = ProbeSpec(spec, tuple(chosen), steps, budget_s, passes)
         stage = data.mapInArrow(
             functools.partial(probe_partition, task), PROBE_SCHEMA, barrier=True, profile=profile
         )

@@ -7,7 +7,9 @@ into the epoch cache (as a run's first epoch does), then for each candidate buil
 model, optimizer and strategy afresh and trains cached epochs over those batches: one to
 warm up (DDP's buckets, the parameter server's connections, the allocator), then timed
 ones until the candidate's time budget is spent. A step's time is the slowest rank's
-(they wait for each other), the median over the timed epochs.
+(they wait for each other), the median over the timed epochs. Every candidate is probed
+twice, the second pass in reverse order, and the two are averaged: on a shared machine
+whose speed drifts, no candidate gains from where it stands in the list.
 
 Last, the link: the median time of an all-reduce of one float (latency) and of the
 model's size (bandwidth, capped at 16 MB so a probe of a big model on a slow network
@@ -77,13 +79,15 @@ class ProbeSpec:
         train: the estimator's task spec (model, optimizer, loss, data plan, template).
         candidates: what to time, in order (every rank the same).
         steps: batches of its partition each worker reads (its first rows).
-        budget_s: timed seconds per candidate (at least two timed epochs, at most eight).
+        budget_s: timed seconds per candidate and pass (at least two timed epochs, at most nine).
+        passes: times every candidate is trained, in alternating order; its figures are the mean.
     """
 
     train: TrainSpec
     candidates: tuple[ProbeCandidate, ...]
     steps: int
     budget_s: float
+    passes: int = 2
 
 
 class StepClock(StepHook):
@@ -124,20 +128,44 @@ def run_probe(
         stack.callback(feed.close)
         feed.fill_cache()  # what a run's first epoch leaves behind
         counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, groups.control)
-        timings: dict[str, dict[str, float]] = {}
+        measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in spec.candidates}
+        # a candidate's later pass goes on from its global step: its parameter server
+        # (one per candidate, for the whole probe) expects the next clock
+        steps_done = dict.fromkeys(measured, 0)
         epoch = 2
         params = 0
-        for candidate in spec.candidates:
-            log.info("rank %d: probing %s", rank, candidate.name)
-            timing, epoch, size = _time_candidate(
-                spec, candidate, feed, counts, device, groups, hierarchy, placement, epoch
-            )
-            timings[candidate.name] = timing
-            params = max(params, size)
+        for order in _pass_orders(spec.candidates, spec.passes):
+            for candidate in order:
+                log.info("rank %d: probing %s", rank, candidate.name)
+                timing, epoch, size, steps_done[candidate.name] = _time_candidate(
+                    spec,
+                    candidate,
+                    feed,
+                    counts,
+                    device,
+                    groups,
+                    hierarchy,
+                    placement,
+                    epoch,
+                    steps_done[candidate.name],
+                )
+                measured[candidate.name].append(timing)
+                params = max(params, size)
+        timings = {name: _mean(runs) for name, runs in measured.items()}
         link = _measure_link(params, device, placement.world_size, groups.control)
         stack.callback(watchdog.arm)  # bounds the teardown, like a worker's
         return {"rank": rank, "timings": timings, "link": link, "params": params, "rows": counts}
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _pass_orders(candidates: tuple[ProbeCandidate, ...], passes: int) -> list[tuple[ProbeCandidate, ...]]:
+    """The candidates' order in each pass: forward, then backward, ... so that a machine
+    whose speed drifts during the probe favours no candidate for being first or last."""
+    return [candidates if p % 2 == 0 else candidates[::-1] for p in range(passes)]
+
+
+def _mean(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.fmean(run[key] for run in runs) for key in runs[0]}
 
 
 def first_rows(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
@@ -160,9 +188,11 @@ def _time_candidate(
     hierarchy: Hierarchy | None,
     placement: Placement,
     epoch: int,
-) -> tuple[dict[str, float], int, int]:
-    """Train ``candidate`` for a warm-up epoch and timed ones; return its timing (the
-    slowest rank's), the next unused epoch number and the model's parameter count."""
+    start_step: int,
+) -> tuple[dict[str, float], int, int, int]:
+    """Train ``candidate`` from global step ``start_step`` for a warm-up epoch and timed
+    ones; return its timing (the slowest rank's), the next unused epoch number, the
+    model's parameter count and the global steps done."""
     config = candidate.config
     train = dataclasses.replace(spec.train, config=config)
     torch.manual_seed(config.training.seed)
@@ -180,7 +210,7 @@ def _time_candidate(
         groups.control,
         candidate.ps,
         groups.attempt,
-        0,
+        start_step,
         train.lr,
         train.scheduler_fn,
         hierarchy,
@@ -189,7 +219,12 @@ def _time_candidate(
     strategy = create_strategy(context)
     try:
         clock = StepClock()
-        schedule = Schedule(1 << 20, config.training.batch_size, accumulate=config.training.accumulate_steps)
+        schedule = Schedule(
+            1 << 20,
+            config.training.batch_size,
+            Position(global_steps_done=start_step),
+            accumulate=config.training.accumulate_steps,
+        )
         trainer = _trainer(train, context, strategy, feed, schedule, [clock])
         rows_per_step = schedule.rows_per_step
 
@@ -219,7 +254,7 @@ def _time_candidate(
     log.info(
         "probe %s: %.2f ms a step (warm-up epoch overhead %.3fs)", candidate.name, step_s * 1e3, warm_overhead
     )
-    return timing, epoch, params
+    return timing, epoch, params, trainer.global_step
 
 
 def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
