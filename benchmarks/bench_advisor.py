@@ -1,6 +1,7 @@
 """The strategy advisor against the strategies benchmark (issue 15, item 4): in one session,
 ``sparkdl.advise`` probes the cluster, then every variant of bench_strategies.py trains for
-real; each row's predicted samples/s (epochs 2+) is compared with the measured one.
+real (twice, in alternating order: the mean); each row's predicted samples/s (epochs 2+) is
+compared with the measured one.
 
     .venv/bin/python benchmarks/bench_advisor.py [--rows 200000] [--epochs 4] [--link loopback]
     ../shared/tools/slow-net --rate 1gbit -- .venv/bin/python benchmarks/bench_advisor.py --link 1gbit
@@ -29,7 +30,10 @@ def main() -> None:
     parser.add_argument("--test-rows", type=int, default=20_000)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=32, help="the probe's batches per worker")
+    parser.add_argument("--steps", type=int, default=64, help="the probe's batches per worker")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="fits of each variant, in alternating order (mean)"
+    )
     parser.add_argument("--link", default="loopback", help="a label for the results file")
     parser.add_argument("--only", default="", help="comma-separated variant names to train for real")
     args = parser.parse_args()
@@ -51,22 +55,24 @@ def main() -> None:
     probe_s = time.perf_counter() - started
     print(advice)
     wanted = set(filter(None, args.only.split(",")))
+    variants = [(name, settings) for name, settings in VARIANTS if not wanted or name in wanted]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for repeat in range(args.repeats):  # forward, then backward: a drifting machine favours none
+        for name, settings in variants if repeat % 2 == 0 else variants[::-1]:
+            runs[name].append(run_variant(train_df, test_df, settings, args.epochs, args.batch_size))
     rows = {}
-    for name, settings in VARIANTS:
-        if wanted and name not in wanted:
-            continue
-        measured = run_variant(train_df, test_df, settings, args.epochs, args.batch_size)
+    for name, _ in variants:
+        measured = sum(r["samples_per_s_epochs_2plus"] for r in runs[name]) / len(runs[name])
         predicted = advice.prediction(name)
         rows[name] = {
             "predicted_samples_per_s": predicted.samples_per_s,
-            "measured_samples_per_s": measured["samples_per_s_epochs_2plus"],
-            "predicted_over_measured": predicted.samples_per_s / measured["samples_per_s_epochs_2plus"],
+            "measured_samples_per_s": measured,
+            "predicted_over_measured": predicted.samples_per_s / measured,
             "source": predicted.source,
-            "measured": measured,
+            "measured": runs[name],
         }
         print(
-            f"{name:<44} predicted {predicted.samples_per_s:>10,.0f}  measured "
-            f"{measured['samples_per_s_epochs_2plus']:>10,.0f}  "
+            f"{name:<44} predicted {predicted.samples_per_s:>10,.0f}  measured {measured:>10,.0f}  "
             f"ratio {rows[name]['predicted_over_measured']:.2f}",
             flush=True,
         )
@@ -78,6 +84,7 @@ def main() -> None:
             "batch_size_per_worker": args.batch_size,
             "workers": 2,
             "probe_steps": args.steps,
+            "repeats": args.repeats,
             "link": args.link,
             "probe_seconds": probe_s,
         },

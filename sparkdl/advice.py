@@ -6,8 +6,10 @@ of each *probed* candidate on the cluster, with the real training loop, feed and
 strategy, on the first rows of every partition, and times them; the other candidates
 are *modelled* from a probed one by what changes between them:
 
-- weight averaging every ``tau`` steps: a local step plus ``1/tau`` of the average that
-  ``tau = 1`` measured (``step_1 - local``), and ``1/tau`` of its bytes;
+- weight averaging every ``tau`` steps: ``step(tau) = c + d / tau``, fitted through the
+  probed ``tau = 1`` and ``tau = 4`` (``d`` is the average, and the wait for the workers'
+  drift apart over a period, which a local step's figure alone misses), and ``1/tau`` of
+  ``tau = 1``'s bytes;
 - the asynchronous parameter server pushing and pulling every ``k`` steps: a local step
   plus ``1/k`` of the asynchronous round trip that ``k = 1`` measured;
 - the stale-synchronous parameter server: between the synchronous and the asynchronous
@@ -33,6 +35,8 @@ from sparkdl.costmodel import Cluster, Exchange, Link, Workload, step_cost
 
 #: The internal candidate that trains with no communication at all: the compute a step costs.
 LOCAL = "local"
+#: Weight averaging is probed at tau = 1 and at this tau; other taus follow from the two.
+FIT_TAU = 4
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,9 @@ class Candidate:
 class Derived:
     """A candidate modelled from a probed one (``parent``) and the local step.
 
-    ``kind``: "divide" (a local step plus ``1/factor`` of the parent's communication) or
-    "between" (the mean of the parent's and ``other``'s steps).
+    ``kind``: "divide" (a local step plus ``1/factor`` of the parent's communication),
+    "between" (the mean of the parent's and ``other``'s steps) or "fit" (``c + d / factor``
+    through the parent at 1 and ``other`` at 4 local steps per exchange).
     """
 
     candidate: Candidate
@@ -112,16 +117,21 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         ),
         Candidate("fsdp", {"strategy": "fsdp", "compression": "none"}),
     ]
+    for suffix, compression in (("", "none"), (" 1bit", "1bit")):
+        probed.append(
+            Candidate(
+                f"weight_averaging tau={FIT_TAU}{suffix}",
+                {"strategy": "weight_averaging", "sync_every": FIT_TAU, "compression": compression},
+                exact=False,
+            )
+        )
     derived: list[Derived] = []
-    for t in sorted({4, 16, tau} - {1}):
+    for t in sorted({8, 16, tau} - {1, FIT_TAU}):
         for suffix, compression in (("", "none"), (" 1bit", "1bit")):
             name = f"weight_averaging tau={t}{suffix}"
             settings = {"strategy": "weight_averaging", "sync_every": t, "compression": compression}
-            derived.append(
-                Derived(
-                    Candidate(name, settings, exact=False), f"weight_averaging tau=1{suffix}", "divide", t
-                )
-            )
+            one, four = f"weight_averaging tau=1{suffix}", f"weight_averaging tau={FIT_TAU}{suffix}"
+            derived.append(Derived(Candidate(name, settings, exact=False), one, "fit", t, four))
     s = staleness or 2
     ssp = Candidate(
         f"parameter_server ssp s={s}",
@@ -305,6 +315,8 @@ def predict(
             continue
         timing = _modelled(d, parent, other, local)
         source = f"modelled: {d.parent}" + (f" and {d.other}" if d.other else f", 1/{d.factor}")
+        if d.kind == "fit":
+            source = f"modelled: c + d/tau through {d.parent} and tau={FIT_TAU}"
         rows.append(_row(d.candidate, timing, steps, total_rows, source))
     rows.sort(key=lambda r: -r.samples_per_s)
     if not rows:
@@ -315,6 +327,10 @@ def predict(
 
 
 def _modelled(d: Derived, parent: Timing, other: Timing | None, local: Timing) -> Timing:
+    if d.kind == "fit" and other is not None:  # step(t) = c + e / t through t = 1 and FIT_TAU
+        exchange = max((parent.step_s - other.step_s) / (1 - 1 / FIT_TAU), 0.0)
+        step_s = max(parent.step_s - exchange, local.step_s) + exchange / d.factor
+        return Timing(step_s, other.epoch_overhead_s, parent.bytes_per_step / d.factor)
     if d.kind == "between" and other is not None:
         return Timing(
             (parent.step_s + other.step_s) / 2,

@@ -46,7 +46,7 @@ def advise(
     df: Any,
     estimator: Any,
     *,
-    steps: int = 32,
+    steps: int = 64,
     budget_s: float = 0.5,
     passes: int = 2,
     strategies: Sequence[str] | None = None,

@@ -36,6 +36,7 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     assert set(measured) == {
         "allreduce",
         "weight_averaging tau=1",
+        "weight_averaging tau=4",
         "parameter_server sync",
         "parameter_server sync 1bit",
     }
@@ -49,12 +50,12 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     # hierarchy refuses fsdp and compressed all-reduce: skipped, with the configuration's reason
     assert "hierarchy = 'host'" in advice.skipped["fsdp"]
     assert "hierarchy = 'host'" in advice.skipped["allreduce 1bit"]
-    assert "which was not probed" in advice.skipped["weight_averaging tau=4 1bit"]
-    # modelled from tau=1: a local step plus 1/tau of its average, for the run's 160 rows
-    tau4 = advice.prediction("weight_averaging tau=4")
-    assert tau4.source == "modelled: weight_averaging tau=1, 1/4"
+    assert "which was not probed" in advice.skipped["weight_averaging tau=8 1bit"]
+    # modelled through tau = 1 and 4: c + d / tau, for the run's 160 rows
+    tau16 = advice.prediction("weight_averaging tau=16")
+    assert tau16.source == "modelled: c + d/tau through weight_averaging tau=1 and tau=4"
     assert advice.total_rows == 160
-    assert advice.prediction("weight_averaging tau=16").samples_per_s >= tau4.samples_per_s
+    assert tau16.bytes_per_step == measured["weight_averaging tau=1"].bytes_per_step / 16
     assert advice.recommended.exact and advice.recommended.name in {"allreduce", "parameter_server sync"}
     assert advice.probe.params == TINY_NET_PARAMS and advice.probe.batch_size == 8
     assert advice.probe.link.latency_s > 0 and advice.probe.link.bytes_per_s > 0
