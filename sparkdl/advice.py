@@ -37,6 +37,10 @@ from sparkdl.costmodel import Cluster, Exchange, Link, Workload, step_cost
 LOCAL = "local"
 #: Weight averaging is probed at tau = 1 and at this tau; other taus follow from the two.
 FIT_TAU = 4
+#: Exact candidates within this share of the fastest count as tied; the first of
+#: PREFERENCE among them is recommended.
+TIE = 0.1
+PREFERENCE = ("allreduce", "parameter_server sync", "weight_averaging tau=1", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -222,8 +226,13 @@ class Advice:
 
     @property
     def recommended(self) -> Prediction:
-        """The fastest candidate that takes the same step as all-reduce (the safe choice)."""
-        return next(row for row in self.rows if row.exact)
+        """The fastest candidate that takes the same step as all-reduce (the safe choice);
+        within ``TIE`` of it, the simpler one by :data:`PREFERENCE` (all-reduce needs no
+        server on the driver): the probe's figures are no finer than that."""
+        exact = [row for row in self.rows if row.exact]
+        best = exact[0]
+        close = {row.name: row for row in exact if row.samples_per_s >= (1 - TIE) * best.samples_per_s}
+        return next((close[name] for name in PREFERENCE if name in close), best)
 
     @property
     def fastest(self) -> Prediction:
@@ -382,5 +391,7 @@ def project(probe: ProbeResult, workers: Sequence[int]) -> dict[str, dict[int, f
 
 
 def _settings_text(settings: Mapping[str, Any]) -> str:
-    shown = {k: v for k, v in settings.items() if not (k == "compression" and v == "none")}
+    shown = {
+        k: v for k, v in settings.items() if (k, v) not in (("compression", "none"), ("backup_workers", 0))
+    }
     return ", ".join(f"{k}={v!r}" for k, v in shown.items())

@@ -33,7 +33,7 @@ TIMINGS = {
 
 def _advice(rows: int = 256_000, **extra: Timing):
     probed, derived = probe_set(tau=8, staleness=0, every=1)
-    return predict(_probe(**TIMINGS, **extra), probed, derived, rows, project_to=(8, 32))
+    return predict(_probe(**{**TIMINGS, **extra}), probed, derived, rows, project_to=(8, 32))
 
 
 def test_a_measured_candidate_runs_its_steps_plus_its_epoch_overhead():
@@ -77,6 +77,16 @@ def test_the_recommendation_is_the_fastest_exact_candidate_and_names_a_much_fast
     assert "strategy='allreduce'" in summary
     assert "parameter_server async push/pull every 4 is predicted" in summary
     assert "check its accuracy" in summary
+
+
+def test_an_exact_candidate_within_a_tenth_of_the_fastest_gives_way_to_all_reduce():
+    tied = _advice(**{"parameter_server sync": Timing(0.0038, 0.06, 2 * MODEL_BYTES)})
+    assert tied.rows.index(tied.prediction("parameter_server sync")) < tied.rows.index(
+        tied.prediction("allreduce")
+    )
+    assert tied.recommended.name == "allreduce"  # 5% slower: within the probe's resolution
+    clear = _advice(**{"parameter_server sync": Timing(0.003, 0.06, 2 * MODEL_BYTES)})
+    assert clear.recommended.name == "parameter_server sync"
 
 
 def test_a_candidate_not_probed_and_those_modelled_from_it_are_listed_with_the_reason():
