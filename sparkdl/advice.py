@@ -10,8 +10,10 @@ are *modelled* from a probed one by what changes between them:
   probed ``tau = 1`` and ``tau = 4`` (``d`` is the average, and the wait for the workers'
   drift apart over a period, which a local step's figure alone misses), and ``1/tau`` of
   ``tau = 1``'s bytes;
-- the asynchronous parameter server pushing and pulling every ``k`` steps: a local step
-  plus ``1/k`` of the asynchronous round trip that ``k = 1`` measured;
+- the asynchronous parameter server pushing and pulling every ``k`` steps: the same
+  ``c + d / k`` through the probed ``k = 1`` and ``k = 4`` (from ``k = 1`` alone, ``1/k``
+  of its round trip came out 25% slow on a shared 1 Gbit/s link: exchanges that no longer
+  coincide do not queue behind each other);
 - the stale-synchronous parameter server: between the synchronous and the asynchronous
   one (it waits only for a worker more than ``staleness`` clocks behind; with workers of
   equal speed it runs close to sync, with a straggler close to async).
@@ -35,8 +37,9 @@ from sparkdl.costmodel import Cluster, Exchange, Link, Workload, step_cost
 
 #: The internal candidate that trains with no communication at all: the compute a step costs.
 LOCAL = "local"
-#: Weight averaging is probed at tau = 1 and at this tau; other taus follow from the two.
-FIT_TAU = 4
+#: Weight averaging (tau) and the asynchronous parameter server (push/pull every k) are
+#: probed at 1 and at this many steps per exchange; other counts follow from the two.
+FIT_AT = 4
 #: Exact candidates within this share of the fastest count as tied; the first of
 #: PREFERENCE among them is recommended.
 TIE = 0.1
@@ -57,16 +60,16 @@ class Candidate:
 class Derived:
     """A candidate modelled from a probed one (``parent``) and the local step.
 
-    ``kind``: "divide" (a local step plus ``1/factor`` of the parent's communication),
-    "between" (the mean of the parent's and ``other``'s steps) or "fit" (``c + d / factor``
-    through the parent at 1 and ``other`` at 4 local steps per exchange).
+    ``kind``: "fit" (``c + d / factor`` through the parent at 1 and ``other`` at
+    :data:`FIT_AT` steps per exchange) or "between" (the mean of the parent's and
+    ``other``'s steps).
     """
 
     candidate: Candidate
     parent: str
     kind: str
     factor: int = 1
-    other: str = ""
+    other: str = ""  # the second probed candidate it is modelled from
 
 
 def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], list[Derived]]:
@@ -124,17 +127,17 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
     for suffix, compression in (("", "none"), (" 1bit", "1bit")):
         probed.append(
             Candidate(
-                f"weight_averaging tau={FIT_TAU}{suffix}",
-                {"strategy": "weight_averaging", "sync_every": FIT_TAU, "compression": compression},
+                f"weight_averaging tau={FIT_AT}{suffix}",
+                {"strategy": "weight_averaging", "sync_every": FIT_AT, "compression": compression},
                 exact=False,
             )
         )
     derived: list[Derived] = []
-    for t in sorted({8, 16, tau} - {1, FIT_TAU}):
+    for t in sorted({8, 16, tau} - {1, FIT_AT}):
         for suffix, compression in (("", "none"), (" 1bit", "1bit")):
             name = f"weight_averaging tau={t}{suffix}"
             settings = {"strategy": "weight_averaging", "sync_every": t, "compression": compression}
-            one, four = f"weight_averaging tau=1{suffix}", f"weight_averaging tau={FIT_TAU}{suffix}"
+            one, four = f"weight_averaging tau=1{suffix}", f"weight_averaging tau={FIT_AT}{suffix}"
             derived.append(Derived(Candidate(name, settings, exact=False), one, "fit", t, four))
     s = staleness or 2
     ssp = Candidate(
@@ -143,8 +146,16 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         exact=False,
     )
     derived.append(Derived(ssp, "parameter_server sync", "between", other="parameter_server async"))
-    k = every if every > 1 else 4
-    async_k = Candidate(
+    probed.append(_async_every(FIT_AT))
+    for k in sorted({every} - {1, FIT_AT}):
+        derived.append(
+            Derived(_async_every(k), "parameter_server async", "fit", k, _async_every(FIT_AT).name)
+        )
+    return probed, derived
+
+
+def _async_every(k: int) -> Candidate:
+    return Candidate(
         f"parameter_server async push/pull every {k}",
         {
             "strategy": "parameter_server",
@@ -155,8 +166,6 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         },
         exact=False,
     )
-    derived.append(Derived(async_k, "parameter_server async", "divide", k))
-    return probed, derived
 
 
 @dataclass(frozen=True)
@@ -317,15 +326,15 @@ def predict(
     rows = [_row(c, t, steps, total_rows, "measured") for c, t in timed.values()]
     skipped = {c.name: probe.skipped.get(c.name, "not run") for c in probed if c.name not in probe.timings}
     for d in derived:
-        parent = probe.timings.get(d.parent)
-        other = probe.timings.get(d.other) if d.other else None
-        if parent is None or (d.other and other is None):
-            skipped[d.candidate.name] = f"modelled from {d.parent!r}, which was not probed"
+        parent, other = probe.timings.get(d.parent), probe.timings.get(d.other)
+        if parent is None or other is None:
+            missing = d.parent if parent is None else d.other
+            skipped[d.candidate.name] = f"modelled from {missing!r}, which was not probed"
             continue
         timing = _modelled(d, parent, other, local)
-        source = f"modelled: {d.parent}" + (f" and {d.other}" if d.other else f", 1/{d.factor}")
+        source = f"modelled: between {d.parent} and {d.other}"
         if d.kind == "fit":
-            source = f"modelled: c + d/tau through {d.parent} and tau={FIT_TAU}"
+            source = f"modelled: c + d/k through {d.parent} and {d.other}"
         rows.append(_row(d.candidate, timing, steps, total_rows, source))
     rows.sort(key=lambda r: -r.samples_per_s)
     if not rows:
@@ -335,21 +344,17 @@ def predict(
     return advice
 
 
-def _modelled(d: Derived, parent: Timing, other: Timing | None, local: Timing) -> Timing:
-    if d.kind == "fit" and other is not None:  # step(t) = c + e / t through t = 1 and FIT_TAU
-        exchange = max((parent.step_s - other.step_s) / (1 - 1 / FIT_TAU), 0.0)
-        step_s = max(parent.step_s - exchange, local.step_s) + exchange / d.factor
-        return Timing(step_s, other.epoch_overhead_s, parent.bytes_per_step / d.factor)
-    if d.kind == "between" and other is not None:
+def _modelled(d: Derived, parent: Timing, other: Timing, local: Timing) -> Timing:
+    if d.kind == "between":
         return Timing(
             (parent.step_s + other.step_s) / 2,
             (parent.epoch_overhead_s + other.epoch_overhead_s) / 2,
             (parent.bytes_per_step + other.bytes_per_step) / 2,
         )
-    communication = max(parent.step_s - local.step_s, 0.0)
-    return Timing(
-        local.step_s + communication / d.factor, parent.epoch_overhead_s, parent.bytes_per_step / d.factor
-    )
+    # step(t) = c + e / t through t = 1 and FIT_AT (c no faster than a local step)
+    exchange = max((parent.step_s - other.step_s) / (1 - 1 / FIT_AT), 0.0)
+    step_s = max(parent.step_s - exchange, local.step_s) + exchange / d.factor
+    return Timing(step_s, other.epoch_overhead_s, parent.bytes_per_step / d.factor)
 
 
 def _row(candidate: Candidate, timing: Timing, steps: int, total_rows: int, source: str) -> Prediction:

@@ -53,7 +53,7 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     assert "which was not probed" in advice.skipped["weight_averaging tau=8 1bit"]
     # modelled through tau = 1 and 4: c + d / tau, for the run's 160 rows
     tau16 = advice.prediction("weight_averaging tau=16")
-    assert tau16.source == "modelled: c + d/tau through weight_averaging tau=1 and tau=4"
+    assert tau16.source == "modelled: c + d/k through weight_averaging tau=1 and weight_averaging tau=4"
     assert advice.total_rows == 160
     assert tau16.bytes_per_step == measured["weight_averaging tau=1"].bytes_per_step / 16
     assert advice.recommended.exact and advice.recommended.name in {"allreduce", "parameter_server sync"}
