@@ -25,7 +25,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -47,12 +47,12 @@ from sparkdl.runtime.worker import (
     _socket_interface,
     _trainer,
 )
-from sparkdl.strategies import StrategyContext, create_strategy, strategy_class
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.hierarchy import Hierarchy
 from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
 from sparkdl.training.hooks import EpochTally, StepHook
-from sparkdl.training.loop import Schedule
+from sparkdl.training.loop import Schedule, Trainer
 from sparkdl.training.planning import coordinator_for, exchange_row_counts
 
 log = logging.getLogger(__name__)
@@ -128,33 +128,16 @@ def run_probe(
         stack.callback(feed.close)
         feed.fill_cache()  # what a run's first epoch leaves behind
         counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, groups.control)
+        bench = Bench(spec, feed, counts, device, groups, hierarchy, placement)
         measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in spec.candidates}
-        # a candidate's later pass goes on from its global step: its parameter server
-        # (one per candidate, for the whole probe) expects the next clock
-        steps_done = dict.fromkeys(measured, 0)
-        epoch = 2
-        params = 0
         for order in _pass_orders(spec.candidates, spec.passes):
             for candidate in order:
                 log.info("rank %d: probing %s", rank, candidate.name)
-                timing, epoch, size, steps_done[candidate.name] = _time_candidate(
-                    spec,
-                    candidate,
-                    feed,
-                    counts,
-                    device,
-                    groups,
-                    hierarchy,
-                    placement,
-                    epoch,
-                    steps_done[candidate.name],
-                )
-                measured[candidate.name].append(timing)
-                params = max(params, size)
+                measured[candidate.name].append(bench.time(candidate))
         timings = {name: _mean(runs) for name, runs in measured.items()}
-        link = _measure_link(params, device, placement.world_size, groups.control)
+        link = _measure_link(bench.params, device, placement.world_size, groups.control)
         stack.callback(watchdog.arm)  # bounds the teardown, like a worker's
-        return {"rank": rank, "timings": timings, "link": link, "params": params, "rows": counts}
+        return {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
 
@@ -178,83 +161,95 @@ def first_rows(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Reco
         left -= batch.num_rows
 
 
-def _time_candidate(
-    spec: ProbeSpec,
-    candidate: ProbeCandidate,
-    feed: PartitionFeed,
-    counts: list[int],
-    device: torch.device,
-    groups: ProcessGroups,
-    hierarchy: Hierarchy | None,
-    placement: Placement,
-    epoch: int,
-    start_step: int,
-) -> tuple[dict[str, float], int, int, int]:
-    """Train ``candidate`` from global step ``start_step`` for a warm-up epoch and timed
-    ones; return its timing (the slowest rank's), the next unused epoch number, the
-    model's parameter count and the global steps done."""
-    config = candidate.config
-    train = dataclasses.replace(spec.train, config=config)
-    torch.manual_seed(config.training.seed)
-    kind = strategy_class(config.training.strategy)
-    module = kind.build_module(train.model_fn, config, device)
-    params = sum(p.numel() for p in module.parameters())  # a sharded (DTensor) one counts whole
-    optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
-    context = StrategyContext(
-        config,
-        placement.rank,
-        placement.world_size,
-        device,
-        module,
-        optimizer,
-        groups.control,
-        candidate.ps,
-        groups.attempt,
-        start_step,
-        train.lr,
-        train.scheduler_fn,
-        hierarchy,
-        groups.store,
-    )
-    strategy = create_strategy(context)
-    try:
-        clock = StepClock()
-        schedule = Schedule(
-            1 << 20,
-            config.training.batch_size,
-            Position(global_steps_done=start_step),
-            accumulate=config.training.accumulate_steps,
+@dataclass
+class Bench:
+    """What every candidate is timed on: one worker's cached rows, process groups and place.
+
+    ``epoch`` numbers the cached epochs across candidates (each its own shuffle);
+    ``steps_done`` is each candidate's global step, so that a later pass goes on where its
+    earlier one stopped (its parameter server, one per candidate for the whole probe,
+    expects the next clock).
+    """
+
+    spec: ProbeSpec
+    feed: PartitionFeed
+    counts: list[int]
+    device: torch.device
+    groups: ProcessGroups
+    hierarchy: Hierarchy | None
+    placement: Placement
+    epoch: int = 2
+    params: int = 0
+    steps_done: dict[str, int] = field(default_factory=dict)
+
+    def time(self, candidate: ProbeCandidate) -> dict[str, float]:
+        """Build ``candidate`` afresh and train a warm-up epoch and timed ones; its step time,
+        epoch overhead and bytes per step (each the slowest rank's)."""
+        config = candidate.config
+        train = dataclasses.replace(self.spec.train, config=config)
+        start = self.steps_done.get(candidate.name, 0)
+        strategy = self._build(candidate, train, start)
+        try:
+            clock = StepClock()
+            schedule = Schedule(
+                1 << 20,
+                config.training.batch_size,
+                Position(global_steps_done=start),
+                accumulate=config.training.accumulate_steps,
+            )
+            trainer = _trainer(train, strategy.ctx, strategy, self.feed, schedule, [clock])
+            self._epoch(trainer, clock, schedule.rows_per_step)  # warm-up
+            first = self._epoch(trainer, clock, schedule.rows_per_step)
+            steps = -(-max(self.counts) // schedule.rows_per_step)
+            per_epoch = _agreed_max(torch.tensor([first[0] * steps + first[1]]), self.groups.control)[0]
+            repeats = min(_MAX_REPEATS, max(1, int(self.spec.budget_s / max(per_epoch, 1e-6))))
+            samples = [first] + [self._epoch(trainer, clock, schedule.rows_per_step) for _ in range(repeats)]
+            medians = torch.tensor([statistics.median(s[i] for s in samples) for i in range(3)])
+            step_s, overhead_s, sent = _agreed_max(medians, self.groups.control)
+            self.steps_done[candidate.name] = trainer.global_step
+        finally:
+            _close_strategy(strategy)
+        log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
+        return {"step_s": step_s, "epoch_overhead_s": max(overhead_s, 0.0), "bytes_per_step": sent}
+
+    def _build(self, candidate: ProbeCandidate, train: TrainSpec, start: int) -> SyncStrategy:
+        """Model, optimizer and strategy of ``candidate``, as ``run_worker`` builds them."""
+        config, placement = candidate.config, self.placement
+        torch.manual_seed(config.training.seed)
+        kind = strategy_class(config.training.strategy)
+        module = kind.build_module(train.model_fn, config, self.device)
+        # a sharded (DTensor) parameter counts whole
+        self.params = max(self.params, sum(p.numel() for p in module.parameters()))
+        optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
+        context = StrategyContext(
+            config,
+            placement.rank,
+            placement.world_size,
+            self.device,
+            module,
+            optimizer,
+            self.groups.control,
+            candidate.ps,
+            self.groups.attempt,
+            start,
+            train.lr,
+            train.scheduler_fn,
+            self.hierarchy,
+            self.groups.store,
         )
-        trainer = _trainer(train, context, strategy, feed, schedule, [clock])
-        rows_per_step = schedule.rows_per_step
+        return create_strategy(context)
 
-        def one_epoch() -> tuple[float, float, float]:
-            nonlocal epoch
-            batches, source = feed.epoch(epoch)
-            coordinator = coordinator_for(False, counts, rows_per_step, groups.control)
-            started = time.perf_counter()
-            result, tally = trainer.run_epoch(epoch, batches, coordinator, source)
-            wall = time.perf_counter() - started
-            epoch += 1
-            steps = max(tally.steps, 1)
-            span = clock.take()
-            return span / steps, wall - span, result.sync.bytes_sent / steps
-
-        _, warm_overhead, _ = one_epoch()
-        first = one_epoch()
-        steps = -(-max(counts) // rows_per_step)
-        per_epoch = _agreed_max(torch.tensor([first[0] * steps + first[1]]), groups.control)[0]
-        repeats = min(_MAX_REPEATS, max(1, int(spec.budget_s / max(per_epoch, 1e-6))))
-        samples = [first] + [one_epoch() for _ in range(repeats)]
-        figures = [statistics.median(s[i] for s in samples) for i in range(3)]
-        step_s, overhead_s, sent = _agreed_max(torch.tensor(figures, dtype=torch.float64), groups.control)
-    finally:
-        _close_strategy(strategy)
-    timing = {"step_s": step_s, "epoch_overhead_s": max(overhead_s, 0.0), "bytes_per_step": sent}
-    log.info(
-        "probe %s: %.2f ms a step (warm-up epoch overhead %.3fs)", candidate.name, step_s * 1e3, warm_overhead
-    )
-    return timing, epoch, params, trainer.global_step
+    def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
+        """One cached epoch: seconds per step, seconds beyond the steps, bytes sent per step."""
+        batches, source = self.feed.epoch(self.epoch)
+        coordinator = coordinator_for(False, self.counts, rows_per_step, self.groups.control)
+        started = time.perf_counter()
+        result, tally = trainer.run_epoch(self.epoch, batches, coordinator, source)
+        wall = time.perf_counter() - started
+        self.epoch += 1
+        steps = max(tally.steps, 1)
+        span = clock.take()
+        return span / steps, wall - span, result.sync.bytes_sent / steps
 
 
 def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
