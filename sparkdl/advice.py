@@ -112,6 +112,17 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
             exact=False,
         ),
         Candidate(
+            "parameter_server sync 1bit, bf16 pulls",
+            {
+                "strategy": "parameter_server",
+                "ps_mode": "sync",
+                "compression": "1bit",
+                "backup_workers": 0,
+                "ps_pull_precision": "bf16",
+            },
+            exact=False,
+        ),
+        Candidate(
             "parameter_server async",
             {
                 "strategy": "parameter_server",

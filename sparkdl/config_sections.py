@@ -495,9 +495,22 @@ class ParameterServerConfig:
             "Largest frame the server or a worker accepts; raise it for a bigger shard.", bound="> 0"
         ),
     )
+    ps_pull_precision: Precision = field(
+        default=Precision.FP32,
+        metadata=about(
+            "Weights a pull carries: fp32, or bf16 (half the bytes of the server's busiest direction; "
+            "workers compute on weights rounded to bf16, the server keeps and returns float32).",
+            valid="fp32, bf16",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "parameter_server")
+        if self.ps_pull_precision is Precision.FP16:
+            raise ConfigError(
+                "ps_pull_precision = 'fp16' could overflow weights above 65504; use 'bf16' (the same "
+                "bytes, float32's range) or 'fp32'"
+            )
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def host_bytes(
     hierarchy's groups and NCCL's rings arrange them)."""
     m = model_bytes * COMPRESSION_FACTOR[compression]
     ring = cluster.hosts if hierarchical else cluster.workers  # the ring's members, or the pushers
-    if exchange is Exchange.PARAMETER_SERVER:  # pulls stay float32: they fill the server's NIC
+    if exchange is Exchange.PARAMETER_SERVER:  # float32 pulls (the default) fill the server's NIC
         return ring * model_bytes
     if ring == 1:
         return 0.0

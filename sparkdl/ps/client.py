@@ -16,7 +16,7 @@ from sparkdl.compression.codecs import ErrorFeedback
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.net.framing import Placement, ReusedBuffer
 from sparkdl.ps.endpoint import PsEndpoint
-from sparkdl.ps.protocol import Frame, Kind, PsChannel, client_hello, error_of
+from sparkdl.ps.protocol import BF16, FLOAT32, Frame, Kind, PsChannel, client_hello, error_of
 
 T = TypeVar("T")
 
@@ -45,6 +45,8 @@ class PsClient:
         feedback: compress pushes with this codec and error feedback (None: float32).
         pushers: the attempt pushes through that many pushers, ``rank`` being this one's
             number among them (a hierarchy's hosts); 0: every worker pushes.
+        bf16_pulls: ask for the weights in bf16 (half the bytes; the pulled float32 weights
+            are then the server's rounded to bf16).
     """
 
     def __init__(
@@ -55,8 +57,10 @@ class PsClient:
         start_clock: int = 0,
         feedback: ErrorFeedback | None = None,
         pushers: int = 0,
+        bf16_pulls: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self._pull_dtype = BF16 if bf16_pulls else FLOAT32
         self.feedback = feedback
         self.rank = rank
         self.attempt = attempt
@@ -75,6 +79,7 @@ class PsClient:
             raise
         self._shards = shards
         self._weights = [ReusedBuffer() for _ in range(shards)]  # each shard's pulled weights land here
+        self._widened = [torch.empty(0) for _ in range(shards)]  # bf16 pulls: their float32 values
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
     def _connect(self) -> PsChannel:
@@ -202,22 +207,36 @@ class PsClient:
         server answers a connection's requests in order; an ERROR for the push raises here)."""
         channel = self._channels[shard]
         sent = channel.send(self._push_frame(shard, clock, rows, grad))
-        pull_sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, pull_clock))
+        pull_sent = channel.send(self._pull_frame(shard, pull_clock))
         staleness = self._expect(channel, Kind.ACK).staleness
         return (sent, staleness), self._read_weights(shard, pull_sent)
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor, int]:
         """Runs on a pool thread: (bytes sent, bytes received, version, weights, clocks ahead)."""
         channel = self._channels[shard]
-        sent = channel.send(Frame(Kind.PULL, shard, self.rank, self.attempt, clock))
+        sent = channel.send(self._pull_frame(shard, clock))
         return self._read_weights(shard, sent)
+
+    def _pull_frame(self, shard: int, clock: int) -> Frame:
+        return Frame(Kind.PULL, shard, self.rank, self.attempt, clock, dtype=self._pull_dtype)
 
     def _read_weights(self, shard: int, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
         """The shard's WEIGHTS, read into its reused buffer (valid until its next pull)."""
         buffer = self._weights[shard]
         into: Placement = lambda kind, _, n: buffer.view(n) if kind == Kind.WEIGHTS else None  # noqa: E731
         reply = self._expect(self._channels[shard], Kind.WEIGHTS, into)
-        weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+        if reply.dtype != self._pull_dtype:
+            raise ParameterServerError(
+                f"rank {self.rank}: asked for shard {shard}'s weights in encoding {self._pull_dtype}, "
+                f"the server sent {reply.dtype}; the driver and the executors run different sparkdl versions"
+            )
+        if reply.dtype == FLOAT32:
+            weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+        else:  # bf16: widened into this shard's reused float32 buffer
+            half = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.int16)).view(torch.bfloat16)
+            if self._widened[shard].numel() != half.numel():
+                self._widened[shard] = torch.empty(half.numel())
+            weights = self._widened[shard].copy_(half)
         return sent, len(reply.payload), reply.version, weights, reply.staleness
 
     def _expect(self, channel: PsChannel, kind: Kind, into: Placement | None = None) -> Frame:

@@ -3,7 +3,8 @@
 A frame's payload is the raw little-endian float32 bytes of one shard (PUSH, WEIGHTS),
 a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning:
 
-    dtype      PUSH, WEIGHTS: the payload's element type (FLOAT32)
+    dtype      PUSH, WEIGHTS: the payload's encoding (FLOAT32, or a codec's code: a
+               compressed push, bf16 weights); PULL: the encoding the worker asks for
     error      ERROR: what failed (:class:`ErrorCode`); NONE on every other frame
     shard      the shard a request or its answer is about
     rank       the worker (HELLO and every request)
@@ -42,6 +43,7 @@ from sparkdl.errors import (
 from sparkdl.net.framing import Channel, Fields, Payload, WireProtocol, member
 
 FLOAT32 = 1
+BF16 = 5  # the bf16 codec's code (sparkdl.compression.codecs.Half): what a pull may ask for
 MAX_ERROR_BYTES = 8000
 
 

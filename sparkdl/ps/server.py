@@ -45,7 +45,16 @@ from sparkdl.errors import (
 from sparkdl.net.framing import ReusedBuffer
 from sparkdl.net.listener import ConnectionListener, one_line
 from sparkdl.ps.endpoint import PsEndpoint
-from sparkdl.ps.protocol import FLOAT32, MAX_ERROR_BYTES, PS_WIRE, Frame, Kind, PsChannel, error_frame
+from sparkdl.ps.protocol import (
+    BF16,
+    FLOAT32,
+    MAX_ERROR_BYTES,
+    PS_WIRE,
+    Frame,
+    Kind,
+    PsChannel,
+    error_frame,
+)
 from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -235,14 +244,20 @@ class ParameterServer:
             staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
             return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
         if frame.kind is Kind.PULL:
+            if frame.dtype not in (FLOAT32, BF16):
+                raise ProtocolError(
+                    f"pull of shard {frame.shard} in encoding {frame.dtype}: fp32 or bf16 only"
+                )
             version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, warm.weights(store.numel))
             ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
+            payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
             return Frame(
                 Kind.WEIGHTS,
                 shard=frame.shard,
                 version=version,
                 staleness=ahead,
-                payload=weights.numpy().data,
+                payload=payload,
+                dtype=frame.dtype,
             )
         if frame.kind is Kind.ABORT:
             reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
@@ -286,6 +301,7 @@ class _WarmBuffers:
     def __init__(self) -> None:
         self._push = ReusedBuffer()
         self._weights = torch.empty(0)
+        self._bf16 = torch.empty(0, dtype=torch.bfloat16)
 
     def push_payload(self, kind: int, fields: tuple[int, ...], length: int) -> memoryview | None:
         return self._push.view(length) if kind == Kind.PUSH else None
@@ -294,6 +310,14 @@ class _WarmBuffers:
         if self._weights.numel() < numel:
             self._weights = torch.empty(numel)
         return self._weights[:numel]
+
+    def bf16(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights`` rounded to bf16, as the 16-bit integers the wire carries (reused memory)."""
+        if self._bf16.numel() < weights.numel():
+            self._bf16 = torch.empty(weights.numel(), dtype=torch.bfloat16)
+        half = self._bf16[: weights.numel()]
+        half.copy_(weights)
+        return half.view(torch.int16)
 
 
 class _ThreadsHold:

@@ -14,8 +14,11 @@ already are, and a worker that fell behind skips that many steps (it consumes th
 batches and trains on none of them) instead of setting everyone's pace.
 
 Compression. With ``compression`` set, each push is encoded with error feedback on the
-worker (one residual per shard), and the server decodes it by the frame's encoding;
-pulls stay float32 (the worker's copy must be the server's weights exactly).
+worker (one residual per shard), and the server decodes it by the frame's encoding.
+Pulls are float32 unless ``ps_pull_precision = "bf16"``: then the server sends its weights
+rounded to bf16 (half the bytes of its busiest direction) and the worker computes on them;
+the server's own weights, and so the trained model, stay float32, and every pull rounds
+afresh, so no rounding error accumulates (no error feedback needed).
 
 Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
 the driver: the host's workers sum their gradients and rows into the leader
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from sparkdl.compression.codecs import ErrorFeedback, codec_for
-from sparkdl.config import PsMode, Strategy
+from sparkdl.config import Precision, PsMode, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.ps.client import ClientStats, PsClient
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy
@@ -73,11 +76,14 @@ class ParameterServerStrategy(SyncStrategy):
         self._hierarchy = ctx.hierarchy
         self._stopping: SparkDLError | None = None  # hierarchy: told to the leader at the next push
         self._client: PsClient | None = None
+        bf16 = settings.ps_pull_precision is Precision.BF16
         if self._hierarchy is None:
-            self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback)
+            self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback, bf16_pulls=bf16)
         elif self._hierarchy.is_leader:  # pusher number `host` of `hosts`
             h = self._hierarchy
-            self._client = PsClient(ctx.ps, h.host, ctx.attempt, ctx.resume_step, feedback, pushers=h.hosts)
+            self._client = PsClient(
+                ctx.ps, h.host, ctx.attempt, ctx.resume_step, feedback, pushers=h.hosts, bf16_pulls=bf16
+            )
         try:
             self._exchange(None, ctx.resume_step)
         except BaseException:

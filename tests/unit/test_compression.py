@@ -198,6 +198,22 @@ def test_one_bit_reaches_uncompressed_accuracy_on_digits_and_sends_a_sixteenth(t
 
 
 @pytest.mark.slow
+def test_bf16_pulls_keep_the_parameter_servers_accuracy_with_half_the_pulled_bytes(tmp_path):
+    shards, held_out = digits()
+    settings = dict(strategy="parameter_server", batch_size=32, epochs=4, compression="1bit")
+    full, full_results = train(tmp_path / "fp32", shards, **settings)
+    half, half_results = train(tmp_path / "bf16", shards, ps_pull_precision="bf16", **settings)
+    full_accuracy, half_accuracy = accuracy(full, held_out), accuracy(half, held_out)
+    assert half_accuracy >= full_accuracy - 0.01, (full_accuracy, half_accuracy)
+
+    def received(results) -> int:
+        return sum(h["bytes_received"] for h in results[0][1])
+
+    assert received(half_results) == received(full_results) // 2  # the weights' payload, halved
+    print(f"1bit pushes: accuracy {full_accuracy:.4f} with fp32 pulls, {half_accuracy:.4f} with bf16")
+
+
+@pytest.mark.slow
 def test_without_error_feedback_one_bit_all_reduce_is_measurably_worse(tmp_path):
     shards, held_out = digits()
     settings = dict(batch_size=32, epochs=4, compression="1bit")

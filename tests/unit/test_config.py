@@ -255,3 +255,11 @@ def test_estimator_rejects_unknown_settings_naming_the_close_one():
         TorchEstimator(model_fn=lambda: None, qqq=3)
     with pytest.raises(ConfigError, match="loss"):
         TorchEstimator(model_fn=lambda: None, loss_fn="hinge")
+
+
+def test_pulls_come_in_fp32_or_bf16_never_fp16():
+    assert (
+        SparkDLConfig().replace(ps_pull_precision="bf16").parameter_server.ps_pull_precision.value == "bf16"
+    )
+    with pytest.raises(ConfigError, match=r"ps_pull_precision = 'fp16' could overflow .* use 'bf16'"):
+        SparkDLConfig().replace(ps_pull_precision="fp16")

@@ -460,3 +460,38 @@ def test_an_attempt_pushes_through_the_pushers_its_hello_says_and_its_connection
         for leader in leaders:
             leader.close()
         ps.stop()
+
+
+def test_bf16_pulls_carry_half_the_bytes_and_the_servers_weights_rounded_to_bf16():
+    values = (1.0 + 2**-10, -3.0 + 2**-12, 1e30, 7.0)  # the first two are not bf16 numbers
+    ps = ParameterServer([store(values=values)], "127.0.0.1", SECRET, timeout_s=2.0, max_payload=1 << 20)
+    try:
+        e = ps.endpoint(((0,),))
+        half = PsClient(e, 0, 0, bf16_pulls=True)
+        full = PsClient(e, 1, 0)
+        try:
+            ((version, pulled),) = half.pull(0)
+            expected = torch.tensor(values).to(torch.bfloat16).float()
+            assert version == 0 and pulled.dtype == torch.float32
+            assert pulled.tolist() == expected.tolist() and pulled.tolist() != list(values)
+            assert half.stats.bytes_received == 2 * len(values)
+            assert full.pull(0)[0][1].tolist() == torch.tensor(values).tolist()  # the server keeps float32
+            assert full.stats.bytes_received == 4 * len(values)
+        finally:
+            half.close()
+            full.close()
+    finally:
+        ps.stop()
+
+
+def test_a_pull_in_an_encoding_the_server_does_not_serve_closes_the_connection(server, caplog):
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    try:
+        assert channel.recv(1 << 20).kind is Kind.ACK  # of the HELLO
+        channel.send(Frame(Kind.PULL, 0, 0, 0, 0, dtype=2))  # 1-bit weights: not a thing
+        with pytest.raises(ConnectionClosed):
+            channel.recv(1 << 20)
+    finally:
+        channel.sock.close()
+    assert "pull of shard 0 in encoding 2: fp32 or bf16 only" in caplog.text
+    real_workers_still_train(server)
