@@ -39,6 +39,7 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
         "weight_averaging tau=4",
         "parameter_server sync",
         "parameter_server sync 1bit",
+        "parameter_server sync 1bit, bf16 pulls",
     }
     # what each sent per step, counted by the strategies themselves while the probe trained
     # (local[2] is one host: the hierarchy has nothing to combine, the ring is flat)
@@ -46,7 +47,10 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     assert model_bytes <= measured["weight_averaging tau=1"].bytes_per_step < 2 * model_bytes
     ps = measured["parameter_server sync"].bytes_per_step
     # the same frames, the payload 1-bit: 83 signs in 12 bytes plus two float32 means
-    assert ps > model_bytes and ps - measured["parameter_server sync 1bit"].bytes_per_step == model_bytes - 20
+    ps_1bit = measured["parameter_server sync 1bit"].bytes_per_step
+    assert ps > model_bytes and ps - ps_1bit == model_bytes - 20
+    # bytes_per_step counts what a worker sent: a bf16 pull asks for less, its request is the same
+    assert measured["parameter_server sync 1bit, bf16 pulls"].bytes_per_step == ps_1bit
     # hierarchy refuses fsdp and compressed all-reduce: skipped, with the configuration's reason
     assert "hierarchy = 'host'" in advice.skipped["fsdp"]
     assert "hierarchy = 'host'" in advice.skipped["allreduce 1bit"]
