@@ -28,6 +28,7 @@ workers.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ LOCAL = "local"
 #: probed at 1 and at this many steps per exchange; other counts follow from the two.
 FIT_AT = 4
 #: Exact candidates within this share of the fastest count as tied; the first of
-#: PREFERENCE among them is recommended.
+#: PREFERENCE among them is recommended: all-reduce (the default, nothing else to run),
+#: fsdp (no server either), the synchronous parameter server (a server on the driver).
 TIE = 0.1
-PREFERENCE = ("allreduce", "parameter_server sync", "weight_averaging tau=1", "fsdp")
+PREFERENCE = ("allreduce", "fsdp", "parameter_server sync")
 
 
 @dataclass(frozen=True)
@@ -56,127 +58,84 @@ class Candidate:
     exact: bool = True  # computes the same step as single-process SGD on the global batch
 
 
+class Model(str, enum.Enum):
+    """How a modelled candidate follows from the probed ones."""
+
+    FIT = "fit"  # step(k) = c + d / k through the parent at k = 1 and ``other`` at FIT_AT
+    BETWEEN = "between"  # the mean of the parent's and ``other``'s figures
+
+
 @dataclass(frozen=True)
 class Derived:
-    """A candidate modelled from a probed one (``parent``) and the local step.
-
-    ``kind``: "fit" (``c + d / factor`` through the parent at 1 and ``other`` at
-    :data:`FIT_AT` steps per exchange) or "between" (the mean of the parent's and
-    ``other``'s steps).
-    """
+    """A candidate modelled from two probed ones, ``parent`` and ``other`` (see :class:`Model`)."""
 
     candidate: Candidate
+    model: Model
     parent: str
-    kind: str
-    factor: int = 1
-    other: str = ""  # the second probed candidate it is modelled from
+    other: str
+    factor: int = 1  # FIT: the steps per exchange of the candidate
+
+
+def _candidate(name: str, exact: bool = False, **settings: Any) -> Candidate:
+    return Candidate(name, {"compression": "none", **settings}, exact)
+
+
+def _ps(name: str, mode: str, exact: bool = False, **settings: Any) -> Candidate:
+    # pinned: the user's backup workers and bf16 pulls would make a "sync" row inexact
+    pinned = {"backup_workers": 0, "ps_pull_precision": "fp32", **settings}
+    return _candidate(name, exact, strategy="parameter_server", ps_mode=mode, **pinned)
+
+
+def _wa(tau: int, compression: str = "none") -> Candidate:
+    suffix = "" if compression == "none" else f" {compression}"
+    name = f"weight_averaging tau={tau}{suffix}"
+    return _candidate(name, strategy="weight_averaging", sync_every=tau, compression=compression)
+
+
+def _async_every(k: int) -> Candidate:
+    name = "parameter_server async" + (f" push/pull every {k}" if k > 1 else "")
+    return _ps(name, "async", push_every=k, pull_every=k)
 
 
 def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], list[Derived]]:
     """The candidates the probe trains, and those modelled from them.
 
+    Exact candidates take single-process SGD's step on the global batch whatever the
+    optimizer: all-reduce, fsdp and the synchronous parameter server (fp32 pulls, no
+    backup workers). Weight averaging at tau 1 is exact only with plain SGD, which the
+    advisor cannot see in an ``optimizer_fn``, so it does not count as exact.
+
     Args:
-        tau: the estimator's ``sync_every`` (modelled besides 4 and 16).
+        tau: the estimator's ``sync_every`` (modelled besides 8 and 16; 1 and 4 are probed).
         staleness: the estimator's ``staleness`` (the ssp row's bound; 0 counts as 2).
-        every: the estimator's ``push_every`` (the async row pushing every ``k``; 1 counts as 4).
+        every: the estimator's ``push_every`` (a modelled async row when not 1 or 4, probed).
     """
     probed = [
-        Candidate(
-            LOCAL,
-            {
-                "strategy": "weight_averaging",
-                "sync_every": 1 << 30,
-                "compression": "none",
-                "wa_backup_workers": 0,
-            },
-        ),
-        Candidate("allreduce", {"strategy": "allreduce", "compression": "none"}),
-        Candidate("allreduce fp16", {"strategy": "allreduce", "compression": "fp16"}, exact=False),
-        Candidate("allreduce 1bit", {"strategy": "allreduce", "compression": "1bit"}, exact=False),
-        Candidate(
-            "weight_averaging tau=1",
-            {"strategy": "weight_averaging", "sync_every": 1, "compression": "none"},
-        ),
-        Candidate(
-            "weight_averaging tau=1 1bit",
-            {"strategy": "weight_averaging", "sync_every": 1, "compression": "1bit"},
-            exact=False,
-        ),
-        Candidate(
-            "parameter_server sync",
-            {"strategy": "parameter_server", "ps_mode": "sync", "compression": "none", "backup_workers": 0},
-        ),
-        Candidate(
-            "parameter_server sync 1bit",
-            {"strategy": "parameter_server", "ps_mode": "sync", "compression": "1bit", "backup_workers": 0},
-            exact=False,
-        ),
-        Candidate(
-            "parameter_server sync 1bit, bf16 pulls",
-            {
-                "strategy": "parameter_server",
-                "ps_mode": "sync",
-                "compression": "1bit",
-                "backup_workers": 0,
-                "ps_pull_precision": "bf16",
-            },
-            exact=False,
-        ),
-        Candidate(
-            "parameter_server async",
-            {
-                "strategy": "parameter_server",
-                "ps_mode": "async",
-                "compression": "none",
-                "push_every": 1,
-                "pull_every": 1,
-            },
-            exact=False,
-        ),
-        Candidate("fsdp", {"strategy": "fsdp", "compression": "none"}),
+        _candidate(LOCAL, strategy="weight_averaging", sync_every=1 << 30, wa_backup_workers=0),
+        _candidate("allreduce", exact=True, strategy="allreduce"),
+        _candidate("allreduce fp16", strategy="allreduce", compression="fp16"),
+        _candidate("allreduce 1bit", strategy="allreduce", compression="1bit"),
+        *(_wa(t, c) for t in (1, FIT_AT) for c in ("none", "1bit")),
+        _ps("parameter_server sync", "sync", exact=True),
+        _ps("parameter_server sync 1bit", "sync", compression="1bit"),
+        _ps("parameter_server sync 1bit, bf16 pulls", "sync", compression="1bit", ps_pull_precision="bf16"),
+        _async_every(1),
+        _async_every(FIT_AT),
+        _candidate("fsdp", exact=True, strategy="fsdp"),
     ]
-    for suffix, compression in (("", "none"), (" 1bit", "1bit")):
-        probed.append(
-            Candidate(
-                f"weight_averaging tau={FIT_AT}{suffix}",
-                {"strategy": "weight_averaging", "sync_every": FIT_AT, "compression": compression},
-                exact=False,
-            )
-        )
-    derived: list[Derived] = []
-    for t in sorted({8, 16, tau} - {1, FIT_AT}):
-        for suffix, compression in (("", "none"), (" 1bit", "1bit")):
-            name = f"weight_averaging tau={t}{suffix}"
-            settings = {"strategy": "weight_averaging", "sync_every": t, "compression": compression}
-            one, four = f"weight_averaging tau=1{suffix}", f"weight_averaging tau={FIT_AT}{suffix}"
-            derived.append(Derived(Candidate(name, settings, exact=False), one, "fit", t, four))
+    derived = [
+        Derived(_wa(t, c), Model.FIT, _wa(1, c).name, _wa(FIT_AT, c).name, t)
+        for t in sorted({8, 16, tau} - {1, FIT_AT})
+        for c in ("none", "1bit")
+    ]
     s = staleness or 2
-    ssp = Candidate(
-        f"parameter_server ssp s={s}",
-        {"strategy": "parameter_server", "ps_mode": "ssp", "staleness": s, "compression": "none"},
-        exact=False,
-    )
-    derived.append(Derived(ssp, "parameter_server sync", "between", other="parameter_server async"))
-    probed.append(_async_every(FIT_AT))
-    for k in sorted({every} - {1, FIT_AT}):
-        derived.append(
-            Derived(_async_every(k), "parameter_server async", "fit", k, _async_every(FIT_AT).name)
-        )
+    ssp = _ps(f"parameter_server ssp s={s}", "ssp", staleness=s)
+    derived.append(Derived(ssp, Model.BETWEEN, "parameter_server sync", "parameter_server async"))
+    derived += [
+        Derived(_async_every(k), Model.FIT, _async_every(1).name, _async_every(FIT_AT).name, k)
+        for k in sorted({every} - {1, FIT_AT})
+    ]
     return probed, derived
-
-
-def _async_every(k: int) -> Candidate:
-    return Candidate(
-        f"parameter_server async push/pull every {k}",
-        {
-            "strategy": "parameter_server",
-            "ps_mode": "async",
-            "push_every": k,
-            "pull_every": k,
-            "compression": "none",
-        },
-        exact=False,
-    )
 
 
 @dataclass(frozen=True)
@@ -202,10 +161,12 @@ class LinkEstimate:
         """From the time of an all-reduce of one float (``tiny_s``: latency only) and of one of
         the model's size (``model_s``): a ring of ``N`` sends ``2 (N-1)`` messages and
         ``2 (N-1)/N`` of the model per worker."""
-        messages = max(2 * (workers - 1), 1)
+        if workers < 2:  # nothing crossed a link: unknown, not infinite (JSON has no Infinity)
+            return cls(latency_s=0.0, bytes_per_s=0.0)
+        messages = 2 * (workers - 1)
         sent = 2 * (workers - 1) / workers * model_bytes
         moving = max(model_s - tiny_s, 1e-9)
-        return cls(latency_s=tiny_s / messages, bytes_per_s=sent / moving if sent else math.inf)
+        return cls(latency_s=tiny_s / messages, bytes_per_s=sent / moving)
 
 
 @dataclass(frozen=True)
@@ -247,9 +208,12 @@ class Advice:
     @property
     def recommended(self) -> Prediction:
         """The fastest candidate that takes the same step as all-reduce (the safe choice);
-        within ``TIE`` of it, the simpler one by :data:`PREFERENCE` (all-reduce needs no
-        server on the driver): the probe's figures are no finer than that."""
+        within ``TIE`` of it, the simplest to run by :data:`PREFERENCE`: the probe's figures
+        are no finer than that. Without an exact candidate among the rows (``strategies``
+        left none), the fastest."""
         exact = [row for row in self.rows if row.exact]
+        if not exact:
+            return self.rows[0]
         best = exact[0]
         close = {row.name: row for row in exact if row.samples_per_s >= (1 - TIE) * best.samples_per_s}
         return next((close[name] for name in PREFERENCE if name in close), best)
@@ -269,9 +233,10 @@ class Advice:
     def summary(self) -> str:
         """One paragraph: what to set, and what the faster approximate choice would give."""
         best, fastest = self.recommended, self.fastest
+        how = "the same step as all-reduce" if best.exact else "no candidate probed takes all-reduce's step"
         text = (
             f"recommended: {_settings_text(best.settings)} ({best.name}: {best.samples_per_s:,.0f} "
-            "samples/s predicted, the same step as all-reduce)"
+            f"samples/s predicted, {how})"
         )
         if fastest is not best and fastest.samples_per_s > 1.2 * best.samples_per_s:
             text += (
@@ -293,11 +258,14 @@ class Advice:
             )
         for name, why in self.skipped.items():
             lines.append(f"{name:<44} {'-':>11} {'-':>9} {'-':>9}  not probed: {why}")
-        link = self.probe.link
-        lines.append(
-            f"link: {link.latency_s * 1e6:,.0f} us per message, {link.bytes_per_s * 8 / 1e9:.2f} Gbit/s "
-            f"per worker (all-reduces of one float and of the model's {4 * self.probe.params / 1e6:.3g} MB)"
-        )
+        link, megabytes = self.probe.link, 4 * self.probe.params / 1e6
+        if link.bytes_per_s > 0:
+            lines.append(
+                f"link: {link.latency_s * 1e6:,.0f} us per message, {link.bytes_per_s * 8 / 1e9:.2f} "
+                f"Gbit/s per worker (all-reduces of one float and of the model's {megabytes:.3g} MB)"
+            )
+        else:
+            lines.append("link: not measured (one worker: nothing crosses it)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -321,15 +289,17 @@ def predict(
     derived: Iterable[Derived],
     total_rows: int,
     project_to: Sequence[int] = (),
+    steps: int = 0,
 ) -> Advice:
-    """Predicted samples/s of every candidate for a run over ``total_rows`` rows.
+    """Predicted samples/s of every candidate for a run over ``total_rows`` rows, ``steps``
+    a worker per epoch (0: balanced partitions, ``total_rows / (workers x batch)``).
 
     Raises:
         ValueError: the probe has no timing of the local step (nothing to model from).
     """
     if LOCAL not in probe.timings:
         raise ValueError(f"the probe has no {LOCAL!r} timing: {probe.skipped.get(LOCAL, 'not run')}")
-    steps = max(math.ceil(total_rows / (probe.workers * probe.batch_size)), 1)
+    steps = steps or max(math.ceil(total_rows / (probe.workers * probe.batch_size)), 1)
     local = probe.timings[LOCAL]
     timed = {
         c.name: (c, probe.timings[c.name]) for c in probed if c.name in probe.timings and c.name != LOCAL
@@ -344,7 +314,7 @@ def predict(
             continue
         timing = _modelled(d, parent, other, local)
         source = f"modelled: between {d.parent} and {d.other}"
-        if d.kind == "fit":
+        if d.model is Model.FIT:
             source = f"modelled: c + d/k through {d.parent} and {d.other}"
         rows.append(_row(d.candidate, timing, steps, total_rows, source))
     rows.sort(key=lambda r: -r.samples_per_s)
@@ -356,15 +326,18 @@ def predict(
 
 
 def _modelled(d: Derived, parent: Timing, other: Timing, local: Timing) -> Timing:
-    if d.kind == "between":
+    if d.model is Model.BETWEEN:
         return Timing(
             (parent.step_s + other.step_s) / 2,
             (parent.epoch_overhead_s + other.epoch_overhead_s) / 2,
             (parent.bytes_per_step + other.bytes_per_step) / 2,
         )
-    # step(t) = c + e / t through t = 1 and FIT_AT (c no faster than a local step)
+    # step(k) = c + e / k through k = 1 and FIT_AT; c no faster than a local step, and then e
+    # refitted through FIT_AT (the measured point nearest the rows modelled)
     exchange = max((parent.step_s - other.step_s) / (1 - 1 / FIT_AT), 0.0)
-    step_s = max(parent.step_s - exchange, local.step_s) + exchange / d.factor
+    floor = max(parent.step_s - exchange, local.step_s)
+    exchange = max(other.step_s - floor, 0.0) * FIT_AT
+    step_s = floor + exchange / d.factor
     return Timing(step_s, other.epoch_overhead_s, parent.bytes_per_step / d.factor)
 
 
@@ -392,7 +365,10 @@ _EXCHANGES = {
 def project(probe: ProbeResult, workers: Sequence[int]) -> dict[str, dict[int, float]]:
     """Samples/s of a few strategies at ``workers`` workers (one per host), from the probe's
     local step and link through :mod:`sparkdl.costmodel` (alpha-beta; the real cluster's
-    larger rings are assumed to see the same per-link bandwidth)."""
+    larger rings are assumed to see the same per-link bandwidth); none without a measured
+    link (one worker)."""
+    if probe.link.bytes_per_s <= 0:
+        return {}
     local = probe.timings[LOCAL]
     link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
     work = Workload(params=probe.params, compute_s=local.step_s, batch=probe.batch_size)

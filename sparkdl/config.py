@@ -119,6 +119,11 @@ class SparkDLConfig:
             _check_weight_averaging(self)
         if self.training.strategy is Strategy.FSDP:
             _check_fsdp(self)
+        if self.training.strategy is Strategy.PARAMETER_SERVER and self.training.precision is Precision.FP16:
+            raise ConfigError(
+                "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "
+                "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
+            )
         if (
             self.runtime.compression is Compression.POWERSGD
             and self.training.strategy is not Strategy.ALLREDUCE

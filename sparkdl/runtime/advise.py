@@ -10,16 +10,27 @@ over all of ``df``'s rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sparkdl.advice import Advice, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
+from sparkdl.advice import (
+    LOCAL,
+    Advice,
+    Candidate,
+    Derived,
+    LinkEstimate,
+    ProbeResult,
+    Timing,
+    predict,
+    probe_set,
+)
 from sparkdl.config import SparkDLConfig, Strategy
-from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.errors import BadDataError, ConfigError, SparkDLError
 from sparkdl.runtime.cluster import check_cluster, driver_host, is_connect
 from sparkdl.runtime.driver import needs_repartition, translate_failure
 from sparkdl.runtime.preflight import sample_batch
@@ -34,6 +45,7 @@ log = logging.getLogger(__name__)
 #: What a probe leaves out of every candidate: no checkpoints, drills, progress bars or
 #: early stopping (they would time something else, or write where the run will).
 _PROBE_SETTINGS = {
+    "on_nan_loss": "skip",  # a candidate diverging on the probe's few rows stops no other
     "checkpoint_dir": "",
     "checkpoint_every": 0,
     "fault_injection": "",
@@ -61,11 +73,12 @@ def advise(
             optimizer and loss are what the probe trains.
         steps: batches of its partition each worker trains per candidate epoch (its first
             rows); more steps, steadier figures.
-        budget_s: timed seconds per candidate and pass (at least two timed epochs, at most nine).
+        budget_s: timed seconds per candidate and pass (after a warm-up epoch, one to nine timed).
         passes: how often each candidate is probed, in alternating order (the figures are
             the mean): a shared machine's drifting speed then favours none.
         strategies: only the candidates whose names start with one of these (e.g.
-            ``["allreduce", "weight_averaging"]``); default: every one.
+            ``["allreduce", "weight_averaging"]``), with the probed ones they are modelled
+            from; default: every one.
         project_to: worker counts to project a few strategies to (:mod:`sparkdl.costmodel`).
 
     Returns:
@@ -74,7 +87,9 @@ def advise(
         estimator.
 
     Raises:
-        ConfigError: ``steps`` or ``budget_s`` out of range.
+        ConfigError: ``steps``, ``budget_s`` or ``passes`` out of range, or a name in
+            ``strategies`` that no candidate has.
+        BadDataError: ``df`` has no rows to train on.
         SparkDLError: the probe stage failed (the worker's error, with its rank).
     """
     if steps < 2 or budget_s <= 0 or passes < 1:
@@ -90,14 +105,59 @@ def advise(
         config.parameter_server.push_every,
     )
     if strategies:
-        wanted = tuple(strategies)
-        probed = [c for c in probed if c.name == "local" or c.name.startswith(wanted)]
-        derived = [d for d in derived if d.candidate.name.startswith(wanted)]
-    total_rows = dataset.count()
+        probed, derived = chosen_candidates(probed, derived, strategies)
+    total_rows, steps_per_epoch = run_length(dataset, spec)
     result = probe(dataset, spec, probed, steps, budget_s, passes)
-    advice = predict(result, probed, derived, total_rows, project_to)
+    advice = predict(result, probed, derived, total_rows, project_to, steps_per_epoch)
     log.info("strategy advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
     return advice
+
+
+def chosen_candidates(
+    probed: list[Candidate], derived: list[Derived], strategies: Sequence[str]
+) -> tuple[list[Candidate], list[Derived]]:
+    """The candidates named (by prefix) in ``strategies``, plus the probed ones that the
+    chosen modelled rows follow from, and the local step.
+
+    Raises:
+        ConfigError: a name that starts no candidate's name (the valid names listed).
+    """
+    names = [c.name for c in probed if c.name != LOCAL] + [d.candidate.name for d in derived]
+    unknown = [w for w in strategies if not any(name.startswith(w) for name in names)]
+    if unknown:
+        raise ConfigError(
+            f"advise(strategies=...) got {unknown}, which start no candidate's name; the names: {names}"
+        )
+    wanted = tuple(strategies)
+    derived = [d for d in derived if d.candidate.name.startswith(wanted)]
+    needed = {LOCAL} | {d.parent for d in derived} | {d.other for d in derived}
+    return [c for c in probed if c.name in needed or c.name.startswith(wanted)], derived
+
+
+def run_length(df: Any, spec: TrainSpec) -> tuple[int, int]:
+    """The rows a fit of ``df`` trains on (held-out rows excluded) and the steps a worker
+    takes per epoch: over balanced partitions when fit repartitions, else over the largest.
+
+    Raises:
+        BadDataError: there is no row to train on.
+    """
+    from pyspark.sql import functions as F
+
+    config, n = spec.config, spec.config.training.num_workers
+    rows_per_step = config.training.batch_size * config.training.accumulate_steps
+    data = df.where(~F.col(spec.plan.validation_col)) if spec.plan.validation_col else df
+    if needs_repartition(df.select(*spec.plan.column_names), n, df.sparkSession):
+        total = data.count()
+        largest = -(-total // n)
+    else:  # fit keeps these partitions: the largest sets the epoch
+        counts = [row[1] for row in data.groupBy(F.spark_partition_id()).count().collect()]
+        total, largest = sum(counts), max(counts, default=0)
+    if total == 0:
+        raise BadDataError(
+            "the DataFrame given to advise has no rows to train on; check the filters and joins upstream",
+            bad_rows=0,
+        )
+    return total, max(-(-largest // rows_per_step), 1)
 
 
 def probe(
@@ -120,23 +180,22 @@ def probe(
     )
     chosen, skipped, hosted = _candidates(spark, spec, candidates)
     try:
-        data = df.select(*spec.plan.column_names)
-        if needs_repartition(data, n, spark):
-            data = data.repartition(n)
+        # only the rows probed, spread evenly: no pass over (or shuffle of) the whole data
+        rows = steps * config.training.batch_size * config.training.accumulate_steps
+        data = df.select(*spec.plan.column_names).limit(n * rows).repartition(n)
         task = ProbeSpec(spec, tuple(chosen), steps, budget_s, passes)
         stage = data.mapInArrow(
             functools.partial(probe_partition, task), PROBE_SCHEMA, barrier=True, profile=profile
         )
-        if not is_connect(spark):
-            spark.sparkContext.setJobDescription(f"sparkdl advise: {len(chosen)} candidates on {n} workers")
         try:
-            rows = stage.collect()
+            with _described(spark, f"sparkdl advise: {len(chosen)} candidates on {n} workers"):
+                results = stage.collect()
         except Exception as exc:
             raise translate_failure(exc) from exc
     finally:
         for server in hosted:
             server.stop()
-    figures = next(json.loads(row["probe"]) for row in rows if json.loads(row["probe"])["rank"] == 0)
+    figures = next(json.loads(r["probe"]) for r in results if json.loads(r["probe"])["rank"] == 0)
     link = figures["link"]
     return ProbeResult(
         workers=n,
@@ -146,6 +205,21 @@ def probe(
         skipped=skipped,
         link=LinkEstimate.from_all_reduce(n, link["tiny_s"], link["model_s"], 4.0 * link["floats"]),
     )
+
+
+@contextlib.contextmanager
+def _described(spark: Any, text: str) -> Iterator[None]:
+    """The Spark UI's description of the jobs started inside; the caller's restored after."""
+    if is_connect(spark):
+        yield
+        return
+    sc = spark.sparkContext
+    previous = sc.getLocalProperty("spark.job.description")
+    sc.setJobDescription(text)
+    try:
+        yield
+    finally:
+        sc.setLocalProperty("spark.job.description", previous)
 
 
 def _candidates(

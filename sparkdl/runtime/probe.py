@@ -7,7 +7,8 @@ into the epoch cache (as a run's first epoch does), then for each candidate buil
 model, optimizer and strategy afresh and trains cached epochs over those batches: one to
 warm up (DDP's buckets, the parameter server's connections, the allocator), then timed
 ones until the candidate's time budget is spent. A step's time is the slowest rank's
-(they wait for each other), the median over the timed epochs. Every candidate is probed
+(they wait for each other), the median over the timed epochs; an epoch's overhead is
+what the slowest rank's epoch holds beyond its steps. Every candidate is probed
 twice, the second pass in reverse order, and the two are averaged: on a shared machine
 whose speed drifts, no candidate gains from where it stands in the list.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import statistics
@@ -79,7 +81,7 @@ class ProbeSpec:
         train: the estimator's task spec (model, optimizer, loss, data plan, template).
         candidates: what to time, in order (every rank the same).
         steps: batches of its partition each worker reads (its first rows).
-        budget_s: timed seconds per candidate and pass (at least two timed epochs, at most nine).
+        budget_s: timed seconds per candidate and pass (after a warm-up epoch, one to nine timed).
         passes: times every candidate is trained, in alternating order; its figures are the mean.
     """
 
@@ -126,6 +128,7 @@ def run_probe(
         rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
         feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, _feed_options(config, rank, device))
         stack.callback(feed.close)
+        stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
         feed.fill_cache()  # what a run's first epoch leaves behind
         counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, groups.control)
         bench = Bench(spec, feed, counts, device, groups, hierarchy, placement)
@@ -134,9 +137,11 @@ def run_probe(
             for candidate in order:
                 log.info("rank %d: probing %s", rank, candidate.name)
                 measured[candidate.name].append(bench.time(candidate))
+                gc.collect()  # the candidate's model and optimizer, before the next one's
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         timings = {name: _mean(runs) for name, runs in measured.items()}
         link = _measure_link(bench.params, device, placement.world_size, groups.control)
-        stack.callback(watchdog.arm)  # bounds the teardown, like a worker's
         return {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
@@ -198,19 +203,26 @@ class Bench:
                 accumulate=config.training.accumulate_steps,
             )
             trainer = _trainer(train, strategy.ctx, strategy, self.feed, schedule, [clock])
-            self._epoch(trainer, clock, schedule.rows_per_step)  # warm-up
-            first = self._epoch(trainer, clock, schedule.rows_per_step)
-            steps = -(-max(self.counts) // schedule.rows_per_step)
-            per_epoch = _agreed_max(torch.tensor([first[0] * steps + first[1]]), self.groups.control)[0]
-            repeats = min(_MAX_REPEATS, max(1, int(self.spec.budget_s / max(per_epoch, 1e-6))))
-            samples = [first] + [self._epoch(trainer, clock, schedule.rows_per_step) for _ in range(repeats)]
+            per_step = schedule.rows_per_step
+            self._epoch(trainer, clock, per_step)  # warm-up
+            first = self._epoch(trainer, clock, per_step)
+            epoch_s = _agreed_max(torch.tensor([first[1]]), self.groups.control)[0]
+            repeats = min(_MAX_REPEATS, int(self.spec.budget_s / max(epoch_s, 1e-6)))
+            samples = [first] + [self._epoch(trainer, clock, per_step) for _ in range(repeats)]
             medians = torch.tensor([statistics.median(s[i] for s in samples) for i in range(3)])
-            step_s, overhead_s, sent = _agreed_max(medians, self.groups.control)
+            # the slowest rank's step and epoch: the others' epochs end waiting for it, so an
+            # epoch's overhead is what its slowest wall time holds beyond the slowest steps
+            step_s, wall_s, sent = _agreed_max(medians, self.groups.control)
+            steps = -(-max(self.counts) // per_step)
             self.steps_done[candidate.name] = trainer.global_step
         finally:
             _close_strategy(strategy)
         log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
-        return {"step_s": step_s, "epoch_overhead_s": max(overhead_s, 0.0), "bytes_per_step": sent}
+        return {
+            "step_s": step_s,
+            "epoch_overhead_s": max(wall_s - steps * step_s, 0.0),
+            "bytes_per_step": sent,
+        }
 
     def _build(self, candidate: ProbeCandidate, train: TrainSpec, start: int) -> SyncStrategy:
         """Model, optimizer and strategy of ``candidate``, as ``run_worker`` builds them."""
@@ -240,7 +252,7 @@ class Bench:
         return create_strategy(context)
 
     def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
-        """One cached epoch: seconds per step, seconds beyond the steps, bytes sent per step."""
+        """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""
         batches, source = self.feed.epoch(self.epoch)
         coordinator = coordinator_for(False, self.counts, rows_per_step, self.groups.control)
         started = time.perf_counter()
@@ -248,8 +260,7 @@ class Bench:
         wall = time.perf_counter() - started
         self.epoch += 1
         steps = max(tally.steps, 1)
-        span = clock.take()
-        return span / steps, wall - span, result.sync.bytes_sent / steps
+        return clock.take() / steps, wall, result.sync.bytes_sent / steps
 
 
 def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:

@@ -52,11 +52,6 @@ class ParameterServerStrategy(SyncStrategy):
         super().__init__(ctx)
         if ctx.ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
-        if self._scaler is not None:
-            raise ConfigError(
-                "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "
-                "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
-            )
         settings = ctx.config.parameter_server
         self._mode = settings.ps_mode
         self._push_every = settings.push_every if self._mode is PsMode.ASYNC else 1

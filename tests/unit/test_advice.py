@@ -3,9 +3,14 @@ recommendation and the link estimate, on hand-made probe figures."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from sparkdl.advice import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
+from sparkdl.errors import ConfigError
+from sparkdl.runtime.advise import chosen_candidates
 
 MODEL_BYTES = 4 * 85_000
 
@@ -61,8 +66,9 @@ def test_weight_averaging_every_tau_steps_follows_c_plus_d_over_tau_through_the_
 def test_asynchronous_pushes_every_k_steps_follow_the_probed_k_and_ssp_lies_between_sync_and_async():
     advice = _advice()
     every8 = advice.prediction("parameter_server async push/pull every 8")  # the estimator's push_every
-    exchange = (0.005 - 0.0025) / (1 - 1 / 4)
-    step_s = max(0.005 - exchange, 0.002) + exchange / 8  # never faster than a local step
+    # through k = 1 (5 ms) and 4 (2.5 ms): c = 1.67 ms is under the local step (2 ms), so c is
+    # the local step and d is refitted through the measured k = 4
+    step_s = 0.002 + (0.0025 - 0.002) * 4 / 8
     assert every8.epoch_s == pytest.approx(1000 * step_s + 0.10)
     assert every8.source == (
         "modelled: c + d/k through parameter_server async and parameter_server async push/pull every 4"
@@ -115,6 +121,16 @@ def test_without_the_local_step_there_is_nothing_to_model_from():
         predict(probe, [Candidate("allreduce", {})], [], 1000)
 
 
+def test_one_worker_has_no_link_to_measure_and_no_projection():
+    link = LinkEstimate.from_all_reduce(1, tiny_s=0.0001, model_s=0.0001, model_bytes=8e6)
+    assert (link.latency_s, link.bytes_per_s) == (0.0, 0.0)  # unknown: JSON has no Infinity
+    probe = dataclasses.replace(_probe(**TIMINGS), workers=1, link=link)
+    probed, derived = probe_set(tau=8, staleness=0, every=8)
+    advice = predict(probe, probed, derived, 1000, project_to=(8,))
+    assert advice.projections == {} and "link: not measured (one worker" in advice.table()
+    json.dumps(advice.to_dict(), allow_nan=False)
+
+
 def test_the_link_follows_from_a_tiny_and_a_model_sized_ring_all_reduce():
     # 4 workers: 6 messages; each sends 2 * 3/4 of 8 MB = 12 MB in (0.106 - 0.006) s
     link = LinkEstimate.from_all_reduce(4, tiny_s=0.006, model_s=0.106, model_bytes=8e6)
@@ -129,3 +145,18 @@ def test_projections_grow_with_workers_for_all_reduce_and_stall_for_one_server()
     ps = projected["parameter_server sync"]
     assert ps[32] < 1.5 * ps[8]  # one server's link carries every worker's push and pull
     assert set(advice.to_dict()["projections"]["allreduce"]) == {"8", "32"}
+
+
+def test_a_strategies_filter_keeps_what_its_modelled_rows_follow_from_and_refuses_unknown_names():
+    probed, derived = probe_set(tau=4, staleness=0, every=1)
+    kept, modelled = chosen_candidates(probed, derived, ["weight_averaging tau=16"])  # a prefix
+    assert [d.candidate.name for d in modelled] == ["weight_averaging tau=16", "weight_averaging tau=16 1bit"]
+    assert {c.name for c in kept} == {
+        LOCAL,
+        "weight_averaging tau=1",
+        "weight_averaging tau=4",
+        "weight_averaging tau=1 1bit",
+        "weight_averaging tau=4 1bit",
+    }
+    with pytest.raises(ConfigError, match=r"got \['all_reduce'\], which start no candidate's name"):
+        chosen_candidates(probed, derived, ["all_reduce"])

@@ -263,3 +263,10 @@ def test_pulls_come_in_fp32_or_bf16_never_fp16():
     )
     with pytest.raises(ConfigError, match=r"ps_pull_precision = 'fp16' could overflow .* use 'bf16'"):
         SparkDLConfig().replace(ps_pull_precision="fp16")
+
+
+def test_the_parameter_server_refuses_fp16_before_any_worker_starts():
+    with pytest.raises(
+        ConfigError, match=r"precision = 'fp16' needs a gradient scaler .* use precision = 'bf16'"
+    ):
+        SparkDLConfig().replace(strategy="parameter_server", precision="fp16")
