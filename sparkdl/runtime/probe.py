@@ -48,8 +48,9 @@ from sparkdl.runtime.worker import (
     _join,
     _socket_interface,
     _trainer,
+    strategy_context,
 )
-from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
+from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.hierarchy import Hierarchy
 from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
@@ -233,21 +234,9 @@ class Bench:
         # a sharded (DTensor) parameter counts whole
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
-        context = StrategyContext(
-            config,
-            placement.rank,
-            placement.world_size,
-            self.device,
-            module,
-            optimizer,
-            self.groups.control,
-            candidate.ps,
-            self.groups.attempt,
-            start,
-            train.lr,
-            train.scheduler_fn,
-            self.hierarchy,
-            self.groups.store,
+        train = dataclasses.replace(train, ps=candidate.ps)
+        context = strategy_context(
+            train, placement, self.device, self.groups, self.hierarchy, module, optimizer, start
         )
         return create_strategy(context)
 

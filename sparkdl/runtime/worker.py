@@ -150,21 +150,8 @@ def run_worker(
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
-        context = StrategyContext(
-            config,
-            rank,
-            placement.world_size,
-            device,
-            module,
-            optimizer,
-            groups.control,
-            spec.ps,
-            attempt,
-            start.global_steps_done,
-            spec.lr,
-            spec.scheduler_fn,
-            hierarchy,
-            groups.store,
+        context = strategy_context(
+            spec, placement, device, groups, hierarchy, module, optimizer, start.global_steps_done
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
@@ -199,6 +186,36 @@ def run_worker(
             {"device": str(device), "gpus": list(placement.gpu_addresses)},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def strategy_context(
+    spec: TrainSpec,
+    placement: Placement,
+    device: torch.device,
+    groups: ProcessGroups,
+    hierarchy: Hierarchy | None,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start_step: int,
+) -> StrategyContext:
+    """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
+    alike), starting at global step ``start_step``."""
+    return StrategyContext(
+        config=spec.config,
+        rank=placement.rank,
+        world_size=placement.world_size,
+        device=device,
+        module=module,
+        optimizer=optimizer,
+        control_group=groups.control,
+        ps=spec.ps,
+        attempt=groups.attempt,
+        resume_step=start_step,
+        lr=spec.lr,
+        scheduler_fn=spec.scheduler_fn,
+        hierarchy=hierarchy,
+        store=groups.store,
+    )
 
 
 def _hierarchy(config: SparkDLConfig, placement: Placement) -> Hierarchy | None:
