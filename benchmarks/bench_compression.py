@@ -41,6 +41,15 @@ VARIANTS = [
         "parameter_server sync 1bit",
         {"strategy": "parameter_server", "ps_mode": "sync", "compression": "1bit"},
     ),
+    (
+        "parameter_server sync 1bit, bf16 pulls",
+        {
+            "strategy": "parameter_server",
+            "ps_mode": "sync",
+            "compression": "1bit",
+            "ps_pull_precision": "bf16",
+        },
+    ),
 ]
 
 
@@ -80,6 +89,7 @@ def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int)
         "fit_s": fit_s,
         "epoch_s": [h["seconds"] for h in model.history],
         "bytes_sent_per_worker": sum(h["bytes_sent"] for h in model.history),
+        "bytes_received_per_worker": sum(h["bytes_received"] for h in model.history),
         "curve": curve,
         "test_accuracy": sum(int(r[0] == r[1]) for r in rows) / len(rows),
     }
