@@ -17,11 +17,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from bench_strategies import VARIANTS, run_variant  # noqa: E402
-from common import make_model, save_report  # noqa: E402
+from bench_strategies import VARIANTS, run_variant, strategies_estimator  # noqa: E402
+from common import save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
-from sparkdl import TorchEstimator, advise  # noqa: E402
+from sparkdl import advise  # noqa: E402
 
 
 def main() -> None:
@@ -39,17 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     spark = bench_session("sparkdl-bench-advisor")
     train_df, test_df = dataframe(spark, args.rows, 2, seed=0), dataframe(spark, args.test_rows, 2, seed=1)
-    estimator = TorchEstimator(
-        model_fn=make_model,
-        feature_cols=["features"],
-        num_workers=2,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        seed=0,
-        optimizer="sgd",
-        lr=0.05,
-        momentum=0.0,
-    )
+    estimator = strategies_estimator(args.epochs, args.batch_size)
     started = time.perf_counter()
     advice = advise(train_df, estimator, steps=args.steps, project_to=(8, 32, 128))
     probe_s = time.perf_counter() - started

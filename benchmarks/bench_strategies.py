@@ -34,8 +34,9 @@ VARIANTS = [
 ]
 
 
-def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> dict:
-    estimator = TorchEstimator(
+def strategies_estimator(epochs: int, batch_size: int, **settings) -> TorchEstimator:
+    """The estimator every variant fits (and the advisor benchmark probes): settings on top."""
+    return TorchEstimator(
         model_fn=make_model,
         feature_cols=["features"],
         num_workers=2,
@@ -48,7 +49,10 @@ def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int)
         progress=False,  # no bars in the benchmark's log (the channel still runs: heartbeats, figures)
         **settings,
     )
-    model = estimator.fit(train_df)
+
+
+def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> dict:
+    model = strategies_estimator(epochs, batch_size, **settings).fit(train_df)
     later = model.history[1:]
     rows = model.transform(test_df).select("label", "prediction").collect()
     samples = sum(h["samples"] for h in model.history)
