@@ -42,7 +42,7 @@ VARIANTS = [
         {"strategy": "parameter_server", "ps_mode": "sync", "compression": "1bit"},
     ),
     (
-        "parameter_server sync 1bit, bf16 pulls",
+        "parameter_server sync 1bit bf16 pulls",
         {
             "strategy": "parameter_server",
             "ps_mode": "sync",
