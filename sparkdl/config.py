@@ -119,6 +119,13 @@ class SparkDLConfig:
             _check_weight_averaging(self)
         if self.training.strategy is Strategy.FSDP:
             _check_fsdp(self)
+        backups, workers = self.parameter_server.backup_workers, self.training.num_workers
+        if self.training.strategy is Strategy.PARAMETER_SERVER and backups >= workers:
+            raise ConfigError(
+                f"backup_workers = {backups} must be < num_workers = {workers}: each step is made by "
+                f"the first num_workers - backup_workers pushes, so at least one; set backup_workers to "
+                f"at most {workers - 1} (0 waits for every worker), or raise num_workers"
+            )
         if self.training.strategy is Strategy.PARAMETER_SERVER and self.training.precision is Precision.FP16:
             raise ConfigError(
                 "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "

@@ -270,3 +270,9 @@ def test_the_parameter_server_refuses_fp16_before_any_worker_starts():
         ConfigError, match=r"precision = 'fp16' needs a gradient scaler .* use precision = 'bf16'"
     ):
         SparkDLConfig().replace(strategy="parameter_server", precision="fp16")
+
+
+def test_the_parameter_servers_backups_must_leave_a_pusher_to_make_each_step():
+    with pytest.raises(ConfigError, match=r"^backup_workers = 2 must be < num_workers = 2: .* at most 1 "):
+        SparkDLConfig().replace(strategy="parameter_server", num_workers=2, backup_workers=2)
+    SparkDLConfig().replace(strategy="allreduce", num_workers=2, backup_workers=2)  # not used there
