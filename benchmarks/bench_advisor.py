@@ -17,7 +17,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # spark_setup sets the environment and puts sparkdl on the path
 
-from bench_strategies import VARIANTS, run_variant, strategies_estimator  # noqa: E402
+from bench_strategies import (  # noqa: E402
+    VARIANTS,
+    add_workload_arguments,
+    run_variant,
+    strategies_estimator,
+)
 from common import save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
@@ -26,10 +31,7 @@ from sparkdl import advise  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--test-rows", type=int, default=20_000)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=128)
+    add_workload_arguments(parser)
     parser.add_argument("--steps", type=int, default=64, help="the probe's batches per worker")
     parser.add_argument(
         "--repeats", type=int, default=2, help="fits of each variant, in alternating order (mean)"

@@ -34,6 +34,14 @@ VARIANTS = [
 ]
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The strategies benchmark's workload on the command line (the advisor's benchmark too)."""
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--test-rows", type=int, default=20_000)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+
+
 def strategies_estimator(epochs: int, batch_size: int, **settings) -> TorchEstimator:
     """The estimator every variant fits (and the advisor benchmark probes): settings on top."""
     return TorchEstimator(
@@ -68,10 +76,7 @@ def run_variant(train_df, test_df, settings: dict, epochs: int, batch_size: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--test-rows", type=int, default=20_000)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=128)
+    add_workload_arguments(parser)
     parser.add_argument("--output", default=str(HERE / "results/strategies.json"))
     parser.add_argument("--only", default="", help="comma-separated variant names (allreduce always runs)")
     args = parser.parse_args()

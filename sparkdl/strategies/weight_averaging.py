@@ -268,11 +268,6 @@ def _period_ending(ctx: StrategyContext) -> EveryWorker:
             f"wa_backup_workers = {backups} needs the process group's store (StrategyContext.store), "
             "which the worker's assembly passes; set wa_backup_workers = 0 where there is none"
         )
-    if not 0 < backups < ctx.world_size:
-        raise ConfigError(
-            f"wa_backup_workers = {backups} must be < the {ctx.world_size} workers; set it to at most "
-            f"{ctx.world_size - 1}"
-        )
     return FirstFinishers(ctx.store, ctx.attempt, ctx.world_size - backups)
 
 
