@@ -38,6 +38,7 @@ M = TypeVar("M")
 
 Serve = Callable[[M, Channel[M], tuple[str, int]], None]
 
+_WAKE = object()  # the selector key of the loop's wake-up socket
 _POLL_S = 0.2  # how often the loop looks at stop() and at expired handshakes, at most
 _ACCEPT_BATCH = 64  # accepts per wake-up, so that reading HELLOs is never starved
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -172,6 +173,10 @@ class ConnectionListener(Generic[M]):
         self.host, self.port = host, self._socket.getsockname()[1]
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._socket, selectors.EVENT_READ, None)
+        # stop() writes a byte here, so the loop ends now, not at its next poll
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, _WAKE)
         self._accepting = True
         self._pending: dict[socket.socket, _Pending] = {}  # oldest first
         self._stopping = threading.Event()
@@ -201,7 +206,12 @@ class ConnectionListener(Generic[M]):
         finish by themselves (their peers are done and at EOF), then close them and join
         every thread (bounded)."""
         self._stopping.set()
+        try:
+            self._waker.send(b"\0")
+        except OSError:  # stopped before (the loop closed its end)
+            pass
         self._loop.join(timeout)
+        self._waker.close()
         with self._lock:
             sessions = list(self._sessions)
         deadline = time.monotonic() + drain_s
@@ -228,6 +238,8 @@ class ConnectionListener(Generic[M]):
                 if self._pending:
                     wait = min(wait, max(next(iter(self._pending.values())).deadline - now, 0.0))
                 for key, _ in self._selector.select(wait):
+                    if key.data is _WAKE:
+                        break
                     if key.data is None:
                         if not self._accept_safely():
                             self._selector.unregister(self._socket)
@@ -239,6 +251,7 @@ class ConnectionListener(Generic[M]):
                 self._drop(pending)
             self._selector.close()
             self._socket.close()
+            self._wake.close()
 
     def _accept_safely(self) -> bool:
         """:meth:`_accept_some`, whose unexpected failure pauses accepting, never the loop."""

@@ -6,6 +6,11 @@ worker imports torch itself: about a second of CPU each, paid again by every wor
 fresh session's first fit (measured in ``benchmarks/bench_first_fit.py``). Imported here,
 before the fork, the workers inherit it.
 
+Before forking, everything imported so far is moved out of the garbage collector's sight
+(``gc.freeze``): a worker's ``gc.collect()`` (its teardown runs one, to free DDP's reducer
+while the process group lives) then looks at the fit's own objects only, 15 ms instead of
+160 ms, and never writes to the pages it shares with the daemon.
+
 Only modules that start no threads at import are imported (PySpark's daemon imports its
 worker after the fork for that reason: pyarrow and pandas start threads): torch, and the
 modules its optimizers import on first use, start none that a forked child relies on.
@@ -16,6 +21,8 @@ executor.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch  # imported for the forked workers
 import torch.distributed
@@ -28,6 +35,13 @@ def _warm() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-if __name__ == "__main__":
+def _prepare() -> None:
+    """Import and warm up what every worker needs, then freeze it for the forks."""
     _warm()
+    gc.collect()
+    gc.freeze()
+
+
+if __name__ == "__main__":
+    _prepare()
     manager()

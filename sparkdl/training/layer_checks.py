@@ -55,10 +55,18 @@ class Trace:
         self.running: Call | None = None
         self.first: Call | None = None
         self.last_done: tuple[str, Any] | None = None
+        self._handles: list[Any] = []
         for name, sub in module.named_modules():
             if next(sub.children(), None) is None:
-                sub.register_forward_pre_hook(functools.partial(self._enter, name))
-                sub.register_forward_hook(functools.partial(self._exit, name))
+                self._handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
+                self._handles.append(sub.register_forward_hook(functools.partial(self._exit, name)))
+
+    def remove(self) -> None:
+        """Take the hooks off the model: the model and this trace then hold no reference
+        cycle, so the model is freed as soon as its last user lets it go."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _enter(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         first = self.first is None and next(module.parameters(recurse=False), None) is not None

@@ -186,6 +186,8 @@ def _forward(module: nn.Module, sample: Sample) -> Any:
             f"{_inputs_text(sample.batch)}, label {describe(sample.y)} from {sample.label}): "
             f"{_error_text(exc)}{where}"
         ) from exc
+    finally:
+        trace.remove()
     # A flat (N, F) batch is a valid *unbatched* input of a Conv1d or an RNN: torch may not
     # fail, but it would read the rows as channels or time steps.
     first = trace.first

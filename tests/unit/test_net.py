@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import sparkdl.net.listener as listener_module
 from sparkdl.errors import (
     CheckpointError,
     ConfigError,
@@ -160,6 +161,16 @@ def test_stop_closes_open_connections_and_the_port_in_bounded_time():
     with pytest.raises(OSError):
         socket.create_connection((listener.host, listener.port), timeout=2).close()
     assert not any(t.name.startswith("test-net-idle") and t.is_alive() for t in threading.enumerate())
+
+
+def test_stop_wakes_the_handshake_loop_rather_than_wait_for_its_next_poll(monkeypatch):
+    # every fit stops three listeners (progress, weights, parameter server) on its way out
+    monkeypatch.setattr(listener_module, "_POLL_S", 60.0)
+    listener = listen(lambda hello, channel, peer: None, "test-net-wake")
+    assert wait_until(lambda: listener._loop.is_alive())
+    listener.stop(timeout=5)  # with the poll alone, the loop would have gone on for a minute
+    assert not listener._loop.is_alive()
+    listener.stop(timeout=5)  # a second stop is harmless
 
 
 def test_stop_is_bounded_even_when_a_connection_ignores_the_close():

@@ -6,9 +6,12 @@ standard library): no Spark.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -211,6 +214,30 @@ def test_preflight_leaves_the_drivers_random_state_alone():
     preflight(lambda: nn.Sequential(nn.Linear(6, 1), nn.Dropout(0.5)), None, "mse", batch(), FEATURES, LABEL)
 
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_checked_model_is_freed_when_preflight_returns_without_a_garbage_collection():
+    # the driver collects only after a large model (a full collection costs ~0.2 s there):
+    # preflight's own hooks must leave no reference cycle that keeps the model alive
+    built: list[weakref.ref[nn.Module]] = []
+
+    def model_fn() -> nn.Module:
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        built.extend(weakref.ref(layer) for layer in model.modules())
+        return model
+
+    sgd([nn.Parameter(torch.zeros(1))])  # a process's first optimizer imports torch's
+    # compiler stack, whose import frames hold that first caller's frame in a cycle (once)
+    gc.disable()
+    try:
+        preflight(model_fn, sgd, "cross_entropy", batch(label=torch.arange(8) % 3), FEATURES, LABEL)
+        assert len(built) == 4 and [ref() for ref in built] == [None] * 4
+    finally:
+        gc.enable()
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def test_optimizer_fn_must_return_an_optimizer():

@@ -52,6 +52,24 @@ def test_a_teardown_that_finishes_in_time_disarms_the_watchdog():
     assert (done.returncode, done.stdout.strip()) == (0, "alive")
 
 
+def test_the_worker_daemon_freezes_its_imports_so_a_forked_worker_collects_only_its_own_objects():
+    # the teardown's gc.collect() (freeing DDP's reducer) then skips torch's ~300k objects
+    done = _run(
+        """
+        import gc, os
+        from sparkdl.runtime import daemon
+        daemon._prepare()
+        frozen = gc.get_freeze_count()
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if gc.get_freeze_count() > frozen - 100 else 1)  # inherited by the fork
+        print(frozen, os.waitpid(child, 0)[1])
+        """
+    )
+    frozen, child_status = map(int, done.stdout.split())
+    assert frozen > 100_000 and child_status == 0, done.stderr
+
+
 def _fits_in_one_process(rank, world, shards, spec, store_dir, fits, out):
     """Several fits back to back in one process, as a reused Spark Python worker runs them."""
     import threading
