@@ -127,14 +127,17 @@ def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
     for action in actions.values():  # warm up Python workers and the JIT-compiled JVM paths
         action()
     runs: dict[str, list[float]] = {name: [] for name in actions}
-    names = list(actions)
+    # The two mapInArrow passes alternate, each first in turn. toPandas runs after them, on
+    # its own: it builds and frees over a GB in the driver's process, and in this VM every
+    # pass after it then paid for touching fresh memory again (measured: the feed's kernel
+    # time per task 0.07 s before it, 0.27-0.32 s after it, with the cache on tmpfs too),
+    # which said more about toPandas than about the pass that followed it.
+    passes = ["bare_mapInArrow", "sparkdl_feed"]
     for repeat in range(repeats):
-        # each action runs at every place of the order in turn: a pass right after another
-        # runs slower or faster here (measured: the feed right after the bare pass 0.57-0.61
-        # of it, right after toPandas 0.93-0.97; this VM's page faults on fresh memory)
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in passes if repeat % 2 == 0 else passes[::-1]:
             runs[name].append(timed_rows(actions[name]))
+    for _ in range(repeats):
+        runs["toPandas"].append(timed_rows(actions["toPandas"]))
     spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "false")
     runs["toPandas_without_arrow"] = [timed_rows(actions["toPandas"])]
     spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")

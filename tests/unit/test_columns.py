@@ -100,6 +100,19 @@ def test_nan_features_are_counted_not_coerced():
     assert info.value.column == "x" and info.value.bad_rows == 1
 
 
+def test_large_finite_features_whose_float32_sum_overflows_are_not_bad_rows():
+    big = float(np.finfo(np.float32).max) / 2  # any three of them overflow a float32 sum
+    batch = pa.RecordBatch.from_pydict(
+        {"x": pa.array([big, big, big, big], pa.float32()), "label": pa.array([0, 1, 0, 1])}
+    )
+    assert features(batch, plan(batch, ["x"])).tolist() == [[big]] * 4
+    batch = pa.RecordBatch.from_pydict(
+        {"x": pa.array([big, big, float("inf"), big], pa.float32()), "label": pa.array([0, 1, 0, 1])}
+    )
+    with pytest.raises(BadDataError, match=r"NaN or infinite values in 1 of 4 rows"):
+        features(batch, plan(batch, ["x"]))
+
+
 def test_unsupported_and_missing_columns_are_schema_errors():
     batch = pa.RecordBatch.from_pydict(
         {"s": pa.array(["a"]), "t": pa.array([0], pa.timestamp("s")), "label": pa.array([0])}
