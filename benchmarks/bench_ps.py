@@ -4,7 +4,10 @@ copies the same bytes back and forth, in one run; the same with ``runtime.encryp
 and the same while another process keeps ``--flood`` idle and half-open connections open
 against the server (re-opening each one the server evicts). The client runs in its own process.
 
-    .venv/bin/python benchmarks/bench_ps.py [--trips 30] [--flood 2000]
+    .venv/bin/python benchmarks/bench_ps.py [--trips 30] [--repeats 5] [--flood 2000]
+
+One client process alternates timed blocks of parameter-server round trips and bare-socket
+round trips (the same bytes each way), so each ratio compares moments of the same run.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -40,7 +44,12 @@ def model_of(params: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
 
 
-def bench_ps(params: int, shards: int, trips: int, encrypt: bool = False, flood: int = 0) -> dict:
+def bench_ps(
+    params: int, shards: int, trips: int, repeats: int = 5, encrypt: bool = False, flood: int = 0
+) -> dict:
+    """Push+pull round trips against a bare loopback socket moving the same bytes: one client
+    process alternates blocks of ``trips`` of each, ``repeats`` times (the bare block first in
+    every other repeat), so both see the same machine at the same moments."""
     model = model_of(params)
     tensors = list(model.parameters())
     groups = split_into_shards(tensors, shard_count(tensors, shards))
@@ -51,6 +60,9 @@ def bench_ps(params: int, shards: int, trips: int, encrypt: bool = False, flood:
     server = ParameterServer(stores, "127.0.0.1", SECRET, 60.0, 1 << 30, encrypt=encrypt)
     sizes = [s.numel for s in stores]
     real = server.endpoint(tuple(tuple(g) for g in groups))
+    echo = socket.create_server(("127.0.0.1", 0))
+    echoing = threading.Thread(target=_echo_server, args=(echo, sum(sizes) * 4), daemon=True)
+    echoing.start()
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     flooding = ctx.Process(target=_flood, args=(server.port, flood, stop)) if flood else None
@@ -58,32 +70,58 @@ def bench_ps(params: int, shards: int, trips: int, encrypt: bool = False, flood:
         flooding.start()
         time.sleep(3.0)  # the flood is in place before the worker connects
     out = ctx.Queue()
-    proc = ctx.Process(target=_ps_client_sized, args=(real, sizes, trips, out))
+    proc = ctx.Process(target=_client, args=(real, sizes, echo.getsockname()[1], trips, repeats, out))
     proc.start()
     result = out.get(timeout=600)
     proc.join(60)
+    echoing.join(60)
+    echo.close()
     if flooding is not None:
         stop.set()
         flooding.join(60)
         result["refusals"] = server.refusals
     server.stop()
+    for way in ("ps", "bare"):
+        result[f"{way}_median_trips_per_s"] = statistics.median(result[f"{way}_trips_per_s"])
+    result["ps_vs_bare"] = result["ps_median_trips_per_s"] / result["bare_median_trips_per_s"]
+    result["bytes_per_trip"] = result.pop("ps_bytes_per_trip")
     result["params"] = sum(p.numel() for p in tensors)
     result["shards"] = len(stores)
     return result
 
 
-def _ps_client_sized(endpoint, sizes, trips, out) -> None:
+def _client(endpoint, sizes, bare_port, trips, repeats, out) -> None:
     torch.set_num_threads(1)
     client = PsClient(endpoint, 0, 0)
     grads = [torch.zeros(n) for n in sizes]
-    client.pull(0)
-    client.stats.bytes_sent = client.stats.bytes_received = 0
-    started = time.perf_counter()
-    for _ in range(trips):
-        client.push_pull(0, 1, grads, 0)
-    elapsed = time.perf_counter() - started
-    moved = client.stats.bytes_sent + client.stats.bytes_received
-    out.put({"trips_per_s": trips / elapsed, "bytes_per_s": moved / elapsed})
+    size = sum(sizes) * 4
+    payload, buffer = bytearray(size), bytearray(size)
+    with socket.create_connection(("127.0.0.1", bare_port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def bare_trip() -> None:
+            sock.sendall(payload)
+            view, got = memoryview(buffer), 0
+            while got < size:
+                got += sock.recv_into(view[got:], size - got)
+
+        def timed(trip) -> float:
+            trip()  # warm: the block starts with its buffers and caches in use
+            started = time.perf_counter()
+            for _ in range(trips):
+                trip()
+            return trips / (time.perf_counter() - started)
+
+        ps_trip = lambda: client.push_pull(0, 1, grads, 0)  # noqa: E731
+        client.pull(0)
+        result: dict[str, list[float] | int] = {"ps_trips_per_s": [], "bare_trips_per_s": []}
+        for repeat in range(repeats):
+            order = (("ps", ps_trip), ("bare", bare_trip))
+            for way, trip in order if repeat % 2 == 0 else order[::-1]:
+                result[f"{way}_trips_per_s"].append(timed(trip))  # type: ignore[union-attr]
+        sent = client.stats.bytes_sent + client.stats.bytes_received
+        result["ps_bytes_per_trip"] = sent // (repeats * (trips + 1) + 1)
+    out.put(result)
     client.close()
 
 
@@ -119,80 +157,42 @@ def _flood(port: int, count: int, stop) -> None:
                 open_one(key.data)
 
 
-def _echo_server(listener: socket.socket, size: int, trips: int) -> None:
+def _echo_server(listener: socket.socket, size: int) -> None:
+    """Send back every ``size`` bytes received, until the client closes the connection."""
     conn, _ = listener.accept()
     buffer = bytearray(size)
     with conn:
-        for _ in range(trips + 1):
+        while True:
             view, got = memoryview(buffer), 0
             while got < size:
-                got += conn.recv_into(view[got:], size - got)
+                n = conn.recv_into(view[got:], size - got)
+                if n == 0:
+                    return
+                got += n
             conn.sendall(buffer)
-
-
-def _bare_client(port: int, size: int, trips: int, out) -> None:
-    payload = bytearray(size)
-    buffer = bytearray(size)
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def trip() -> None:
-            sock.sendall(payload)
-            view, got = memoryview(buffer), 0
-            while got < size:
-                got += sock.recv_into(view[got:], size - got)
-
-        trip()
-        started = time.perf_counter()
-        for _ in range(trips):
-            trip()
-        elapsed = time.perf_counter() - started
-    out.put({"trips_per_s": trips / elapsed, "bytes_per_s": 2 * size * trips / elapsed})
-
-
-def bench_bare(size: int, trips: int) -> dict:
-    listener = socket.create_server(("127.0.0.1", 0))
-    thread = threading.Thread(target=_echo_server, args=(listener, size, trips), daemon=True)
-    thread.start()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_bare_client, args=(listener.getsockname()[1], size, trips, out))
-    proc.start()
-    result = out.get(timeout=600)
-    proc.join(60)
-    thread.join(60)
-    listener.close()
-    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--trips", type=int, default=30)
+    parser.add_argument("--trips", type=int, default=30, help="round trips per timed block")
+    parser.add_argument("--repeats", type=int, default=5, help="timed blocks of each way")
     parser.add_argument("--shards", type=int, default=0, help="0 = sparkdl's choice (ps_shards = 0)")
     parser.add_argument("--flood", type=int, default=2000, help="idle connections of the flood run")
     parser.add_argument("--output", default=str(HERE / "results/ps_transport.json"))
     args = parser.parse_args()
     results = {}
     for label, params in (("1M", 1_000_000), ("10M", 10_000_000)):
-        ps = bench_ps(params, args.shards, args.trips)
-        encrypted = bench_ps(params, args.shards, args.trips, encrypt=True)
-        flooded = bench_ps(params, args.shards, args.trips, flood=args.flood) if args.flood else None
-        bare = bench_bare(ps["params"] * 4, args.trips)
-        results[label] = {
-            "sparkdl_ps": ps,
-            "sparkdl_ps_encrypted": encrypted,
-            "bare_socket": bare,
-            "bytes_per_s_vs_bare": ps["bytes_per_s"] / bare["bytes_per_s"],
-            "encrypted_vs_plain": encrypted["bytes_per_s"] / ps["bytes_per_s"],
-        }
-        if flooded is not None:
-            results[label]["sparkdl_ps_flooded"] = flooded
-            results[label]["flooded_vs_plain"] = flooded["trips_per_s"] / ps["trips_per_s"]
-        print(label, {k: v for k, v in results[label].items() if k.endswith(("_bare", "_plain"))}, flush=True)
-    save_report(
-        args.output,
-        results=results,
-    )
+        plain = bench_ps(params, args.shards, args.trips, args.repeats)
+        encrypted = bench_ps(params, args.shards, args.trips, args.repeats, encrypt=True)
+        results[label] = {"plain": plain, "encrypted": encrypted}
+        summary = {"plain_vs_bare": plain["ps_vs_bare"], "encrypted_vs_bare": encrypted["ps_vs_bare"]}
+        if args.flood:
+            flooded = bench_ps(params, args.shards, args.trips, args.repeats, flood=args.flood)
+            results[label]["flooded"] = flooded
+            summary["flooded_vs_bare"] = flooded["ps_vs_bare"]
+        results[label].update(summary)
+        print(label, {k: round(v, 3) for k, v in summary.items()}, flush=True)
+    save_report(args.output, results=results)
 
 
 if __name__ == "__main__":
