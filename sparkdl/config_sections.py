@@ -265,6 +265,14 @@ class DataConfig:
             valid='a local directory on every executor, or ""',
         ),
     )
+    cache_memory_mb: int = field(
+        default=256,
+        metadata=about(
+            "A worker keeps its decoded partition in memory when it is at most this large (epoch 1 "
+            "then writes nothing); a larger one is cached on local disk (cache_dir). 0 = always on disk.",
+            bound=">= 0",
+        ),
+    )
     prefetch_batches: int = field(
         default=4,
         metadata=about(

@@ -1,8 +1,9 @@
 """A per-worker local cache of one partition, so epochs 2+ never re-run the Spark query.
 
-Epoch 1 appends every chunk to files on the executor's local disk; afterwards they are
-memory-mapped, so a replayed batch is a slice (in order) or one gather (shuffled) of the
-page cache: no copy through Spark, and nothing held twice in memory.
+A partition within ``data.cache_memory_mb`` stays in memory (epoch 1 keeps the decoded
+chunks, joined into one array per column at the first replay); a larger one is appended
+chunk by chunk to files on the executor's local disk and memory-mapped afterwards. A
+replayed batch is a slice (in order) or one gather (shuffled): no copy through Spark.
 
 Two forms, one interface:
 
@@ -24,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.blocks import Block, Column, Ragged
+from sparkdl.data.blocks import Block, Column, Ragged, concat_rows
 
 
 class EpochCache(Protocol):
@@ -54,17 +55,9 @@ class _ColumnFile:
         self._lengths = self.lengths_path.open("wb") if self.ragged else None
         self.mapped: Column | None = None
 
-    def append(self, column: Column, key: str) -> None:
+    def append(self, column: Column) -> None:
+        """Write a chunk of the column (of the first chunk's kind: the cache checked it)."""
         values = column.compact().values if isinstance(column, Ragged) else column
-        if (
-            isinstance(column, Ragged) != self.ragged
-            or values.dtype != self.dtype
-            or values.shape[1:] != self.tail
-        ):
-            raise ValueError(
-                f"column {key!r}: chunk of {values.dtype} {values.shape[1:]} differs from the first "
-                f"chunk's {self.dtype} {self.tail}"
-            )
         np.ascontiguousarray(values).tofile(self._values)
         if self._lengths is not None and isinstance(column, Ragged):
             column.lengths.astype(np.int64).tofile(self._lengths)
@@ -96,14 +89,28 @@ class _ColumnFile:
 class BlockCache:
     """Write-once, read-many store of one worker's decoded rows.
 
+    A partition of at most ``memory_bytes`` stays in memory: epoch 1 only keeps a
+    reference to each decoded chunk (mostly views of Spark's Arrow buffers, no copy while
+    the stream competes with Spark for the CPU), and the first replay joins them into one
+    array per column. The first chunk past ``memory_bytes`` spills every chunk to files on
+    local disk, replayed memory-mapped. Either way a replayed batch is a slice or a gather
+    of read-only rows.
+
     Args:
-        parent: directory to create the cache in (an executor local dir); "" for the
+        parent: directory to create the cache files in (an executor local dir); "" for the
             system temporary directory.
+        memory_bytes: the most decoded bytes kept in memory; 0 = always on disk.
     """
 
-    def __init__(self, parent: str = "") -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="sparkdl-cache-", dir=parent or None))
+    def __init__(self, parent: str = "", memory_bytes: int = 0) -> None:
+        self._parent = parent
+        self._memory_bytes = memory_bytes
+        self._dir: Path | None = None
         self._files: dict[str, _ColumnFile] = {}
+        self._held: list[dict[str, Column]] = []  # in memory until the first spill
+        self._held_bytes = 0
+        self._first: dict[str, tuple[bool, np.dtype, tuple[int, ...]]] = {}
+        self._whole: Block | None = None
         self._rows = 0
         self._sealed = False
 
@@ -115,23 +122,53 @@ class BlockCache:
     def sealed(self) -> bool:
         return self._sealed
 
+    @property
+    def in_memory(self) -> bool:
+        """True while no chunk has been spilled to disk."""
+        return not self._files
+
     def append(self, block: Block) -> None:
         """Add a chunk; every chunk must have the columns, dtypes and row shapes of the first."""
         if self._sealed:
             raise RuntimeError("cache is sealed; append only during the first epoch")
         columns = block.columns()
-        if not self._files:
-            self._files = {key: _ColumnFile(self._dir, i, c) for i, (key, c) in enumerate(columns.items())}
-        elif columns.keys() != self._files.keys():
-            raise ValueError(
-                f"chunk columns {sorted(columns)} differ from the first chunk's {sorted(self._files)}"
-            )
-        for key, column in columns.items():
-            self._files[key].append(column, key)
+        self._check(columns)
         self._rows += len(block)
+        size = sum(_nbytes(c) for c in columns.values())
+        if self.in_memory and self._held_bytes + size <= self._memory_bytes:
+            self._held.append(columns)
+            self._held_bytes += size
+            return
+        if self.in_memory:  # the partition is larger than memory_bytes: everything to disk
+            self._spill_held(columns)
+        for key, column in columns.items():
+            self._files[key].append(column)
+
+    def _check(self, columns: dict[str, Column]) -> None:
+        kinds = {key: _kind(column) for key, column in columns.items()}
+        if not self._first:
+            self._first = kinds
+            return
+        if kinds.keys() != self._first.keys():
+            first = sorted(self._first)
+            raise ValueError(f"chunk columns {sorted(kinds)} differ from the first chunk's {first}")
+        for key, kind in kinds.items():
+            if kind != self._first[key]:
+                raise ValueError(
+                    f"column {key!r}: chunk of {kind[1]} {kind[2]} differs from the first chunk's "
+                    f"{self._first[key][1]} {self._first[key][2]}"
+                )
+
+    def _spill_held(self, first: dict[str, Column]) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="sparkdl-cache-", dir=self._parent or None))
+        self._files = {key: _ColumnFile(self._dir, i, c) for i, (key, c) in enumerate(first.items())}
+        for columns in self._held:
+            for key, column in columns.items():
+                self._files[key].append(column)
+        self._held, self._held_bytes = [], 0
 
     def seal(self) -> None:
-        """Finish writing and memory-map the files for replay."""
+        """Finish writing and memory-map the files for replay (in memory: nothing to do)."""
         for file in self._files.values():
             file.seal(self._rows)
         self._sealed = True
@@ -140,26 +177,51 @@ class BlockCache:
         """Replay the rows in batches: in stored order (zero-copy slices) or in ``order``."""
         if not self._sealed:
             raise RuntimeError("seal() the cache before replaying it")
-        if not self._files:
+        whole = self._replayed()
+        if whole is None:
             return
-        whole = Block.from_columns({key: f.mapped for key, f in self._files.items()})  # type: ignore[misc]
         for start in range(0, self._rows, batch_size):
             if order is None:
                 yield whole.rows(slice(start, start + batch_size))
             else:
                 yield whole.rows(order[start : start + batch_size])
 
+    def _replayed(self) -> Block | None:
+        """Every row as one block: the memory-mapped files, or the held chunks joined once
+        (read-only, as the map is: a batch the model changes in place is a copy)."""
+        if self._files:
+            return Block.from_columns({key: f.mapped for key, f in self._files.items()})  # type: ignore[misc]
+        if self._whole is None and self._held:
+            joined = {key: concat_rows([c[key] for c in self._held]) for key in self._first}
+            for column in joined.values():
+                (column.values if isinstance(column, Ragged) else column).flags.writeable = False
+            self._whole = Block.from_columns(joined)
+            self._held, self._held_bytes = [], 0
+        return self._whole
+
     def close(self) -> None:
-        """Delete the files; safe to call twice."""
+        """Delete the files and drop the rows; safe to call twice."""
         for file in self._files.values():
             file.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._held, self._whole = [], None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> BlockCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nbytes(column: Column) -> int:
+    return column.values.nbytes + column.offsets.nbytes if isinstance(column, Ragged) else column.nbytes
+
+
+def _kind(column: Column) -> tuple[bool, np.dtype, tuple[int, ...]]:
+    """What every chunk of a column must share: raggedness, dtype and row shape."""
+    values = column.values if isinstance(column, Ragged) else column
+    return isinstance(column, Ragged), values.dtype, values.shape[1:]
 
 
 class ArrowCache:

@@ -32,6 +32,7 @@ class FeedOptions:
     rank: int
     prefetch_batches: int
     cache_dir: str = ""
+    cache_memory_bytes: int = 256 << 20  # data.cache_memory_mb
     pin_memory: bool = False
     skip_bad_rows: bool = False
 
@@ -52,12 +53,14 @@ class PartitionFeed:
         self._cache: BlockCache | ArrowCache = (
             ArrowCache(self._decode, options.cache_dir)
             if plan.transforms_every_epoch
-            else BlockCache(options.cache_dir)
+            else BlockCache(options.cache_dir, options.cache_memory_bytes)
         )
         self._open: Prefetcher[Batch] | None = None
         self._screen = RowScreen(plan) if options.skip_bad_rows else None
         # rows held out to validate: decoded once (training=False: no augmentation), never trained on
-        self._held_out = BlockCache(options.cache_dir) if plan.validation_col else None
+        self._held_out = (
+            BlockCache(options.cache_dir, options.cache_memory_bytes) if plan.validation_col else None
+        )
 
     @property
     def bad_rows_dropped(self) -> int:

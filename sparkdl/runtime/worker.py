@@ -441,6 +441,7 @@ def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> Fee
         rank=rank,
         prefetch_batches=config.data.prefetch_batches,
         cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
+        cache_memory_bytes=config.data.cache_memory_mb << 20,
         pin_memory=device.type == "cuda",
         skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
     )

@@ -69,8 +69,31 @@ def test_cache_replays_what_was_written(tmp_path):
     assert not folder.exists()
 
 
+@pytest.mark.parametrize("memory_bytes", [1 << 20, 100])  # 100: the second chunk spills both
+def test_a_cache_within_its_memory_budget_writes_nothing_and_replays_the_same_rows(tmp_path, memory_bytes):
+    blocks = list(chunks([5, 7]))
+    with BlockCache(str(tmp_path), memory_bytes) as cache:
+        for block in blocks:
+            cache.append(block)
+        cache.seal()
+        spilled = list(tmp_path.iterdir())
+        assert cache.in_memory == (memory_bytes > 100) and bool(spilled) == (not cache.in_memory)
+        order = epoch_rng(1, 2, 0).permutation(12)
+        for _ in range(2):  # replays again from the joined (or mapped) rows
+            shuffled = list(cache.batches(5, order))
+            np.testing.assert_array_equal(np.concatenate([b.label for b in shuffled]), order)
+            np.testing.assert_array_equal(
+                np.concatenate([b.inputs["features"][:, 0] for b in shuffled]), order.astype(np.float32)
+            )
+        in_order = next(cache.batches(5))
+        # replayed rows are read-only, on disk or not: a model changing its batch in place
+        # gets a copy (tensors.to_batch), never the cache's rows
+        assert not in_order.inputs["features"].flags.writeable and not in_order.label.flags.writeable
+    assert not list(tmp_path.iterdir())
+
+
 def test_cache_rejects_a_chunk_of_another_shape(tmp_path):
-    with BlockCache(str(tmp_path)) as cache:
+    with BlockCache(str(tmp_path), memory_bytes=1 << 20) as cache:  # checked in memory too
         cache.append(Block({"features": np.zeros((2, 3), np.float32)}, np.zeros(2, np.int64)))
         with pytest.raises(ValueError, match="differs from the first"):
             cache.append(Block({"features": np.zeros((2, 4), np.float32)}, np.zeros(2, np.int64)))
