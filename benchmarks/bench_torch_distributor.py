@@ -12,8 +12,9 @@ the driver. The clock runs from the DataFrame to the weights:
   a function in which every rank (torchrun inside a barrier task) reads its share of
   the Parquet files and runs a DDP loop; rank 0 returns the state dict.
 
-Two jobs, each timed with interleaved repeats: the 200,000-row, 3-epoch job, and a
-trivial one (2,000 rows, 1 epoch) that shows each way's fixed cost. A warm-up fit of
+Two jobs: the 200,000-row, 3-epoch job, timed with interleaved repeats, and a trivial one
+(2,000 rows, 1 epoch) that shows each way's fixed cost, timed in blocks of each way's runs
+(a session that uses it; see compare_in_blocks) and interleaved as well. A warm-up fit of
 each runs first (the session's first-fit costs are measured by bench_first_fit.py).
 Results: benchmarks/results/torch_distributor.json.
 """
@@ -123,6 +124,27 @@ def compare(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def compare_in_blocks(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
+    """Each way's runs back to back, in two rounds (sparkdl, TorchDistributor, sparkdl,
+    TorchDistributor): a way's fixed cost as in a session that uses it. Interleaved one by
+    one, every sparkdl fit ran on Python workers freshly forked by Spark (TorchDistributor's
+    job leaves none to reuse: measured +0.5 s before the tasks start, +0.2 s of first steps)."""
+    runs: dict[str, list[float]] = {"sparkdl": [], "torch_distributor": []}
+    jobs = {"sparkdl": with_sparkdl, "torch_distributor": with_torch_distributor}
+    for _ in range(2):
+        for name, job in jobs.items():
+            timed(job, df, epochs)  # the first after the other way's: workers and caches warm up
+            for _ in range(repeats):
+                runs[name].append(timed(job, df, epochs))
+            print(name, [round(t, 2) for t in runs[name]], flush=True)
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "seconds": {k: [round(t, 2) for t in v] for k, v in runs.items()},
+        "median_s": {k: round(v, 2) for k, v in median.items()},
+        "sparkdl_over_torch_distributor": round(median["sparkdl"] / median["torch_distributor"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=200_000)
@@ -133,7 +155,8 @@ def main() -> None:
     trivial_df = dataframe(spark, 2_000, 2)
     timed(with_sparkdl, trivial_df, 1)  # warm-up: the session's first fit, first Parquet write
     timed(with_torch_distributor, trivial_df, 1)
-    trivial = compare(trivial_df, 1, args.repeats)
+    trivial = compare_in_blocks(trivial_df, 1, args.repeats)
+    trivial["interleaved"] = compare(trivial_df, 1, args.repeats)
     full = compare(dataframe(spark, args.rows, 2), args.epochs, args.repeats)
     save_report(
         str(ROOT / "benchmarks/results/torch_distributor.json"),
