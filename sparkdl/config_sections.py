@@ -269,7 +269,8 @@ class DataConfig:
         default=256,
         metadata=about(
             "A worker keeps its decoded partition in memory when it is at most this large (epoch 1 "
-            "then writes nothing); a larger one is cached on local disk (cache_dir). 0 = always on disk.",
+            "then writes nothing; the held-out validation rows have a budget of their own); a larger "
+            "one is cached on local disk (cache_dir). 0 = always on disk.",
             bound=">= 0",
         ),
     )

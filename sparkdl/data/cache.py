@@ -89,12 +89,12 @@ class _ColumnFile:
 class BlockCache:
     """Write-once, read-many store of one worker's decoded rows.
 
-    A partition of at most ``memory_bytes`` stays in memory: epoch 1 only keeps a
-    reference to each decoded chunk (mostly views of Spark's Arrow buffers, no copy while
-    the stream competes with Spark for the CPU), and the first replay joins them into one
-    array per column. The first chunk past ``memory_bytes`` spills every chunk to files on
-    local disk, replayed memory-mapped. Either way a replayed batch is a slice or a gather
-    of read-only rows.
+    A partition of at most ``memory_bytes`` stays in memory: epoch 1 keeps each decoded
+    chunk (views of Spark's Arrow buffers are kept as they are, read-only: no copy while the
+    stream competes with Spark for the CPU; other arrays as read-only copies), and the first
+    replay joins them into one array per column. The first chunk past ``memory_bytes``
+    spills every chunk to files on local disk, replayed memory-mapped. Either way a replayed
+    batch is a slice or a gather of read-only rows.
 
     Args:
         parent: directory to create the cache files in (an executor local dir); "" for the
@@ -136,7 +136,7 @@ class BlockCache:
         self._rows += len(block)
         size = sum(_nbytes(c) for c in columns.values())
         if self.in_memory and self._held_bytes + size <= self._memory_bytes:
-            self._held.append(columns)
+            self._held.append({key: _kept(column) for key, column in columns.items()})
             self._held_bytes += size
             return
         if self.in_memory:  # the partition is larger than memory_bytes: everything to disk
@@ -192,11 +192,13 @@ class BlockCache:
         if self._files:
             return Block.from_columns({key: f.mapped for key, f in self._files.items()})  # type: ignore[misc]
         if self._whole is None and self._held:
-            joined = {key: concat_rows([c[key] for c in self._held]) for key in self._first}
-            for column in joined.values():
-                (column.values if isinstance(column, Ragged) else column).flags.writeable = False
+            held, self._held, self._held_bytes = self._held, [], 0
+            joined: dict[str, Column] = {}
+            for key in self._first:  # a column at a time: the peak is the rows and one column
+                parts = [columns.pop(key) for columns in held]
+                joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts))
+                del parts
             self._whole = Block.from_columns(joined)
-            self._held, self._held_bytes = [], 0
         return self._whole
 
     def close(self) -> None:
@@ -212,6 +214,26 @@ class BlockCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kept(column: Column) -> Column:
+    """``column`` as the memory cache may keep it: in memory no one writes to. A zero-copy
+    view of Spark's Arrow buffers is read-only already; any other array is copied (the feed
+    hands it to training too, where a model may change its input in place, and a
+    transform_fn may reuse it for its next chunk) and the copy made read-only."""
+    values = column.values if isinstance(column, Ragged) else column
+    if not values.flags.writeable:
+        return column
+    if isinstance(column, Ragged):
+        values = column.values.copy()
+        values.flags.writeable = False
+        return Ragged(values, column.offsets.copy())
+    return _read_only(column.copy())
+
+
+def _read_only(column: Column) -> Column:
+    (column.values if isinstance(column, Ragged) else column).flags.writeable = False
+    return column
 
 
 def _nbytes(column: Column) -> int:

@@ -90,10 +90,10 @@ def flat_rows(values: np.ndarray) -> np.ndarray:
 def nonfinite_rows(matrix: np.ndarray) -> np.ndarray | None:
     """Mask of rows holding NaN or inf, or None when there are none."""
     # One cheap pass over every batch: a NaN or inf anywhere makes the sum of the whole
-    # matrix non-finite (a float32 sum, 5x faster than float64 row sums). Only a non-finite
+    # matrix non-finite (float32 or wider, 5x faster than float64 row sums). Only a non-finite
     # sum looks row by row: the bad rows, or none when large finite values overflowed it.
     with np.errstate(over="ignore", invalid="ignore"):
-        total = matrix.sum() if matrix.size else 0.0
+        total = matrix.sum(dtype=np.float32 if matrix.dtype.itemsize < 4 else None) if matrix.size else 0.0
     if np.isfinite(total):
         return None
     bad = ~np.isfinite(flat_rows(matrix)).all(axis=1)

@@ -439,6 +439,42 @@ def test_transform_fn_reruns_every_epoch_unless_its_output_is_cached(cache_trans
         assert all(same) if cache_transformed else not any(same)
 
 
+@pytest.mark.parametrize("memory_mb", [256, 0])
+@pytest.mark.parametrize("reused_buffer", [False, True])
+def test_a_model_changing_its_input_in_place_in_epoch_1_leaves_the_epoch_cache_alone(
+    memory_mb, reused_buffer
+):
+    # epoch 1's tensors share memory with the decoded chunk (the float64 x is cast into a new
+    # writeable array, and not shuffled: slices); a transform_fn may also reuse its buffer
+    buffer = np.zeros((4, 1), np.float32)
+
+    def into_one_buffer(batch):
+        x = batch.column("x").to_numpy()
+        buffer[: len(x), 0] = x
+        return {"x": buffer[: len(x)]}
+
+    schema = next(number_batches([0], 1)).schema
+    plan = (
+        plan_data(schema, transform_fn=into_one_buffer, label_col="label", cache_transformed=True)
+        if reused_buffer
+        else plan_data(schema, feature_cols=("x",), label_col="label")
+    )
+    options = FeedOptions(2, False, seed=5, rank=0, prefetch_batches=0, cache_memory_bytes=memory_mb << 20)
+    feed = PartitionFeed(number_batches([0, 4, 8], 10), plan, options)
+    try:
+        first, _ = feed.epoch(1)
+        seen = []
+        for b in first:
+            (x,) = b.inputs.values()
+            seen += x[:, 0].tolist()
+            x.mul_(-1)  # e.g. nn.ReLU(inplace=True) as the first layer
+        later, where = feed.epoch(2)
+        assert where == "cache" and seen == [float(i) for i in range(10)]
+        assert [x for b in later for x in next(iter(b.inputs.values()))[:, 0].tolist()] == seen
+    finally:
+        feed.close()
+
+
 def test_the_raw_row_cache_replays_a_shuffled_order_across_chunks(tmp_path):
     decoded = []
     cache = ArrowCache(lambda b: decoded.append(b.column("x").to_pylist()) or b, str(tmp_path))
