@@ -162,10 +162,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--feed-repeats", type=int, default=5)
+    parser.add_argument("--feed-only", action="store_true", help="the feed passes alone, in a fresh session")
     parser.add_argument("--output", default=str(HERE / "results/foundation.json"))
     args = parser.parse_args()
 
     spark = bench_session("sparkdl-bench")
+    if args.feed_only:
+        feed = feed_benchmark(spark, dataframe(spark, args.feed_rows, 2), args.feed_rows, args.feed_repeats)
+        save_report(args.output, feed=feed)
+        spark.stop()
+        return
     train_df = dataframe(spark, args.rows, 2)
     fit_runs, ddp_runs = [], []
     for _ in range(args.repeats):
