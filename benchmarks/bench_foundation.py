@@ -32,6 +32,7 @@ from common import make_model, make_optimizer, save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
 from sparkdl import TorchEstimator  # noqa: E402
+from sparkdl.config import SparkDLConfig  # noqa: E402
 from sparkdl.data.columns import LabelKind  # noqa: E402
 from sparkdl.data.feed import FeedOptions, PartitionFeed  # noqa: E402
 from sparkdl.data.inputs import plan_data  # noqa: E402
@@ -116,7 +117,10 @@ def timed_rows(action) -> float:
 
 def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
     """Best and median rows/s of each way to get the rows into Python, interleaved."""
-    options = FeedOptions(batch_size=128, shuffle=True, seed=0, rank=0, prefetch_batches=4)
+    memory = SparkDLConfig().data.cache_memory_mb << 20  # the epoch cache as fit's workers keep it
+    options = FeedOptions(
+        batch_size=128, shuffle=True, seed=0, rank=0, prefetch_batches=4, cache_memory_bytes=memory
+    )
     actions = {
         "toPandas": lambda: len(df.toPandas()),
         "bare_mapInArrow": lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()),

@@ -84,7 +84,6 @@ def bench_ps(
     for way in ("ps", "bare"):
         result[f"{way}_median_trips_per_s"] = statistics.median(result[f"{way}_trips_per_s"])
     result["ps_vs_bare"] = result["ps_median_trips_per_s"] / result["bare_median_trips_per_s"]
-    result["bytes_per_trip"] = result.pop("ps_bytes_per_trip")
     result["params"] = sum(p.numel() for p in tensors)
     result["shards"] = len(stores)
     return result
@@ -120,7 +119,7 @@ def _client(endpoint, sizes, bare_port, trips, repeats, out) -> None:
             for way, trip in order if repeat % 2 == 0 else order[::-1]:
                 result[f"{way}_trips_per_s"].append(timed(trip))  # type: ignore[union-attr]
         sent = client.stats.bytes_sent + client.stats.bytes_received
-        result["ps_bytes_per_trip"] = sent // (repeats * (trips + 1) + 1)
+        result["bytes_per_trip"] = sent // (repeats * (trips + 1) + 1)
     out.put(result)
     client.close()
 

@@ -110,18 +110,22 @@ def timed(job: Any, df: Any, epochs: int) -> float:
     return time.perf_counter() - started
 
 
-def compare(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
-    runs: dict[str, list[float]] = {"sparkdl": [], "torch_distributor": []}
-    for _ in range(repeats):
-        runs["sparkdl"].append(timed(with_sparkdl, df, epochs))
-        runs["torch_distributor"].append(timed(with_torch_distributor, df, epochs))
-        print({k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
+def _summary(runs: dict[str, list[float]]) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in runs.items()}
     return {
         "seconds": {k: [round(t, 2) for t in v] for k, v in runs.items()},
         "median_s": {k: round(v, 2) for k, v in median.items()},
         "sparkdl_over_torch_distributor": round(median["sparkdl"] / median["torch_distributor"], 3),
     }
+
+
+def compare(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
+    runs: dict[str, list[float]] = {"sparkdl": [], "torch_distributor": []}
+    for _ in range(repeats):
+        runs["sparkdl"].append(timed(with_sparkdl, df, epochs))
+        runs["torch_distributor"].append(timed(with_torch_distributor, df, epochs))
+        print({k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
+    return _summary(runs)
 
 
 def compare_in_blocks(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
@@ -137,12 +141,7 @@ def compare_in_blocks(df: Any, epochs: int, repeats: int) -> dict[str, Any]:
             for _ in range(repeats):
                 runs[name].append(timed(job, df, epochs))
             print(name, [round(t, 2) for t in runs[name]], flush=True)
-    median = {k: statistics.median(v) for k, v in runs.items()}
-    return {
-        "seconds": {k: [round(t, 2) for t in v] for k, v in runs.items()},
-        "median_s": {k: round(v, 2) for k, v in median.items()},
-        "sparkdl_over_torch_distributor": round(median["sparkdl"] / median["torch_distributor"], 3),
-    }
+    return _summary(runs)
 
 
 def main() -> None:

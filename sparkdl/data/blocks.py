@@ -98,6 +98,11 @@ class Ragged:
 Column = np.ndarray | Ragged
 
 
+def values_of(column: Column) -> np.ndarray:
+    """A column's elements: the array itself, or a sequence's values (every row's, in a row)."""
+    return column.values if isinstance(column, Ragged) else column
+
+
 def take_rows(column: Column, index: RowIndex) -> Column:
     return column.rows(index) if isinstance(column, Ragged) else column[index]
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.blocks import Block, Column, Ragged, concat_rows
+from sparkdl.data.blocks import Block, Column, Ragged, concat_rows, values_of
 
 
 class EpochCache(Protocol):
@@ -47,7 +47,7 @@ class _ColumnFile:
 
     def __init__(self, directory: Path, index: int, first: Column) -> None:
         self.ragged = isinstance(first, Ragged)
-        values = first.values if isinstance(first, Ragged) else first
+        values = values_of(first)
         self.dtype, self.tail = values.dtype, values.shape[1:]
         self.values_path = directory / f"c{index}.values"
         self.lengths_path = directory / f"c{index}.lengths"
@@ -197,7 +197,6 @@ class BlockCache:
             for key in self._first:  # a column at a time: the peak is the rows and one column
                 parts = [columns.pop(key) for columns in held]
                 joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts))
-                del parts
             self._whole = Block.from_columns(joined)
         return self._whole
 
@@ -221,18 +220,15 @@ def _kept(column: Column) -> Column:
     view of Spark's Arrow buffers is read-only already; any other array is copied (the feed
     hands it to training too, where a model may change its input in place, and a
     transform_fn may reuse it for its next chunk) and the copy made read-only."""
-    values = column.values if isinstance(column, Ragged) else column
-    if not values.flags.writeable:
+    if not values_of(column).flags.writeable:
         return column
     if isinstance(column, Ragged):
-        values = column.values.copy()
-        values.flags.writeable = False
-        return Ragged(values, column.offsets.copy())
+        return _read_only(Ragged(column.values.copy(), column.offsets.copy()))
     return _read_only(column.copy())
 
 
 def _read_only(column: Column) -> Column:
-    (column.values if isinstance(column, Ragged) else column).flags.writeable = False
+    values_of(column).flags.writeable = False
     return column
 
 
@@ -242,7 +238,7 @@ def _nbytes(column: Column) -> int:
 
 def _kind(column: Column) -> tuple[bool, np.dtype, tuple[int, ...]]:
     """What every chunk of a column must share: raggedness, dtype and row shape."""
-    values = column.values if isinstance(column, Ragged) else column
+    values = values_of(column)
     return isinstance(column, Ragged), values.dtype, values.shape[1:]
 
 

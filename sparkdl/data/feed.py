@@ -32,7 +32,7 @@ class FeedOptions:
     rank: int
     prefetch_batches: int
     cache_dir: str = ""
-    cache_memory_bytes: int = 256 << 20  # data.cache_memory_mb
+    cache_memory_bytes: int = 0  # decoded rows kept in memory (fit: data.cache_memory_mb); 0 = disk
     pin_memory: bool = False
     skip_bad_rows: bool = False
 

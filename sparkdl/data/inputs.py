@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.blocks import Block, Column, Ragged
+from sparkdl.data.blocks import Block, Column, Ragged, values_of
 from sparkdl.data.columns import (
     ColumnKind,
     ColumnSpec,
@@ -405,7 +405,7 @@ def run_transform(plan: DataPlan, batch: pa.RecordBatch, training: bool) -> dict
 def check_finite(block: Block, plan: DataPlan) -> None:
     """Raise a BadDataError naming the input and the count of rows with NaN or infinity."""
     for name, column in block.inputs.items():
-        values = column.values if isinstance(column, Ragged) else column
+        values = values_of(column)
         if values.dtype.kind != "f":
             continue
         if isinstance(column, Ragged):

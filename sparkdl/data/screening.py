@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkdl.data.blocks import Ragged
+from sparkdl.data.blocks import Ragged, values_of
 from sparkdl.data.columns import ColumnKind, ColumnSpec, bad_label_rows, flat_rows, label_values
 from sparkdl.data.inputs import DataPlan, InputKind, decode_input
 
@@ -40,7 +40,7 @@ class RowScreen:
         bad = np.zeros(batch.num_rows, dtype=bool)
         for input_spec in self.plan.inputs:
             column = decode_input(batch, input_spec)
-            values = column.values if isinstance(column, Ragged) else column
+            values = values_of(column)
             if values.dtype.kind != "f" or not len(values):
                 continue
             finite = np.isfinite(flat_rows(values)).all(axis=1)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from sparkdl.data.tensors import Batch
 
@@ -55,7 +56,7 @@ class Trace:
         self.running: Call | None = None
         self.first: Call | None = None
         self.last_done: tuple[str, Any] | None = None
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         for name, sub in module.named_modules():
             if next(sub.children(), None) is None:
                 self._handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
