@@ -365,6 +365,15 @@ class RuntimeConfig:
             "pull). host groups the tasks by address, executor by executor; none = flat."
         ),
     )
+    shared_memory: bool = field(
+        default=True,
+        metadata=about(
+            "On CPUs, when every worker runs on one host (local mode, one machine's executors), allreduce "
+            "and weight_averaging exchange through a shared-memory segment instead of gloo's loopback TCP "
+            "(the same sums, bit for bit on every worker; not with compression or hierarchy). Falls back "
+            "to gloo, with a warning, where /dev/shm cannot hold it."
+        ),
+    )
     bucket_cap_mb: float = field(
         default=25.0,
         metadata=about(

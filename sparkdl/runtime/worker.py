@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.checkpoint import CheckpointStore
+from sparkdl.config import Compression, OnError, SparkDLConfig, Strategy
 from sparkdl.config import Hierarchy as HierarchyLevel
-from sparkdl.config import OnError, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
@@ -50,6 +50,7 @@ from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_gr
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.strategies.hierarchy import Hierarchy, host_key
+from sparkdl.strategies.shared_memory import SharedMemoryGroup, form_host_groups
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import (
     ModelFn,
@@ -121,7 +122,9 @@ class WorkerResult:
     state: bytes
     output_shape: tuple[int, ...]
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # one row of each input
-    device: dict[str, Any] = field(default_factory=dict)  # {"device": "cuda:0", "gpus": ["0"]}
+    # {"device": "cuda:0", "gpus": ["0"], "exchange": "nccl"}: exchange is the process group's
+    # backend, or "shared_memory" where the workers of one host exchange through it
+    device: dict[str, Any] = field(default_factory=dict)
 
 
 def run_worker(
@@ -146,12 +149,23 @@ def run_worker(
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
         module = kind.build_module(spec.model_fn, config, device)
+        host_memory = _host_memory(config, placement, device, groups, hierarchy, module)
+        if host_memory is not None:
+            stack.callback(host_memory.close)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
         context = strategy_context(
-            spec, placement, device, groups, hierarchy, module, optimizer, start.global_steps_done
+            spec,
+            placement,
+            device,
+            groups,
+            hierarchy,
+            module,
+            optimizer,
+            start.global_steps_done,
+            host_memory,
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
@@ -183,7 +197,11 @@ def run_worker(
             _deliver_weights(spec, state) if rank == 0 else b"",
             trainer.output_shape,
             trainer.input_shapes,
-            {"device": str(device), "gpus": list(placement.gpu_addresses)},
+            {
+                "device": str(device),
+                "gpus": list(placement.gpu_addresses),
+                "exchange": "shared_memory" if host_memory is not None else dist.get_backend(),
+            },
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
@@ -197,6 +215,7 @@ def strategy_context(
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     start_step: int,
+    host_memory: SharedMemoryGroup | None = None,
 ) -> StrategyContext:
     """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
     alike), starting at global step ``start_step``."""
@@ -215,6 +234,36 @@ def strategy_context(
         scheduler_fn=spec.scheduler_fn,
         hierarchy=hierarchy,
         store=groups.store,
+        host_memory=host_memory,
+    )
+
+
+def _host_memory(
+    config: SparkDLConfig,
+    placement: Placement,
+    device: torch.device,
+    groups: ProcessGroups,
+    hierarchy: Hierarchy | None,
+    module: torch.nn.Module,
+) -> SharedMemoryGroup | None:
+    """The workers' shared-memory group (``runtime.shared_memory``), where the strategy's
+    exchange can use one: CPU workers all on one host, allreduce or weight averaging, no
+    compression and no hierarchy (both run their own collectives). The same decision on
+    every rank, from the config; the group itself forms only if every rank shares the host."""
+    runtime = config.runtime
+    wanted = (
+        runtime.shared_memory
+        and device.type == "cpu"
+        and placement.world_size > 1
+        and hierarchy is None
+        and runtime.compression is Compression.NONE
+        and config.training.strategy in (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING)
+    )
+    if not wanted:
+        return None
+    payload = sum(p.numel() * p.element_size() for p in module.parameters())
+    return form_host_groups(
+        placement.rank, placement.world_size, groups.control, payload, runtime.collective_timeout_s
     )
 
 

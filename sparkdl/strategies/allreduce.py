@@ -6,6 +6,8 @@ PyTorch's own for fp16 and PowerSGD, ours for bf16 (PyTorch's needs NCCL), 1bit 
 bucket by all-gather with error feedback (:class:`sparkdl.compression.collectives.CompressedAllReduce`).
 With ``runtime.hierarchy`` the hook reduces each bucket within the host, all-reduces it among
 the hosts' leaders and broadcasts it back (:class:`sparkdl.strategies.hierarchy.HierarchicalAllReduce`).
+Where every worker shares one host, the hook sums each bucket in shared memory
+(:mod:`sparkdl.strategies.shared_memory`), not over gloo's loopback TCP.
 
 Every worker scales its mean loss by ``world * local_rows / global_rows``: after DDP's
 mean over workers the gradient is exactly the mean over every row of the step, as
@@ -32,6 +34,7 @@ from sparkdl.strategies.base import (
     ring_allreduce_bytes,
 )
 from sparkdl.strategies.hierarchy import HierarchicalAllReduce, hierarchical_bytes
+from sparkdl.strategies.shared_memory import shared_memory_hook
 
 
 class AllReduceStrategy(SyncStrategy):
@@ -67,6 +70,9 @@ class AllReduceStrategy(SyncStrategy):
             self._hierarchical = HierarchicalAllReduce(self.ctx.hierarchy, world)
             ddp.register_comm_hook(self._hierarchical, HierarchicalAllReduce.hook)
             return hierarchical_bytes(self.ctx.hierarchy, grad_bytes)
+        if self.ctx.host_memory is not None:  # one host, no compression (the worker's choice)
+            ddp.register_comm_hook(self.ctx.host_memory, shared_memory_hook)
+            return grad_bytes  # each worker's gradients, into the shared segment
         if compression is Compression.FP16:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             return ring_allreduce_bytes(grad_bytes // 2, world)

@@ -31,6 +31,7 @@ from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
 if TYPE_CHECKING:
     from sparkdl.strategies.hierarchy import Hierarchy
+    from sparkdl.strategies.shared_memory import SharedMemoryGroup
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
@@ -55,6 +56,8 @@ class StrategyContext:
         hierarchy: this worker's host and its leader (``runtime.hierarchy``; None: flat).
         store: the process group's key-value store (rank 0's TCPStore), reachable by every
             rank: weight averaging's backup workers count finished periods in it.
+        host_memory: every worker's shared-memory group, where they all share one host
+            (``runtime.shared_memory``; None: the exchange goes through the process group).
     """
 
     config: SparkDLConfig
@@ -71,6 +74,7 @@ class StrategyContext:
     scheduler_fn: SchedulerFn | None = None
     hierarchy: Hierarchy | None = None
     store: dist.Store | None = None
+    host_memory: SharedMemoryGroup | None = None
 
 
 @dataclass(frozen=True)

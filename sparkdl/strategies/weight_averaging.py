@@ -160,16 +160,19 @@ class WeightAveragingStrategy(SyncStrategy):
             else:
                 self._weighted_all_reduce([[t for _, t in b] for b in buckets], self._rows_since_sync / total)
                 payload = sum(t.numel() * t.element_size() for _, t in named)
-                hierarchy = self.ctx.hierarchy
-                self.stats.bytes_sent += (
-                    ring_allreduce_bytes(payload, world)
-                    if hierarchy is None
-                    else hierarchical_bytes(hierarchy, payload)
-                )
+                self.stats.bytes_sent += self._bytes_per_average(payload)
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
         self._period += 1
         self._cut_short, self._trained_throughout = False, True
+
+    def _bytes_per_average(self, payload: int) -> int:
+        """What this worker sends for one average of ``payload`` bytes (into shared memory: once)."""
+        if self.ctx.host_memory is not None:
+            return payload
+        if self.ctx.hierarchy is not None:
+            return hierarchical_bytes(self.ctx.hierarchy, payload)
+        return ring_allreduce_bytes(payload, self.ctx.world_size)
 
     def _weighted_all_reduce(self, buckets: list[list[torch.Tensor]], own_weight: float) -> None:
         """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently
@@ -177,6 +180,10 @@ class WeightAveragingStrategy(SyncStrategy):
         pending = []
         for bucket in buckets:
             flat = torch.cat([t.detach().reshape(-1) for t in bucket]).mul_(own_weight)
+            if self.ctx.host_memory is not None:
+                self.ctx.host_memory.all_reduce_(flat)
+                pending.append((bucket, flat, None))
+                continue
             if self.ctx.hierarchy is not None:
                 self.stats.bytes_across_hosts += self.ctx.hierarchy.all_reduce(flat)
                 pending.append((bucket, flat, None))

@@ -198,6 +198,45 @@ def test_weight_averaging_every_step_equals_gradient_averaging(tmp_path, sizes, 
     assert [h["sync_rounds"] for h in results[0][1]] == [steps, steps]
 
 
+def _worker_reporting_exchange(rank, world, shards, spec, store_path, out, peers=()):
+    """:func:`_worker`, with the result's device record (how the worker exchanged) as its history."""
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    x, y = shards[rank]
+    try:
+        placement = Placement(rank, world, "127.0.0.1", peers=peers)
+        all_gather = _file_all_gather(store_path, rank, world)
+        result = run_worker(spec, iter([shard_to_batch(x, y)]), placement, all_gather)
+        out.put((rank, result.state, [result.device], None))
+    except Exception as exc:
+        out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging"])
+def test_shared_memory_gives_gloos_weights_bit_for_bit(tmp_path, strategy):
+    """On one host the exchange goes through shared memory (the default), with the same sums:
+    two workers add a + b in shared memory as gloo's ring does."""
+    shards = make_shards([50, 21])
+    runs = {
+        on: run_workers(
+            shards,
+            tmp_path / str(on),
+            worker=_worker_reporting_exchange,
+            strategy=strategy,
+            sync_every=2,
+            shared_memory=on,
+            batch_size=8,
+            epochs=2,
+        )
+        for on in (True, False)
+    }
+    assert [runs[True][1][r][1][0]["exchange"] for r in range(2)] == ["shared_memory"] * 2
+    assert [runs[False][1][r][1][0]["exchange"] for r in range(2)] == ["gloo"] * 2
+    assert max_abs_diff(runs[True][0], runs[False][0]) == 0.0
+
+
 @pytest.mark.slow
 def test_weight_averaging_sends_a_quarter_of_the_bytes_with_tau_4(tmp_path):
     shards = make_shards([64, 64])
