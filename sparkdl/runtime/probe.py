@@ -56,7 +56,7 @@ from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.loop import Schedule, Trainer
-from sparkdl.training.planning import coordinator_for, exchange_row_counts
+from sparkdl.training.planning import coordinator_for, exchange_row_counts, summing_over
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ def run_probe(
         stack.callback(feed.close)
         stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
         feed.fill_cache()  # what a run's first epoch leaves behind
-        counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, groups.control)
+        control = summing_over(groups.control)
+        counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, control)
         bench = Bench(spec, feed, counts, device, groups, hierarchy, placement)
         measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in spec.candidates}
         for order in _pass_orders(spec.candidates, spec.passes):
@@ -243,7 +244,7 @@ class Bench:
     def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
         """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""
         batches, source = self.feed.epoch(self.epoch)
-        coordinator = coordinator_for(False, self.counts, rows_per_step, self.groups.control)
+        coordinator = coordinator_for(False, self.counts, rows_per_step, summing_over(self.groups.control))
         started = time.perf_counter()
         result, tally = trainer.run_epoch(self.epoch, batches, coordinator, source)
         wall = time.perf_counter() - started

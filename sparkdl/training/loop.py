@@ -30,8 +30,10 @@ from sparkdl.training.planning import (
     InputRejected,
     StepCoordinator,
     StepPlan,
+    Sum,
     coordinator_for,
     exchange_row_counts,
+    summing_over,
 )
 from sparkdl.training.validation import EarlyStopping, Validator
 
@@ -136,7 +138,9 @@ class Trainer:
         self._filler = filler
         self._feed = feed
         self._schedule = schedule
-        self._group = control_group
+        # the per-step (epoch 1) and per-epoch sums: through shared memory where the workers have it
+        host = self._ctx.host_memory
+        self._sum: Sum = host.all_reduce_ if host is not None else summing_over(control_group)
         self._hooks = list(hooks)
         self._validator = validator
         self._early_stopping = early_stopping
@@ -164,7 +168,7 @@ class Trainer:
             counts = self._exchange_row_counts()
         for epoch in range(start.epoch, schedule.epochs + 1):
             batches, source = self._feed.epoch(epoch)
-            coordinator = coordinator_for(source == "spark", counts, schedule.rows_per_step, self._group)
+            coordinator = coordinator_for(source == "spark", counts, schedule.rows_per_step, self._sum)
             skip = start.epoch_steps_done if epoch == start.epoch else 0
             result, tally = self.run_epoch(
                 epoch, batches, coordinator, source, epoch == schedule.epochs, skip
@@ -270,7 +274,7 @@ class Trainer:
                 "this is a sparkdl bug, please report it"
             )
         totals = torch.tensor([tally.loss_value(), float(tally.samples)], dtype=torch.float64)
-        dist.all_reduce(totals, group=self._group)
+        self._sum(totals)
         global_loss, global_samples = totals.tolist()
         result = EpochResult(
             epoch=epoch,
@@ -330,7 +334,7 @@ class Trainer:
 
     def _exchange_row_counts(self) -> list[int]:
         ctx = self._ctx
-        return exchange_row_counts(ctx.rank, ctx.world_size, self._feed.cached_rows, self._group)
+        return exchange_row_counts(ctx.rank, ctx.world_size, self._feed.cached_rows, self._sum)
 
     def _next_group(
         self, iterator: Iterator[Batch], streaming: bool

@@ -15,7 +15,8 @@ schedule is a pure function of them (:class:`ScheduledCoordinator`, no per-step 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,15 @@ import torch.distributed as dist
 
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.tensors import Batch
+
+#: Sums a small CPU tensor over every worker, in place: a gloo all-reduce over the control
+#: group (:func:`summing_over`), or the host's shared memory where every worker shares one.
+Sum = Callable[[torch.Tensor], object]
+
+
+def summing_over(group: dist.ProcessGroup | None) -> Sum:
+    """The gloo all-reduce (sum) over ``group`` (None: the default group)."""
+    return functools.partial(dist.all_reduce, group=group)
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,9 @@ class StepControl:
     def local(cls, rows: int, failed: bool) -> StepControl:
         return cls(rows, 1.0 if rows else 0.0, float(failed))
 
-    def all_reduce(self, group: dist.ProcessGroup | None) -> StepControl:
+    def summed(self, sum_: Sum) -> StepControl:
         vector = torch.tensor([self.rows, self.holders, self.failures], dtype=torch.float64)
-        dist.all_reduce(vector, group=group)
+        sum_(vector)
         return StepControl(*vector.tolist())
 
     def plan(self) -> StepPlan | None:
@@ -84,15 +94,15 @@ class StepCoordinator(abc.ABC):
 
 
 class StreamingCoordinator(StepCoordinator):
-    """Epoch 1: one small all-reduce per step over the (gloo, CPU) control group."""
+    """Epoch 1: one small all-reduce per step (of three numbers, on the CPU)."""
 
     streaming = True
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self._group = group
+    def __init__(self, sum_: Sum) -> None:
+        self._sum = sum_
 
     def next_step(self, rows: int, failed: bool = False) -> StepPlan | None:
-        agreed = StepControl.local(rows, failed).all_reduce(self._group)
+        agreed = StepControl.local(rows, failed).summed(self._sum)
         if agreed.failures:
             raise InputRejected()
         return agreed.plan()
@@ -124,20 +134,18 @@ class ScheduledCoordinator(StepCoordinator):
         return StepPlan(global_rows)
 
 
-def exchange_row_counts(rank: int, world_size: int, rows: int, group: dist.ProcessGroup | None) -> list[int]:
+def exchange_row_counts(rank: int, world_size: int, rows: int, sum_: Sum) -> list[int]:
     """Every worker's row count, in rank order, in one all-reduce."""
     vector = torch.zeros(world_size, dtype=torch.float64)
     vector[rank] = rows
-    dist.all_reduce(vector, group=group)
+    sum_(vector)
     return [int(c) for c in vector.tolist()]
 
 
-def coordinator_for(
-    streaming: bool, counts: list[int] | None, batch_size: int, group: dist.ProcessGroup | None
-) -> StepCoordinator:
+def coordinator_for(streaming: bool, counts: list[int] | None, batch_size: int, sum_: Sum) -> StepCoordinator:
     """The coordinator of an epoch: streaming while the data comes from Spark, else the schedule."""
     if streaming or counts is None:
-        return StreamingCoordinator(group)
+        return StreamingCoordinator(sum_)
     return ScheduledCoordinator(counts, batch_size)
 
 
