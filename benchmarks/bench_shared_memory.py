@@ -41,9 +41,7 @@ def _step_loop(model: Any, optimizer: Any, x: Any, y: Any, steps: int) -> float:
     for i in range(steps):
         start = (i * BATCH) % (len(y) - BATCH)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(
-            model(x[start : start + BATCH]), y[start : start + BATCH]
-        ).backward()
+        torch.nn.functional.cross_entropy(model(x[start : start + BATCH]), y[start : start + BATCH]).backward()
         optimizer.step()
     return (time.perf_counter() - started) / steps
 
@@ -125,12 +123,7 @@ def main() -> None:
     step = _medians_ms(step_s)
     save_report(
         args.output,
-        setup={
-            "workers": args.workers,
-            "steps_per_block": args.steps,
-            "repeats": args.repeats,
-            "batch": BATCH,
-        },
+        setup={"workers": args.workers, "steps_per_block": args.steps, "repeats": args.repeats, "batch": BATCH},
         step_ms=step,
         step_ms_every_block={name: [round(1e3 * t, 3) for t in times] for name, times in step_s.items()},
         step_speedup=round(step["gloo"] / step["shared_memory"], 2),

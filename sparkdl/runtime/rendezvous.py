@@ -60,9 +60,9 @@ class RendezvousHost:
         self.endpoint = RendezvousEndpoint(host, port)
 
     def close(self) -> None:
-        self._store = None  # the store's server stops with its last reference, and closes the socket
+        self._store = None  # the store's server stops with its last reference
         if self._listener is not None:
-            self._listener.detach()  # the fd is the store's (already closed): only forget it
+            self._listener.close()
             self._listener = None
 
 

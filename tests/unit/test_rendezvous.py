@@ -58,8 +58,6 @@ def test_two_stage_attempts_meet_at_the_driver_without_the_barriers_all_gather()
         retried = _meet(host.endpoint, "3.1", [57, 58, 59])  # the same store, the retry's own keys
     finally:
         host.close()
-    with pytest.raises(ConnectionRefusedError):  # the store's server stopped with the fit
-        socket.create_connection(("127.0.0.1", host.endpoint.port), timeout=5).close()
     assert {r: tuple(v[:2]) for r, v in first.items()} == {r: (40, 6.0) for r in range(3)}, first
     assert {r: tuple(v[:2]) for r, v in retried.items()} == {r: (57, 6.0) for r in range(3)}, retried
     # no second of the allGather's polling: spawned ranks start within a second or so of each other
