@@ -33,7 +33,6 @@ from sparkdl.runtime.cluster import check_cluster, driver_host, is_connect
 from sparkdl.runtime.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.runtime.preflight import check_model, sample_batch
 from sparkdl.runtime.ps_host import start_parameter_server
-from sparkdl.runtime.rendezvous import RendezvousHost
 from sparkdl.runtime.resources import training_profile
 from sparkdl.runtime.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.runtime.watch import MARGIN_S, collect_watched, fit_job_group
@@ -158,7 +157,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     spec = dataclasses.replace(
         spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
     )
-    hosted = progress = inbox = meeting = None
+    hosted = progress = inbox = None
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
@@ -167,8 +166,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     try:
         if not is_connect(spark):
             inbox = weight_server(driver_host(spark), config.runtime.encrypt).expect_upload()
-            meeting = RendezvousHost(driver_host(spark), config.runtime.collective_timeout_s)
-            spec = dataclasses.replace(spec, weights=inbox.endpoint, rendezvous=meeting.endpoint)
+            spec = dataclasses.replace(spec, weights=inbox.endpoint)
         progress = start_progress_channel(spark, config, attempt_started)
         if progress is not None:
             spec = dataclasses.replace(spec, progress=progress.endpoint())
@@ -195,8 +193,6 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             result.state_dict.update(hosted.parameter_state())
         return result
     finally:
-        if meeting is not None:
-            meeting.close()
         if inbox is not None:
             inbox.close()
         if progress is not None:

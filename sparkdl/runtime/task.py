@@ -84,7 +84,6 @@ def placement_of(ctx: Any, torch_threads: int) -> Placement:
         torch_threads=torch_threads or int(ctx.cpus() or 1),
         task_attempt=ctx.taskAttemptId(),
         peers=tuple(info.address for info in infos),
-        stage=f"{ctx.stageId()}.{ctx.stageAttemptNumber()}",
     )
 
 

@@ -46,7 +46,7 @@ from sparkdl.progress.board import Report
 from sparkdl.progress.channel import HeldRecords, ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.runtime.device import choose_backend, choose_device
-from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, RendezvousEndpoint, form_process_group
+from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_group
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.strategies.hierarchy import Hierarchy, host_key
@@ -96,7 +96,6 @@ class TrainSpec:
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
     weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
-    rendezvous: RendezvousEndpoint | None = None  # the driver's store (else: the barrier's allGather)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,6 @@ class Placement:
     torch_threads: int = 1
     task_attempt: int = 0  # Spark's taskAttemptId; the smallest over the ranks names the stage attempt
     peers: tuple[str, ...] = ()  # every rank's executor address ("host:port"), by rank
-    stage: str = ""  # "stage id.stage attempt number": the same on every rank of a stage attempt
 
 
 @dataclass
@@ -140,7 +138,7 @@ def run_worker(
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
         stack.enter_context(_socket_interface(config.runtime.network_interface))
-        device, groups = _join(config, placement, all_gather, stack, spec.rendezvous)
+        device, groups = _join(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
         hierarchy = _hierarchy(config, placement)
         reporter = last_out.enter_context(
@@ -301,14 +299,9 @@ def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
 
 
 def _join(
-    config: SparkDLConfig,
-    placement: Placement,
-    all_gather: AllGather,
-    stack: contextlib.ExitStack,
-    driver: RendezvousEndpoint | None = None,
+    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
 ) -> tuple[torch.device, ProcessGroups]:
-    """This worker's device, and the process groups it forms with the others (meeting at the
-    driver's store where there is one, else through the barrier's ``all_gather``)."""
+    """This worker's device, and the process groups it forms with the others."""
     torch.set_num_threads(placement.torch_threads)
     device = choose_device(
         config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), placement.rank
@@ -323,8 +316,6 @@ def _join(
         all_gather,
         config.runtime.collective_timeout_s,
         placement.task_attempt,
-        driver,
-        placement.stage,
     )
     stack.callback(release_process_groups, groups)
     return device, groups
