@@ -370,8 +370,9 @@ class RuntimeConfig:
         metadata=about(
             "On CPUs, when every worker runs on one host (local mode, one machine's executors), allreduce "
             "and weight_averaging exchange through a shared-memory segment instead of gloo's loopback TCP "
-            "(the same sums, bit for bit on every worker; not with compression or hierarchy). Falls back "
-            "to gloo, with a warning, where /dev/shm cannot hold it."
+            "(the same sums, the same on every worker; not with compression); with a hierarchy, each "
+            "host's level does, every strategy. Falls back to gloo, with a warning, where /dev/shm "
+            "cannot hold it."
         ),
     )
     bucket_cap_mb: float = field(

@@ -123,7 +123,7 @@ class WorkerResult:
     output_shape: tuple[int, ...]
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # one row of each input
     # {"device": "cuda:0", "gpus": ["0"], "exchange": "nccl"}: exchange is the process group's
-    # backend, or "shared_memory" where the workers of one host exchange through it
+    # backend, or "shared_memory" where the workers of one host exchange through it (see _exchange)
     device: dict[str, Any] = field(default_factory=dict)
 
 
@@ -149,9 +149,10 @@ def run_worker(
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
         module = kind.build_module(spec.model_fn, config, device)
-        host_memory = _host_memory(config, placement, device, groups, hierarchy, module)
-        if host_memory is not None:
-            stack.callback(host_memory.close)
+        shared = _host_memory(config, placement, device, groups, hierarchy, module)
+        if shared is not None:
+            stack.callback(shared.close)
+        host_memory = shared if hierarchy is None else None  # in a hierarchy: the host level's
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
@@ -200,7 +201,7 @@ def run_worker(
             {
                 "device": str(device),
                 "gpus": list(placement.gpu_addresses),
-                "exchange": "shared_memory" if host_memory is not None else dist.get_backend(),
+                "exchange": _exchange(shared, hierarchy),
             },
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
@@ -238,6 +239,14 @@ def strategy_context(
     )
 
 
+def _exchange(shared: SharedMemoryGroup | None, hierarchy: Hierarchy | None) -> str:
+    """How this worker exchanged: "shared_memory", the process group's backend, or, in a
+    hierarchy whose host level is in shared memory, "shared_memory+" the leaders' backend."""
+    if shared is None:
+        return dist.get_backend()
+    return "shared_memory" if hierarchy is None else f"shared_memory+{dist.get_backend()}"
+
+
 def _host_memory(
     config: SparkDLConfig,
     placement: Placement,
@@ -246,22 +255,23 @@ def _host_memory(
     hierarchy: Hierarchy | None,
     module: torch.nn.Module,
 ) -> SharedMemoryGroup | None:
-    """The workers' shared-memory group (``runtime.shared_memory``), where the strategy's
-    exchange can use one: CPU workers all on one host, allreduce or weight averaging, no
-    compression and no hierarchy (both run their own collectives). The same decision on
-    every rank, from the config; the group itself forms only if every rank shares the host."""
+    """The shared-memory group of this worker's host (``runtime.shared_memory``, CPUs only),
+    for the caller to close: a hierarchy's host level, or, without one, every worker's where
+    they all share one host and the strategy's exchange is a plain sum (allreduce or weight
+    averaging, no compression). The same decision on every rank, from the config; a group
+    forms only where every worker in it can attach."""
     runtime = config.runtime
-    wanted = (
-        runtime.shared_memory
-        and device.type == "cpu"
-        and placement.world_size > 1
-        and hierarchy is None
-        and runtime.compression is Compression.NONE
-        and config.training.strategy in (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING)
-    )
-    if not wanted:
+    if not runtime.shared_memory or device.type != "cpu" or placement.world_size == 1:
         return None
     payload = sum(p.numel() * p.element_size() for p in module.parameters())
+    if hierarchy is not None:
+        return hierarchy.share_memory(payload, runtime.collective_timeout_s)
+    flat_sum = runtime.compression is Compression.NONE and config.training.strategy in (
+        Strategy.ALLREDUCE,
+        Strategy.WEIGHT_AVERAGING,
+    )
+    if not flat_sum:
+        return None
     return form_host_groups(
         placement.rank, placement.world_size, groups.control, payload, runtime.collective_timeout_s
     )

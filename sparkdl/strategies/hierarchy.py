@@ -17,7 +17,11 @@ rank and a group's leader is its smallest rank.
 
 The collectives here run on their own process groups: nothing else in sparkdl issues
 collectives on them, so a thread of their own (:class:`HierarchicalAllReduce`'s) keeps
-the order every rank issues them in.
+the order every rank issues them in. On CPUs (``runtime.shared_memory``) the host's level
+goes through a shared-memory segment of its workers
+(:class:`~sparkdl.strategies.shared_memory.SharedMemoryGroup`) instead of the local gloo
+group: the reduce becomes an all-reduce (every worker of the host gets the sum; the
+leader's is the one that travels on) and the broadcast a copy out of the segment.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.distributed as dist
 
 from sparkdl.config import Hierarchy as HierarchyLevel
 from sparkdl.strategies.base import ring_allreduce_bytes
+from sparkdl.strategies.shared_memory import SharedMemoryGroup
 
 
 def host_key(address: str, level: HierarchyLevel) -> str:
@@ -58,6 +63,7 @@ class Hierarchy:
         host: the index of this rank's host (its group).
         local: the process group of this rank's host.
         leaders: the process group of the hosts' leaders (None on a rank that leads none).
+        shared: the host's shared-memory group (None: the host's level goes through ``local``).
     """
 
     groups: list[list[int]]
@@ -65,6 +71,7 @@ class Hierarchy:
     host: int
     local: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
+    shared: SharedMemoryGroup | None = None
 
     @classmethod
     def build(cls, keys: Sequence[str], rank: int, timeout_s: float) -> Hierarchy | None:
@@ -97,12 +104,28 @@ class Hierarchy:
         """The other workers of this rank's host."""
         return len(self.groups[self.host]) - 1
 
+    def share_memory(self, payload_bytes: int, timeout_s: float) -> SharedMemoryGroup | None:
+        """Move the host's level into shared memory where its workers have it (collective over
+        the host's workers); return the group, for the caller to close."""
+        if self.members:
+            self.shared = SharedMemoryGroup.form(
+                self.groups[self.host], self.rank, self.local, payload_bytes, timeout_s
+            )
+        return self.shared
+
     def reduce_to_leader(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over this host's workers into its leader's copy."""
-        dist.reduce(tensor, dst=self.leader, group=self.local)
+        """Sum ``tensor`` over this host's workers into its leader's copy (in shared memory:
+        into every worker's)."""
+        if self.shared is not None:
+            self.shared.all_reduce_(tensor)
+        else:
+            dist.reduce(tensor, dst=self.leader, group=self.local)
 
     def broadcast_from_leader(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=self.leader, group=self.local)
+        if self.shared is not None:
+            self.shared.broadcast_(tensor)
+        else:
+            dist.broadcast(tensor, src=self.leader, group=self.local)
 
     def all_reduce(self, tensor: torch.Tensor) -> int:
         """Sum ``tensor`` over every worker, in place; return the bytes this rank sent across

@@ -467,6 +467,27 @@ def test_a_hierarchy_gives_the_flat_answer_and_sends_one_model_per_host_across(t
 
 
 @pytest.mark.slow
+def test_a_hierarchys_host_level_goes_through_shared_memory_with_the_same_answer(tmp_path):
+    shards = make_shards([40, 24, 33, 17])
+    runs = {
+        on: run_workers(
+            shards,
+            tmp_path / str(on),
+            peers=TWO_HOSTS,
+            worker=_worker_reporting_exchange,
+            hierarchy="executor",
+            shared_memory=on,
+            batch_size=8,
+            epochs=2,
+        )
+        for on in (True, False)
+    }
+    assert [runs[True][1][r][1][0]["exchange"] for r in range(4)] == ["shared_memory+gloo"] * 4
+    assert [runs[False][1][r][1][0]["exchange"] for r in range(4)] == ["gloo"] * 4
+    assert max_abs_diff(runs[True][0], runs[False][0]) < 1e-6
+
+
+@pytest.mark.slow
 def test_with_a_hierarchy_the_driver_receives_half_the_pushes_of_a_flat_parameter_server(tmp_path):
     shards = make_shards([32, 32, 32, 32])
     common = {"strategy": "parameter_server", "ps_mode": "sync", "batch_size": 8, "epochs": 1}
