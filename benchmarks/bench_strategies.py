@@ -19,7 +19,8 @@ from spark_setup import bench_session, dataframe  # noqa: E402
 from sparkdl import TorchEstimator  # noqa: E402
 
 VARIANTS = [
-    ("allreduce", {"strategy": "allreduce"}),
+    ("allreduce", {"strategy": "allreduce"}),  # one host: through shared memory (the default)
+    ("allreduce over gloo", {"strategy": "allreduce", "shared_memory": False}),
     ("weight_averaging tau=1", {"strategy": "weight_averaging", "sync_every": 1}),
     ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4}),
     ("weight_averaging tau=16", {"strategy": "weight_averaging", "sync_every": 16}),
