@@ -5,7 +5,7 @@ benchmarks' 85k-parameter model (340 KB of gradients) a step on two cores took 3
 with DDP over gloo against 1.1 ms without any exchange: gloo's chunked ring and the
 wake-ups of its threads cost 1.4 ms of system time a step. Here the workers of a host
 copy their gradients into one shared-memory segment and only wake each other over Unix
-sockets, one byte each way per round: the same step took 1.7 ms, with bit-identical
+sockets, one byte each way per round: the same step took 1.5 ms, with bit-identical
 results (``benchmarks/bench_shared_memory.py``).
 
 **The segment.** A header (a magic number and a random token), then two *parities*,
@@ -30,21 +30,23 @@ of round k.
 leader (its smallest rank) and waits for one back; the leader waits for every member's
 byte, then answers each. Data never travels on them; a write before a ``send`` is seen
 by the reader after its ``recv`` returns (both are system calls). Every wait has the
-collective timeout, and a worker that fails closes its sockets, so the others stop at
-once with an error naming it instead of waiting out the timeout.
+collective timeout. A worker that fails closes its sockets (at once when a barrier
+fails, else in its teardown), so the others stop with an error naming it instead of
+waiting out the timeout; a group whose barrier failed raises on every later call.
 
 **Who shares memory.** Workers whose kernel boot id and mount namespace are equal see
 the same ``/dev/shm``. The leader creates the segment and the socket in a directory of
-its own there (mode 0700), members attach and prove it by sending the token they read
-from the segment, and the leader then removes the directory: from then on the segment
-lives only in the workers' mappings and nothing is left behind however a worker ends.
+its own there (mode 0700) once every worker has arrived, members attach and connect,
+proving it with the token they read from the segment, and the directory is removed as
+soon as they all have: from then on the segment lives only in the workers' mappings and
+nothing is left behind however a worker ends (only a leader killed within those few
+setup messages would leave its directory).
 Setup is collective over a gloo group; if it fails anywhere (no ``/dev/shm``, too little
 room in it), every worker keeps gloo and the log says why.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import mmap
@@ -54,6 +56,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -119,6 +122,7 @@ class SharedMemoryGroup:
         self._areas: torch.Tensor | None = data.view(2, size + 1, area_bytes)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._round = 0
+        self._broken: str | None = None  # why a barrier failed (or "closed"): every later call raises
 
     # -- collectives ------------------------------------------------------------------
 
@@ -165,7 +169,7 @@ class SharedMemoryGroup:
 
     def _areas_of(self, dtype: torch.dtype) -> torch.Tensor:
         if self._areas is None:
-            raise CollectiveError("the shared-memory group is closed: a sparkdl bug, please report it")
+            raise CollectiveError(f"the shared-memory group cannot be used: {self._broken}")
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self._areas.view(dtype)
@@ -177,47 +181,73 @@ class SharedMemoryGroup:
         return parity
 
     def _barrier(self) -> None:
-        if self.local_rank == 0:
-            for member, peer in enumerate(self._peers, start=1):
-                self._expect_byte(peer, member)
-            for peer in self._peers:
-                peer.sendall(b"\0")
-        else:
-            self._peers[0].sendall(b"\0")
-            self._expect_byte(self._peers[0], 0)
-
-    def _expect_byte(self, peer: socket.socket, local_rank: int) -> None:
-        rank = self.ranks[local_rank]
+        """Meet every worker of the group, within one collective timeout. A barrier that fails
+        breaks the group for good: its sockets close at once (so the others stop too, rather
+        than pair this round's bytes with the next one's) and every later call raises."""
+        if self._broken is not None:
+            raise CollectiveError(f"the shared-memory group failed earlier: {self._broken}")
+        deadline = time.monotonic() + self._timeout_s
         try:
+            if self.local_rank == 0:
+                for member, peer in enumerate(self._peers, start=1):
+                    self._expect_byte(peer, member, deadline)
+                for member, peer in enumerate(self._peers, start=1):
+                    self._send_byte(peer, member)
+            else:
+                self._send_byte(self._peers[0], 0)
+                self._expect_byte(self._peers[0], 0, deadline)
+        except CollectiveError as exc:
+            self._broken = str(exc)
+            self._close_sockets()
+            raise
+
+    def _send_byte(self, peer: socket.socket, local_rank: int) -> None:
+        try:
+            peer.sendall(b"\0")
+        except OSError as exc:
+            raise self._left(local_rank, exc) from None
+
+    def _expect_byte(self, peer: socket.socket, local_rank: int, deadline: float) -> None:
+        try:
+            peer.settimeout(max(deadline - time.monotonic(), 1e-3))
             got = peer.recv(1)
         except TimeoutError:
             raise CollectiveError(
                 f"shared-memory all-reduce: rank {self.ranks[self.local_rank]} waited "
-                f"{self._timeout_s:g}s for rank {rank} of the same host, which neither arrived nor "
-                "failed; raise runtime.collective_timeout_s if one step can take that long"
+                f"{self._timeout_s:g}s for rank {self.ranks[local_rank]} of the same host, which "
+                "neither arrived nor failed; raise runtime.collective_timeout_s if one step can take "
+                "that long"
             ) from None
         except OSError as exc:
-            got = b""
-            log.debug("shared-memory barrier: rank %d's socket failed: %s", rank, exc)
+            raise self._left(local_rank, exc) from None
         if not got:
-            raise CollectiveError(
-                f"shared-memory all-reduce: rank {rank} of the same host closed its connection in the "
-                "middle of a step (it failed or stopped; its own error says why)"
-            )
+            raise self._left(local_rank, None)
+
+    def _left(self, local_rank: int, cause: OSError | None) -> CollectiveError:
+        how = f" ({cause})" if cause is not None else ""
+        return CollectiveError(
+            f"shared-memory all-reduce: rank {self.ranks[local_rank]} of the same host closed its "
+            f"connection in the middle of a step{how}; it failed or stopped, and its own error says why"
+        )
 
     # -- lifetime ---------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close the sockets and unmap the segment (the others then see this worker leave)."""
+    def _close_sockets(self) -> None:
         for peer in self._peers:
             peer.close()
         self._peers = []
+
+    def close(self) -> None:
+        """Close the sockets (the others then see this worker leave) and let go of the segment.
+
+        It is not unmapped here: a thread may still be copying into it (a hierarchy's hook
+        thread that outlived its join). The segment is unmapped when the last tensor over
+        it is freed, so no access can ever meet an unmapped page."""
+        self._close_sockets()
+        self._broken = self._broken or "closed"
         self._typed.clear()
         self._areas = None
-        if self._segment is not None:
-            with contextlib.suppress(BufferError):  # a caller still holds a view: the GC unmaps it
-                self._segment.close()
-            self._segment = None
+        self._segment = None
 
     @classmethod
     def form(
@@ -237,23 +267,33 @@ class SharedMemoryGroup:
                 MAX_AREA_BYTES; larger tensors go through in parts).
         """
         local_rank, size = list(ranks).index(rank), len(ranks)
+        if size < 2:
+            raise ValueError(f"a shared-memory group needs 2 workers or more, got ranks {list(ranks)}")
         area = area_bytes_for(payload_bytes)
         total = _HEADER_BYTES + 2 * (size + 1) * area
         setup = _Setup(local_rank, size, total, timeout_s)
+        agreed = False
         try:
+            # every worker is here before the segment exists: the window in which a killed
+            # leader would leave its directory behind is the few gloo calls below, not the
+            # time the others take to arrive
+            _all_agree(True, group)
             path = setup.create(directory) if local_rank == 0 else ""
             shared = [path]
             dist.broadcast_object_list(shared, src=ranks[0], group=group)
             if local_rank != 0 and shared[0]:
                 setup.attach(shared[0])
             attached = _all_agree(setup.ok, group)
+            setup.remove_directory()  # every member has mapped the segment and connected (or failed)
             if attached and local_rank == 0:
                 setup.accept_members()
             agreed = attached and _all_agree(setup.ok, group)
         finally:
             setup.remove_directory()
+            setup.close_listener()
+            if not agreed:
+                setup.abandon()
         if not agreed:
-            setup.abandon()
             if local_rank == 0 or setup.reason:
                 log.warning(
                     "rank %d: workers of one host exchange through gloo, not shared memory: %s "
@@ -347,26 +387,31 @@ class _Setup:
         try:
             for _ in range(self.size - 1):
                 conn, _ = self.listener.accept()
-                conn.settimeout(self.timeout_s)
-                token, local_rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
-                if not hmac.compare_digest(token, self.token) or not 0 < local_rank < self.size:
+                try:
+                    conn.settimeout(self.timeout_s)
+                    token, local_rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
+                    if not hmac.compare_digest(token, self.token) or not 0 < local_rank < self.size:
+                        raise OSError("a connection did not present the segment's token")
+                    if local_rank in members:
+                        raise OSError(f"local rank {local_rank} connected twice")
+                except OSError:
                     conn.close()
-                    raise OSError("a connection did not present the segment's token")
-                if local_rank in members:
-                    conn.close()
-                    raise OSError(f"local rank {local_rank} connected twice")
+                    raise
                 members[local_rank] = conn
         except OSError as exc:
             self.reason = f"the host's workers did not all connect: {exc}"
         self.peers = [members[r] for r in sorted(members)]
 
     def remove_directory(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        """Unlink the segment and the socket's path (the listener still accepts what is queued)."""
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""
+
+    def close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     def abandon(self) -> None:
         for peer in self.peers:
