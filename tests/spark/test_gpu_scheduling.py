@@ -17,14 +17,16 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
     assert result["etl_after_fit_gpus"] == [[], []]
     # use_gpu = "auto": each training task got its executor's GPU through the stage's
     # profile; this torch has no CUDA, so it trained on CPU (and warned)
-    assert result["auto"] == [{"device": "cpu", "gpus": ["0"]}, {"device": "cpu", "gpus": ["0"]}]
+    # both executors on this host: the workers exchanged through shared memory
+    cpu_with_gpu = {"device": "cpu", "gpus": ["0"], "exchange": "shared_memory"}
+    assert result["auto"] == [cpu_with_gpu, cpu_with_gpu]
     for rank in (0, 1):  # the executors' warning reached the driver, with the rank
         assert any(
             w.startswith(f"[rank {rank}]") and "Spark assigned GPU 0 but this process sees no CUDA" in w
             for w in result["worker_warnings"]
         ), result["worker_warnings"]
     # use_gpu = false: no profile, no GPU
-    assert result["false"] == [{"device": "cpu", "gpus": []}, {"device": "cpu", "gpus": []}]
+    assert result["false"] == [{"device": "cpu", "gpus": [], "exchange": "shared_memory"}] * 2
 
 
 @pytest.mark.gpu
@@ -32,7 +34,8 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
 def test_on_real_gpus_each_task_trains_on_its_own_gpu_and_matches_the_cpu_run(tmp_path):
     result = run_drill("gpu_profile_drill.py", tmp_path, "real")
     gpus = min(torch.cuda.device_count(), 2)
-    assert result["auto"] == [{"device": f"cuda:{i}", "gpus": [str(i)]} for i in range(gpus)]
+    expected = [{"device": f"cuda:{i}", "gpus": [str(i)], "exchange": "nccl"} for i in range(gpus)]
+    assert result["auto"] == expected
     assert result["etl_stage_gpus"] == [[], []]
     for name, cpu_value in result["false_state"].items():  # same data and seed on CPU
         gpu_value = torch.tensor(result["auto_state"][name])

@@ -17,6 +17,11 @@ def test_four_workers_on_two_executors_aggregate_per_executor_and_match_the_flat
     result = run_drill("hierarchy_drill.py", tmp_path)
     for name, run in result.items():
         assert run["max_abs_diff"] < 1e-5, name  # every run: the flat all-reduce's weights
+        # one machine: the flat runs exchange through shared memory, each executor's level too
+        expected = "shared_memory" if name.endswith("flat") else "shared_memory+gloo"
+        if name == "parameter_server flat":  # its workers talk to the driver, not to each other
+            expected = "gloo"
+        assert [d["exchange"] for d in run["devices"]] == [expected] * 4, name
     for strategy in ("allreduce", "weight_averaging"):
         across = result[f"{strategy} executor"]["across"]
         leaders = [rank for rank, sent in enumerate(across) if sent]
