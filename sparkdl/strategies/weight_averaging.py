@@ -141,9 +141,13 @@ class WeightAveragingStrategy(SyncStrategy):
     def _average(self) -> None:
         world, rank = self.ctx.world_size, self.ctx.rank
         round_ = RoundMessage(world)
-        vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, self.ctx.device)
-        dist.all_reduce(vector)
-        total, stopped = round_.unpack(vector)
+        state = sum(t.numel() for _, t in self._optimizer_tensors()) if self._average_state else 0
+        vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, state, self.ctx.device)
+        if self.ctx.host_memory is not None:
+            self.ctx.host_memory.all_reduce_(vector)
+        else:
+            dist.all_reduce(vector)
+        total, stopped, states = round_.unpack(vector)
         if stopped:
             raise agreed(
                 self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
@@ -151,7 +155,7 @@ class WeightAveragingStrategy(SyncStrategy):
         if rank == 0:  # every rank is past its last look at the period's counter: drop it
             self._ending.forget(self._period)
         named = list(self._model_tensors())
-        if self._include_optimizer_state():
+        if state > 0 and all(other == state for other in states):  # the same state everywhere
             named += list(self._optimizer_tensors())
         if total > 0:
             buckets = list(_buckets(named, self._bucket_bytes))
@@ -215,15 +219,6 @@ class WeightAveragingStrategy(SyncStrategy):
                         yield f"optimizer {index} {key}", value
                 index += 1
 
-    def _include_optimizer_state(self) -> bool:
-        """True when state is averaged and every worker holds the same set of state tensors."""
-        if not self._average_state:
-            return False
-        count = sum(t.numel() for _, t in self._optimizer_tensors())
-        counts = torch.tensor([count, -count], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        return count > 0 and counts[0].item() == count and -counts[1].item() == count
-
 
 class EveryWorker:
     """``wa_backup_workers = 0``: a period ends when every worker has finished it; no messages."""
@@ -280,21 +275,28 @@ def _period_ending(ctx: StrategyContext) -> EveryWorker:
 
 @dataclass(frozen=True)
 class RoundMessage:
-    """The one small all-reduce before an average: the rows of the round, and which ranks
-    must stop. Layout: ``[rows, stop flag of rank 0 .. stop flag of rank N-1]``."""
+    """The one small all-reduce (a sum) before an average: the rows of the round, which ranks
+    must stop, and how many optimizer-state values each holds (the state is averaged only
+    where every worker holds the same). Layout: ``[rows, stop flag of rank 0 .. rank N-1,
+    state values of rank 0 .. rank N-1]`` (float64: exact for counts below 2**53)."""
 
     world_size: int
 
-    def pack(self, rank: int, rows: int, stopping: bool, device: torch.device) -> torch.Tensor:
-        vector = torch.zeros(1 + self.world_size, dtype=torch.float64, device=device)
+    def pack(
+        self, rank: int, rows: int, stopping: bool, state_values: int, device: torch.device
+    ) -> torch.Tensor:
+        vector = torch.zeros(1 + 2 * self.world_size, dtype=torch.float64, device=device)
         vector[0] = float(rows)
         vector[1 + rank] = 1.0 if stopping else 0.0
+        vector[1 + self.world_size + rank] = float(state_values)
         return vector
 
-    def unpack(self, vector: torch.Tensor) -> tuple[float, list[int]]:
-        """The round's total rows, and the ranks that must stop."""
+    def unpack(self, vector: torch.Tensor) -> tuple[float, list[int], list[int]]:
+        """The round's total rows, the ranks that must stop, and every rank's state values."""
         values = vector.tolist()
-        return values[0], [r for r, flag in enumerate(values[1:]) if flag]
+        n = self.world_size
+        stops = values[1 : 1 + n]
+        return values[0], [r for r, flag in enumerate(stops) if flag], [int(v) for v in values[1 + n :]]
 
 
 def _buckets(named: list[Named], cap_bytes: int) -> Iterator[list[Named]]:
