@@ -213,27 +213,26 @@ def _worker_reporting_exchange(rank, world, shards, spec, store_path, out, peers
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
 
 
+def _with_and_without_shared_memory(shards, tmp_path, **settings):
+    """Each run's final weights (rank 0's) and every rank's exchange, with shared_memory on and off."""
+    runs = {}
+    for on in (True, False):
+        state, results = run_workers(
+            shards, tmp_path / str(on), worker=_worker_reporting_exchange, shared_memory=on, **settings
+        )
+        runs[on] = state, [results[r][1][0]["exchange"] for r in range(len(shards))]
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging"])
 def test_shared_memory_gives_gloos_weights_bit_for_bit(tmp_path, strategy):
     """On one host the exchange goes through shared memory (the default), with the same sums:
     two workers add a + b in shared memory as gloo's ring does."""
-    shards = make_shards([50, 21])
-    runs = {
-        on: run_workers(
-            shards,
-            tmp_path / str(on),
-            worker=_worker_reporting_exchange,
-            strategy=strategy,
-            sync_every=2,
-            shared_memory=on,
-            batch_size=8,
-            epochs=2,
-        )
-        for on in (True, False)
-    }
-    assert [runs[True][1][r][1][0]["exchange"] for r in range(2)] == ["shared_memory"] * 2
-    assert [runs[False][1][r][1][0]["exchange"] for r in range(2)] == ["gloo"] * 2
+    runs = _with_and_without_shared_memory(
+        make_shards([50, 21]), tmp_path, strategy=strategy, sync_every=2, batch_size=8, epochs=2
+    )
+    assert runs[True][1] == ["shared_memory"] * 2 and runs[False][1] == ["gloo"] * 2
     assert max_abs_diff(runs[True][0], runs[False][0]) == 0.0
 
 
@@ -468,22 +467,10 @@ def test_a_hierarchy_gives_the_flat_answer_and_sends_one_model_per_host_across(t
 
 @pytest.mark.slow
 def test_a_hierarchys_host_level_goes_through_shared_memory_with_the_same_answer(tmp_path):
-    shards = make_shards([40, 24, 33, 17])
-    runs = {
-        on: run_workers(
-            shards,
-            tmp_path / str(on),
-            peers=TWO_HOSTS,
-            worker=_worker_reporting_exchange,
-            hierarchy="executor",
-            shared_memory=on,
-            batch_size=8,
-            epochs=2,
-        )
-        for on in (True, False)
-    }
-    assert [runs[True][1][r][1][0]["exchange"] for r in range(4)] == ["shared_memory+gloo"] * 4
-    assert [runs[False][1][r][1][0]["exchange"] for r in range(4)] == ["gloo"] * 4
+    runs = _with_and_without_shared_memory(
+        make_shards([40, 24, 33, 17]), tmp_path, peers=TWO_HOSTS, hierarchy="executor", batch_size=8, epochs=2
+    )
+    assert runs[True][1] == ["shared_memory+gloo"] * 4 and runs[False][1] == ["gloo"] * 4
     assert max_abs_diff(runs[True][0], runs[False][0]) < 1e-6
 
 
