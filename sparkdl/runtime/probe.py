@@ -45,6 +45,7 @@ from sparkdl.runtime.worker import (
     _close_strategy,
     _feed_options,
     _hierarchy,
+    _host_memory,
     _join,
     _socket_interface,
     _trainer,
@@ -52,6 +53,7 @@ from sparkdl.runtime.worker import (
 )
 from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.hierarchy import Hierarchy
+from sparkdl.strategies.shared_memory import SharedMemoryGroup
 from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
 from sparkdl.training.hooks import EpochTally, StepHook
@@ -188,6 +190,7 @@ class Bench:
     epoch: int = 2
     params: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
+    _shared: SharedMemoryGroup | None = None  # the candidate being timed's, closed after it
 
     def time(self, candidate: ProbeCandidate) -> dict[str, float]:
         """Build ``candidate`` afresh and train a warm-up epoch and timed ones; its step time,
@@ -195,8 +198,9 @@ class Bench:
         config = candidate.config
         train = dataclasses.replace(self.spec.train, config=config)
         start = self.steps_done.get(candidate.name, 0)
-        strategy = self._build(candidate, train, start)
+        strategy = None
         try:
+            strategy = self._build(candidate, train, start)
             clock = StepClock()
             schedule = Schedule(
                 1 << 20,
@@ -218,7 +222,11 @@ class Bench:
             steps = -(-max(self.counts) // per_step)
             self.steps_done[candidate.name] = trainer.global_step
         finally:
-            _close_strategy(strategy)
+            if strategy is not None:
+                _close_strategy(strategy)
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
         log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
         return {
             "step_s": step_s,
@@ -236,8 +244,12 @@ class Bench:
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
         train = dataclasses.replace(train, ps=candidate.ps)
+        # the candidate exchanges as fit would: through shared memory where every worker shares
+        # the host (a hierarchy's host level keeps gloo here: its groups outlive a candidate)
+        if self.hierarchy is None:
+            self._shared = _host_memory(config, placement, self.device, self.groups, None, module)
         context = strategy_context(
-            train, placement, self.device, self.groups, self.hierarchy, module, optimizer, start
+            train, placement, self.device, self.groups, self.hierarchy, module, optimizer, start, self._shared
         )
         return create_strategy(context)
 
