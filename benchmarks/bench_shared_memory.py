@@ -41,7 +41,9 @@ def _step_loop(model: Any, optimizer: Any, x: Any, y: Any, steps: int) -> float:
     for i in range(steps):
         start = (i * BATCH) % (len(y) - BATCH)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[start : start + BATCH]), y[start : start + BATCH]).backward()
+        torch.nn.functional.cross_entropy(
+            model(x[start : start + BATCH]), y[start : start + BATCH]
+        ).backward()
         optimizer.step()
     return (time.perf_counter() - started) / steps
 
@@ -59,11 +61,11 @@ def _worker(rank: int, world: int, init: str, steps: int, repeats: int, out: Any
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from sparkdl.strategies.shared_memory import form_host_groups, shared_memory_hook
+    from sparkdl.strategies.shared_memory import form_host_group, shared_memory_hook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    host = form_host_groups(rank, world, None, 4 * max(SIZES), 60.0)
+    host = form_host_group(rank, world, None, 4 * max(SIZES), 60.0)
     assert host is not None, "no shared memory on this machine"
     x, y = (torch.from_numpy(a) for a in make_data(BATCH * 200, seed=rank))
     ways: dict[str, Any] = {}
@@ -123,7 +125,12 @@ def main() -> None:
     step = _medians_ms(step_s)
     save_report(
         args.output,
-        setup={"workers": args.workers, "steps_per_block": args.steps, "repeats": args.repeats, "batch": BATCH},
+        setup={
+            "workers": args.workers,
+            "steps_per_block": args.steps,
+            "repeats": args.repeats,
+            "batch": BATCH,
+        },
         step_ms=step,
         step_ms_every_block={name: [round(1e3 * t, 3) for t in times] for name, times in step_s.items()},
         step_speedup=round(step["gloo"] / step["shared_memory"], 2),

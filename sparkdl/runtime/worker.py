@@ -50,7 +50,7 @@ from sparkdl.runtime.rendezvous import AllGather, ProcessGroups, form_process_gr
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.base import SchedulerFn
 from sparkdl.strategies.hierarchy import Hierarchy, host_key
-from sparkdl.strategies.shared_memory import SharedMemoryGroup, form_host_groups
+from sparkdl.strategies.shared_memory import SharedMemoryGroup, form_host_group
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import (
     ModelFn,
@@ -272,7 +272,7 @@ def _host_memory(
     )
     if not flat_sum:
         return None
-    return form_host_groups(
+    return form_host_group(
         placement.rank, placement.world_size, groups.control, payload, runtime.collective_timeout_s
     )
 

@@ -105,15 +105,14 @@ class SharedMemoryGroup:
         self,
         segment: mmap.mmap,
         local_rank: int,
-        size: int,
         area_bytes: int,
         peers: list[socket.socket],
         ranks: Sequence[int],
         timeout_s: float,
     ) -> None:
         self.local_rank = local_rank
-        self.size = size
         self.ranks = list(ranks)
+        self.size = size = len(self.ranks)
         self._segment: mmap.mmap | None = segment
         self._peers = peers  # the leader: one socket per member, in local-rank order; a member: the leader's
         self._timeout_s = timeout_s
@@ -304,7 +303,7 @@ class SharedMemoryGroup:
             return None
         assert setup.segment is not None
         log.info("rank %d: shared memory with ranks %s (%d KB areas)", rank, list(ranks), area // 1024)
-        return cls(setup.segment, local_rank, size, area, setup.peers, ranks, timeout_s)
+        return cls(setup.segment, local_rank, area, setup.peers, ranks, timeout_s)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -432,7 +431,7 @@ def _receive_exactly(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def form_host_groups(
+def form_host_group(
     rank: int, world_size: int, group: dist.ProcessGroup | None, payload_bytes: int, timeout_s: float
 ) -> SharedMemoryGroup | None:
     """The shared-memory group of this worker's host, where every worker of the world shares

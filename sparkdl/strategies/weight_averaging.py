@@ -59,6 +59,7 @@ from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
 from sparkdl.strategies.hierarchy import hierarchical_bytes
+from sparkdl.training.planning import summing_over
 
 Named = tuple[str, torch.Tensor]
 
@@ -73,6 +74,7 @@ class WeightAveragingStrategy(SyncStrategy):
         self._tau = ctx.config.weight_averaging.sync_every
         self._average_state = ctx.config.weight_averaging.average_optimizer_state
         self._bucket_bytes = int(ctx.config.runtime.bucket_cap_mb * 1024 * 1024)
+        self._sum = summing_over(None, ctx.host_memory)  # the round message: the default group's device
         self._rows_since_sync = 0
         self._steps_since_sync = 0
         self._stopping: SparkDLError | None = None
@@ -143,10 +145,7 @@ class WeightAveragingStrategy(SyncStrategy):
         round_ = RoundMessage(world)
         state = sum(t.numel() for _, t in self._optimizer_tensors()) if self._average_state else 0
         vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, state, self.ctx.device)
-        if self.ctx.host_memory is not None:
-            self.ctx.host_memory.all_reduce_(vector)
-        else:
-            dist.all_reduce(vector)
+        self._sum(vector)
         total, stopped, states = round_.unpack(vector)
         if stopped:
             raise agreed(

@@ -138,9 +138,7 @@ class Trainer:
         self._filler = filler
         self._feed = feed
         self._schedule = schedule
-        # the per-step (epoch 1) and per-epoch sums: through shared memory where the workers have it
-        host = self._ctx.host_memory
-        self._sum: Sum = host.all_reduce_ if host is not None else summing_over(control_group)
+        self._sum: Sum = summing_over(control_group, self._ctx.host_memory)  # per step in epoch 1
         self._hooks = list(hooks)
         self._validator = validator
         self._early_stopping = early_stopping

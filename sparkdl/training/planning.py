@@ -18,6 +18,7 @@ import abc
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,18 @@ import torch.distributed as dist
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.tensors import Batch
 
-#: Sums a small CPU tensor over every worker, in place: a gloo all-reduce over the control
-#: group (:func:`summing_over`), or the host's shared memory where every worker shares one.
+if TYPE_CHECKING:
+    from sparkdl.strategies.shared_memory import SharedMemoryGroup
+
+#: Sums a small tensor over every worker, in place (:func:`summing_over`).
 Sum = Callable[[torch.Tensor], object]
 
 
-def summing_over(group: dist.ProcessGroup | None) -> Sum:
-    """The gloo all-reduce (sum) over ``group`` (None: the default group)."""
+def summing_over(group: dist.ProcessGroup | None, host_memory: SharedMemoryGroup | None = None) -> Sum:
+    """The sum over every worker: through the host's shared memory where every worker shares
+    one (``host_memory``), else an all-reduce over ``group`` (None: the default group)."""
+    if host_memory is not None:
+        return host_memory.all_reduce_
     return functools.partial(dist.all_reduce, group=group)
 
 
