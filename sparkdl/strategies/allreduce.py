@@ -46,17 +46,21 @@ class AllReduceStrategy(SyncStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         runtime = ctx.config.runtime
+        self._compressed: CompressedAllReduce | None = None
+        self._hierarchical: HierarchicalAllReduce | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._step_bytes = 0
+        if ctx.world_size == 1:
+            return  # nothing to average: the module trains as it is, without DDP's per-step cost
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (e.g. batch-norm statistics) follow rank 0 at every forward; that is
         # DDP's default, so we leave the (version-dependent) flag alone.
-        self._ddp: DistributedDataParallel | None = DistributedDataParallel(
+        self._ddp = DistributedDataParallel(
             ctx.module,
             device_ids=device_ids,
             bucket_cap_mb=runtime.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
-        self._compressed: CompressedAllReduce | None = None
-        self._hierarchical: HierarchicalAllReduce | None = None
         self._step_bytes = self._register_hook(
             self._ddp, runtime, parameter_bytes(ctx.module), ctx.world_size
         )

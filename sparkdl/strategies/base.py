@@ -250,14 +250,21 @@ class SyncStrategy(abc.ABC):
         total = sum(len(b) for b in batches)
         runs = [(b, len(b) / total) for b in batches] + [(step.filler(), 0.0)] * fillers
         no_sync = getattr(self.model, "no_sync", None)
-        loss_sum = torch.zeros((), device=self.ctx.device)
+        losses = []
         for i, (batch, share) in enumerate(runs):
             last = i == len(runs) - 1
             with contextlib.nullcontext() if no_sync is None or last else no_sync():
                 loss = step.loss_of(self.model, batch)
-                scaled = loss * (scale * share)
+                factor = scale * share
+                scaled = loss if factor == 1.0 else loss * factor  # one kernel fewer per step
                 (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
-            loss_sum = loss_sum + loss.detach().float() * share
+            if share:
+                losses.append((loss.detach().float(), share))
+        if len(losses) == 1 and losses[0][1] == 1.0:
+            return losses[0][0]  # the common step: one batch
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for loss, share in losses:
+            loss_sum.add_(loss, alpha=share)
         return loss_sum
 
     def _optimizer_step(self, step: StepInput) -> None:

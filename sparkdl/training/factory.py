@@ -82,6 +82,17 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
+def _fused_on_gpu(params: list[nn.Parameter]) -> bool | None:
+    """True (``fused=True``) where every parameter is a plain CUDA floating-point tensor: PyTorch's
+    fused kernel updates them all in one launch per step, where the default (foreach)
+    launches one per operation of the update rule. Sharded (DTensor) and CPU parameters
+    keep PyTorch's default (None)."""
+    on_gpu = bool(params) and all(
+        p.is_cuda and p.is_floating_point() and type(p.data) is torch.Tensor for p in params
+    )
+    return True if on_gpu else None
+
+
 def build_optimizer(
     params: Iterable[nn.Parameter], optimizer_fn: OptimizerFn | None, config: OptimizerConfig
 ) -> torch.optim.Optimizer:
@@ -93,13 +104,22 @@ def build_optimizer(
                 f"optimizer_fn returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
             )
         return optimizer
+    tensors = list(params)
     name = config.optimizer
     if name is OptimizerName.SGD:
         return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+            tensors,
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            fused=_fused_on_gpu(tensors),
         )
     if name is OptimizerName.ADAM:
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adam(
+            tensors, lr=config.lr, weight_decay=config.weight_decay, fused=_fused_on_gpu(tensors)
+        )
     if name is OptimizerName.ADAMW:
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.Adagrad(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(
+            tensors, lr=config.lr, weight_decay=config.weight_decay, fused=_fused_on_gpu(tensors)
+        )
+    return torch.optim.Adagrad(tensors, lr=config.lr, weight_decay=config.weight_decay)

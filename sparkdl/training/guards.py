@@ -6,6 +6,7 @@ Pure torch; the training loop calls these, so the rules are tested without Spark
 from __future__ import annotations
 
 import enum
+import math
 import os
 import signal
 import time
@@ -185,17 +186,23 @@ class NanGuard:
 
 
 def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """The sum of every gradient: non-finite exactly when some gradient value is.
+    """The largest absolute gradient value (float64): non-finite exactly when some gradient
+    value is, and never an overflow of finite values. One multi-tensor kernel per device and
+    dtype (``get_total_norm`` with the infinity norm), not one reduction per parameter: on a
+    GPU the check costs a few kernel launches per step, whatever the model's depth.
 
-    Sharded gradients (DTensors, strategy "fsdp") are summed over this rank's shard, and
-    the shard sums all-reduced over the gradients' mesh: a non-finite value in any
-    rank's shard makes every rank's total non-finite, so all take the same decision.
-    That all-reduce is a collective: with sharded gradients, every rank must call this
-    at the same step (the guard does, on every step of every rank).
+    Sharded gradients (DTensors, strategy "fsdp") are measured over this rank's shard, and
+    the shards' values summed over the gradients' mesh (a sum keeps a NaN, where a max
+    over gloo may drop it): a non-finite value in any rank's shard makes every rank's total
+    non-finite, so all take the same decision. That all-reduce is a collective: with sharded
+    gradients, every rank must call this at the same step (the guard does, on every step
+    of every rank).
     """
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    sums = [_local(g).detach().float().sum() for g in grads]
-    total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    local = [_local(g).detach() for g in grads]
+    total = torch.nn.utils.get_total_norm(local, norm_type=math.inf).to(torch.float64)
     mesh = next((g.device_mesh for g in grads if isinstance(g, DTensor)), None)
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
@@ -216,8 +223,8 @@ def grads_finite(module: nn.Module) -> bool:
 def _finite(loss: torch.Tensor, module: nn.Module) -> tuple[bool, bool]:
     """Whether the loss, and all gradients, are finite: one device sync per step."""
     grad_total = _grad_total(module, loss.device)
-    flags = torch.stack([torch.isfinite(loss.detach()).all(), torch.isfinite(grad_total)])
-    loss_finite, grads_finite = flags.tolist()
+    values = torch.stack([loss.detach().to(torch.float64).sum(), grad_total.to(loss.device)])
+    loss_finite, grads_finite = torch.isfinite(values).tolist()
     return bool(loss_finite), bool(grads_finite)
 
 

@@ -309,7 +309,7 @@ class Trainer:
         )
         loss = self.strategy.train_step(step)
         if not self.strategy.skipped_step:
-            tally.loss_sum += loss.detach().double() * rows
+            tally.loss_sum.add_(loss.detach(), alpha=rows)  # float64 sum, one kernel
             tally.samples += rows
         tally.steps += 1
         self.global_step += 1

@@ -17,13 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def spark_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """This environment, with executors on this interpreter, Spark on loopback, and
-    the repository importable."""
+    the repository importable (ahead of any ``PYTHONPATH`` already set)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_WORKER_DIR": str(tmp_path / "work"),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": path,
         **extra,
     }
 

@@ -79,7 +79,7 @@ def test_all_reduce_runs_a_worker_without_rows_on_a_zero_weight_filler(gloo_grou
     before = copy.deepcopy(module.state_dict())
     built = create_strategy(context(SparkDLConfig().replace(num_workers=1), module))
     try:
-        assert isinstance(built, AllReduceStrategy) and built.model is not module  # DDP wraps it
+        assert isinstance(built, AllReduceStrategy) and built.model is module  # one worker: no DDP
         loss = built.train_step(StepInput(0, 1, (), 0, 8, loss_of, lambda: (X[:2], Y[:2])))
     finally:
         built.close()
