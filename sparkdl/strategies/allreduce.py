@@ -90,6 +90,8 @@ class AllReduceStrategy(SyncStrategy):
                 start_powerSGD_iter=2,  # DDP rebuilds its buckets after the first step
                 use_error_feedback=runtime.error_feedback,
             )
+            if self.ctx.device.type == "cpu" and torch.cuda.is_available():
+                tolerate_cpu_synchronize()
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             return ring_allreduce_bytes(_powersgd_bytes(self.ctx.module, runtime.powersgd_rank), world)
         if compression in (Compression.ONEBIT, Compression.TOPK):
@@ -123,6 +125,28 @@ class AllReduceStrategy(SyncStrategy):
         self._ddp = None
         if self._hierarchical is not None:
             self._hierarchical.close()
+
+
+def tolerate_cpu_synchronize() -> None:
+    """Let ``torch.cuda.synchronize(cpu_device)`` return instead of raising, process-wide.
+
+    PyTorch's PowerSGD hook ends each bucket with ``torch.cuda.synchronize(bucket.device)``
+    whenever CUDA is available, so CPU workers on a host with a GPU (``use_gpu = false``
+    on a GPU cluster) fail with "Expected a cuda device, but got: cpu" (seen on an H100
+    host; pytorch/pytorch#196568 proposes the fix). Synchronizing a CPU device has nothing
+    to wait for; every other call reaches PyTorch's function unchanged.
+    """
+    original = torch.cuda.synchronize
+    if getattr(original, "tolerates_cpu", False):
+        return
+
+    def synchronize(device: torch.device | str | int | None = None) -> None:
+        if isinstance(device, (torch.device, str)) and torch.device(device).type == "cpu":
+            return
+        original(device)
+
+    synchronize.tolerates_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.synchronize = synchronize
 
 
 def _powersgd_bytes(module: nn.Module, rank: int) -> int:

@@ -285,3 +285,50 @@ def test_a_compressed_average_leaves_every_worker_with_the_same_weights(tmp_path
     )
     error = float((w0 - exact).norm() / (exact - start).norm())
     assert error < 0.8  # 1-bit of a Gaussian change keeps its direction (sqrt(1 - 2/pi) ~ 0.6)
+
+
+def _powersgd_steps(steps: int) -> torch.Tensor:
+    """``steps`` DDP steps of a 32 x 32 layer under PyTorch's PowerSGD hook (rank 1, the
+    low-rank path from the third step); return the layer's weight."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 32)
+    ddp = DistributedDataParallel(layer)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+    )
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(16, 32)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        optimizer.step()
+    return layer.weight.detach().clone()
+
+
+def test_powersgd_trains_cpu_gradients_on_a_host_that_also_has_cuda(gloo_group, monkeypatch):
+    """PyTorch's PowerSGD hook calls ``torch.cuda.synchronize(bucket device)`` whenever CUDA
+    is available: CPU workers on a GPU host failed (seen on an H100). The strategy makes a
+    CPU device's synchronize a no-op; the trained weights are those of a host without CUDA."""
+    from sparkdl.strategies.allreduce import tolerate_cpu_synchronize
+
+    without_cuda = _powersgd_steps(4)
+    reached: list[torch.device] = []
+
+    def pytorch_synchronize(device=None):  # what torch.cuda.synchronize does with a device
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        reached.append(torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", pytorch_synchronize)  # undone after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with a GPU
+    with pytest.raises(RuntimeError, match="Expected a cuda device, but got: cpu"):
+        _powersgd_steps(4)
+    tolerate_cpu_synchronize()
+    tolerate_cpu_synchronize()  # idempotent: wraps once
+    assert torch.equal(_powersgd_steps(4), without_cuda)
+    torch.cuda.synchronize(torch.device("cuda", 0))  # any other device reaches PyTorch's function
+    assert reached == [torch.device("cuda", 0)]
