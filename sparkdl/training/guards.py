@@ -186,10 +186,15 @@ class NanGuard:
 
 
 def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """The largest absolute gradient value (float64): non-finite exactly when some gradient
-    value is, and never an overflow of finite values. One multi-tensor kernel per device and
-    dtype (``get_total_norm`` with the infinity norm), not one reduction per parameter: on a
-    GPU the check costs a few kernel launches per step, whatever the model's depth.
+    """A float64 value that is non-finite exactly when some gradient value is.
+
+    On a GPU it is the largest absolute gradient value, from one multi-tensor kernel per
+    dtype (``get_total_norm`` with the infinity norm): a few kernel launches per step,
+    whatever the model's depth, and finite values never overflow. On a CPU it is the sum of
+    every gradient (one reduction per parameter, each float32 sum vectorized): there the
+    infinity norm's reduction took 10x longer (250 against 21 microseconds for the
+    85k-parameter benchmark MLP). Such a sum also counts finite values whose float32 sum
+    overflows, gradients that would wreck the weights anyway.
 
     Sharded gradients (DTensors, strategy "fsdp") are measured over this rank's shard, and
     the shards' values summed over the gradients' mesh (a sum keeps a NaN, where a max
@@ -202,7 +207,10 @@ def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     local = [_local(g).detach() for g in grads]
-    total = torch.nn.utils.get_total_norm(local, norm_type=math.inf).to(torch.float64)
+    if local[0].is_cuda:
+        total = torch.nn.utils.get_total_norm(local, norm_type=math.inf).to(torch.float64)
+    else:
+        total = torch.stack([g.float().sum() for g in local]).sum().to(torch.float64)
     mesh = next((g.device_mesh for g in grads if isinstance(g, DTensor)), None)
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
