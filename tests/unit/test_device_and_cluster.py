@@ -86,3 +86,40 @@ def test_errors_pickle_with_their_fields():
     assert (type(err), str(err), err.column, err.bad_rows) == (BadDataError, "bad", "x", 3)
     failed = pickle.loads(pickle.dumps(TrainingFailedError("t", {1: "boom"})))
     assert failed.causes == {1: "boom"}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_named_optimizers_keep_pytorchs_default_kernels_on_cpu(name):
+    from sparkdl.config import OptimizerConfig, OptimizerName
+    from sparkdl.training.factory import build_optimizer
+
+    params = list(torch.nn.Linear(4, 3).parameters())
+    optimizer = build_optimizer(params, None, OptimizerConfig(optimizer=OptimizerName(name)))
+    assert optimizer.defaults["fused"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_named_optimizers_fuse_on_a_gpu_and_step_as_on_the_cpu(name):
+    """On CUDA the named optimizers take PyTorch's fused kernel; three steps land where the
+    CPU's default kernels do (float32 rounding apart)."""
+    from sparkdl.config import OptimizerConfig, OptimizerName
+    from sparkdl.training.factory import build_optimizer
+
+    config = OptimizerConfig(optimizer=OptimizerName(name), lr=0.05, momentum=0.9, weight_decay=0.01)
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(16, 8)
+    gpu = torch.nn.Linear(16, 8).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(32, 16)
+    models = {"cpu": (cpu, x), "cuda": (gpu, x.cuda())}
+    optimizers = {k: build_optimizer(m.parameters(), None, config) for k, (m, _) in models.items()}
+    assert optimizers["cuda"].defaults["fused"] is True and optimizers["cpu"].defaults["fused"] is None
+    for _ in range(3):
+        for key, (model, inputs) in models.items():
+            optimizers[key].zero_grad()
+            model(inputs).square().mean().backward()
+            optimizers[key].step()
+    for name_, value in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[name_].cpu(), value, rtol=1e-5, atol=1e-6)
