@@ -132,7 +132,7 @@ class OptimizerConfig:
         default=OptimizerName.SGD,
         metadata=about(
             "The optimizer built from this section when TorchEstimator gets no optimizer_fn "
-            "(sgd, adam and adamw use PyTorch's fused kernels on a GPU)."
+            "(adam and adamw use PyTorch's fused kernel on a GPU, except under fsdp)."
         ),
     )
     lr: float = field(default=0.1, metadata=about("Learning rate of that optimizer.", bound="> 0"))

@@ -117,6 +117,33 @@ class Checkpointer:
         self.written += 1
 
 
+_KERNEL_FLAGS = ("fused", "foreach", "capturable")
+
+
+def kernel_choice(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's kernel flags, as this run built the optimizer."""
+    return [{k: group[k] for k in _KERNEL_FLAGS if k in group} for group in optimizer.param_groups]
+
+
+def keep_kernel_choice(optimizer: torch.optim.Optimizer, kernels: list[dict[str, Any]]) -> None:
+    """Put back the kernel flags a checkpoint's param groups overwrote, and keep each
+    ``step`` counter where those kernels expect it (a fused or capturable Adam: a float32
+    tensor on the parameter's device; otherwise a CPU one).
+
+    ``load_state_dict`` copies the saved groups' flags: a checkpoint of a fused GPU run
+    would make an fsdp run call a fused kernel that has no sharded version, and an unfused
+    checkpoint would leave a fused run's fp16 scaler handing the step flags it refuses.
+    """
+    for group, flags in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(flags)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                target = param.device if on_device else torch.device("cpu")
+                optimizer.state[param]["step"] = step.to(device=target, dtype=torch.float32)
+
+
 def restore(
     store: CheckpointStore,
     global_steps_done: int,
@@ -130,11 +157,13 @@ def restore(
     ``load_state_dict`` on both)."""
     started = time.time()
     state = store.load(global_steps_done)
+    kernels = kernel_choice(optimizer)
     if load is None:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     else:
         load(module, optimizer, state["model"], state["optimizer"])
+    keep_kernel_choice(optimizer, kernels)
     position = Position(int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"]))
     history = json.loads(state["history"])
     progress = store.progress()

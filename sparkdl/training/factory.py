@@ -83,10 +83,10 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def _fused_on_gpu(params: list[nn.Parameter]) -> bool | None:
-    """True (``fused=True``) where every parameter is a plain CUDA floating-point tensor: PyTorch's
-    fused kernel updates them all in one launch per step, where the default (foreach)
-    launches one per operation of the update rule. Sharded (DTensor) and CPU parameters
-    keep PyTorch's default (None)."""
+    """True (``fused=True``, for Adam and AdamW) where every parameter is a plain CUDA
+    floating-point tensor: PyTorch's fused kernel updates them all in one launch per step,
+    where the default (foreach) launches one per operation of the update rule. Sharded
+    (DTensor) and CPU parameters keep PyTorch's default (None)."""
     on_gpu = bool(params) and all(
         p.is_cuda and p.is_floating_point() and type(p.data) is torch.Tensor for p in params
     )
@@ -107,12 +107,10 @@ def build_optimizer(
     tensors = list(params)
     name = config.optimizer
     if name is OptimizerName.SGD:
+        # not fused: on a step the fp16 scaler skips, fused SGD keeps momentum buffers it
+        # allocated but never wrote (uninitialised memory) and steps on them next time
         return torch.optim.SGD(
-            tensors,
-            lr=config.lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            fused=_fused_on_gpu(tensors),
+            tensors, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
     if name is OptimizerName.ADAM:
         return torch.optim.Adam(

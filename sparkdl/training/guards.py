@@ -208,13 +208,25 @@ def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=device)
     local = [_local(g).detach() for g in grads]
     if local[0].is_cuda:
-        total = torch.nn.utils.get_total_norm(local, norm_type=math.inf).to(torch.float64)
+        total = largest_abs(local, device)
     else:
         total = torch.stack([g.float().sum() for g in local]).sum().to(torch.float64)
     mesh = next((g.device_mesh for g in grads if isinstance(g, DTensor)), None)
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
     return total
+
+
+def largest_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The largest absolute value in ``tensors`` (float64; NaN if any value is NaN; 0 if
+    they hold no value). A sparse tensor counts its stored values. Empty tensors are left
+    out: the infinity norm refuses them, and FSDP gives a rank an empty shard of every
+    parameter whose first dimension is smaller than the number of ranks."""
+    values = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    values = [v for v in values if v.numel()]
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.nn.utils.get_total_norm(values, norm_type=math.inf).to(torch.float64)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

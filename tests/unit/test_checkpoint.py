@@ -59,3 +59,34 @@ def test_progress_is_overwritten_in_place(tmp_path):
     progress = store.progress()
     store.close()
     assert progress is not None and progress.step == 29 and progress.wall_time > 0
+
+
+@pytest.mark.parametrize(("saved_fused", "run_fused"), [(None, True), (True, None)])
+def test_a_resumed_optimizer_keeps_the_kernels_this_run_built_it_with(saved_fused, run_fused):
+    """A checkpoint's param groups must not switch this run's optimizer between PyTorch's
+    fused and default kernels (a fused GPU run's checkpoint resumed under fsdp, or an
+    unfused one under a fused run's fp16 scaler); the step counters follow the kernels."""
+    from sparkdl.training.checkpointing import keep_kernel_choice, kernel_choice
+
+    def trained(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.ones(4, 3)).square().sum().backward()
+            optimizer.step()
+        return model, optimizer
+
+    _, saved = trained(saved_fused)
+    model, optimizer = trained(run_fused)
+    kernels = kernel_choice(optimizer)
+    optimizer.load_state_dict(saved.state_dict())
+    assert optimizer.param_groups[0]["fused"] == saved_fused  # what load_state_dict does
+    keep_kernel_choice(optimizer, kernels)
+    assert optimizer.param_groups[0]["fused"] == run_fused
+    assert all(s["step"].item() == 2.0 for s in optimizer.state.values())
+    optimizer.zero_grad()
+    model(torch.ones(4, 3)).square().sum().backward()
+    optimizer.step()  # the run's own kernel takes the loaded state
+    assert all(s["step"].item() == 3.0 for s in optimizer.state.values())

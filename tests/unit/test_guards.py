@@ -91,3 +91,19 @@ def test_the_non_finite_decision_table(loss_ok, grads_ok, policy, in_a_row, shar
     assert decision.agreed is agreed
     if action == "stop" and policy is OnError.SKIP:
         assert "4 steps in a row" in decision.error.message and "max_nan_skips = 3" in decision.error.message
+
+
+def test_the_gpu_check_skips_empty_shards_and_reads_sparse_gradients():
+    """``largest_abs`` (the guard's check on a GPU, run here on CPU tensors): FSDP gives a
+    rank empty shards of small parameters, which the infinity norm alone refuses."""
+    from sparkdl.training.guards import largest_abs
+
+    cpu = torch.device("cpu")
+    empty = torch.zeros(0, 8)
+    sparse = torch.sparse_coo_tensor([[0, 2]], [3.0, -7.0], (4,))
+    assert largest_abs([empty, torch.zeros(0)], cpu).item() == 0.0
+    assert largest_abs([empty, sparse, torch.tensor([1.0, -2.0])], cpu).item() == 7.0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not torch.isfinite(largest_abs([empty, torch.tensor([1.0, bad])], cpu))
+        assert not torch.isfinite(largest_abs([torch.sparse_coo_tensor([[1]], [bad], (3,))], cpu))
+    assert largest_abs([torch.tensor([3e38, -3e38])], cpu).item() == pytest.approx(3e38)  # no overflow
