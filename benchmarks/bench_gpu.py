@@ -39,10 +39,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import make_data, save_report  # noqa: E402
+from benchmarks.common import make_table, save_report  # noqa: E402
 
 WIDE = 1024  # the GPU model: wide enough that a step is GPU work, not launch overhead
 DISCOVERY = (
@@ -93,9 +92,7 @@ def session(device: str, workers: int, folder: Path) -> Any:
 
 
 def dataframe(spark: Any, rows: int, partitions: int) -> Any:
-    x, y = make_data(rows)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-    table = pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
+    table = make_table(rows)
     df = spark.createDataFrame(table).repartition(partitions).cache()
     df.count()
     return df
@@ -178,9 +175,7 @@ def feed_rate(device: str, rows: int, pinned: bool) -> float:
     from sparkdl.data.feed import FeedOptions, PartitionFeed
     from sparkdl.data.inputs import plan_data
 
-    x, y = make_data(rows)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-    table = pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
+    table = make_table(rows)
     batches = table.to_batches(max_chunksize=10_000)
     plan = plan_data(table.schema, feature_cols=("features",), label_col="label")
     target = torch.device("cuda" if device == "cuda" else "cpu")

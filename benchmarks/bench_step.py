@@ -33,12 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import bench_gpu  # noqa: E402
 from benchmarks.bench_gpu import make_wide_model  # noqa: E402
-from benchmarks.common import make_data, save_report  # noqa: E402
+from benchmarks.common import make_data, make_table, save_report  # noqa: E402
 
 BATCH = 512
 
@@ -91,9 +90,7 @@ def sparkdl_loop(device: torch.device, rows: int, epochs: int, profile: bool) ->
     from sparkdl.data.inputs import plan_data
     from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
 
-    x, y = make_data(rows)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-    table = pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
+    table = make_table(rows)
     plan = plan_data(
         table.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
     )

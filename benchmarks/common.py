@@ -38,6 +38,16 @@ def make_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def make_table(rows: int, seed: int = 0) -> Any:
+    """:func:`make_data` as an Arrow table (features: list<float>, label: int64), what the
+    benchmarks turn into DataFrames or feed to a worker directly."""
+    import pyarrow as pa
+
+    x, y = make_data(rows, seed)
+    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+    return pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
+
+
 def make_model() -> nn.Module:
     return nn.Sequential(
         nn.Linear(WIDTH, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)

@@ -7,15 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from common import make_data  # noqa: E402
+from common import make_table  # noqa: E402
 
 from sparkdl.config import SparkDLConfig  # noqa: E402
 from sparkdl.runtime.session import build_session  # noqa: E402
@@ -33,9 +31,7 @@ def bench_session(app_name: str) -> Any:
 
 def dataframe(spark: Any, rows: int, partitions: int, seed: int = 0) -> Any:
     """The synthetic data set as a cached DataFrame (features: array<float>, label: long)."""
-    x, y = make_data(rows, seed)
-    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-    table = pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
+    table = make_table(rows, seed)
     df = spark.createDataFrame(table).repartition(partitions).cache()
     df.count()
     return df
