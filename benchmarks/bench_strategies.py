@@ -24,7 +24,11 @@ VARIANTS = [
     ("weight_averaging tau=1", {"strategy": "weight_averaging", "sync_every": 1}),
     ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4}),
     ("weight_averaging tau=16", {"strategy": "weight_averaging", "sync_every": 16}),
-    ("parameter_server sync", {"strategy": "parameter_server", "ps_mode": "sync"}),
+    ("parameter_server sync", {"strategy": "parameter_server", "ps_mode": "sync"}),  # shared memory
+    (
+        "parameter_server sync over sockets",
+        {"strategy": "parameter_server", "ps_mode": "sync", "ps_shared_memory_mb": 0.0},
+    ),
     ("parameter_server ssp s=2", {"strategy": "parameter_server", "ps_mode": "ssp", "staleness": 2}),
     ("parameter_server async", {"strategy": "parameter_server", "ps_mode": "async"}),
     (

@@ -525,6 +525,16 @@ class ParameterServerConfig:
             valid="fp32, bf16",
         ),
     )
+    ps_shared_memory_mb: float = field(
+        default=512.0,
+        metadata=about(
+            "Workers on the driver's own host (local mode, a single-node cluster) push and pull "
+            "through shared memory instead of a loopback socket (only the authenticated headers "
+            "cross it): at most this many MB of it, an area per connection while they last, "
+            "touched only as used; 0 = sockets only. Off with runtime.shared_memory = false.",
+            bound=">= 0",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "parameter_server")

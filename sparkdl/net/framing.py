@@ -45,7 +45,7 @@ import hmac
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -204,32 +204,57 @@ class Channel(Generic[M]):
 
     def send(self, message: M) -> int:
         """Send one frame (a plaintext payload uncopied); return the bytes sent."""
-        kind, fields, data = self.protocol.encode(message)
-        payload = memoryview(data).cast("B")
-        header = self.protocol.pack(kind, fields, payload.nbytes)
-        header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
-        parts = [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
-        seq = self._send_seq
-        self._send_seq += 1
-        if self._cipher is not None:
-            sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
-            self._cipher.encrypt_into(_aead_nonce(self._send_dir, seq), payload, header, sealed)
-            _send_parts(self.sock, [*parts, sealed])
-        elif payload.nbytes <= STREAM_CHUNK:
-            mac = Poly1305(body_key)
-            mac.update(header)
-            mac.update(payload)
-            _send_parts(self.sock, [*parts, payload, memoryview(mac.finalize())])
-        else:  # stream: hash each chunk once the kernel has it, while the reader copies it out
-            _send_parts(self.sock, parts)
-            mac = Poly1305(body_key)
-            mac.update(header)
-            for start in range(0, payload.nbytes, STREAM_CHUNK):
-                chunk = payload[start : start + STREAM_CHUNK]
-                self.sock.sendall(chunk)
-                mac.update(chunk)
-            self.sock.sendall(mac.finalize())
-        return len(header) + 2 * TAG_BYTES + payload.nbytes
+        return self.send_many((message,))
+
+    def send_many(self, messages: Sequence[M]) -> int:
+        """Send frames back to back; return the bytes sent. Frames whose payloads are at most
+        ``STREAM_CHUNK`` leave together in one ``sendmsg``: the reader wakes once for all
+        of them, not once per frame (a request and the one behind it; two answers)."""
+        parts: list[memoryview] = []
+        total = 0
+        for index, message in enumerate(messages):
+            kind, fields, data = self.protocol.encode(message)
+            payload = memoryview(data).cast("B")
+            header = self.protocol.pack(kind, fields, payload.nbytes)
+            header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
+            parts += [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
+            seq = self._send_seq
+            self._send_seq += 1
+            total += len(header) + 2 * TAG_BYTES + payload.nbytes
+            if self._cipher is not None:
+                sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
+                self._cipher.encrypt_into(_aead_nonce(self._send_dir, seq), payload, header, sealed)
+                if index + 1 < len(messages):  # the next frame reuses the buffer: send or copy
+                    if payload.nbytes > STREAM_CHUNK:
+                        _send_parts(self.sock, [*parts, sealed])
+                        parts = []
+                        continue
+                    sealed = memoryview(bytes(sealed))
+                parts.append(sealed)
+            elif payload.nbytes <= STREAM_CHUNK:
+                mac = Poly1305(body_key)
+                mac.update(header)
+                mac.update(payload)
+                parts += [payload, memoryview(mac.finalize())]
+            else:  # stream: hash each chunk once the kernel has it, while the reader copies it out
+                _send_parts(self.sock, parts)
+                parts = []
+                mac = Poly1305(body_key)
+                mac.update(header)
+                for start in range(0, payload.nbytes, STREAM_CHUNK):
+                    chunk = payload[start : start + STREAM_CHUNK]
+                    self.sock.sendall(chunk)
+                    mac.update(chunk)
+                self.sock.sendall(mac.finalize())
+        _send_parts(self.sock, parts)
+        return total
+
+    def pending(self) -> bool:
+        """Whether the peer's next bytes have already arrived (a read would not wait)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.
@@ -248,11 +273,13 @@ class Channel(Generic[M]):
             ProtocolError: a bad prefix, a header or payload that does not verify, a length
                 over ``max_payload``, a truncated frame, or a message the protocol refuses.
         """
-        header = bytes(_recv_exactly(self.sock, self.protocol.header.size, at_frame_start=True))
+        size = self.protocol.header.size
+        tagged = _recv_exactly(self.sock, size + TAG_BYTES, at_frame_start=True)  # every frame has both
+        header = bytes(tagged[:size])
         check_prefix(header, self.protocol)
         header_key, body_key = self._keys.frame(self._transcript, self._recv_dir, self._recv_seq)
         try:
-            Poly1305.verify_tag(header_key, header, bytes(_recv_exactly(self.sock, TAG_BYTES)))
+            Poly1305.verify_tag(header_key, header, bytes(tagged[size:]))
         except InvalidSignature:
             raise self._refused() from None
         values = self.protocol.header.unpack(header)

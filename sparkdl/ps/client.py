@@ -1,4 +1,9 @@
-"""The worker's side of the parameter server: one connection per shard, used in parallel."""
+"""The worker's side of the parameter server: one connection per shard, used in parallel.
+
+A worker on the driver's host maps the server's shared memory (:mod:`sparkdl.ps.areas`) and
+asks for an area on each connection: its pushes and pulled weights then go through it, and
+only the frames' authenticated headers through the socket.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 from sparkdl.compression.codecs import ErrorFeedback
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.net.framing import Placement, ReusedBuffer
+from sparkdl.ps.areas import WorkerAreas, attach
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import BF16, FLOAT32, Frame, Kind, PsChannel, client_hello, error_of
 
@@ -31,6 +37,7 @@ class ClientStats:
     staleness_sum: int = 0  # running figures: one entry per push would grow all epoch
     staleness_max: int = 0
     late_pushes: int = 0  # shard pushes the server called late (sync with backups: dropped)
+    shared_sent: int = 0  # of bytes_sent, what went through shared memory (never a network)
 
 
 class PsClient:
@@ -69,20 +76,32 @@ class PsClient:
         self.stats = ClientStats()
         self.ahead = 0
         shards = len(endpoint.shard_params)
+        self._memory: WorkerAreas | None = attach(endpoint.areas) if endpoint.shard_sizes else None
         self._channels: list[PsChannel] = []
+        self._areas: list[int | None] = []  # each connection's shared area, if the server granted one
         try:
             for _ in range(shards):
-                self._channels.append(self._connect())
+                channel, area = self._connect()
+                self._channels.append(channel)
+                self._areas.append(area)
         except BaseException:  # a refused or failed connection: close the ones already open
             for channel in self._channels:
                 channel.sock.close()
+            if self._memory is not None:
+                self._memory.close()
             raise
         self._shards = shards
         self._weights = [ReusedBuffer() for _ in range(shards)]  # each shard's pulled weights land here
         self._widened = [torch.empty(0) for _ in range(shards)]  # bf16 pulls: their float32 values
         self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="sparkdl-ps-client")
 
-    def _connect(self) -> PsChannel:
+    @property
+    def shared_areas(self) -> int:
+        """How many of this worker's connections send their payloads through shared memory."""
+        return sum(area is not None for area in self._areas)
+
+    def _connect(self) -> tuple[PsChannel, int | None]:
+        """A connection that said HELLO, and the shared area the server granted it (or None)."""
         try:
             sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=30)
         except OSError as exc:
@@ -102,17 +121,18 @@ class PsClient:
                 self.start_clock,
                 self.endpoint.encrypt,
                 self.pushers,
+                want_area=self._memory is not None,
             )
-            self._expect(channel, Kind.ACK)
+            granted = self._expect(channel, Kind.ACK).area
         except BaseException:
             sock.close()
             raise
-        return channel
+        return channel, granted - 1 if granted and self._memory is not None else None
 
     def push(self, clock: int, rows: int, grads: list[torch.Tensor]) -> None:
         """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel."""
         for result in self._each_shard(self._push_one, [(clock, rows, grad) for grad in grads]):
-            self._count_push(*result)
+            self._count_push(*result)  # (bytes, of them through shared memory, staleness)
         self.stats.pushes += 1
 
     def push_pull(
@@ -123,8 +143,8 @@ class PsClient:
         started = time.perf_counter()
         shards = self._each_shard(self._push_pull_one, [(clock, rows, grad, pull_clock) for grad in grads])
         results, aheads = [], []
-        for (sent, staleness), (pull_sent, received, version, weights, ahead) in shards:
-            self._count_push(sent + pull_sent, staleness)
+        for (sent, shared, staleness), (_, received, version, weights, ahead) in shards:
+            self._count_push(sent, shared, staleness)
             self.stats.bytes_received += received
             results.append((version, weights))
             aheads.append(ahead)
@@ -134,8 +154,9 @@ class PsClient:
         self.stats.pulls += 1
         return results
 
-    def _count_push(self, sent: int, staleness: int) -> None:
+    def _count_push(self, sent: int, shared: int, staleness: int) -> None:
         self.stats.bytes_sent += sent
+        self.stats.shared_sent += shared
         self.stats.staleness_sum += staleness
         self.stats.staleness_max = max(self.stats.staleness_max, staleness)
         self.stats.late_pushes += staleness > 0
@@ -184,32 +205,44 @@ class PsClient:
         channel.send(Frame(Kind.ABORT, 0, self.rank, self.attempt, payload=reason.encode()[:4000]))
         self._expect(channel, Kind.ACK)
 
-    def _push_frame(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> Frame:
+    def _push_frame(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[Frame, int]:
+        """The PUSH of ``grad`` (its payload in the frame or in the shard's shared area), and
+        the payload bytes that went through shared memory."""
         if self.feedback is None:
-            return Frame(
-                Kind.PUSH, shard, self.rank, self.attempt, clock, rows, grad.contiguous().numpy().data
-            )
-        payload = self.feedback.encode(shard, grad).numpy().data  # one stream per shard and thread
-        return Frame(
-            Kind.PUSH, shard, self.rank, self.attempt, clock, rows, payload, self.feedback.codec.code
-        )
+            dtype, data = FLOAT32, grad.contiguous().view(torch.uint8)
+        else:  # one error-feedback stream per shard and thread
+            dtype, data = self.feedback.codec.code, self.feedback.encode(shard, grad)
+        area = self._areas[shard]
+        if area is None:
+            return Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, data.numpy().data, dtype), 0
+        assert self._memory is not None
+        self._memory.push_area(area, data.numel()).copy_(data)
+        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, b"", dtype, area=area + 1)
+        return frame, data.numel()
 
-    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int]:
-        """Runs on a pool thread: returns (bytes sent, staleness the server measured)."""
-        channel = self._channels[shard]
-        sent = channel.send(self._push_frame(shard, clock, rows, grad))
-        return sent, self._expect(channel, Kind.ACK).staleness
+    def _send_push(
+        self, shard: int, clock: int, rows: int, grad: torch.Tensor, pull_clock: int | None = None
+    ) -> tuple[int, int]:
+        """Send shard ``shard``'s PUSH, and the PULL of ``pull_clock`` behind it in the same
+        ``sendmsg``; (bytes moved, the payload's wherever it went; of them, through shared memory)."""
+        frame, shared = self._push_frame(shard, clock, rows, grad)
+        frames = (frame,) if pull_clock is None else (frame, self._pull_frame(shard, pull_clock))
+        return self._channels[shard].send_many(frames) + shared, shared
+
+    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int, int]:
+        """Runs on a pool thread: (bytes sent, of them through shared memory, staleness the
+        server measured)."""
+        sent, shared = self._send_push(shard, clock, rows, grad)
+        return sent, shared, self._expect(self._channels[shard], Kind.ACK).staleness
 
     def _push_pull_one(
         self, shard: int, clock: int, rows: int, grad: torch.Tensor, pull_clock: int
-    ) -> tuple[tuple[int, int], tuple[int, int, int, torch.Tensor, int]]:
+    ) -> tuple[tuple[int, int, int], tuple[int, int, int, torch.Tensor, int]]:
         """Runs on a pool thread: both requests go out before either answer is read (the
         server answers a connection's requests in order; an ERROR for the push raises here)."""
-        channel = self._channels[shard]
-        sent = channel.send(self._push_frame(shard, clock, rows, grad))
-        pull_sent = channel.send(self._pull_frame(shard, pull_clock))
-        staleness = self._expect(channel, Kind.ACK).staleness
-        return (sent, staleness), self._read_weights(shard, pull_sent)
+        sent, shared = self._send_push(shard, clock, rows, grad, pull_clock)
+        staleness = self._expect(self._channels[shard], Kind.ACK).staleness
+        return (sent, shared, staleness), self._read_weights(shard, 0)
 
     def _pull_one(self, shard: int, clock: int) -> tuple[int, int, int, torch.Tensor, int]:
         """Runs on a pool thread: (bytes sent, bytes received, version, weights, clocks ahead)."""
@@ -218,7 +251,16 @@ class PsClient:
         return self._read_weights(shard, sent)
 
     def _pull_frame(self, shard: int, clock: int) -> Frame:
-        return Frame(Kind.PULL, shard, self.rank, self.attempt, clock, dtype=self._pull_dtype)
+        area = self._areas[shard]
+        return Frame(
+            Kind.PULL,
+            shard,
+            self.rank,
+            self.attempt,
+            clock,
+            dtype=self._pull_dtype,
+            area=0 if area is None else area + 1,
+        )
 
     def _read_weights(self, shard: int, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
         """The shard's WEIGHTS, read into its reused buffer (valid until its next pull)."""
@@ -230,14 +272,29 @@ class PsClient:
                 f"rank {self.rank}: asked for shard {shard}'s weights in encoding {self._pull_dtype}, "
                 f"the server sent {reply.dtype}; the driver and the executors run different sparkdl versions"
             )
+        area = self._areas[shard]
+        if reply.area != (0 if area is None else area + 1):
+            raise ParameterServerError(
+                f"rank {self.rank}: shard {shard}'s weights came "
+                f"{f'in shared area {reply.area - 1}' if reply.area else 'in the frame'}, the connection "
+                f"holds area {area}; the driver and the executors run different sparkdl versions"
+            )
+        if area is not None:  # the server wrote them into this connection's area
+            assert self._memory is not None
+            dtype = torch.float32 if reply.dtype == FLOAT32 else torch.bfloat16
+            data = self._memory.weights_area(area, self.endpoint.shard_sizes[shard], dtype)
+        else:
+            wire = np.int16 if reply.dtype == BF16 else np.float32
+            data = torch.from_numpy(np.frombuffer(reply.payload, dtype=wire))
+        received = data.numel() * data.element_size()
         if reply.dtype == FLOAT32:
-            weights = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.float32))
+            weights = data
         else:  # bf16: widened into this shard's reused float32 buffer
-            half = torch.from_numpy(np.frombuffer(reply.payload, dtype=np.int16)).view(torch.bfloat16)
+            half = data.view(torch.bfloat16)
             if self._widened[shard].numel() != half.numel():
                 self._widened[shard] = torch.empty(half.numel())
             weights = self._widened[shard].copy_(half)
-        return sent, len(reply.payload), reply.version, weights, reply.staleness
+        return sent, received, reply.version, weights, reply.staleness
 
     def _expect(self, channel: PsChannel, kind: Kind, into: Placement | None = None) -> Frame:
         """The server's answer of ``kind``; an ERROR frame raises the class its code names."""
@@ -259,3 +316,5 @@ class PsClient:
         self._pool.shutdown(wait=True)
         for channel in self._channels:
             channel.sock.close()
+        if self._memory is not None:
+            self._memory.close()

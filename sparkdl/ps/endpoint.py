@@ -7,6 +7,10 @@ along (the strategy context, the training loop) imports no sockets or cryptograp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparkdl.ps.areas import AreasInfo
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,8 @@ class PsEndpoint:
     timeout_s: float
     max_payload: int
     encrypt: bool = False
+    areas: AreasInfo | None = None  # the server's shared memory, for workers on its host
+    shard_sizes: tuple[int, ...] = ()  # values in each shard (what a shared area's weights hold)
 
     def __repr__(self) -> str:  # never print the secret
         return f"PsEndpoint({self.host}:{self.port}, {len(self.shard_params)} shards)"

@@ -17,6 +17,11 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
     staleness  ACK of a PUSH: how many updates the pushed gradient was behind (sync with
                backup workers: how many clocks late it came, and was dropped);
                WEIGHTS: how many clocks past the one pulled the weights already are
+    area       HELLO: 1 asks for a shared-memory area (the worker mapped the server's
+               segment, :mod:`sparkdl.ps.areas`); the ACK of a HELLO: the area granted,
+               plus one (0: none, payloads travel in the frames); PUSH, PULL, WEIGHTS:
+               the connection's area plus one when the payload is there instead of in the
+               frame (PULL: the worker wants the answer there), 0 otherwise
 
 Errors are data: an ERROR frame carries an :class:`ErrorCode` and the message, and the
 worker raises the class the code names (:func:`error_of`), never deciding from wording.
@@ -87,11 +92,12 @@ class Frame(NamedTuple):
     version: int = 0
     staleness: int = 0
     error: ErrorCode = ErrorCode.NONE
+    area: int = 0
 
 
 class _PsWire(WireProtocol[Frame]):
     """Maps :class:`Frame` onto the framing: dtype, error, shard, rank, attempt, clock,
-    rows, version, staleness."""
+    rows, version, staleness, area."""
 
     def encode(self, message: Frame) -> tuple[int, Fields, Payload]:
         fields = (
@@ -104,11 +110,12 @@ class _PsWire(WireProtocol[Frame]):
             message.rows,
             message.version,
             message.staleness,
+            message.area,
         )
         return int(message.kind), fields, message.payload
 
     def decode(self, kind: int, fields: Fields, payload: bytearray) -> Frame:
-        dtype, error, shard, rank, attempt, clock, rows, version, staleness = fields
+        dtype, error, shard, rank, attempt, clock, rows, version, staleness, area = fields
         frame = Frame(
             member(Kind, kind, self.name),
             shard,
@@ -121,6 +128,7 @@ class _PsWire(WireProtocol[Frame]):
             version,
             staleness,
             member(ErrorCode, error, self.name),
+            area,
         )
         if (frame.kind is Kind.ERROR) != (frame.error is not ErrorCode.NONE):
             raise ProtocolError(f"{frame.kind.name} frame with error code {frame.error.name}")
@@ -130,7 +138,7 @@ class _PsWire(WireProtocol[Frame]):
 PS_WIRE = _PsWire(
     "sparkdl-ps",
     ident=1,
-    fields="BBHIIQQQQ",
+    fields="BBHIIQQQQI",
     hello_kind=Kind.HELLO,
     oversize_hint="raise ps_max_frame_mb if the model's largest shard is bigger",
 )
@@ -145,14 +153,17 @@ def client_hello(
     start_clock: int = 0,
     encrypt: bool = False,
     pushers: int = 0,
+    want_area: bool = False,
 ) -> PsChannel:
     """Open a connection as worker ``rank``; the caller then expects an ACK on the channel.
 
     ``start_clock`` > 0 says the workers resumed from the checkpoint of that step;
     ``pushers`` > 0 that the attempt pushes through that many pushers (a HELLO's ``rows``),
-    ``rank`` being this one's number among them.
+    ``rank`` being this one's number among them; ``want_area`` asks for a shared-memory area.
     """
-    hello = Frame(Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock, rows=pushers)
+    hello = Frame(
+        Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock, rows=pushers, area=int(want_area)
+    )
     return net.client_hello(sock, secret, PS_WIRE, hello, encrypt)
 
 

@@ -20,6 +20,10 @@ right before it writes the worker checkpoint of global step ``s``; each shard
 writes ``ps-shard-NNN-<s>.pt`` there (atomically, newest two kept). A stage attempt
 whose HELLO says it resumes from step ``s`` first returns every shard to its
 snapshot of ``s``: the state that checkpoint was taken with.
+
+Shared memory. Workers on the driver's own host may ask, in their HELLO, for an area of
+the server's shared memory (:mod:`sparkdl.ps.areas`); their PUSH and WEIGHTS payloads
+then go through it, and only the authenticated headers cross the socket.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ import collections
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.compression.codecs import push_codecs
+from sparkdl.compression.codecs import Codec, push_codecs
 from sparkdl.errors import (
     CheckpointError,
     ConnectionClosed,
@@ -44,6 +48,7 @@ from sparkdl.errors import (
 )
 from sparkdl.net.framing import ReusedBuffer
 from sparkdl.net.listener import ConnectionListener, one_line
+from sparkdl.ps.areas import ServerAreas, slot_bytes
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import (
     BF16,
@@ -97,6 +102,7 @@ class ParameterServer:
         max_sessions: int = 256,
         topk_ratio: float = 0.01,
         torch_threads: int = 1,
+        shared_memory_bytes: int = 0,
     ) -> None:
         self.stores = list(stores)
         self._threads = _torch_threads.hold(torch_threads)
@@ -117,6 +123,7 @@ class ParameterServer:
         )
         self._attempt_started = attempt_started
         self.encrypt = encrypt
+        self.areas = _shared_areas(self.stores, self._codecs.values(), shared_memory_bytes)
         self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
         self.rejected_pushes = 0
         self.nonfinite_pushes = 0
@@ -132,7 +139,15 @@ class ParameterServer:
 
     def endpoint(self, shard_params: tuple[tuple[int, ...], ...]) -> PsEndpoint:
         return PsEndpoint(
-            self.host, self.port, self.secret, shard_params, self.timeout_s, self.max_payload, self.encrypt
+            self.host,
+            self.port,
+            self.secret,
+            shard_params,
+            self.timeout_s,
+            self.max_payload,
+            self.encrypt,
+            self.areas.info if self.areas is not None else None,
+            tuple(store.numel for store in self.stores),
         )
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -140,11 +155,14 @@ class ParameterServer:
         for store in self.stores:
             store.close()
         self._listener.stop(timeout)
+        if self.areas is not None:
+            self.areas.close()
         if self._threads:
             self._threads = False
             _torch_threads.release()
 
     def _serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
+        warm = _WarmBuffers()  # this connection's pushes and pulled weights, reused
         try:
             try:
                 self._begin_attempt(hello.attempt, hello.clock, hello.rows)
@@ -152,21 +170,25 @@ class ParameterServer:
                 channel.send(error_frame(exc))
                 self._reject(peer, str(exc))
                 return
-            channel.send(Frame(Kind.ACK))
-            warm = _WarmBuffers()  # this connection's pushes and pulled weights, reused
+            if hello.area and self.areas is not None:
+                warm.area = self.areas.acquire()
+            channel.send(Frame(Kind.ACK, area=0 if warm.area is None else warm.area + 1))
             while not self._listener.stopping:
-                frame = channel.recv(self._frame_cap, into=warm.push_payload)
-                if (frame.rank, frame.attempt) != (hello.rank, hello.attempt):
-                    raise ProtocolError(
-                        f"a frame of rank {frame.rank} attempt {frame.attempt} on the connection of "
-                        f"rank {hello.rank} attempt {hello.attempt}"
-                    )
-                self._handle(channel, frame, warm)
+                replies = [self._handle(self._next_frame(channel, hello, warm), warm)]
+                # the PULL that push_pull sent right behind its PUSH: both answers leave in one
+                # sendmsg, so the worker wakes once (only behind an ACK: a WEIGHTS answer's
+                # memory would be the next one's)
+                if replies[0].kind is Kind.ACK and channel.pending():
+                    replies.append(self._handle(self._next_frame(channel, hello, warm), warm))
+                channel.send_many(replies)
         except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 self._listener.refusals.add("frame refused", peer, str(exc))
         except OSError:
             pass  # the worker went away, or stop() closed the socket
+        finally:
+            if warm.area is not None and self.areas is not None:
+                self.areas.release(warm.area)
 
     def _begin_attempt(self, attempt: int, start_clock: int, pushers: int = 0) -> None:
         """The first connection of a new stage attempt restarts the clocks (and restores
@@ -219,8 +241,18 @@ class ParameterServer:
         snapshots.save(step, {"format": 1, **state})
         return int(state["version"])
 
-    def _handle(self, channel: PsChannel, frame: Frame, warm: _WarmBuffers) -> None:
-        """Answer one request: its result, or an ERROR frame with the error's code."""
+    def _next_frame(self, channel: PsChannel, hello: Frame, warm: _WarmBuffers) -> Frame:
+        """The connection's next request, which must be of the rank and attempt of its HELLO."""
+        frame = channel.recv(self._frame_cap, into=warm.push_payload)
+        if (frame.rank, frame.attempt) != (hello.rank, hello.attempt):
+            raise ProtocolError(
+                f"a frame of rank {frame.rank} attempt {frame.attempt} on the connection of "
+                f"rank {hello.rank} attempt {hello.attempt}"
+            )
+        return frame
+
+    def _handle(self, frame: Frame, warm: _WarmBuffers) -> Frame:
+        """The answer to one request: its result, or an ERROR frame with the error's code."""
         if not 0 <= frame.shard < len(self.stores):
             raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
         try:
@@ -229,12 +261,17 @@ class ParameterServer:
             if isinstance(exc, PushRejected):
                 self._reject(("rank", frame.rank), str(exc))
             reply = error_frame(exc, frame.shard)
-        channel.send(reply)
+        return reply
 
     def _answer(self, frame: Frame, warm: _WarmBuffers) -> Frame:
         store = self.stores[frame.shard]
+        if frame.area and (warm.area is None or frame.area != warm.area + 1):
+            raise ProtocolError(
+                f"a {frame.kind.name} frame names shared area {frame.area - 1}, the connection holds "
+                f"{'none' if warm.area is None else warm.area}"
+            )
         if frame.kind is Kind.PUSH:
-            grad = self._gradient(frame, store.numel)
+            grad = self._gradient(frame, store.numel, warm.area if frame.area else None)
             if not _all_finite(grad):
                 self.nonfinite_pushes += 1
                 raise PushRejected(
@@ -248,9 +285,20 @@ class ParameterServer:
                 raise ProtocolError(
                     f"pull of shard {frame.shard} in encoding {frame.dtype}: fp32 or bf16 only"
                 )
-            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, warm.weights(store.numel))
+            if frame.area:  # straight into the worker's area (float32), or rounded into it (bf16)
+                assert self.areas is not None and warm.area is not None
+                out = self.areas.weights_area(warm.area, store.numel) if frame.dtype == FLOAT32 else None
+            else:
+                out = warm.weights(store.numel)
+            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, out)
             ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
-            payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
+            if frame.area:
+                if frame.dtype == BF16:
+                    assert self.areas is not None and warm.area is not None
+                    self.areas.weights_area(warm.area, store.numel, torch.bfloat16).copy_(weights)
+                payload: memoryview | bytes = b""
+            else:
+                payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
             return Frame(
                 Kind.WEIGHTS,
                 shard=frame.shard,
@@ -258,6 +306,7 @@ class ParameterServer:
                 staleness=ahead,
                 payload=payload,
                 dtype=frame.dtype,
+                area=frame.area,
             )
         if frame.kind is Kind.ABORT:
             reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
@@ -270,14 +319,21 @@ class ParameterServer:
             return Frame(Kind.ACK, shard=frame.shard, version=version)
         raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
 
-    def _gradient(self, frame: Frame, numel: int) -> torch.Tensor:
-        """The float32 gradient a PUSH carries, plain or compressed (the frame's dtype)."""
+    def _gradient(self, frame: Frame, numel: int, area: int | None) -> torch.Tensor:
+        """The float32 gradient a PUSH carries, plain or compressed (the frame's dtype), in
+        the frame or in the connection's shared ``area``."""
         codec = self._codecs.get(frame.dtype)
         if codec is None and frame.dtype != FLOAT32:
             raise PushRejected(
                 f"push to shard {frame.shard} in encoding {frame.dtype}, which this server does not know"
             )
         name, expected = ("float32", 4 * numel) if codec is None else (codec.name, codec.nbytes(numel))
+        if area is not None:
+            if len(frame.payload):
+                raise ProtocolError("a PUSH names its shared area and carries a payload as well")
+            assert self.areas is not None
+            data = self.areas.push_area(area, expected)  # fits: the area takes the largest push
+            return data.view(torch.float32) if codec is None else codec.decode(data, numel)
         if len(frame.payload) != expected:
             raise PushRejected(
                 f"push of {len(frame.payload)} bytes to shard {frame.shard}, which takes {expected} bytes "
@@ -296,9 +352,10 @@ class ParameterServer:
 class _WarmBuffers:
     """One connection's reused memory (:class:`ReusedBuffer`): what a PUSH is read into (the
     store keeps no reference to it), and the weights a PULL sends (sent before the next
-    frame is read)."""
+    frame is read); and its shared-memory area, when it has one."""
 
     def __init__(self) -> None:
+        self.area: int | None = None  # the connection's shared-memory area, if it was granted one
         self._push = ReusedBuffer()
         self._weights = torch.empty(0)
         self._bf16 = torch.empty(0, dtype=torch.bfloat16)
@@ -352,3 +409,27 @@ def _all_finite(values: torch.Tensor) -> bool:
     """Whether every value is finite: one float32 sum (NaN and infinities carry through it);
     only a sum that overflowed needs the element-wise look."""
     return math.isfinite(values.sum()) or bool(torch.isfinite(values).all())
+
+
+def _shared_areas(stores: Sequence[ShardStore], codecs: Iterable[Codec], budget: int) -> ServerAreas | None:
+    """Shared memory for the connections of workers on the driver's host: an area per
+    connection (each worker holds one per shard; twice that while a failed stage attempt's
+    connections close), as many as ``budget`` bytes hold; None when none fits or the
+    memory cannot be made (the workers then use their sockets)."""
+    largest = max((s.numel for s in stores), default=0)
+    if budget <= 0 or largest == 0:
+        return None
+    push_bytes = max(4 * largest, *(c.nbytes(largest) for c in codecs))
+    wanted = 2 * max(s.num_workers for s in stores) * len(stores)
+    slots = min(wanted, budget // slot_bytes(push_bytes, 4 * largest))
+    if slots == 0:
+        log.info(
+            "parameter server: no shared memory: one area (%d bytes) is over ps_shared_memory_mb",
+            slot_bytes(push_bytes, 4 * largest),
+        )
+        return None
+    try:
+        return ServerAreas(slots, push_bytes, 4 * largest)
+    except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create on this platform
+        log.warning("parameter server: no shared memory for workers on the driver's host: %s", exc)
+        return None

@@ -288,7 +288,8 @@ class ShardStore:
         if self._lr is not None:  # the global step this version stands for
             self._lr.apply(int(self.version * self._steps_per_version))
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # zero_grad(set_to_none=True) without its wrapper's 8 us
+            p.grad = None
         if self._scheduler is not None:
             self._scheduler.step()
         self.version += 1

@@ -68,6 +68,13 @@ def _steps_per_version(config: SparkDLConfig) -> float:
     return settings.push_every / config.training.num_workers
 
 
+def _shared_memory_bytes(config: SparkDLConfig) -> int:
+    """How much shared memory the server may give workers on its host (0: none)."""
+    if not config.runtime.shared_memory:
+        return 0
+    return int(config.parameter_server.ps_shared_memory_mb * 1024 * 1024)
+
+
 def host_parameter_server(
     spec: TrainSpec, host: str, attempt_started: Callable[[int], bool] | None = None
 ) -> HostedServer:
@@ -109,13 +116,17 @@ def host_parameter_server(
         max_sessions=2 * config.training.num_workers * len(stores) + 16,
         topk_ratio=config.runtime.topk_ratio,
         torch_threads=config.parameter_server.ps_torch_threads,
+        shared_memory_bytes=_shared_memory_bytes(config),
     )
     log.info(
-        "parameter server for %d workers on %s:%d, %d shards",
+        "parameter server for %d workers on %s:%d, %d shards, %s",
         config.training.num_workers,
         server.host,
         server.port,
         len(stores),
+        f"shared memory for workers on its host ({server.areas.info.slots} areas)"
+        if server.areas is not None
+        else "no shared memory",
     )
     endpoint = server.endpoint(tuple(tuple(g) for g in groups))
     return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))

@@ -20,6 +20,11 @@ rounded to bf16 (half the bytes of its busiest direction) and the worker compute
 the server's own weights, and so the trained model, stay float32, and every pull rounds
 afresh, so no rounding error accumulates (no error feedback needed).
 
+Shared memory. A worker on the driver's own host (local mode, a single-node cluster) pushes
+and pulls through the server's shared memory (``ps_shared_memory_mb``, :mod:`sparkdl.ps.areas`):
+only the frames' authenticated headers cross its socket, and its traffic never counts as
+crossing hosts.
+
 Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
 the driver: the host's workers sum their gradients and rows into the leader
 (:class:`sparkdl.strategies.hierarchy.Hierarchy`), the leader pushes the host's sum as pusher
@@ -98,11 +103,13 @@ class ParameterServerStrategy(SyncStrategy):
                 if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
                     torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
                 for acc, shard in zip(self._accumulated, self._shards, strict=True):
-                    acc += _flat_grad(shard) * step.rows
+                    acc.add_(_flat_grad(shard), alpha=step.rows)
                 self._rows += step.rows
             else:
                 loss = torch.zeros((), device=self.ctx.device)
-            self.ctx.optimizer.zero_grad(set_to_none=True)
+            for shard in self._shards:  # the optimizer steps on the server: only clear the gradients
+                for p in shard:
+                    p.grad = None
         push = (step.step + 1) % self._push_every == 0
         pull = (step.step + 1) % self._pull_every == 0
         if push or pull:
@@ -157,7 +164,7 @@ class ParameterServerStrategy(SyncStrategy):
             wait_s=client.wait_s,
             skipped_steps=self.stats.skipped_steps,
             dropped_pushes=client.late_pushes if self._mode is PsMode.SYNC else 0,
-            bytes_across_hosts=client.bytes_sent,  # to the driver's host
+            bytes_across_hosts=client.bytes_sent - client.shared_sent,  # to the driver's host
         )
         if self._hierarchy is not None:  # and what it sent its host: the weights, to each member
             stats.bytes_sent += self.stats.bytes_sent

@@ -226,11 +226,22 @@ def test_frames_round_trip_with_their_kind_fields_and_payload():
 def test_a_parameter_server_frame_keeps_every_named_field():
     a, b, client, server = pair(PS_WIRE)
     with a, b:
-        frame = Frame(Kind.PUSH, 1, 2, 3, 4, 5, np.arange(4, dtype=np.float32).data, version=6, staleness=7)
+        payload = np.arange(4, dtype=np.float32).data
+        frame = Frame(Kind.PUSH, 1, 2, 3, 4, 5, payload, version=6, staleness=7, area=8)
         client.send(frame)
         got = server.recv(1024)
-        fields = (got.kind, got.shard, got.rank, got.attempt, got.clock, got.rows, got.version, got.staleness)
-        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5, 6, 7) and got.error is ErrorCode.NONE
+        fields = (
+            got.kind,
+            got.shard,
+            got.rank,
+            got.attempt,
+            got.clock,
+            got.rows,
+            got.version,
+            got.staleness,
+            got.area,
+        )
+        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5, 6, 7, 8) and got.error is ErrorCode.NONE
         assert struct.unpack("<4f", got.payload) == (0.0, 1.0, 2.0, 3.0)
 
 
@@ -351,7 +362,7 @@ def test_frames_of_one_protocol_never_pass_as_the_other():
         accept(raw, challenge, PS_WIRE)
     # a forger that copies the parameter server's id and layout under another name: the
     # keys differ, so neither its HELLO nor its frames verify
-    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQ", Kind.HELLO)
+    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQI", Kind.HELLO)
     challenge, raw = answer(forged, Frame(Kind.HELLO))
     with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
         accept(raw, challenge, PS_WIRE)
@@ -504,7 +515,7 @@ def test_an_authentic_frame_of_an_unknown_kind_or_error_code_is_refused(kind, er
     a, b, client, _ = pair(PS_WIRE)
     with a, b:
         Channel(b, SECRET, Raw(PS_WIRE), NONCE, client=False).send(
-            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0), b"")
+            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0, 0), b"")
         )
         with pytest.raises(ProtocolError, match=refusal):
             client.recv(1024)

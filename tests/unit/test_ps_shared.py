@@ -1,0 +1,236 @@
+"""The parameter server's shared memory for workers on its host (:mod:`sparkdl.ps.areas`):
+the same numbers as over the sockets, only headers on the wire, areas handed out and
+taken back, a worker in another process attaching through ``/proc``, and frames that name
+an area not theirs refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import threading
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.compression.codecs import ErrorFeedback, OneBit
+from sparkdl.errors import ConnectionClosed
+from sparkdl.net.framing import TAG_BYTES
+from sparkdl.ps import areas
+from sparkdl.ps.client import PsClient
+from sparkdl.ps.protocol import PS_WIRE, Frame, Kind, client_hello
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.store import PsMode, ShardStore
+
+SECRET = b"s" * 32
+VALUES = ((1.0, 2.0, -0.5), tuple(float(v) / 7 for v in range(1, 300)))
+HEADER_ONLY = PS_WIRE.header.size + 2 * TAG_BYTES  # a frame without payload, on the wire
+
+
+def stores(workers=2, mode=PsMode.SYNC):
+    def momentum(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    return [ShardStore([nn.Parameter(torch.tensor(v))], momentum, mode, workers) for v in VALUES]
+
+
+def serve(shared_bytes=1 << 20, workers=2):
+    return ParameterServer(
+        stores(workers),
+        "127.0.0.1",
+        SECRET,
+        timeout_s=10.0,
+        max_payload=1 << 20,
+        shared_memory_bytes=shared_bytes,
+    )
+
+
+def gradient(rank, step, shard):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + shard)
+    return torch.randn(len(VALUES[shard]), generator=g)
+
+
+def train(ps, options=lambda rank: {}, steps=4):
+    """Two workers push+pull every step in sync mode; their final weights (equal on both) and
+    their clients (closed)."""
+    endpoint = ps.endpoint(((0,), (1,)))
+    clients = [PsClient(endpoint, rank, 0, **options(rank)) for rank in range(2)]
+    finals: dict[int, list[list[float]]] = {}
+
+    def work(rank):
+        for step in range(steps):
+            grads = [gradient(rank, step, shard) for shard in range(2)]
+            pulled = clients[rank].push_pull(step, 3 + rank, grads, step + 1)
+        finals[rank] = [w.tolist() for _, w in pulled]
+
+    try:
+        threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for c in clients:
+            c.close()
+    assert finals[0] == finals[1]
+    return finals[0], clients
+
+
+def trained(shared_bytes, options=lambda rank: {}, steps=4):
+    ps = serve(shared_bytes)
+    try:
+        return train(ps, options, steps)
+    finally:
+        ps.stop()
+
+
+OPTIONS = {
+    "float32": lambda rank: {},
+    "bf16 pulls": lambda rank: {"bf16_pulls": True},
+    "1-bit pushes": lambda rank: {"feedback": ErrorFeedback(OneBit())},  # one residual per worker
+}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_shared_memory_gives_the_sockets_weights_bit_for_bit_with_only_headers_on_the_wire(name):
+    steps = 4
+    by_socket, socket_clients = trained(0, OPTIONS[name], steps)
+    shared, shared_clients = trained(1 << 20, OPTIONS[name], steps)
+    assert shared == by_socket
+    assert shared != [list(v) for v in VALUES]  # the steps moved the weights
+    for on_socket, in_memory in zip(socket_clients, shared_clients, strict=True):
+        assert (on_socket.shared_areas, in_memory.shared_areas) == (0, 2)
+        assert in_memory.stats.shared_sent > 0 and on_socket.stats.shared_sent == 0
+        # the same payload bytes either way; on the wire, a PUSH and a PULL per shard and step, headers only
+        assert in_memory.stats.bytes_sent == on_socket.stats.bytes_sent
+        assert in_memory.stats.bytes_received == on_socket.stats.bytes_received
+        assert in_memory.stats.bytes_sent - in_memory.stats.shared_sent == steps * 2 * 2 * HEADER_ONLY
+
+
+def _worker_in_another_process(endpoint, out):
+    try:
+        client = PsClient(endpoint, 1, 0)
+        try:
+            pulled = client.push_pull(0, 4, [gradient(1, 0, 0), gradient(1, 0, 1)], 1)
+            out.put((client.shared_areas, [w.tolist() for _, w in pulled]))
+        finally:
+            client.close()
+    except BaseException:
+        out.put(traceback.format_exc())
+
+
+def test_a_worker_in_another_process_of_the_host_attaches_through_proc_and_trains():
+    ps = serve()
+    try:
+        endpoint = ps.endpoint(((0,), (1,)))
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_worker_in_another_process, args=(endpoint, out))
+        proc.start()
+        here = PsClient(endpoint, 0, 0)
+        try:
+            mine = here.push_pull(0, 3, [gradient(0, 0, 0), gradient(0, 0, 1)], 1)
+            result = out.get(timeout=120)
+        finally:
+            here.close()
+            proc.join(30)
+        assert not isinstance(result, str), result
+        areas_there, theirs = result
+        assert areas_there == 2 and here.shared_areas == 2
+        assert theirs == [w.tolist() for _, w in mine]
+    finally:
+        ps.stop()
+    reference, _ = trained(0, steps=1)
+    assert theirs == reference
+
+
+def test_areas_run_out_then_connections_use_their_sockets_and_a_closed_one_gives_its_area_back():
+    one_area = areas.slot_bytes(4 * len(VALUES[1]), 4 * len(VALUES[1]))  # the largest shard's
+    ps = serve(2 * one_area)  # two areas: one worker's two connections
+    try:
+        assert ps.areas is not None and ps.areas.info.slots == 2
+        weights, clients = train(ps)
+        assert sorted(c.shared_areas for c in clients) == [0, 2]
+        assert weights == trained(0)[0]
+        again = PsClient(ps.endpoint(((0,), (1,))), 0, 0)  # the closed connections gave theirs back
+        try:
+            assert again.shared_areas == 2
+        finally:
+            again.close()
+    finally:
+        ps.stop()
+    too_small = serve(one_area - 1)
+    try:
+        assert too_small.areas is None  # not even one area fits: sockets only
+    finally:
+        too_small.stop()
+
+
+def granted_channel(ps, want_area=True):
+    """A raw worker connection (rank 0); the ACK's area field."""
+    import socket
+
+    sock = socket.create_connection((ps.host, ps.port), timeout=5)
+    channel = client_hello(sock, SECRET, 0, 0, want_area=want_area)
+    return channel, channel.recv(1 << 20).area
+
+
+@pytest.mark.parametrize(
+    "frame, want_area, refusal",
+    [
+        (
+            Frame(Kind.PUSH, 0, 0, 0, 0, 1, b"", area=1),
+            False,
+            "names shared area 0, the connection holds none",
+        ),
+        (Frame(Kind.PULL, 0, 0, 0, 1, area=2), True, "names shared area 1, the connection holds 0"),
+        (Frame(Kind.PUSH, 0, 0, 0, 0, 1, b"\0" * 12, area=1), True, "carries a payload as well"),
+    ],
+    ids=["no area granted", "another connection's area", "area and payload"],
+)
+def test_a_frame_that_names_an_area_not_its_own_closes_its_connection(frame, want_area, refusal, caplog):
+    ps = serve()
+    try:
+        channel, granted = granted_channel(ps, want_area)
+        try:
+            assert granted == (1 if want_area else 0)
+            channel.send(frame)
+            with pytest.raises(ConnectionClosed):
+                channel.recv(1 << 20)
+        finally:
+            channel.sock.close()
+        assert refusal in caplog.text and ps.refusals.get("frame refused") == 1
+        weights, clients = train(ps)  # the others are not affected
+        assert weights == trained(0)[0] and all(c.shared_areas == 2 for c in clients)
+    finally:
+        ps.stop()
+
+
+def test_a_worker_uses_its_socket_where_the_segment_is_not_the_servers():
+    ps = serve()
+    try:
+        info = ps.areas.info
+        assert areas.attach(info) is not None
+        for wrong in (
+            dataclasses.replace(info, token=os.urandom(32)),  # a recycled pid's fd, say
+            dataclasses.replace(info, host="another-boot another-namespace"),
+            dataclasses.replace(info, fd=info.fd + 1000),  # no such fd
+            dataclasses.replace(info, slots=info.slots + 1),  # another size
+            None,
+        ):
+            assert areas.attach(wrong) is None
+        endpoint = dataclasses.replace(
+            ps.endpoint(((0,), (1,))), areas=dataclasses.replace(info, token=os.urandom(32))
+        )
+        client = PsClient(endpoint, 0, 0)
+        try:
+            assert client.shared_areas == 0
+            ((_, w0), _) = client.pull(0)
+            assert w0.tolist() == list(VALUES[0])
+        finally:
+            client.close()
+    finally:
+        ps.stop()
+    assert not os.path.exists(f"/proc/self/fd/{info.fd}")  # stop() closed the segment
