@@ -6,6 +6,9 @@ against the server (re-opening each one the server evicts). The client runs in i
 
     .venv/bin/python benchmarks/bench_ps.py [--trips 30] [--repeats 5] [--flood 2000]
 
+The same with the server's shared memory offered (as to a worker on the driver's host: only
+headers cross the socket), for comparison; the target is about the sockets.
+
 One client process alternates timed blocks of parameter-server round trips and bare-socket
 round trips (the same bytes each way), so each ratio compares moments of the same run.
 """
@@ -45,11 +48,18 @@ def model_of(params: int) -> nn.Module:
 
 
 def bench_ps(
-    params: int, shards: int, trips: int, repeats: int = 5, encrypt: bool = False, flood: int = 0
+    params: int,
+    shards: int,
+    trips: int,
+    repeats: int = 5,
+    encrypt: bool = False,
+    flood: int = 0,
+    shared: bool = False,
 ) -> dict:
     """Push+pull round trips against a bare loopback socket moving the same bytes: one client
     process alternates blocks of ``trips`` of each, ``repeats`` times (the bare block first in
-    every other repeat), so both see the same machine at the same moments."""
+    every other repeat), so both see the same machine at the same moments. ``shared``: the
+    server offers its shared memory, as to a worker on the driver's host."""
     model = model_of(params)
     tensors = list(model.parameters())
     groups = split_into_shards(tensors, shard_count(tensors, shards))
@@ -57,7 +67,15 @@ def bench_ps(
         ShardStore([tensors[i] for i in g], lambda p: torch.optim.SGD(p, lr=0.0), PsMode.ASYNC, 1)
         for g in groups
     ]
-    server = ParameterServer(stores, "127.0.0.1", SECRET, 60.0, 1 << 30, encrypt=encrypt)
+    server = ParameterServer(
+        stores,
+        "127.0.0.1",
+        SECRET,
+        60.0,
+        1 << 30,
+        encrypt=encrypt,
+        shared_memory_bytes=(1 << 30) if shared else 0,
+    )
     sizes = [s.numel for s in stores]
     real = server.endpoint(tuple(tuple(g) for g in groups))
     echo = socket.create_server(("127.0.0.1", 0))
@@ -120,6 +138,7 @@ def _client(endpoint, sizes, bare_port, trips, repeats, out) -> None:
                 result[f"{way}_trips_per_s"].append(timed(trip))  # type: ignore[union-attr]
         sent = client.stats.bytes_sent + client.stats.bytes_received
         result["bytes_per_trip"] = sent // (repeats * (trips + 1) + 1)
+        result["shared_areas"] = client.shared_areas
     out.put(result)
     client.close()
 
@@ -183,8 +202,13 @@ def main() -> None:
     for label, params in (("1M", 1_000_000), ("10M", 10_000_000)):
         plain = bench_ps(params, args.shards, args.trips, args.repeats)
         encrypted = bench_ps(params, args.shards, args.trips, args.repeats, encrypt=True)
-        results[label] = {"plain": plain, "encrypted": encrypted}
-        summary = {"plain_vs_bare": plain["ps_vs_bare"], "encrypted_vs_bare": encrypted["ps_vs_bare"]}
+        shared = bench_ps(params, args.shards, args.trips, args.repeats, shared=True)
+        results[label] = {"plain": plain, "encrypted": encrypted, "shared_memory": shared}
+        summary = {
+            "plain_vs_bare": plain["ps_vs_bare"],
+            "encrypted_vs_bare": encrypted["ps_vs_bare"],
+            "shared_memory_vs_bare": shared["ps_vs_bare"],
+        }
         if args.flood:
             flooded = bench_ps(params, args.shards, args.trips, args.repeats, flood=args.flood)
             results[label]["flooded"] = flooded
