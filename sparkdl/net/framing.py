@@ -43,6 +43,7 @@ import functools
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -250,11 +251,11 @@ class Channel(Generic[M]):
         return total
 
     def pending(self) -> bool:
-        """Whether the peer's next bytes have already arrived (a read would not wait)."""
-        try:
-            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except (BlockingIOError, InterruptedError):
-            return False
+        """Whether bytes from the peer (or its end of the connection) have already arrived:
+        a read would not wait for them. Never waits, whatever the socket's timeout."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.

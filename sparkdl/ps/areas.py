@@ -10,30 +10,39 @@ benchmark's two local workers the server's round trip took longer than the step 
 ``/dev/shm``: nothing is left behind however the driver ends) holding a header (a magic
 number and a random token) and ``slots`` *areas*, each a push area (a gradient, plain or
 compressed) and a weights area (a pull's answer). Pages are touched only as areas are
-used, so an idle slot costs address space, not memory.
+used, so an idle slot costs address space, not memory. The segment is sealed against
+resizing: a process that shrank it would make the server's next write a SIGBUS.
 
-**Who attaches.** A worker opens ``/proc/<driver pid>/fd/<fd>``: only a process of the
-driver's user, in the driver's PID namespace and mount namespace, can, and the kernel's
-boot id and mount namespace (:func:`sparkdl.strategies.shared_memory.host_identity`) say
-first whether to try. It then checks the header's token against the one its endpoint
-carries (the endpoint travels inside the task spec, with the secret), so a recycled PID
-never maps someone else's memory. Anything that fails leaves that worker on its socket.
+**Who attaches.** The kernel's boot id and mount namespace
+(:func:`sparkdl.strategies.shared_memory.host_identity`) say first whether to try. A worker
+then opens ``/proc/<driver pid>/fd/<fd>``, which the kernel allows only to a process that
+may read the driver's memory anyway (its user, or root) and that sees the driver's PID: a
+worker in another PID namespace finds no such process, or another one. So it checks that
+the path names the server's memfd and that the header's token is the one its endpoint
+carries (the endpoint travels inside the task spec, with the secret): a recycled PID or
+fd never maps someone else's memory. Anything that fails leaves that worker on its socket.
 
 **Who uses an area.** The server hands one area to each connection that asks for one in
-its HELLO (while any are free) and takes it back when the connection ends. Every frame
-still crosses the authenticated socket: a PUSH or PULL that names its connection's area
-says "the payload is there" instead of carrying it, and the server answers a PULL by
-writing the weights into the area and sending only the WEIGHTS header. One connection is
-one request at a time, so an area has one writer at a time: the worker writes its push
-area and reads its weights area only between its request and the answer, the server the
-other way round (:mod:`sparkdl.ps.protocol`). A frame that names another connection's
-area closes the connection.
+its authenticated HELLO (while any are free) and takes it back when the connection ends;
+a freed area is handed out last, not next. Every frame still crosses the authenticated
+socket: a PUSH or PULL that names its connection's area says "the payload is there, this
+many bytes" instead of carrying it, and the server answers a PULL by writing the weights
+into the area and sending only the WEIGHTS header. The worker writes its push area only
+before its PUSH and reads its weights area only after the WEIGHTS answer; the server
+reads the push area while it handles the PUSH and writes the weights area while it
+answers the PULL, and a connection's requests are answered in order. The push and weights
+parts are apart, so push_pull's PUSH and the PULL right behind it never share memory. A
+frame that names another connection's area closes the connection: that catches mistakes.
+It is no wall: every attached worker maps the whole segment, and a process of the
+driver's user could write any area (as it could read or write the driver's memory).
 
 Pure memory: no sockets here (:mod:`sparkdl.ps.server` and :mod:`sparkdl.ps.client` speak).
 """
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import hmac
 import logging
 import mmap
@@ -52,6 +61,12 @@ _MAGIC = b"SDLPSAR1"
 _TOKEN_BYTES = 32
 _HEADER_BYTES = 64  # the magic, the token, padding to a cache line
 _ALIGN = 64
+_NAME = "sparkdl-ps-areas"
+
+
+def shared_memory_supported() -> bool:
+    """Whether this platform can make and share the segment (Linux: memfd, seals, /proc)."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and bool(host_identity())
 
 
 def _aligned(nbytes: int) -> int:
@@ -127,7 +142,7 @@ class ServerAreas(_Segment):
         weights_bytes: the largest weights payload (4 bytes per value of the largest shard).
 
     Raises:
-        OSError: the memfd could not be created or sized (not Linux, no memory).
+        OSError: the memfd could not be created, sized or sealed (no memory, an old kernel).
     """
 
     def __init__(self, slots: int, push_bytes: int, weights_bytes: int) -> None:
@@ -140,9 +155,10 @@ class ServerAreas(_Segment):
             push_bytes=_aligned(push_bytes),
             weights_bytes=_aligned(weights_bytes),
         )
-        fd = os.memfd_create("sparkdl-ps-areas", os.MFD_CLOEXEC)
+        fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, info.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, info.size)
         except BaseException:
             os.close(fd)
@@ -150,15 +166,18 @@ class ServerAreas(_Segment):
         mapping[: len(_MAGIC) + _TOKEN_BYTES] = _MAGIC + info.token
         self._fd = fd  # held open for the workers to open through /proc
         super().__init__(mapping, AreasInfo(**{**info.__dict__, "fd": fd}))
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = collections.deque(range(slots))  # the longest free first
         self._lock = threading.Lock()
 
     def acquire(self) -> int | None:
         """A free slot, or None when every slot is in use."""
         with self._lock:
-            return self._free.pop() if self._free else None
+            return self._free.popleft() if self._free else None
 
     def release(self, slot: int) -> None:
+        """Give ``slot`` back; it is handed out after every slot already free (a worker whose
+        connection the server just ended has the longest time to notice before a new owner
+        writes there)."""
         with self._lock:
             if slot not in self._free:
                 self._free.append(slot)
@@ -181,7 +200,10 @@ def attach(info: AreasInfo | None) -> WorkerAreas | None:
         return None
     path = f"/proc/{info.pid}/fd/{info.fd}"
     try:
-        fd = os.open(path, os.O_RDWR)
+        if not os.readlink(path).startswith(f"/memfd:{_NAME}"):  # before opening: it may be a tty or FIFO now
+            log.info("parameter server: not using its shared memory: %s is not its segment", path)
+            return None
+        fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
         log.info("parameter server: not using its shared memory: cannot open %s (%s)", path, exc)
         return None

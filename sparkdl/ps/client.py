@@ -217,7 +217,18 @@ class PsClient:
             return Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, data.numpy().data, dtype), 0
         assert self._memory is not None
         self._memory.push_area(area, data.numel()).copy_(data)
-        frame = Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, b"", dtype, area=area + 1)
+        frame = Frame(
+            Kind.PUSH,
+            shard,
+            self.rank,
+            self.attempt,
+            clock,
+            rows,
+            b"",
+            dtype,
+            area=area + 1,
+            area_bytes=data.numel(),
+        )
         return frame, data.numel()
 
     def _send_push(
@@ -282,7 +293,14 @@ class PsClient:
         if area is not None:  # the server wrote them into this connection's area
             assert self._memory is not None
             dtype = torch.float32 if reply.dtype == FLOAT32 else torch.bfloat16
-            data = self._memory.weights_area(area, self.endpoint.shard_sizes[shard], dtype)
+            numel = self.endpoint.shard_sizes[shard]
+            if reply.area_bytes != numel * dtype.itemsize:
+                raise ParameterServerError(
+                    f"rank {self.rank}: shard {shard}'s weights came as {reply.area_bytes} bytes in shared "
+                    f"memory, {numel} {dtype} values were expected; the driver and the executors run "
+                    "different sparkdl versions"
+                )
+            data = self._memory.weights_area(area, numel, dtype)
         else:
             wire = np.int16 if reply.dtype == BF16 else np.float32
             data = torch.from_numpy(np.frombuffer(reply.payload, dtype=wire))

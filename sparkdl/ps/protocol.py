@@ -22,6 +22,8 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
                plus one (0: none, payloads travel in the frames); PUSH, PULL, WEIGHTS:
                the connection's area plus one when the payload is there instead of in the
                frame (PULL: the worker wants the answer there), 0 otherwise
+    area_bytes PUSH, WEIGHTS through an area: the payload's bytes there (checked as a
+               frame's length is); 0 otherwise
 
 Errors are data: an ERROR frame carries an :class:`ErrorCode` and the message, and the
 worker raises the class the code names (:func:`error_of`), never deciding from wording.
@@ -93,11 +95,12 @@ class Frame(NamedTuple):
     staleness: int = 0
     error: ErrorCode = ErrorCode.NONE
     area: int = 0
+    area_bytes: int = 0
 
 
 class _PsWire(WireProtocol[Frame]):
     """Maps :class:`Frame` onto the framing: dtype, error, shard, rank, attempt, clock,
-    rows, version, staleness, area."""
+    rows, version, staleness, area, area_bytes."""
 
     def encode(self, message: Frame) -> tuple[int, Fields, Payload]:
         fields = (
@@ -111,11 +114,12 @@ class _PsWire(WireProtocol[Frame]):
             message.version,
             message.staleness,
             message.area,
+            message.area_bytes,
         )
         return int(message.kind), fields, message.payload
 
     def decode(self, kind: int, fields: Fields, payload: bytearray) -> Frame:
-        dtype, error, shard, rank, attempt, clock, rows, version, staleness, area = fields
+        dtype, error, shard, rank, attempt, clock, rows, version, staleness, area, area_bytes = fields
         frame = Frame(
             member(Kind, kind, self.name),
             shard,
@@ -129,6 +133,7 @@ class _PsWire(WireProtocol[Frame]):
             staleness,
             member(ErrorCode, error, self.name),
             area,
+            area_bytes,
         )
         if (frame.kind is Kind.ERROR) != (frame.error is not ErrorCode.NONE):
             raise ProtocolError(f"{frame.kind.name} frame with error code {frame.error.name}")
@@ -138,7 +143,7 @@ class _PsWire(WireProtocol[Frame]):
 PS_WIRE = _PsWire(
     "sparkdl-ps",
     ident=1,
-    fields="BBHIIQQQQI",
+    fields="BBHIIQQQQIQ",
     hello_kind=Kind.HELLO,
     oversize_hint="raise ps_max_frame_mb if the model's largest shard is bigger",
 )

@@ -48,7 +48,7 @@ from sparkdl.errors import (
 )
 from sparkdl.net.framing import ReusedBuffer
 from sparkdl.net.listener import ConnectionListener, one_line
-from sparkdl.ps.areas import ServerAreas, slot_bytes
+from sparkdl.ps.areas import ServerAreas, shared_memory_supported, slot_bytes
 from sparkdl.ps.endpoint import PsEndpoint
 from sparkdl.ps.protocol import (
     BF16,
@@ -123,7 +123,6 @@ class ParameterServer:
         )
         self._attempt_started = attempt_started
         self.encrypt = encrypt
-        self.areas = _shared_areas(self.stores, self._codecs.values(), shared_memory_bytes)
         self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
         self.rejected_pushes = 0
         self.nonfinite_pushes = 0
@@ -131,6 +130,7 @@ class ParameterServer:
             host, PS_WIRE, secret, self._serve, "sparkdl-ps", log, encrypt=encrypt, max_sessions=max_sessions
         )
         self.host, self.port = self._listener.host, self._listener.port
+        self.areas = _shared_areas(self.stores, self._codecs.values(), shared_memory_bytes)
 
     @property
     def refusals(self) -> dict[str, int]:
@@ -285,20 +285,22 @@ class ParameterServer:
                 raise ProtocolError(
                     f"pull of shard {frame.shard} in encoding {frame.dtype}: fp32 or bf16 only"
                 )
-            if frame.area:  # straight into the worker's area (float32), or rounded into it (bf16)
+            if frame.area and frame.dtype == FLOAT32:  # straight into the worker's area
                 assert self.areas is not None and warm.area is not None
-                out = self.areas.weights_area(warm.area, store.numel) if frame.dtype == FLOAT32 else None
+                out = self.areas.weights_area(warm.area, store.numel)
             else:
                 out = warm.weights(store.numel)
             version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, out)
             ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
             if frame.area:
-                if frame.dtype == BF16:
+                if frame.dtype == BF16:  # rounded into the area
                     assert self.areas is not None and warm.area is not None
                     self.areas.weights_area(warm.area, store.numel, torch.bfloat16).copy_(weights)
                 payload: memoryview | bytes = b""
+                area_bytes = store.numel * (4 if frame.dtype == FLOAT32 else 2)
             else:
                 payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
+                area_bytes = 0
             return Frame(
                 Kind.WEIGHTS,
                 shard=frame.shard,
@@ -307,6 +309,7 @@ class ParameterServer:
                 payload=payload,
                 dtype=frame.dtype,
                 area=frame.area,
+                area_bytes=area_bytes,
             )
         if frame.kind is Kind.ABORT:
             reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
@@ -328,17 +331,18 @@ class ParameterServer:
                 f"push to shard {frame.shard} in encoding {frame.dtype}, which this server does not know"
             )
         name, expected = ("float32", 4 * numel) if codec is None else (codec.name, codec.nbytes(numel))
+        if area is not None and len(frame.payload):
+            raise ProtocolError("a PUSH names its shared area and carries a payload as well")
+        size = frame.area_bytes if area is not None else len(frame.payload)
+        if size != expected:
+            raise PushRejected(
+                f"push of {size} bytes to shard {frame.shard}, which takes {expected} bytes "
+                f"of {name} ({numel} values)"
+            )
         if area is not None:
-            if len(frame.payload):
-                raise ProtocolError("a PUSH names its shared area and carries a payload as well")
             assert self.areas is not None
             data = self.areas.push_area(area, expected)  # fits: the area takes the largest push
             return data.view(torch.float32) if codec is None else codec.decode(data, numel)
-        if len(frame.payload) != expected:
-            raise PushRejected(
-                f"push of {len(frame.payload)} bytes to shard {frame.shard}, which takes {expected} bytes "
-                f"of {name} ({numel} values)"
-            )
         if codec is None:
             return torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
         return codec.decode(torch.from_numpy(np.frombuffer(frame.payload, dtype=np.uint8)), numel)
@@ -417,7 +421,7 @@ def _shared_areas(stores: Sequence[ShardStore], codecs: Iterable[Codec], budget:
     connections close), as many as ``budget`` bytes hold; None when none fits or the
     memory cannot be made (the workers then use their sockets)."""
     largest = max((s.numel for s in stores), default=0)
-    if budget <= 0 or largest == 0:
+    if budget <= 0 or largest == 0 or not shared_memory_supported():
         return None
     push_bytes = max(4 * largest, *(c.nbytes(largest) for c in codecs))
     wanted = 2 * max(s.num_workers for s in stores) * len(stores)
@@ -430,6 +434,6 @@ def _shared_areas(stores: Sequence[ShardStore], codecs: Iterable[Codec], budget:
         return None
     try:
         return ServerAreas(slots, push_bytes, 4 * largest)
-    except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create on this platform
+    except OSError as exc:
         log.warning("parameter server: no shared memory for workers on the driver's host: %s", exc)
         return None

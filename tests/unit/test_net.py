@@ -227,7 +227,7 @@ def test_a_parameter_server_frame_keeps_every_named_field():
     a, b, client, server = pair(PS_WIRE)
     with a, b:
         payload = np.arange(4, dtype=np.float32).data
-        frame = Frame(Kind.PUSH, 1, 2, 3, 4, 5, payload, version=6, staleness=7, area=8)
+        frame = Frame(Kind.PUSH, 1, 2, 3, 4, 5, payload, version=6, staleness=7, area=8, area_bytes=9)
         client.send(frame)
         got = server.recv(1024)
         fields = (
@@ -240,8 +240,9 @@ def test_a_parameter_server_frame_keeps_every_named_field():
             got.version,
             got.staleness,
             got.area,
+            got.area_bytes,
         )
-        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5, 6, 7, 8) and got.error is ErrorCode.NONE
+        assert fields == (Kind.PUSH, 1, 2, 3, 4, 5, 6, 7, 8, 9) and got.error is ErrorCode.NONE
         assert struct.unpack("<4f", got.payload) == (0.0, 1.0, 2.0, 3.0)
 
 
@@ -362,7 +363,7 @@ def test_frames_of_one_protocol_never_pass_as_the_other():
         accept(raw, challenge, PS_WIRE)
     # a forger that copies the parameter server's id and layout under another name: the
     # keys differ, so neither its HELLO nor its frames verify
-    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQI", Kind.HELLO)
+    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQIQ", Kind.HELLO)
     challenge, raw = answer(forged, Frame(Kind.HELLO))
     with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
         accept(raw, challenge, PS_WIRE)
@@ -515,7 +516,7 @@ def test_an_authentic_frame_of_an_unknown_kind_or_error_code_is_refused(kind, er
     a, b, client, _ = pair(PS_WIRE)
     with a, b:
         Channel(b, SECRET, Raw(PS_WIRE), NONCE, client=False).send(
-            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0, 0), b"")
+            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0, 0, 0), b"")
         )
         with pytest.raises(ProtocolError, match=refusal):
             client.recv(1024)
@@ -642,3 +643,45 @@ def test_the_heartbeat_interval_must_be_positive(heartbeat_s):
             ProgressReporter(driver.endpoint(), rank=0, attempt=0, heartbeat_s=heartbeat_s)
     finally:
         driver.listener.stop(timeout=5)
+
+
+# --- several frames in one sendmsg, and whether a read would wait ------------------------
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_frames_sent_together_arrive_in_order_whatever_their_sizes(encrypt):
+    """send_many: small frames share a sendmsg, a streamed one goes alone, anywhere in the
+    batch; encrypted frames copy their ciphertext when another frame follows."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(10)
+        b.settimeout(10)
+        client = Channel(a, SECRET, ECHO, NONCE, client=True, encrypt=encrypt)
+        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=encrypt)
+        rng = np.random.default_rng(0)
+        sizes = [0, 100, STREAM_CHUNK + 1, 5, 3 * STREAM_CHUNK, 0]
+        frames = [(EchoKind.DATA, (i, n), rng.bytes(n)) for i, n in enumerate(sizes)]
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(server.recv(1 << 22) for _ in frames))
+        reader.start()
+        sent = client.send_many(frames)
+        reader.join(10)
+        assert got == frames
+        assert sent == sum(ECHO.header.size + 2 * TAG_BYTES + n for n in sizes)
+        client.send((EchoKind.DATA, (9, 9), b"after"))  # the sequence numbers stayed in step
+        assert server.recv(1024)[2] == b"after"
+
+
+def test_pending_says_whether_a_read_would_wait_and_never_waits_itself():
+    a, b, client, server = pair()
+    with a, b:
+        b.settimeout(5)  # a timeout makes CPython wait before a recv: pending must not
+        started = time.monotonic()
+        assert not server.pending()
+        assert time.monotonic() - started < 0.5
+        client.send((EchoKind.DATA, (1, 2), b"x"))
+        assert wait_until(server.pending)
+        server.recv(1024)
+        assert not server.pending()
+        a.close()
+        assert server.pending()  # the end of the connection: a read returns at once

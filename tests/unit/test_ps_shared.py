@@ -234,3 +234,59 @@ def test_a_worker_uses_its_socket_where_the_segment_is_not_the_servers():
     finally:
         ps.stop()
     assert not os.path.exists(f"/proc/self/fd/{info.fd}")  # stop() closed the segment
+
+
+def test_a_push_whose_area_bytes_are_not_the_shards_is_rejected_and_applies_nothing():
+    ps = serve()
+    try:
+        channel, granted = granted_channel(ps)
+        try:
+            assert granted == 1
+            channel.send(Frame(Kind.PUSH, 1, 0, 0, 0, 1, b"", area=1, area_bytes=12))  # shard 1 takes 1196
+            reply = channel.recv(1 << 20)
+            assert reply.kind is Kind.ERROR
+            assert "push of 12 bytes to shard 1, which takes 1196 bytes" in bytes(reply.payload).decode()
+        finally:
+            channel.sock.close()
+        assert ps.stores[1].version == 0 and ps.rejected_pushes == 1
+    finally:
+        ps.stop()
+
+
+def test_no_process_can_resize_the_segment_under_the_server():
+    """A worker maps it read-write; shrinking it would make the server's next write a SIGBUS."""
+    ps = serve()
+    try:
+        fd = os.open(f"/proc/self/fd/{ps.areas.info.fd}", os.O_RDWR)
+        try:
+            for size in (0, ps.areas.info.size + 4096):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        assert train(ps)[0] == trained(0)[0]
+    finally:
+        ps.stop()
+
+
+def test_encrypted_connections_and_async_mode_use_the_areas_with_the_sockets_numbers():
+    def run(shared, encrypt, mode):
+        stores_ = stores(workers=1, mode=mode)
+        ps = ParameterServer(
+            stores_, "127.0.0.1", SECRET, 10.0, 1 << 20, encrypt=encrypt, shared_memory_bytes=shared
+        )
+        try:
+            client = PsClient(ps.endpoint(((0,), (1,))), 0, 0)
+            try:
+                assert client.shared_areas == (2 if shared else 0)
+                for step in range(3):  # one worker: async applies each push, in order
+                    pulled = client.push_pull(step, 2, [gradient(0, step, s) for s in range(2)], step + 1)
+                return [w.tolist() for _, w in pulled]
+            finally:
+                client.close()
+        finally:
+            ps.stop()
+
+    for mode in (PsMode.SYNC, PsMode.ASYNC):
+        expected = run(0, False, mode)
+        assert run(1 << 20, True, mode) == expected and run(1 << 20, False, mode) == expected
