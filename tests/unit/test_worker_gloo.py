@@ -434,7 +434,8 @@ MODEL_BYTES = 4 * sum(p.numel() for p in make_tiny_net().parameters())
     [
         ({"strategy": "allreduce"}, MOMENTUM),
         ({"strategy": "weight_averaging", "sync_every": 1}, 0.0),  # momentum: the empty rank has none
-        ({"strategy": "parameter_server", "ps_mode": "sync"}, MOMENTUM),
+        # the two "hosts" are one: the leaders keep their sockets, as on two real hosts
+        ({"strategy": "parameter_server", "ps_mode": "sync", "ps_shared_memory_mb": 0.0}, MOMENTUM),
     ],
 )
 def test_a_hierarchy_gives_the_flat_answer_and_sends_one_model_per_host_across(tmp_path, settings, momentum):
