@@ -126,6 +126,7 @@ class ParameterServer:
         self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
         self.rejected_pushes = 0
         self.nonfinite_pushes = 0
+        self.areas: ServerAreas | None = None  # made once the port is bound (a failed bind leaks nothing)
         self._listener = ConnectionListener(
             host, PS_WIRE, secret, self._serve, "sparkdl-ps", log, encrypt=encrypt, max_sessions=max_sessions
         )
