@@ -148,9 +148,15 @@ class TopK(Codec):
         )
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """Raises:
+        ValueError: an index outside ``[0, numel)`` (a negative one would count from the end)."""
         k = self.kept(numel)
         index = payload[: 4 * k].view(torch.int32).long()
         values = payload[4 * k :].view(torch.float32)
+        if k and not (0 <= int(index.min()) and int(index.max()) < numel):
+            raise ValueError(
+                f"top-k indices from {int(index.min())} to {int(index.max())}, outside [0, {numel})"
+            )
         return torch.zeros(numel, dtype=torch.float32, device=payload.device).index_put_((index,), values)
 
 

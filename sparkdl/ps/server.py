@@ -343,10 +343,14 @@ class ParameterServer:
         if area is not None:
             assert self.areas is not None
             data = self.areas.push_area(area, expected)  # fits: the area takes the largest push
-            return data.view(torch.float32) if codec is None else codec.decode(data, numel)
+        else:
+            data = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.uint8))
         if codec is None:
-            return torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
-        return codec.decode(torch.from_numpy(np.frombuffer(frame.payload, dtype=np.uint8)), numel)
+            return data.view(torch.float32)
+        try:
+            return codec.decode(data, numel)
+        except ValueError as exc:  # a malformed payload (a top-k index out of range)
+            raise PushRejected(f"push to shard {frame.shard} in {codec.name} does not decode: {exc}") from exc
 
     def _reject(self, peer: tuple[str, int] | tuple[str, int | str], reason: str) -> None:
         self.rejected_pushes += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import struct
 import threading
 import time
 
@@ -494,4 +495,24 @@ def test_a_pull_in_an_encoding_the_server_does_not_serve_closes_the_connection(s
     finally:
         channel.sock.close()
     assert "pull of shard 0 in encoding 2: fp32 or bf16 only" in caplog.text
+    real_workers_still_train(server)
+
+
+@pytest.mark.parametrize("index", [4, -1, 2**31 - 1], ids=["past the end", "negative", "huge"])
+def test_a_top_k_push_with_an_index_outside_its_shard_is_rejected_and_the_connection_lives(server, index):
+    """Before, an index past the end killed the connection's thread with an IndexError, and a
+    negative one was applied to a value counted from the end."""
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    try:
+        assert channel.recv(1 << 20).kind is Kind.ACK
+        payload = struct.pack("<if", index, 1.0)  # shard 1 holds 4 values: top-k keeps 1
+        channel.send(Frame(Kind.PUSH, 1, 0, 0, 0, 1, payload, dtype=3))  # 3: the top-k codec
+        reply = channel.recv(1 << 20)
+        assert reply.kind is Kind.ERROR and reply.error is ErrorCode.REJECTED
+        assert "push to shard 1 in topk does not decode: top-k indices" in bytes(reply.payload).decode()
+        channel.send(Frame(Kind.PULL, 1, 0, 0, 0))  # the connection still answers
+        assert channel.recv(1 << 20).kind is Kind.WEIGHTS
+    finally:
+        channel.sock.close()
+    assert server.stores[1].version == 0 and server.rejected_pushes == 1
     real_workers_still_train(server)
