@@ -196,6 +196,7 @@ class Channel(Generic[M]):
         self._send_dir, self._recv_dir = (b"c", b"s") if client else (b"s", b"c")
         self._send_seq = 0
         self._recv_seq = 0
+        self._poller: select.poll | None = None  # pending(): this socket's readiness
         self._sealed = ReusedBuffer()  # encrypted: the ciphertext sent
         self._opened = ReusedBuffer()  # encrypted: the ciphertext received
 
@@ -253,9 +254,10 @@ class Channel(Generic[M]):
     def pending(self) -> bool:
         """Whether bytes from the peer (or its end of the connection) have already arrived:
         a read would not wait for them. Never waits, whatever the socket's timeout."""
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(0))
+        if self._poller is None:  # asked every step: made once
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        return bool(self._poller.poll(0))
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.

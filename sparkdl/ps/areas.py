@@ -42,6 +42,7 @@ Pure memory: no sockets here (:mod:`sparkdl.ps.server` and :mod:`sparkdl.ps.clie
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fcntl
 import hmac
 import logging
@@ -49,7 +50,6 @@ import mmap
 import os
 import secrets
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -78,7 +78,7 @@ def slot_bytes(push_bytes: int, weights_bytes: int) -> int:
     return _aligned(push_bytes) + _aligned(weights_bytes)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class AreasInfo:
     """Where a worker finds the server's segment; shipped inside the endpoint."""
 
@@ -104,8 +104,7 @@ class _Segment:
     """A mapped segment's areas: typed views of one slot's push and weights memory."""
 
     def __init__(self, mapping: mmap.mmap, info: AreasInfo) -> None:
-        self._mapping: mmap.mmap | None = mapping
-        self.info = info
+        self.info = info  # the tensors below keep ``mapping`` alive
         self._bytes = torch.frombuffer(
             mapping, dtype=torch.uint8, offset=_HEADER_BYTES, count=info.size - _HEADER_BYTES
         )
@@ -129,7 +128,6 @@ class _Segment:
         """Drop this object's hold on the mapping. It is unmapped once no tensor views it
         either: an explicit ``munmap`` would leave pulled weights that still view an area
         pointing at nothing (torch keeps the mapping object alive, not its memory)."""
-        self._mapping = None
         self._slots = self._bytes = torch.empty(0, dtype=torch.uint8)
 
 
@@ -146,17 +144,17 @@ class ServerAreas(_Segment):
     """
 
     def __init__(self, slots: int, push_bytes: int, weights_bytes: int) -> None:
-        info = AreasInfo(
-            host=host_identity(),
-            pid=os.getpid(),
-            fd=-1,
-            token=secrets.token_bytes(_TOKEN_BYTES),
-            slots=slots,
-            push_bytes=_aligned(push_bytes),
-            weights_bytes=_aligned(weights_bytes),
-        )
         fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            info = AreasInfo(
+                host=host_identity(),
+                pid=os.getpid(),
+                fd=fd,
+                token=secrets.token_bytes(_TOKEN_BYTES),
+                slots=slots,
+                push_bytes=_aligned(push_bytes),
+                weights_bytes=_aligned(weights_bytes),
+            )
             os.ftruncate(fd, info.size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, info.size)
@@ -165,7 +163,7 @@ class ServerAreas(_Segment):
             raise
         mapping[: len(_MAGIC) + _TOKEN_BYTES] = _MAGIC + info.token
         self._fd = fd  # held open for the workers to open through /proc
-        super().__init__(mapping, AreasInfo(**{**info.__dict__, "fd": fd}))
+        super().__init__(mapping, info)
         self._free = collections.deque(range(slots))  # the longest free first
         self._lock = threading.Lock()
 

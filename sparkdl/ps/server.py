@@ -286,19 +286,19 @@ class ParameterServer:
                 raise ProtocolError(
                     f"pull of shard {frame.shard} in encoding {frame.dtype}: fp32 or bf16 only"
                 )
-            if frame.area and frame.dtype == FLOAT32:  # straight into the worker's area
+            area = None  # the worker's area, in the encoding it asked for
+            if frame.area:
                 assert self.areas is not None and warm.area is not None
-                out = self.areas.weights_area(warm.area, store.numel)
-            else:
-                out = warm.weights(store.numel)
+                dtype = torch.float32 if frame.dtype == FLOAT32 else torch.bfloat16
+                area = self.areas.weights_area(warm.area, store.numel, dtype)
+            out = area if area is not None and frame.dtype == FLOAT32 else warm.weights(store.numel)
             version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, out)
             ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
-            if frame.area:
-                if frame.dtype == BF16:  # rounded into the area
-                    assert self.areas is not None and warm.area is not None
-                    self.areas.weights_area(warm.area, store.numel, torch.bfloat16).copy_(weights)
+            if area is not None:
+                if frame.dtype == BF16:  # rounded into the area (float32 was pulled straight into it)
+                    area.copy_(weights)
                 payload: memoryview | bytes = b""
-                area_bytes = store.numel * (4 if frame.dtype == FLOAT32 else 2)
+                area_bytes = area.numel() * area.element_size()
             else:
                 payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
                 area_bytes = 0
@@ -429,12 +429,12 @@ def _shared_areas(stores: Sequence[ShardStore], codecs: Iterable[Codec], budget:
     if budget <= 0 or largest == 0 or not shared_memory_supported():
         return None
     push_bytes = max(4 * largest, *(c.nbytes(largest) for c in codecs))
+    one_area = slot_bytes(push_bytes, 4 * largest)
     wanted = 2 * max(s.num_workers for s in stores) * len(stores)
-    slots = min(wanted, budget // slot_bytes(push_bytes, 4 * largest))
+    slots = min(wanted, budget // one_area)
     if slots == 0:
         log.info(
-            "parameter server: no shared memory: one area (%d bytes) is over ps_shared_memory_mb",
-            slot_bytes(push_bytes, 4 * largest),
+            "parameter server: no shared memory: one area (%d bytes) is over ps_shared_memory_mb", one_area
         )
         return None
     try:
