@@ -42,6 +42,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import math
 import os
 import select
 import socket
@@ -208,15 +209,22 @@ class Channel(Generic[M]):
         """Send one frame (a plaintext payload uncopied); return the bytes sent."""
         return self.send_many((message,))
 
-    def send_many(self, messages: Sequence[M]) -> int:
+    def send_many(self, messages: Sequence[M], wait: bool = True) -> int:
         """Send frames back to back; return the bytes sent. Frames whose payloads are at most
         ``STREAM_CHUNK`` leave together in one ``sendmsg``: the reader wakes once for all
-        of them, not once per frame (a request and the one behind it; two answers)."""
+        of them, not once per frame (a request and the one behind it; two answers).
+
+        ``wait=False``: raise :class:`BlockingIOError` instead of waiting for room in the
+        socket's buffer (a peer that reads none of its answers); only for such small frames.
+        """
+        flags = 0 if wait else socket.MSG_DONTWAIT
         parts: list[memoryview] = []
         total = 0
         for index, message in enumerate(messages):
             kind, fields, data = self.protocol.encode(message)
             payload = memoryview(data).cast("B")
+            if not wait and payload.nbytes > STREAM_CHUNK:
+                raise ValueError(f"a frame of {payload.nbytes} payload bytes cannot be sent without waiting")
             header = self.protocol.pack(kind, fields, payload.nbytes)
             header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
             parts += [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
@@ -248,16 +256,16 @@ class Channel(Generic[M]):
                     self.sock.sendall(chunk)
                     mac.update(chunk)
                 self.sock.sendall(mac.finalize())
-        _send_parts(self.sock, parts)
+        _send_parts(self.sock, parts, flags)
         return total
 
-    def pending(self) -> bool:
-        """Whether bytes from the peer (or its end of the connection) have already arrived:
-        a read would not wait for them. Never waits, whatever the socket's timeout."""
+    def pending(self, timeout_s: float = 0.0) -> bool:
+        """Whether bytes from the peer (or its end of the connection) have arrived, waiting
+        up to ``timeout_s`` for them (0: never waits, whatever the socket's timeout)."""
         if self._poller is None:  # asked every step: made once
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN)
-        return bool(self._poller.poll(0))
+        return bool(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.
@@ -456,11 +464,11 @@ def _check_identity(magic: bytes, version: int, ident: int, protocol: WireProtoc
         )
 
 
-def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+def _send_parts(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
     """Send a frame's parts in one ``sendmsg`` (more only if the kernel takes part)."""
     parts = [p for p in parts if p.nbytes]
     while parts:
-        sent = sock.sendmsg(parts)
+        sent = sock.sendmsg(parts, (), flags)
         while parts and sent >= parts[0].nbytes:
             sent -= parts[0].nbytes
             parts.pop(0)

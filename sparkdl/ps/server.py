@@ -24,6 +24,12 @@ snapshot of ``s``: the state that checkpoint was taken with.
 Shared memory. Workers on the driver's own host may ask, in their HELLO, for an area of
 the server's shared memory (:mod:`sparkdl.ps.areas`); their PUSH and WEIGHTS payloads
 then go through it, and only the authenticated headers cross the socket.
+
+Parked pulls. A pull through shared memory that must wait for other workers' pushes is
+not waited for on its connection's thread: it is parked, and the push that makes it
+answerable writes the weights into that worker's area and sends the answer (a header).
+Its thread sleeps on the socket until the worker's next request, or answers the pull
+with a timeout at its deadline; it is not woken in between (:data:`PARK_MAX_VALUES`).
 """
 
 from __future__ import annotations
@@ -31,14 +37,18 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.compression.codecs import Codec, push_codecs
+from sparkdl.config import PsMode
 from sparkdl.errors import (
     CheckpointError,
     ConnectionClosed,
@@ -63,6 +73,14 @@ from sparkdl.ps.protocol import (
 from sparkdl.ps.store import ShardStore
 
 log = logging.getLogger(__name__)
+
+#: A pull through shared memory that must wait is parked when its shard holds at most this
+#: many values: the push that completes its clock answers it, and its connection's thread is
+#: not woken (on the strategies benchmark's 85k-value shard that saved a wake-up, a
+#: condition wait and the threads' turns at the GIL, per worker and step). For a larger shard
+#: the weights copied into every waiting worker's area, one after the other in one thread,
+#: cost more than those, and each connection's thread copies its own, in parallel.
+PARK_MAX_VALUES = 1 << 18
 
 
 class ParameterServer:
@@ -127,6 +145,7 @@ class ParameterServer:
         self.rejected_pushes = 0
         self.nonfinite_pushes = 0
         self.areas: ServerAreas | None = None  # made once the port is bound (a failed bind leaks nothing)
+        self._parked = [_Parked() for _ in self.stores]
         self._listener = ConnectionListener(
             host, PS_WIRE, secret, self._serve, "sparkdl-ps", log, encrypt=encrypt, max_sessions=max_sessions
         )
@@ -175,19 +194,32 @@ class ParameterServer:
                 warm.area = self.areas.acquire()
             channel.send(Frame(Kind.ACK, area=0 if warm.area is None else warm.area + 1))
             while not self._listener.stopping:
-                replies = [self._handle(self._next_frame(channel, hello, warm), warm)]
-                # the PULL that push_pull sent right behind its PUSH: both answers leave in one
-                # sendmsg, so the worker wakes once (only behind an ACK: a WEIGHTS answer's
-                # memory would be the next one's)
-                if replies[0].kind is Kind.ACK and channel.pending():
-                    replies.append(self._handle(self._next_frame(channel, hello, warm), warm))
-                channel.send_many(replies)
+                self._await_answer(channel, warm)
+                frame = self._next_frame(channel, hello, warm)
+                self._check_answered(warm)
+                replies: list[Frame] = []
+                if frame.kind is Kind.PUSH:
+                    ack = self._handle(frame, warm)  # only a pull is ever parked
+                    assert ack is not None
+                    replies.append(ack)
+                    # the PULL that push_pull sent right behind its PUSH: both answers leave in
+                    # one sendmsg, so the worker wakes once (only behind an ACK: a WEIGHTS
+                    # answer's memory would be the next one's)
+                    if replies[0].kind is not Kind.ACK or not channel.pending():
+                        channel.send_many(replies)
+                        continue
+                    frame = self._next_frame(channel, hello, warm)
+                reply = self._handle(frame, warm, (channel, replies))
+                if reply is not None:  # None: parked, answered with ``replies`` ahead of it
+                    channel.send_many([*replies, reply])
         except ProtocolError as exc:
             if not self._listener.stopping and not isinstance(exc, ConnectionClosed):
                 self._listener.refusals.add("frame refused", peer, str(exc))
         except OSError:
             pass  # the worker went away, or stop() closed the socket
         finally:
+            if warm.waiting is not None:
+                self._withdraw(warm)
             if warm.area is not None and self.areas is not None:
                 self.areas.release(warm.area)
 
@@ -252,19 +284,20 @@ class ParameterServer:
             )
         return frame
 
-    def _handle(self, frame: Frame, warm: _WarmBuffers) -> Frame:
-        """The answer to one request: its result, or an ERROR frame with the error's code."""
+    def _handle(self, frame: Frame, warm: _WarmBuffers, park: _Park | None = None) -> Frame | None:
+        """The answer to one request: its result, or an ERROR frame with the error's code;
+        None when a pull was parked (``park``: its channel, and the answers that go ahead of it)."""
         if not 0 <= frame.shard < len(self.stores):
             raise ProtocolError(f"shard {frame.shard} does not exist (the server has {len(self.stores)})")
         try:
-            reply = self._answer(frame, warm)
+            reply = self._answer(frame, warm, park)
         except (ParameterServerError, CheckpointError) as exc:
             if isinstance(exc, PushRejected):
                 self._reject(("rank", frame.rank), str(exc))
             reply = error_frame(exc, frame.shard)
         return reply
 
-    def _answer(self, frame: Frame, warm: _WarmBuffers) -> Frame:
+    def _answer(self, frame: Frame, warm: _WarmBuffers, park: _Park | None = None) -> Frame | None:
         store = self.stores[frame.shard]
         if frame.area and (warm.area is None or frame.area != warm.area + 1):
             raise ProtocolError(
@@ -280,48 +313,131 @@ class ParameterServer:
                     "it was not applied (the worker's own NaN guard should have skipped that step)"
                 )
             staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
+            self._answer_parked(frame.shard)
             return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
         if frame.kind is Kind.PULL:
             if frame.dtype not in (FLOAT32, BF16):
                 raise ProtocolError(
                     f"pull of shard {frame.shard} in encoding {frame.dtype}: fp32 or bf16 only"
                 )
-            area = None  # the worker's area, in the encoding it asked for
-            if frame.area:
-                assert self.areas is not None and warm.area is not None
-                dtype = torch.float32 if frame.dtype == FLOAT32 else torch.bfloat16
-                area = self.areas.weights_area(warm.area, store.numel, dtype)
-            out = area if area is not None and frame.dtype == FLOAT32 else warm.weights(store.numel)
-            version, weights = store.pull(frame.rank, frame.clock, self.timeout_s, out)
-            ahead = store.ahead_of(frame.clock)  # backup workers: the clocks this worker may skip
-            if area is not None:
-                if frame.dtype == BF16:  # rounded into the area (float32 was pulled straight into it)
-                    area.copy_(weights)
-                payload: memoryview | bytes = b""
-                area_bytes = area.numel() * area.element_size()
-            else:
-                payload = weights.numpy().data if frame.dtype == FLOAT32 else warm.bf16(weights).numpy().data
-                area_bytes = 0
-            return Frame(
-                Kind.WEIGHTS,
-                shard=frame.shard,
-                version=version,
-                staleness=ahead,
-                payload=payload,
-                dtype=frame.dtype,
-                area=frame.area,
-                area_bytes=area_bytes,
-            )
+            if park is None or not frame.area or store.mode is PsMode.ASYNC or store.numel > PARK_MAX_VALUES:
+                return self._weights(frame, warm, wait=True)
+            parked = self._parked[frame.shard]
+            with parked.lock:
+                reply = self._weights(frame, warm, wait=False)
+                if reply is None:
+                    warm.waiting = _Waiting(frame, warm, *park, time.monotonic() + self.timeout_s)
+                    parked.waiting.append(warm.waiting)
+                return reply
         if frame.kind is Kind.ABORT:
             reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
             log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
-            for each in self.stores:
+            for shard, each in enumerate(self.stores):
                 each.abort(f"rank {frame.rank} stopped: {reason}")
+                self._answer_parked(shard)
             return Frame(Kind.ACK, shard=frame.shard)
         if frame.kind is Kind.SNAPSHOT:
             version = self._save_snapshot(frame.shard, frame.clock)
             return Frame(Kind.ACK, shard=frame.shard, version=version)
         raise ProtocolError(f"unexpected {frame.kind.name} frame from a worker")
+
+    def _weights(self, pull: Frame, warm: _WarmBuffers, wait: bool) -> Frame | None:
+        """The WEIGHTS answer to ``pull`` (in the connection's area when it names it, in the
+        encoding it asks for); None when it must wait and ``wait`` is False."""
+        store = self.stores[pull.shard]
+        area = None  # the worker's area, in the encoding it asked for
+        if pull.area:
+            assert self.areas is not None and warm.area is not None
+            dtype = torch.float32 if pull.dtype == FLOAT32 else torch.bfloat16
+            area = self.areas.weights_area(warm.area, store.numel, dtype)
+        out = area if area is not None and pull.dtype == FLOAT32 else warm.weights(store.numel)
+        if wait:
+            version, weights = store.pull(pull.rank, pull.clock, self.timeout_s, out)
+        else:
+            pulled = store.try_pull(pull.rank, pull.clock, out)
+            if pulled is None:
+                return None
+            version, weights = pulled
+        ahead = store.ahead_of(pull.clock)  # backup workers: the clocks this worker may skip
+        if area is not None:
+            if pull.dtype == BF16:  # rounded into the area (float32 was pulled straight into it)
+                area.copy_(weights)
+            payload: memoryview | bytes = b""
+            area_bytes = area.numel() * area.element_size()
+        else:
+            payload = weights.numpy().data if pull.dtype == FLOAT32 else warm.bf16(weights).numpy().data
+            area_bytes = 0
+        return Frame(
+            Kind.WEIGHTS,
+            shard=pull.shard,
+            version=version,
+            staleness=ahead,
+            payload=payload,
+            dtype=pull.dtype,
+            area=pull.area,
+            area_bytes=area_bytes,
+        )
+
+    def _answer_parked(self, shard: int) -> None:
+        """Answer the parked pulls of ``shard`` that a push (or an abort) made answerable."""
+        parked = self._parked[shard]
+        with parked.lock:
+            for waiting in list(parked.waiting):
+                try:
+                    reply = self._weights(waiting.pull, waiting.warm, wait=False)
+                except ParameterServerError as exc:  # aborted, or the server stops
+                    reply = error_frame(exc, shard)
+                if reply is not None:
+                    self._deliver(parked, waiting, reply)
+
+    def _await_answer(self, channel: PsChannel, warm: _WarmBuffers) -> None:
+        """While this connection's pull is parked: sleep until the worker's next frame, or
+        answer the pull with a timeout at its deadline (then read on)."""
+        waiting = warm.waiting
+        if waiting is None or channel.pending(waiting.deadline - time.monotonic()):
+            return
+        parked = self._parked[waiting.pull.shard]
+        with parked.lock:
+            if warm.waiting is waiting:  # not answered meanwhile
+                store = self.stores[waiting.pull.shard]
+                error = store.pull_timeout(waiting.pull.rank, waiting.pull.clock, self.timeout_s)
+                self._deliver(parked, waiting, error_frame(error, waiting.pull.shard))
+
+    def _check_answered(self, warm: _WarmBuffers) -> None:
+        """A worker sends its next request only once its parked pull was answered."""
+        waiting = warm.waiting
+        if waiting is not None:
+            with self._parked[waiting.pull.shard].lock:
+                if warm.waiting is not None:
+                    raise ProtocolError(
+                        f"rank {waiting.pull.rank} sent a request while its pull of clock "
+                        f"{waiting.pull.clock} waited for its answer"
+                    )
+
+    def _deliver(self, parked: _Parked, waiting: _Waiting, reply: Frame) -> None:
+        """Send a parked pull's answer, behind the answers that go ahead of it (under the
+        shard's parked lock: the connection's own thread sends nothing meanwhile). A worker
+        that leaves its answers unread is cut off, never waited for."""
+        parked.waiting.remove(waiting)
+        waiting.warm.waiting = None
+        try:
+            waiting.channel.send_many([*waiting.before, reply], wait=False)
+        except OSError as exc:
+            self._listener.refusals.add("answer undeliverable", ("rank", waiting.pull.rank), str(exc))
+            try:
+                waiting.channel.sock.shutdown(socket.SHUT_RDWR)  # its thread then ends
+            except OSError:
+                pass
+
+    def _withdraw(self, warm: _WarmBuffers) -> None:
+        """The connection ends: its parked pull, if still unanswered, is dropped."""
+        waiting = warm.waiting
+        if waiting is not None:
+            parked = self._parked[waiting.pull.shard]
+            with parked.lock:
+                if warm.waiting is waiting:
+                    parked.waiting.remove(waiting)
+                    warm.waiting = None
 
     def _gradient(self, frame: Frame, numel: int, area: int | None) -> torch.Tensor:
         """The float32 gradient a PUSH carries, plain or compressed (the frame's dtype), in
@@ -358,6 +474,30 @@ class ParameterServer:
         self._listener.refusals.add("request rejected", peer, reason)
 
 
+_Park = tuple[PsChannel, list[Frame]]  # where a parked pull's answer goes, and what goes ahead of it
+
+
+class _Parked:
+    """The parked pulls of one shard. Its lock orders parking a pull, answering it, and the
+    connection's next frame."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting: list[_Waiting] = []
+
+
+@dataclass
+class _Waiting:
+    """A parked pull: the request, its connection's buffers, channel and the answers that
+    leave ahead of it (the ACK of the push before it), and when it times out."""
+
+    pull: Frame
+    warm: _WarmBuffers
+    channel: PsChannel
+    before: list[Frame]
+    deadline: float
+
+
 class _WarmBuffers:
     """One connection's reused memory (:class:`ReusedBuffer`): what a PUSH is read into (the
     store keeps no reference to it), and the weights a PULL sends (sent before the next
@@ -365,6 +505,7 @@ class _WarmBuffers:
 
     def __init__(self) -> None:
         self.area: int | None = None  # the connection's shared-memory area, if it was granted one
+        self.waiting: _Waiting | None = None  # the connection's parked pull (set and cleared under its lock)
         self._push = ReusedBuffer()
         self._weights = torch.empty(0)
         self._bf16 = torch.empty(0, dtype=torch.bfloat16)

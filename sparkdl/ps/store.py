@@ -216,21 +216,52 @@ class ShardStore:
     ) -> tuple[int, torch.Tensor]:
         """Weights for a worker about to compute clock ``clock``: (version, flat float32 copy),
         the copy written to ``out`` when given (``numel`` float32 values)."""
-        needed = self._base_version + max(clock - self._start_clock - self.staleness, 0)
         deadline = self._clock() + timeout_s
         with self._cond:
-            while self._aborted or (self.mode is not PsMode.ASYNC and self.version < needed):
-                if self._aborted:
-                    raise PsAborted(self._aborted)
-                if self._closed:
-                    raise PsTimeoutError(
-                        f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"
-                    )
+            while not self._ready(rank, clock):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    raise PsTimeoutError(self._timeout_message(rank, clock, needed, timeout_s))
+                    raise self.pull_timeout(rank, clock, timeout_s)
                 self._cond.wait(remaining)
             return self.version, self.flat_weights(out)
+
+    def try_pull(
+        self, rank: int, clock: int, out: torch.Tensor | None = None
+    ) -> tuple[int, torch.Tensor] | None:
+        """:meth:`pull` without the wait: the weights if clock ``clock`` may be computed on
+        them now, None while it may not (the caller asks again after a later push)."""
+        with self._cond:
+            return (self.version, self.flat_weights(out)) if self._ready(rank, clock) else None
+
+    def pull_timeout(self, rank: int, clock: int, timeout_s: float) -> PsTimeoutError:
+        """The error of a pull of ``clock`` that waited ``timeout_s`` in vain: whom it waited for."""
+        with self._cond:
+            needed = self._needed(clock)
+            clock_needed = needed - self._base_version + self._start_clock
+            behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
+            at = [self._next_clock[r] for r in behind]
+        return PsTimeoutError(
+            f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
+            f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
+            "Raise parameter_server.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
+        )
+
+    def _needed(self, clock: int) -> int:
+        """The version a pull of ``clock`` waits for."""
+        return self._base_version + max(clock - self._start_clock - self.staleness, 0)
+
+    def _ready(self, rank: int, clock: int) -> bool:
+        """Whether a pull of ``clock`` is answered now (under the lock); raises once the
+        attempt was aborted or the server stopped."""
+        if self._aborted:
+            raise PsAborted(self._aborted)
+        if self.mode is PsMode.ASYNC or self.version >= self._needed(clock):
+            return True
+        if self._closed:
+            raise PsTimeoutError(
+                f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"
+            )
+        return False
 
     @property
     def quorum(self) -> int:
@@ -293,16 +324,6 @@ class ShardStore:
         if self._scheduler is not None:
             self._scheduler.step()
         self.version += 1
-
-    def _timeout_message(self, rank: int, clock: int, needed: int, timeout_s: float) -> str:
-        clock_needed = needed - self._base_version + self._start_clock
-        behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
-        at = [self._next_clock[r] for r in behind]
-        return (
-            f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
-            f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
-            "Raise parameter_server.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
-        )
 
 
 #: ``ps_shards = 0`` (auto): one shard per this many bytes of float32 parameters, at most
