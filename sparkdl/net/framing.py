@@ -215,7 +215,8 @@ class Channel(Generic[M]):
         of them, not once per frame (a request and the one behind it; two answers).
 
         ``wait=False``: raise :class:`BlockingIOError` instead of waiting for room in the
-        socket's buffer (a peer that reads none of its answers); only for such small frames.
+        socket's buffer (a peer that reads none of its answers); only for such small frames,
+        on a blocking socket (one with a timeout waits that out first).
         """
         flags = 0 if wait else socket.MSG_DONTWAIT
         parts: list[memoryview] = []

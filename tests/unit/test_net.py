@@ -685,3 +685,30 @@ def test_pending_says_whether_a_read_would_wait_and_never_waits_itself():
         assert not server.pending()
         a.close()
         assert server.pending()  # the end of the connection: a read returns at once
+
+
+def test_pending_waits_up_to_its_timeout_for_the_peers_bytes():
+    a, b, client, server = pair()
+    with a, b:
+        started = time.monotonic()
+        assert not server.pending(0.3)
+        assert 0.25 < time.monotonic() - started < 3
+        threading.Timer(0.2, lambda: client.send((EchoKind.DATA, (1, 2), b"x"))).start()
+        started = time.monotonic()
+        assert server.pending(10)  # returns as the bytes land, not at the timeout
+        assert time.monotonic() - started < 5
+        assert server.recv(1024)[2] == b"x"
+
+
+def test_send_many_without_waiting_raises_once_the_peer_leaves_its_bytes_unread():
+    a, b, client, server = pair()
+    a.setblocking(True)  # as the server's sockets are: no timeout of CPython's own to wait out
+    with a, b:
+        with pytest.raises(ValueError, match="cannot be sent without waiting"):
+            client.send_many([(EchoKind.DATA, (1, 2), b"x" * (STREAM_CHUNK + 1))], wait=False)
+        sent = 0
+        with pytest.raises(BlockingIOError):
+            for _ in range(100_000):  # the peer reads nothing: the buffers fill within a few MB
+                sent += client.send_many([(EchoKind.DATA, (1, 2), b"y" * 1000)], wait=False)
+        assert 0 < sent < 100_000 * 1000
+        assert server.recv(1 << 20)[2] == b"y" * 1000  # what went before is intact

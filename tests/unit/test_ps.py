@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerError, PeerStopped
+from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerError, PeerStopped, PsAborted
 from sparkdl.net.framing import CHALLENGE
 from sparkdl.ps.client import PsClient
 from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
@@ -55,6 +55,27 @@ def test_sync_pull_waits_for_the_clock_and_times_out_naming_the_straggler():
     releaser.start()
     version, _ = s.pull(0, 1, timeout_s=5)
     assert version == 1
+
+
+def test_try_pull_answers_once_the_clock_is_applied_and_never_waits():
+    s = store()
+    assert s.try_pull(0, 0)[0] == 0
+    started = time.monotonic()
+    assert s.try_pull(0, 1) is None
+    s.push(0, 0, 0, 1, torch.ones(3))
+    assert s.try_pull(0, 1) is None
+    assert time.monotonic() - started < 0.5
+    out = torch.empty(3)
+    s.push(1, 0, 0, 1, torch.ones(3))
+    version, weights = s.try_pull(0, 1, out)
+    assert version == 1 and weights.tolist() == [0.5, 1.5, 2.5] and weights.data_ptr() == out.data_ptr()
+    s.push(0, 0, 1, 1, torch.ones(3))
+    assert "rank 0: pull of clock 2 waited 7s for worker(s) [1] (next clocks [1]) to push clock 1" in str(
+        s.pull_timeout(0, 2, 7.0)
+    )
+    s.abort("rank 1 stopped: its loss was nan")
+    with pytest.raises(PsAborted, match="its loss was nan"):
+        s.try_pull(0, 1)
 
 
 def test_ssp_lets_a_worker_run_staleness_clocks_ahead_but_no_further():

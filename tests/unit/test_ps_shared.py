@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import socket
 import threading
+import time
 import traceback
 
 import pytest
@@ -16,12 +18,13 @@ import torch
 from torch import nn
 
 from sparkdl.compression.codecs import ErrorFeedback, OneBit
-from sparkdl.errors import ConnectionClosed
-from sparkdl.net.framing import TAG_BYTES
+from sparkdl.errors import ConnectionClosed, PeerStopped, PsTimeoutError
+from sparkdl.net.framing import TAG_BYTES, Channel
 from sparkdl.ps import areas
+from sparkdl.ps import server as server_module
 from sparkdl.ps.client import PsClient
 from sparkdl.ps.protocol import PS_WIRE, Frame, Kind, client_hello
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.server import ParameterServer, _Waiting, _WarmBuffers
 from sparkdl.ps.store import PsMode, ShardStore
 
 SECRET = b"s" * 32
@@ -170,8 +173,6 @@ def test_areas_run_out_then_connections_use_their_sockets_and_a_closed_one_gives
 
 def granted_channel(ps, want_area=True):
     """A raw worker connection (rank 0); the ACK's area field."""
-    import socket
-
     sock = socket.create_connection((ps.host, ps.port), timeout=5)
     channel = client_hello(sock, SECRET, 0, 0, want_area=want_area)
     return channel, channel.recv(1 << 20).area
@@ -290,3 +291,170 @@ def test_encrypted_connections_and_async_mode_use_the_areas_with_the_sockets_num
     for mode in (PsMode.SYNC, PsMode.ASYNC):
         expected = run(0, False, mode)
         assert run(1 << 20, True, mode) == expected and run(1 << 20, False, mode) == expected
+
+
+# --- parked pulls: answered by the push that completes their clock --------------------
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.005)
+    return condition()
+
+
+def parked(ps):
+    """How many pulls wait parked, per shard."""
+    return [len(each.waiting) for each in ps._parked]
+
+
+def step_grads(rank, step=0):
+    return [gradient(rank, step, shard) for shard in range(2)]
+
+
+def in_background(call):
+    """Run ``call`` on a thread; (the thread, a dict that receives its result or error)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("parks", [True, False], ids=["small shards park", "large shards wait"])
+def test_a_parked_pull_is_answered_by_the_push_that_completes_its_clock(parks, monkeypatch):
+    delivered = []
+    deliver = ParameterServer._deliver
+    monkeypatch.setattr(
+        ParameterServer, "_deliver", lambda self, *a: delivered.append(a) or deliver(self, *a)
+    )
+    if parks:  # no pull through shared memory may wait on its connection's thread
+        monkeypatch.setattr(ShardStore, "pull", lambda *a, **k: pytest.fail("a parked pull waited"))
+    else:
+        monkeypatch.setattr(server_module, "PARK_MAX_VALUES", 2)  # the shards hold 3 and 299 values
+    ps = serve()
+    try:
+        endpoint = ps.endpoint(((0,), (1,)))
+        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
+        try:
+            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
+            if parks:
+                assert wait_until(lambda: parked(ps) == [1, 1])  # both of its pulls wait for rank 1
+            else:
+                time.sleep(0.2)
+                assert parked(ps) == [0, 0]
+            assert thread.is_alive()
+            theirs = [w.tolist() for _, w in second.push_pull(0, 4, step_grads(1), 1)]
+            thread.join(10)
+            assert [w.tolist() for _, w in outcome["result"]] == theirs
+            assert first.shared_areas == second.shared_areas == 2
+        finally:
+            first.close()
+            second.close()
+        assert parked(ps) == [0, 0] and len(delivered) == (2 if parks else 0)
+    finally:
+        ps.stop()
+    monkeypatch.undo()
+    reference, _ = trained(0, steps=1)  # over the sockets, pulls wait on their threads
+    assert theirs == reference
+
+
+def test_a_parked_pull_times_out_naming_the_worker_waited_for_and_its_connection_lives():
+    ps = ParameterServer(stores(), "127.0.0.1", SECRET, 1.0, 1 << 20, shared_memory_bytes=1 << 20)
+    try:
+        endpoint = ps.endpoint(((0,), (1,)))
+        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
+        try:
+            started = time.monotonic()
+            with pytest.raises(
+                PsTimeoutError, match=r"rank 0: pull of clock 1 waited 1s for worker\(s\) \[1\]"
+            ):
+                first.push_pull(0, 3, step_grads(0), 1)
+            assert 0.9 < time.monotonic() - started < 5
+            assert wait_until(lambda: parked(ps) == [0, 0])  # each shard's pull timed out
+            second.push(0, 4, step_grads(1))  # the late push: now the pull is answerable
+            mine = [w.tolist() for _, w in first.pull(1)]
+        finally:
+            first.close()
+            second.close()
+    finally:
+        ps.stop()
+    assert mine == trained(0, steps=1)[0]
+
+
+def test_an_abort_answers_every_shards_parked_pulls_at_once():
+    ps = serve()  # pulls time out after 10 s
+    try:
+        endpoint = ps.endpoint(((0,), (1,)))
+        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
+        try:
+            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
+            assert wait_until(lambda: parked(ps) == [1, 1])
+            started = time.monotonic()
+            second.abort("its loss was nan")
+            thread.join(10)
+            assert time.monotonic() - started < 5
+            assert isinstance(outcome.get("error"), PeerStopped)
+            assert str(outcome["error"]) == "rank 0: rank 1 stopped: its loss was nan"
+            assert parked(ps) == [0, 0]
+        finally:
+            first.close()
+            second.close()
+    finally:
+        ps.stop()
+
+
+def test_a_request_sent_while_its_pull_is_parked_closes_the_connection(caplog):
+    ps = serve()
+    try:
+        channel, granted = granted_channel(ps)
+        try:
+            assert granted == 1
+            push = Frame(Kind.PUSH, 0, 0, 0, 0, 3, b"", area=1, area_bytes=12)  # the area's zeros
+            channel.send_many([push, Frame(Kind.PULL, 0, 0, 0, 1, area=1)])
+            assert wait_until(lambda: parked(ps) == [1, 0])
+            channel.send(Frame(Kind.PULL, 0, 0, 0, 1, area=1))  # without waiting for the answer
+            with pytest.raises(ConnectionClosed):  # the push's ACK waited with the pull: none came
+                channel.recv(1 << 20)
+        finally:
+            channel.sock.close()
+        assert "rank 0 sent a request while its pull of clock 1 waited for its answer" in caplog.text
+        assert ps.refusals.get("frame refused") == 1 and parked(ps) == [0, 0]
+    finally:
+        ps.stop()
+
+
+def test_an_answer_a_worker_leaves_unread_cuts_it_off_without_waiting():
+    ps = serve()
+    worker, server_end = socket.socketpair()
+    try:
+        server_end.setblocking(False)
+        for _ in range(10_000):  # the worker reads nothing: fill the server's side
+            try:
+                server_end.send(b"\0" * 65536)
+            except BlockingIOError:
+                break
+        server_end.setblocking(True)  # as a session's socket is
+        channel = Channel(server_end, SECRET, PS_WIRE, b"t" * 32, client=False)
+        warm = _WarmBuffers()
+        warm.waiting = _Waiting(
+            Frame(Kind.PULL, 0, 0, 0, 1), warm, channel, [Frame(Kind.ACK)], time.monotonic()
+        )
+        ps._parked[0].waiting.append(warm.waiting)
+        started = time.monotonic()
+        with ps._parked[0].lock:
+            ps._deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
+        assert time.monotonic() - started < 1
+        assert ps.refusals.get("answer undeliverable") == 1
+        assert warm.waiting is None and parked(ps) == [0, 0]
+        assert server_end.recv(1) == b""  # shut down: its connection's thread would read the end
+    finally:
+        worker.close()
+        server_end.close()
+        ps.stop()
