@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -53,6 +54,8 @@ def check_bounds(obj: Any, section: str) -> None:
     """
     for f in dataclasses.fields(obj):
         bound, value = f.metadata.get("bound", ""), getattr(obj, f.name)
+        if bound and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} = {value} must be a finite number {bound}")
         if (bound == "> 0" and value <= 0) or (bound == ">= 0" and value < 0):
             raise ConfigError(f"{section}.{f.name} = {value} must be {bound}")
 

@@ -83,6 +83,7 @@ _FIELDS = 5  # the protocol's fields start here
 #: A larger plaintext payload is sent in pieces of this size, each hashed once the kernel
 #: holds it, so the sender's hashing overlaps the reader's copying and hashing.
 STREAM_CHUNK = 1 << 18
+MAX_POLL_MS = (1 << 31) - 1  # poll()'s longest wait (about 24.8 days)
 
 
 class WireProtocol(abc.ABC, Generic[M]):
@@ -262,11 +263,12 @@ class Channel(Generic[M]):
 
     def pending(self, timeout_s: float = 0.0) -> bool:
         """Whether bytes from the peer (or its end of the connection) have arrived, waiting
-        up to ``timeout_s`` for them (0: never waits, whatever the socket's timeout)."""
+        up to ``timeout_s`` for them (0: never waits, whatever the socket's timeout; at
+        most ``MAX_POLL_MS``: a longer wait asks again)."""
         if self._poller is None:  # asked every step: made once
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN)
-        return bool(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        return bool(self._poller.poll(math.ceil(min(max(timeout_s, 0.0) * 1000, MAX_POLL_MS))))
 
     def recv(self, max_payload: int, into: Placement | None = None) -> M:
         """Read, authenticate and decode the next frame.

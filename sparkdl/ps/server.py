@@ -172,8 +172,9 @@ class ParameterServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Wake waiting pulls, close the port and every connection; join all threads (bounded)."""
-        for store in self.stores:
+        for shard, store in enumerate(self.stores):
             store.close()
+            self._answer_parked(shard)  # the parked pulls are told, as waiting ones are
         self._listener.stop(timeout)
         if self.areas is not None:
             self.areas.close()
@@ -392,16 +393,27 @@ class ParameterServer:
 
     def _await_answer(self, channel: PsChannel, warm: _WarmBuffers) -> None:
         """While this connection's pull is parked: sleep until the worker's next frame, or
-        answer the pull with a timeout at its deadline (then read on)."""
+        answer the pull at its deadline (then read on): with the weights if the push that
+        makes it answerable has not answered it yet, with a timeout otherwise."""
         waiting = warm.waiting
-        if waiting is None or channel.pending(waiting.deadline - time.monotonic()):
+        if waiting is None:
             return
+        while (remaining := waiting.deadline - time.monotonic()) > 0:
+            if channel.pending(remaining):  # a poll waits 24 days at most: ask again after
+                return
         parked = self._parked[waiting.pull.shard]
         with parked.lock:
-            if warm.waiting is waiting:  # not answered meanwhile
+            if warm.waiting is not waiting:  # answered meanwhile
+                return
+            try:
+                reply = self._weights(waiting.pull, waiting.warm, wait=False)
+            except ParameterServerError as exc:
+                reply = error_frame(exc, waiting.pull.shard)
+            if reply is None:
                 store = self.stores[waiting.pull.shard]
                 error = store.pull_timeout(waiting.pull.rank, waiting.pull.clock, self.timeout_s)
-                self._deliver(parked, waiting, error_frame(error, waiting.pull.shard))
+                reply = error_frame(error, waiting.pull.shard)
+            self._deliver(parked, waiting, reply)
 
     def _check_answered(self, warm: _WarmBuffers) -> None:
         """A worker sends its next request only once its parked pull was answered."""
@@ -415,11 +427,12 @@ class ParameterServer:
                     )
 
     def _deliver(self, parked: _Parked, waiting: _Waiting, reply: Frame) -> None:
-        """Send a parked pull's answer, behind the answers that go ahead of it (under the
-        shard's parked lock: the connection's own thread sends nothing meanwhile). A worker
-        that leaves its answers unread is cut off, never waited for."""
-        parked.waiting.remove(waiting)
-        waiting.warm.waiting = None
+        """Send a parked pull's answer, behind the answers that go ahead of it, under the
+        shard's parked lock. The pull stays parked until the answer is sent: the
+        connection's own thread, which reads the worker's next request meanwhile, waits
+        for the lock before it answers (:meth:`_check_answered`), so one thread at a time
+        sends on the channel. A worker that leaves its answers unread is cut off, never
+        waited for."""
         try:
             waiting.channel.send_many([*waiting.before, reply], wait=False)
         except OSError as exc:
@@ -428,6 +441,9 @@ class ParameterServer:
                 waiting.channel.sock.shutdown(socket.SHUT_RDWR)  # its thread then ends
             except OSError:
                 pass
+        finally:
+            parked.waiting.remove(waiting)
+            waiting.warm.waiting = None
 
     def _withdraw(self, warm: _WarmBuffers) -> None:
         """The connection ends: its parked pull, if still unanswered, is dropped."""

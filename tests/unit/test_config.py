@@ -152,6 +152,14 @@ def test_teardown_timeout_defaults_to_a_minute_and_must_be_positive():
         SparkDLConfig().replace(teardown_timeout_s=0.0)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_bounded_setting_must_be_a_finite_number(value):
+    with pytest.raises(
+        ConfigError, match=rf"parameter_server\.ps_timeout_s = {value} must be a finite number > 0"
+    ):
+        SparkDLConfig().replace(ps_timeout_s=value)
+
+
 def test_a_setting_name_declared_by_two_sections_fails_naming_both():
     @dataclasses.dataclass(frozen=True)
     class Averaging:

@@ -698,6 +698,9 @@ def test_pending_waits_up_to_its_timeout_for_the_peers_bytes():
         assert server.pending(10)  # returns as the bytes land, not at the timeout
         assert time.monotonic() - started < 5
         assert server.recv(1024)[2] == b"x"
+        threading.Timer(0.2, lambda: client.send((EchoKind.DATA, (1, 2), b"z"))).start()
+        assert server.pending(float("inf"))  # over poll()'s longest wait: waits that long at most
+        assert server.recv(1024)[2] == b"z"
 
 
 def test_send_many_without_waiting_raises_once_the_peer_leaves_its_bytes_unread():

@@ -171,10 +171,10 @@ def test_areas_run_out_then_connections_use_their_sockets_and_a_closed_one_gives
         too_small.stop()
 
 
-def granted_channel(ps, want_area=True):
-    """A raw worker connection (rank 0); the ACK's area field."""
+def granted_channel(ps, want_area=True, rank=0, encrypt=False):
+    """A raw worker connection; the ACK's area field."""
     sock = socket.create_connection((ps.host, ps.port), timeout=5)
-    channel = client_hello(sock, SECRET, 0, 0, want_area=want_area)
+    channel = client_hello(sock, SECRET, rank, 0, encrypt=encrypt, want_area=want_area)
     return channel, channel.recv(1 << 20).area
 
 
@@ -457,4 +457,109 @@ def test_an_answer_a_worker_leaves_unread_cuts_it_off_without_waiting():
     finally:
         worker.close()
         server_end.close()
+        ps.stop()
+
+
+def test_a_parked_pull_waits_out_any_timeout_the_settings_allow():
+    """poll() takes at most 24.8 days; a longer ps_timeout_s is waited in turns."""
+    ps = ParameterServer(stores(), "127.0.0.1", SECRET, 3e6, 1 << 20, shared_memory_bytes=1 << 20)
+    try:
+        weights, clients = train(ps)
+        assert all(c.shared_areas == 2 for c in clients)
+    finally:
+        ps.stop()
+    assert weights == trained(0)[0]
+
+
+def test_a_parked_pull_whose_clock_was_applied_by_its_deadline_gets_the_weights_not_a_timeout(monkeypatch):
+    answer_parked = ParameterServer._answer_parked
+
+    def late(self, shard):  # the completing push's thread loses the race with the deadline
+        time.sleep(1.5)
+        answer_parked(self, shard)
+
+    ps = ParameterServer(stores(), "127.0.0.1", SECRET, 1.0, 1 << 20, shared_memory_bytes=1 << 20)
+    try:
+        endpoint = ps.endpoint(((0,), (1,)))
+        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
+        try:
+            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
+            assert wait_until(lambda: parked(ps) == [1, 1])
+            monkeypatch.setattr(ParameterServer, "_answer_parked", late)
+            theirs = [w.tolist() for _, w in second.push_pull(0, 4, step_grads(1), 1)]
+            thread.join(10)
+            assert "error" not in outcome, outcome
+            assert [w.tolist() for _, w in outcome["result"]] == theirs
+        finally:
+            first.close()
+            second.close()
+    finally:
+        ps.stop()
+    assert theirs == trained(0, steps=1)[0]
+
+
+@pytest.mark.parametrize("shared", [1 << 20, 0], ids=["parked", "waiting"])
+def test_stopping_the_server_tells_a_parked_pull_as_it_tells_a_waiting_one(shared):
+    ps = serve(shared)
+    client = PsClient(ps.endpoint(((0,), (1,))), 0, 0)
+    try:
+        thread, outcome = in_background(lambda: client.push_pull(0, 3, step_grads(0), 1))
+        if shared:
+            assert wait_until(lambda: parked(ps) == [1, 1])
+        else:
+            time.sleep(0.3)
+        ps.stop()
+        thread.join(10)
+        error = outcome.get("error")
+        assert isinstance(error, PsTimeoutError), outcome
+        assert str(error).startswith("rank 0: the parameter server stopped while pull of clock 1 waited")
+    finally:
+        client.close()
+        ps.stop()
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_request_sent_before_reading_the_parked_answer_is_answered_after_it(encrypt, monkeypatch):
+    """The parked answer is sent by another thread; the connection's own thread answers the
+    next request only once that send is done: one sender at a time, answers in order."""
+    senders: dict[int, set[str]] = {}
+    overlaps = []
+    send_many = Channel.send_many
+
+    def watched(self, messages, wait=True):
+        inside = senders.setdefault(id(self), set())
+        overlaps.extend(inside)
+        inside.add(threading.current_thread().name)
+        try:
+            if not wait:  # a parked pull's answer: slow, as after losing the GIL
+                time.sleep(0.4)
+            return send_many(self, messages, wait)
+        finally:
+            inside.discard(threading.current_thread().name)
+
+    monkeypatch.setattr(Channel, "send_many", watched)
+    ps = ParameterServer(
+        stores(), "127.0.0.1", SECRET, 10.0, 1 << 20, encrypt=encrypt, shared_memory_bytes=1 << 20
+    )
+    try:
+        (early, mine), (late, theirs) = (granted_channel(ps, rank=rank, encrypt=encrypt) for rank in range(2))
+        early.send_many(
+            [
+                Frame(Kind.PUSH, 0, 0, 0, 0, 3, b"", area=mine, area_bytes=12),
+                Frame(Kind.PULL, 0, 0, 0, 1, area=mine),
+            ]
+        )
+        assert wait_until(lambda: parked(ps) == [1, 0])
+        late.send(Frame(Kind.PUSH, 0, 1, 0, 0, 3, b"", area=theirs, area_bytes=12))  # completes clock 0
+        time.sleep(0.2)  # the parked answer is being sent
+        early.send(Frame(Kind.PULL, 0, 0, 0, 1))  # before reading it: the weights in the frame
+        answers = [early.recv(1 << 20) for _ in range(3)]
+        assert [(a.kind, a.version, a.area) for a in answers] == [
+            (Kind.ACK, 0, 0),
+            (Kind.WEIGHTS, 1, mine),
+            (Kind.WEIGHTS, 1, 0),
+        ]
+        assert late.recv(1 << 20).kind is Kind.ACK
+        assert not overlaps and ps.refusals == {}
+    finally:
         ps.stop()
