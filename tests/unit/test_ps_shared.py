@@ -5,6 +5,7 @@ an area not theirs refused."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -327,6 +328,27 @@ def in_background(call):
     return thread, outcome
 
 
+@contextlib.contextmanager
+def rank_0_waiting(ps, parks=True):
+    """Two workers of ``ps``; rank 0's push_pull of clock 0 runs in the background, its
+    pulls waiting for rank 1 (parked on both shards, when ``parks``). Yields rank 0's and
+    rank 1's clients, the background thread and its outcome; closes the clients after."""
+    endpoint = ps.endpoint(((0,), (1,)))
+    first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
+    try:
+        thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
+        if parks:
+            assert wait_until(lambda: parked(ps) == [1, 1])
+        else:
+            time.sleep(0.2)
+            assert parked(ps) == [0, 0]
+        assert thread.is_alive()
+        yield first, second, thread, outcome
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("parks", [True, False], ids=["small shards park", "large shards wait"])
 def test_a_parked_pull_is_answered_by_the_push_that_completes_its_clock(parks, monkeypatch):
     delivered = []
@@ -340,23 +362,11 @@ def test_a_parked_pull_is_answered_by_the_push_that_completes_its_clock(parks, m
         monkeypatch.setattr(server_module, "PARK_MAX_VALUES", 2)  # the shards hold 3 and 299 values
     ps = serve()
     try:
-        endpoint = ps.endpoint(((0,), (1,)))
-        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
-        try:
-            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
-            if parks:
-                assert wait_until(lambda: parked(ps) == [1, 1])  # both of its pulls wait for rank 1
-            else:
-                time.sleep(0.2)
-                assert parked(ps) == [0, 0]
-            assert thread.is_alive()
+        with rank_0_waiting(ps, parks) as (first, second, thread, outcome):
             theirs = [w.tolist() for _, w in second.push_pull(0, 4, step_grads(1), 1)]
             thread.join(10)
             assert [w.tolist() for _, w in outcome["result"]] == theirs
             assert first.shared_areas == second.shared_areas == 2
-        finally:
-            first.close()
-            second.close()
         assert parked(ps) == [0, 0] and len(delivered) == (2 if parks else 0)
     finally:
         ps.stop()
@@ -391,11 +401,7 @@ def test_a_parked_pull_times_out_naming_the_worker_waited_for_and_its_connection
 def test_an_abort_answers_every_shards_parked_pulls_at_once():
     ps = serve()  # pulls time out after 10 s
     try:
-        endpoint = ps.endpoint(((0,), (1,)))
-        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
-        try:
-            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
-            assert wait_until(lambda: parked(ps) == [1, 1])
+        with rank_0_waiting(ps) as (_, second, thread, outcome):
             started = time.monotonic()
             second.abort("its loss was nan")
             thread.join(10)
@@ -403,9 +409,6 @@ def test_an_abort_answers_every_shards_parked_pulls_at_once():
             assert isinstance(outcome.get("error"), PeerStopped)
             assert str(outcome["error"]) == "rank 0: rank 1 stopped: its loss was nan"
             assert parked(ps) == [0, 0]
-        finally:
-            first.close()
-            second.close()
     finally:
         ps.stop()
 
@@ -480,19 +483,12 @@ def test_a_parked_pull_whose_clock_was_applied_by_its_deadline_gets_the_weights_
 
     ps = ParameterServer(stores(), "127.0.0.1", SECRET, 1.0, 1 << 20, shared_memory_bytes=1 << 20)
     try:
-        endpoint = ps.endpoint(((0,), (1,)))
-        first, second = (PsClient(endpoint, rank, 0) for rank in range(2))
-        try:
-            thread, outcome = in_background(lambda: first.push_pull(0, 3, step_grads(0), 1))
-            assert wait_until(lambda: parked(ps) == [1, 1])
+        with rank_0_waiting(ps) as (_, second, thread, outcome):
             monkeypatch.setattr(ParameterServer, "_answer_parked", late)
             theirs = [w.tolist() for _, w in second.push_pull(0, 4, step_grads(1), 1)]
             thread.join(10)
             assert "error" not in outcome, outcome
             assert [w.tolist() for _, w in outcome["result"]] == theirs
-        finally:
-            first.close()
-            second.close()
     finally:
         ps.stop()
     assert theirs == trained(0, steps=1)[0]
