@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -559,3 +560,70 @@ def test_a_request_sent_before_reading_the_parked_answer_is_answered_after_it(en
         assert not overlaps and ps.refusals == {}
     finally:
         ps.stop()
+
+
+def raced(shared, workers, mode, staleness, encrypt, bf16, steps=60):
+    """``workers`` threads push+pull ``steps`` clocks with random pauses; every worker's final
+    weights, the refusals, what was left parked and how many parked pulls were answered."""
+
+    def momentum(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    shards = [ShardStore([nn.Parameter(torch.tensor(v))], momentum, mode, workers, staleness) for v in VALUES]
+    ps = ParameterServer(
+        shards, "127.0.0.1", SECRET, 20.0, 1 << 20, encrypt=encrypt, shared_memory_bytes=shared
+    )
+    finals: dict[int, list[list[float]]] = {}
+    answered = []
+    deliver = ps._deliver
+
+    def counted(*args):
+        answered.append(args[2].kind)
+        deliver(*args)
+
+    ps._deliver = counted  # type: ignore[method-assign]
+    try:
+        clients = [PsClient(ps.endpoint(((0,), (1,))), rank, 0, bf16_pulls=bf16) for rank in range(workers)]
+
+        def work(rank):
+            pauses = np.random.default_rng(rank)
+            for step in range(steps):
+                if pauses.random() < 0.3:
+                    time.sleep(pauses.random() * 0.003)
+                clients[rank].push_pull(step, 1 + rank, step_grads(rank, step % 7), step + 1)
+            finals[rank] = [w.tolist() for _, w in clients[rank].pull(steps + staleness)]  # every clock in
+
+        try:
+            threads = [threading.Thread(target=work, args=(rank,)) for rank in range(workers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        finally:
+            for client in clients:
+                client.close()
+        return finals, ps.refusals, parked(ps), answered
+    finally:
+        ps.stop()
+
+
+@pytest.mark.parametrize(
+    "workers, mode, staleness, encrypt, bf16",
+    [(2, PsMode.SYNC, 0, True, True), (4, PsMode.SYNC, 0, False, False), (3, PsMode.SSP, 2, True, False)],
+    ids=["2 sync encrypted bf16", "4 sync", "3 ssp encrypted"],
+)
+def test_workers_racing_through_parked_pulls_end_with_the_sockets_weights(
+    workers, mode, staleness, encrypt, bf16
+):
+    finals, refusals, left, answered = raced(1 << 20, workers, mode, staleness, encrypt, bf16)
+    by_socket, _, _, none = raced(0, workers, mode, staleness, encrypt, bf16)
+    assert sorted(finals) == list(range(workers)) and refusals == {} and left == [0, 0]
+    # sync: one worker of every clock waits for the last; ssp: only one that ran ahead
+    assert len(answered) >= (20 if mode is PsMode.SYNC else 1)
+    assert set(answered) == {Kind.WEIGHTS} and none == []
+    assert all(finals[rank] == finals[0] for rank in finals)
+    assert finals[0] != [list(v) for v in VALUES]
+    # two workers sum in one order; more sum in arrival order, which differs in the last bits
+    tolerance = 0 if workers == 2 else 1e-5
+    for shared_shard, socket_shard in zip(finals[0], by_socket[0], strict=True):
+        assert np.allclose(shared_shard, socket_shard, rtol=0, atol=tolerance)
