@@ -436,12 +436,14 @@ class ParameterServer:
         waited for."""
         try:
             waiting.channel.send_many([*waiting.before, reply], wait=False)
-        except OSError as exc:
+        except BlockingIOError as exc:  # its socket's buffer is full: it reads no answers
             self._listener.refusals.add("answer undeliverable", ("rank", waiting.pull.rank), str(exc))
             try:
                 waiting.channel.sock.shutdown(socket.SHUT_RDWR)  # its thread then ends
             except OSError:
                 pass
+        except OSError:
+            pass  # the worker went away: its thread finds the connection closed
         finally:
             parked.waiting.remove(waiting)
             waiting.warm.waiting = None

@@ -464,6 +464,23 @@ def test_an_answer_a_worker_leaves_unread_cuts_it_off_without_waiting():
         ps.stop()
 
 
+def test_an_answer_to_a_worker_that_went_away_is_dropped_without_a_refusal():
+    ps = serve()
+    worker, server_end = socket.socketpair()
+    try:
+        worker.close()  # its task died while its pull was parked
+        channel = Channel(server_end, SECRET, PS_WIRE, b"t" * 32, client=False)
+        warm = _WarmBuffers()
+        warm.waiting = _Waiting(Frame(Kind.PULL, 0, 0, 0, 1), warm, channel, [], time.monotonic())
+        ps._parked[0].waiting.append(warm.waiting)
+        with ps._parked[0].lock:
+            ps._deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
+        assert ps.refusals == {} and warm.waiting is None and parked(ps) == [0, 0]
+    finally:
+        server_end.close()
+        ps.stop()
+
+
 def test_a_parked_pull_waits_out_any_timeout_the_settings_allow():
     """poll() takes at most 24.8 days; a longer ps_timeout_s is waited in turns."""
     ps = ParameterServer(stores(), "127.0.0.1", SECRET, 3e6, 1 << 20, shared_memory_bytes=1 << 20)
