@@ -153,10 +153,10 @@ class TopK(Codec):
         k = self.kept(numel)
         index = payload[: 4 * k].view(torch.int32).long()
         values = payload[4 * k :].view(torch.float32)
-        if k and not (0 <= int(index.min()) and int(index.max()) < numel):
-            raise ValueError(
-                f"top-k indices from {int(index.min())} to {int(index.max())}, outside [0, {numel})"
-            )
+        if k:
+            low, high = (int(end) for end in torch.aminmax(index))
+            if low < 0 or high >= numel:
+                raise ValueError(f"top-k indices from {low} to {high}, outside [0, {numel})")
         return torch.zeros(numel, dtype=torch.float32, device=payload.device).index_put_((index,), values)
 
 

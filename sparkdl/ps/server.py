@@ -384,13 +384,20 @@ class ParameterServer:
         """Answer the parked pulls of ``shard`` that a push (or an abort) made answerable."""
         parked = self._parked[shard]
         with parked.lock:
+            if not parked.waiting:  # after every push: usually none
+                return
             for waiting in list(parked.waiting):
-                try:
-                    reply = self._weights(waiting.pull, waiting.warm, wait=False)
-                except ParameterServerError as exc:  # aborted, or the server stops
-                    reply = error_frame(exc, shard)
+                reply = self._parked_reply(waiting)
                 if reply is not None:
                     self._deliver(parked, waiting, reply)
+
+    def _parked_reply(self, waiting: _Waiting) -> Frame | None:
+        """A parked pull's answer now: its weights, or the ERROR of an aborted attempt or a
+        stopping server; None while it must wait."""
+        try:
+            return self._weights(waiting.pull, waiting.warm, wait=False)
+        except ParameterServerError as exc:
+            return error_frame(exc, waiting.pull.shard)
 
     def _await_answer(self, channel: PsChannel, warm: _WarmBuffers) -> None:
         """While this connection's pull is parked: sleep until the worker's next frame, or
@@ -406,10 +413,7 @@ class ParameterServer:
         with parked.lock:
             if warm.waiting is not waiting:  # answered meanwhile
                 return
-            try:
-                reply = self._weights(waiting.pull, waiting.warm, wait=False)
-            except ParameterServerError as exc:
-                reply = error_frame(exc, waiting.pull.shard)
+            reply = self._parked_reply(waiting)
             if reply is None:
                 store = self.stores[waiting.pull.shard]
                 error = store.pull_timeout(waiting.pull.rank, waiting.pull.clock, self.timeout_s)

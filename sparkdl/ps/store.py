@@ -236,8 +236,7 @@ class ShardStore:
     def pull_timeout(self, rank: int, clock: int, timeout_s: float) -> PsTimeoutError:
         """The error of a pull of ``clock`` that waited ``timeout_s`` in vain: whom it waited for."""
         with self._cond:
-            needed = self._needed(clock)
-            clock_needed = needed - self._base_version + self._start_clock
+            clock_needed = self._start_clock + max(clock - self._start_clock - self.staleness, 0)
             behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
             at = [self._next_clock[r] for r in behind]
         return PsTimeoutError(

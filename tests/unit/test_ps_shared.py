@@ -57,6 +57,16 @@ def gradient(rank, step, shard):
     return torch.randn(len(VALUES[shard]), generator=g)
 
 
+def on_threads(work, ranks, timeout):
+    """``work(rank)`` for each of ``ranks`` ranks, each on its own thread; waits for them
+    (at most ``timeout`` seconds each)."""
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+
+
 def train(ps, options=lambda rank: {}, steps=4):
     """Two workers push+pull every step in sync mode; their final weights (equal on both) and
     their clients (closed)."""
@@ -71,11 +81,7 @@ def train(ps, options=lambda rank: {}, steps=4):
         finals[rank] = [w.tolist() for _, w in pulled]
 
     try:
-        threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        on_threads(work, 2, timeout=30)
     finally:
         for c in clients:
             c.close()
@@ -611,11 +617,7 @@ def raced(shared, workers, mode, staleness, encrypt, bf16, steps=60):
             finals[rank] = [w.tolist() for _, w in clients[rank].pull(steps + staleness)]  # every clock in
 
         try:
-            threads = [threading.Thread(target=work, args=(rank,)) for rank in range(workers)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            on_threads(work, workers, timeout=60)
         finally:
             for client in clients:
                 client.close()
