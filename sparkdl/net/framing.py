@@ -5,7 +5,8 @@ each speak their own messages over it.
 
     challenge = magic, framing version, protocol id, flags, server nonce   (server -> client)
     hello     = header (kind HELLO, length 16) || client nonce || HMAC tag   (client -> server)
-    frame     = header || header tag || body || tag
+    frame     = header || header tag || payload pieces, each followed by its tag   (plain)
+              | header || header tag || ciphertext || AEAD tag                 (encrypted)
     header    = magic, framing version, protocol id, kind, payload length (PREFIX, 16 bytes)
                 || the protocol's own fields (one fixed struct per protocol)
 
@@ -21,18 +22,22 @@ nonce differs. Keys are derived from the per-fit secret and the protocol's name
 (``HMAC-SHA256(secret, "sparkdl-net/<version>/<name>/hello")``, ``.../frame`` likewise),
 so a frame of one protocol never verifies as another's.
 
-Frames. Each frame has two one-time Poly1305 keys, ``HMAC-SHA512(frame key, transcript |
-direction | sequence)`` split in two: one tags the header alone, the other the header and
-payload. A reader authenticates the header before it trusts its length or fields, so a
-peer allocates nothing, and places nothing, before it has proved it holds the secret; a
-replayed, reordered or reflected frame fails because its keys differ. Poly1305 runs at
-about 6 GB/s against HMAC's 1 GB/s. With ``encrypt`` the payload is AES-256-GCM
-ciphertext under a per-connection key (``HMAC-SHA256(frame key, transcript | "aead")``),
-the nonce being direction and sequence, the header as associated data: the AEAD tag
-then replaces the Poly1305 one. A frame leaves in one ``sendmsg`` (the plaintext payload
-uncopied) and is read with ``recv_into``; a plaintext payload over ``STREAM_CHUNK`` is
-streamed in pieces, each hashed by the sender once the kernel holds it and by the reader
-as it lands, so that neither side's hashing waits for the whole payload.
+Frames. Tags are GMAC (AES-256-GCM over an empty plaintext, the tagged bytes as associated
+data) under a per-connection key, ``HMAC-SHA256(frame key, transcript | "/mac")``, each
+with a nonce of its own: direction, sequence number and what it tags (the header, or a
+piece of the payload by its index). A reader authenticates the header before it trusts
+its length or fields, so a peer allocates nothing, and places nothing, before it has
+proved it holds the secret; a replayed, reordered or reflected frame, or a piece moved
+within or between frames, fails because its nonce differs. GMAC runs at about 20 GB/s
+here (carry-less multiplication), Poly1305 at 12 GB/s and HMAC at 1 GB/s; and one key per
+connection spares each frame the derivation of one-time keys (4 us of a small frame's 5).
+A plaintext payload is tagged in pieces of ``STREAM_CHUNK`` bytes: the sender tags a piece
+once the kernel holds it and the reader verifies each as it lands, so that neither side's
+hashing waits for the whole payload; an empty payload carries no tag. With ``encrypt``
+the payload is AES-256-GCM ciphertext under a second per-connection key
+(``HMAC-SHA256(frame key, transcript | "/aead")``), the nonce being direction and
+sequence, the header as associated data. A small frame leaves in one ``sendmsg`` (the
+plaintext payload uncopied) and is read with ``recv_into``.
 """
 
 from __future__ import annotations
@@ -50,9 +55,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from sparkdl.errors import ConnectionClosed, ProtocolError
 
@@ -70,19 +74,21 @@ Placement = Callable[[int, Fields, int], "memoryview | None"]
 SecretLookup = Callable[[Fields], "bytes | None"]
 
 MAGIC = b"SDNT"
-VERSION = 4
+VERSION = 5
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
 CHALLENGE = struct.Struct("<4sBBBx16s")  # magic, version, protocol id, flags, (pad), server nonce
 ENCRYPTED = 1  # the challenge's flag: every payload of the connection is encrypted
 NONCE_BYTES = 16
 HELLO_TAG_BYTES = 32  # HMAC-SHA256
-TAG_BYTES = 16  # Poly1305, or the AES-GCM tag
+TAG_BYTES = 16  # a GMAC tag, or the AES-GCM one
 _KIND = 3  # index of the kind in an unpacked header
 _LENGTH = 4  # index of the payload length
 _FIELDS = 5  # the protocol's fields start here
-#: A larger plaintext payload is sent in pieces of this size, each hashed once the kernel
-#: holds it, so the sender's hashing overlaps the reader's copying and hashing.
+#: A plaintext payload is tagged in pieces of this size; a larger one is sent piece by piece,
+#: each tagged once the kernel holds it, so the sender's hashing overlaps the reader's
+#: copying and hashing.
 STREAM_CHUNK = 1 << 18
+_HEADER_TAG = 0xFFFFFFFF  # the nonce's index of a header's tag (a payload piece's is its index)
 MAX_POLL_MS = (1 << 31) - 1  # poll()'s longest wait (about 24.8 days)
 
 
@@ -150,21 +156,14 @@ class _Keys:
     def __init__(self, secret: bytes, protocol: WireProtocol) -> None:
         self.hello = hmac.new(secret, protocol.domain + b"/hello", hashlib.sha256).digest()
         self._root = hmac.new(secret, protocol.domain + b"/frame", hashlib.sha256).digest()
-        self._frame = hmac.new(self._root, digestmod=hashlib.sha512)  # keyed once, copied per frame
 
     def hello_tag(self, hello: bytes, challenge: bytes) -> bytes:
         return hmac.new(self.hello, hello + challenge, hashlib.sha256).digest()
 
-    def frame(self, transcript: bytes, direction: bytes, seq: int) -> tuple[bytes, bytes]:
-        """The one-time Poly1305 keys of one frame: its header's, and its payload's."""
-        mac = self._frame.copy()
-        mac.update(transcript + direction + seq.to_bytes(8, "little"))
-        keys = mac.digest()
-        return keys[:32], keys[32:]
-
-    def cipher(self, transcript: bytes) -> AESGCM:
-        """The session's AES-256-GCM cipher (a key of its own per connection)."""
-        return AESGCM(hmac.new(self._root, transcript + b"/aead", hashlib.sha256).digest())
+    def session(self, transcript: bytes, purpose: bytes) -> AESGCM:
+        """A session's AES-256-GCM key for ``purpose`` (``/mac``: the tags, ``/aead``: the
+        encrypted payloads), its own per connection."""
+        return AESGCM(hmac.new(self._root, transcript + purpose, hashlib.sha256).digest())
 
 
 class Channel(Generic[M]):
@@ -192,14 +191,15 @@ class Channel(Generic[M]):
     ) -> None:
         self.sock = sock
         self.protocol = protocol
-        self._keys = _Keys(secret, protocol)
-        self._transcript = transcript
-        self._cipher = self._keys.cipher(transcript) if encrypt else None
+        keys = _Keys(secret, protocol)
+        self._mac = keys.session(transcript, b"/mac")
+        self._cipher = keys.session(transcript, b"/aead") if encrypt else None
         self._send_dir, self._recv_dir = (b"c", b"s") if client else (b"s", b"c")
         self._send_seq = 0
         self._recv_seq = 0
         self._poller: select.poll | None = None  # pending(): this socket's readiness
         self._sealed = ReusedBuffer()  # encrypted: the ciphertext sent
+        self._tag_read = bytearray(TAG_BYTES)  # plain: each payload piece's tag, as it arrives
         self._opened = ReusedBuffer()  # encrypted: the ciphertext received
 
     @property
@@ -228,11 +228,10 @@ class Channel(Generic[M]):
             if not wait and payload.nbytes > STREAM_CHUNK:
                 raise ValueError(f"a frame of {payload.nbytes} payload bytes cannot be sent without waiting")
             header = self.protocol.pack(kind, fields, payload.nbytes)
-            header_key, body_key = self._keys.frame(self._transcript, self._send_dir, self._send_seq)
-            parts += [memoryview(header), memoryview(Poly1305.generate_tag(header_key, header))]
             seq = self._send_seq
             self._send_seq += 1
-            total += len(header) + 2 * TAG_BYTES + payload.nbytes
+            parts += [memoryview(header), self._tag(self._send_dir, seq, _HEADER_TAG, header)]
+            total += frame_bytes(len(header), payload.nbytes, self.encrypted)
             if self._cipher is not None:
                 sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
                 self._cipher.encrypt_into(_aead_nonce(self._send_dir, seq), payload, header, sealed)
@@ -244,20 +243,13 @@ class Channel(Generic[M]):
                     sealed = memoryview(bytes(sealed))
                 parts.append(sealed)
             elif payload.nbytes <= STREAM_CHUNK:
-                mac = Poly1305(body_key)
-                mac.update(header)
-                mac.update(payload)
-                parts += [payload, memoryview(mac.finalize())]
-            else:  # stream: hash each chunk once the kernel has it, while the reader copies it out
-                _send_parts(self.sock, parts)
-                parts = []
-                mac = Poly1305(body_key)
-                mac.update(header)
-                for start in range(0, payload.nbytes, STREAM_CHUNK):
+                if payload.nbytes:
+                    parts += [payload, self._tag(self._send_dir, seq, 0, payload)]
+            else:  # stream: tag each piece once the kernel holds it, while the reader copies it out
+                for piece, start in enumerate(range(0, payload.nbytes, STREAM_CHUNK)):
                     chunk = payload[start : start + STREAM_CHUNK]
-                    self.sock.sendall(chunk)
-                    mac.update(chunk)
-                self.sock.sendall(mac.finalize())
+                    _send_parts(self.sock, [*parts, chunk])
+                    parts = [self._tag(self._send_dir, seq, piece, chunk)]  # leaves with what follows
         _send_parts(self.sock, parts, flags)
         return total
 
@@ -291,11 +283,8 @@ class Channel(Generic[M]):
         tagged = _recv_exactly(self.sock, size + TAG_BYTES, at_frame_start=True)  # every frame has both
         header = bytes(tagged[:size])
         check_prefix(header, self.protocol)
-        header_key, body_key = self._keys.frame(self._transcript, self._recv_dir, self._recv_seq)
-        try:
-            Poly1305.verify_tag(header_key, header, bytes(tagged[size:]))
-        except InvalidSignature:
-            raise self._refused() from None
+        seq = self._recv_seq
+        self._verify(seq, _HEADER_TAG, header, memoryview(tagged)[size:])
         values = self.protocol.header.unpack(header)
         kind, length, fields = values[_KIND], values[_LENGTH], values[_FIELDS:]
         if length > max_payload:
@@ -307,30 +296,49 @@ class Channel(Generic[M]):
         target = into(kind, fields, length) if into else None
         payload: Any = target if target is not None else bytearray(length)
         if self._cipher is None:
-            mac = Poly1305(body_key)
-            mac.update(header)
-            _recv_into(self.sock, memoryview(payload), length, mac=mac)  # hashed as it arrives
-            try:
-                mac.verify(bytes(_recv_exactly(self.sock, TAG_BYTES)))
-            except InvalidSignature:
-                raise self._refused() from None
+            view, tag = memoryview(payload).cast("B"), memoryview(self._tag_read)
+            if view.nbytes != length:
+                raise ValueError(f"a payload of {length} bytes cannot be read into {view.nbytes} bytes")
+            for piece, start in enumerate(range(0, length, STREAM_CHUNK)):  # each verified as it lands
+                chunk = view[start : start + STREAM_CHUNK]
+                _recv_into(self.sock, [chunk, tag])
+                self._verify(seq, piece, chunk, tag)
         else:
             sealed = self._opened.view(length + TAG_BYTES)
-            _recv_into(self.sock, sealed, length + TAG_BYTES)
+            _recv_into(self.sock, [sealed])
             try:
-                self._cipher.decrypt_into(
-                    _aead_nonce(self._recv_dir, self._recv_seq), sealed, header, payload
-                )
+                self._cipher.decrypt_into(_aead_nonce(self._recv_dir, seq), sealed, header, payload)
             except InvalidTag:
                 raise self._refused() from None
         self._recv_seq += 1
         return self.protocol.decode(kind, fields, payload)
+
+    def _tag(self, direction: bytes, seq: int, index: int, data: Payload) -> memoryview:
+        """The GMAC tag of ``data``: frame ``seq``'s header (``_HEADER_TAG``) or its piece ``index``."""
+        return memoryview(self._mac.encrypt(_tag_nonce(direction, seq, index), b"", data))
+
+    def _verify(self, seq: int, index: int, data: Payload, tag: memoryview) -> None:
+        try:
+            self._mac.decrypt(_tag_nonce(self._recv_dir, seq, index), tag, data)
+        except InvalidTag:
+            raise self._refused() from None
 
     def _refused(self) -> ProtocolError:
         return ProtocolError(
             f"{self.protocol.name} frame failed authentication (wrong secret or protocol, "
             "or a replayed, reordered or reflected frame)"
         )
+
+
+def frame_bytes(header_bytes: int, payload_bytes: int, encrypted: bool = False) -> int:
+    """The bytes a frame takes on the wire: header, its tag, payload and the payload's tags
+    (one per ``STREAM_CHUNK`` piece when plain, none for an empty one; one when encrypted)."""
+    tags = 1 if encrypted else -(-payload_bytes // STREAM_CHUNK)
+    return header_bytes + TAG_BYTES + payload_bytes + tags * TAG_BYTES
+
+
+def _tag_nonce(direction: bytes, seq: int, index: int) -> bytes:
+    return direction + seq.to_bytes(7, "little") + index.to_bytes(4, "little")
 
 
 def _aead_nonce(direction: bytes, seq: int) -> bytes:
@@ -481,27 +489,24 @@ def _send_parts(sock: socket.socket, parts: list[memoryview], flags: int = 0) ->
 
 def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False) -> bytearray:
     buffer = bytearray(count)
-    _recv_into(sock, memoryview(buffer), count, at_frame_start)
+    _recv_into(sock, [memoryview(buffer)], at_frame_start)
     return buffer
 
 
-def _recv_into(
-    sock: socket.socket,
-    view: memoryview,
-    count: int,
-    at_frame_start: bool = False,
-    mac: Poly1305 | None = None,
-) -> None:
-    """Fill ``view`` (``count`` bytes) from ``sock``; ``mac`` hashes each piece as it lands."""
-    if view.nbytes != count:
-        raise ValueError(f"a payload of {count} bytes cannot be read into {view.nbytes} bytes")
+def _recv_into(sock: socket.socket, views: list[memoryview], at_frame_start: bool = False) -> None:
+    """Fill ``views`` in order from ``sock``, in one ``recvmsg_into`` when the bytes are there."""
+    count = sum(v.nbytes for v in views)
+    views = [v for v in views if v.nbytes]
     received = 0
-    while received < count:
-        n = sock.recv_into(view[received:], count - received)
+    while views:
+        n = sock.recvmsg_into(views)[0] if len(views) > 1 else sock.recv_into(views[0])
         if n == 0:
             if received == 0 and at_frame_start:
                 raise ConnectionClosed("the peer closed the connection")
             raise ProtocolError(f"connection closed after {received} of {count} bytes (truncated frame)")
-        if mac is not None:
-            mac.update(view[received : received + n])
         received += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

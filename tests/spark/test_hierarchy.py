@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.net.framing import TAG_BYTES
+from sparkdl.net.framing import frame_bytes
 from sparkdl.ps.protocol import PS_WIRE
 from tests.reference import make_tiny_net
 from tests.spark.processes import run_drill
@@ -12,7 +12,7 @@ from tests.spark.processes import run_drill
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 MODEL_BYTES = 4 * sum(p.numel() for p in make_tiny_net().parameters())
-HEADER_ONLY = PS_WIRE.header.size + 2 * TAG_BYTES  # a frame without payload, on the wire
+HEADER_ONLY = frame_bytes(PS_WIRE.header.size, 0)  # a frame without payload, on the wire
 STEPS = 2 * 7  # 2 epochs of the largest partition's 56 rows in batches of 8
 
 

@@ -35,6 +35,7 @@ from sparkdl.net.framing import (
     WireProtocol,
     accept_hello,
     client_hello,
+    frame_bytes,
     member,
     server_challenge,
 )
@@ -271,7 +272,7 @@ def _large_frame_bytes(payload):
         channel = Channel(x, SECRET, ECHO, NONCE, client=True)
         sender = threading.Thread(target=channel.send, args=((EchoKind.DATA, (7, 8), payload),))
         sender.start()
-        size = ECHO.header.size + 2 * TAG_BYTES + len(payload)
+        size = frame_bytes(ECHO.header.size, len(payload))
         data = bytearray()
         while len(data) < size:
             data += y.recv(1 << 20)
@@ -279,29 +280,110 @@ def _large_frame_bytes(payload):
     return bytes(data)
 
 
-@pytest.mark.parametrize("flip", [None, "first piece", "middle piece", "last byte", "tag"])
+PIECE = STREAM_CHUNK + TAG_BYTES  # a full payload piece on the wire, with its tag
+
+
+def feeding(sock, data):
+    """A started thread that writes ``data`` to ``sock`` until the reader closes its end."""
+
+    def feed():
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # the reader refused the frame part way and closed its end
+
+    thread = threading.Thread(target=feed)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    "flip", [None, "first piece", "first piece's tag", "middle piece", "last byte", "last tag"]
+)
 def test_a_payload_streamed_in_pieces_round_trips_and_any_flipped_bit_fails(flip):
     payload = np.random.default_rng(0).integers(0, 256, 3 * STREAM_CHUNK + 5, dtype=np.uint8).tobytes()
     frame = bytearray(_large_frame_bytes(payload))
     start = ECHO.header.size + TAG_BYTES
+    assert len(frame) == start + 3 * PIECE + 5 + TAG_BYTES  # four pieces, each tagged
     if flip is not None:
         index = {
             "first piece": start + 10,
-            "middle piece": start + STREAM_CHUNK + STREAM_CHUNK // 2,
-            "last byte": start + len(payload) - 1,
-            "tag": len(frame) - 1,
+            "first piece's tag": start + STREAM_CHUNK + 3,
+            "middle piece": start + PIECE + STREAM_CHUNK // 2,
+            "last byte": len(frame) - TAG_BYTES - 1,
+            "last tag": len(frame) - 1,
         }[flip]
         frame[index] ^= 1
     a, b, _, server = pair()
     with a, b:
-        feeder = threading.Thread(target=a.sendall, args=(bytes(frame),))
-        feeder.start()
+        feeder = feeding(a, bytes(frame))
         if flip is None:
             assert server.recv(len(payload)) == (EchoKind.DATA, (7, 8), payload)
         else:
             with pytest.raises(ProtocolError, match="authentication"):
                 server.recv(len(payload))
+            b.close()  # as the server does: the rest of the frame is never read
         feeder.join(5)
+
+
+@pytest.mark.parametrize("move", ["swapped", "repeated", "dropped"])
+def test_payload_pieces_moved_within_a_frame_fail_even_with_their_own_tags(move):
+    """Each piece's tag binds its place in the frame: two pieces swapped, one sent twice
+    or one left out never verify."""
+    payload = np.random.default_rng(1).integers(0, 256, 3 * STREAM_CHUNK, dtype=np.uint8).tobytes()
+    frame = _large_frame_bytes(payload)
+    start = ECHO.header.size + TAG_BYTES
+    head, pieces = frame[:start], [frame[start + i * PIECE : start + (i + 1) * PIECE] for i in range(3)]
+    body = {
+        "swapped": [pieces[1], pieces[0], pieces[2]],
+        "repeated": [pieces[0], pieces[0], pieces[2]],
+        "dropped": [pieces[0], pieces[2]],
+    }[move]
+    a, b, _, server = pair()
+    with a, b:
+        feeder = feeding(a, head + b"".join(body))
+        with pytest.raises(ProtocolError, match="authentication"):  # dropped: the third's tag, second place
+            server.recv(len(payload))
+        b.close()
+        feeder.join(5)
+
+
+def _wire_of(payload, encrypt):
+    """Every byte a client channel puts on the wire for one frame of ``payload``."""
+    x, y = socket.socketpair()
+    with x, y:
+        channel = Channel(x, SECRET, ECHO, NONCE, client=True, encrypt=encrypt)
+
+        def send():
+            channel.send((EchoKind.DATA, (1, 2), payload))
+            x.shutdown(socket.SHUT_WR)  # then the reader sees the end
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        y.settimeout(5)
+        wire = bytearray()
+        while chunk := y.recv(1 << 20):
+            wire += chunk
+        sender.join(5)
+        return bytes(wire)
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_each_frame_takes_the_bytes_frame_bytes_says_and_an_empty_plain_payload_has_no_tag(encrypt):
+    assert frame_bytes(ECHO.header.size, 0, encrypt) == ECHO.header.size + TAG_BYTES * (2 if encrypt else 1)
+    for n in [0, 1, STREAM_CHUNK, STREAM_CHUNK + 1, 2 * STREAM_CHUNK + 7]:
+        payload = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+        wire = _wire_of(payload, encrypt)
+        tags = 1 if encrypt else -(-n // STREAM_CHUNK)
+        assert len(wire) == frame_bytes(ECHO.header.size, n, encrypt)
+        assert len(wire) == ECHO.header.size + n + (1 + tags) * TAG_BYTES
+        a, b = socket.socketpair()
+        with a, b:
+            b.settimeout(5)
+            server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=encrypt)
+            feeder = feeding(a, wire)
+            assert server.recv(len(payload))[2] == payload
+            feeder.join(5)
 
 
 def test_a_replayed_frame_fails():
@@ -667,7 +749,7 @@ def test_frames_sent_together_arrive_in_order_whatever_their_sizes(encrypt):
         sent = client.send_many(frames)
         reader.join(10)
         assert got == frames
-        assert sent == sum(ECHO.header.size + 2 * TAG_BYTES + n for n in sizes)
+        assert sent == sum(frame_bytes(ECHO.header.size, n, encrypt) for n in sizes)
         client.send((EchoKind.DATA, (9, 9), b"after"))  # the sequence numbers stayed in step
         assert server.recv(1024)[2] == b"after"
 

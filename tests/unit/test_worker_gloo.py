@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparkdl.config import SparkDLConfig
-from sparkdl.net.framing import TAG_BYTES
+from sparkdl.net.framing import frame_bytes
 from sparkdl.ps.protocol import PS_WIRE
 from sparkdl.runtime.ps_host import host_parameter_server
 from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
@@ -460,8 +460,8 @@ def test_a_hierarchy_gives_the_flat_answer_and_sends_one_model_per_host_across(t
     if settings["strategy"] == "parameter_server":
         # each leader pushes the host's sum to the driver: per step one model in a PUSH frame and a
         # PULL frame (one shard), after the first pull's frame
-        frame = PS_WIRE.header.size + 2 * TAG_BYTES
-        assert across[0] == across[1] == frame + steps * (MODEL_BYTES + 2 * frame)
+        pull, push = frame_bytes(PS_WIRE.header.size, 0), frame_bytes(PS_WIRE.header.size, MODEL_BYTES)
+        assert across[0] == across[1] == pull + steps * (push + pull)
     else:  # the leaders' ring of two: each sends one model's worth per sync
         assert across[0] == across[1] == steps * MODEL_BYTES
 
