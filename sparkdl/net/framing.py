@@ -37,7 +37,7 @@ hashing waits for the whole payload; an empty payload carries no tag. With ``enc
 the payload is AES-256-GCM ciphertext under a second per-connection key
 (``HMAC-SHA256(frame key, transcript | "/aead")``), the nonce being direction and
 sequence, the header as associated data. A small frame leaves in one ``sendmsg`` (the
-plaintext payload uncopied) and is read with ``recv_into``.
+plaintext payload uncopied); a piece and its tag are read with one ``recvmsg_into``.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ _LENGTH = 4  # index of the payload length
 _FIELDS = 5  # the protocol's fields start here
 #: A plaintext payload is tagged in pieces of this size; a larger one is sent piece by piece,
 #: each tagged once the kernel holds it, so the sender's hashing overlaps the reader's
-#: copying and hashing.
+#: copying and hashing. Part of the wire format: a change needs a new ``VERSION``.
 STREAM_CHUNK = 1 << 18
 _HEADER_TAG = 0xFFFFFFFF  # the nonce's index of a header's tag (a payload piece's is its index)
+MAX_FRAME_PAYLOAD = _HEADER_TAG * STREAM_CHUNK  # pieces 0 .. _HEADER_TAG - 1 (about 1 PiB)
 MAX_POLL_MS = (1 << 31) - 1  # poll()'s longest wait (about 24.8 days)
 
 
@@ -220,14 +221,17 @@ class Channel(Generic[M]):
         on a blocking socket (one with a timeout waits that out first).
         """
         flags = 0 if wait else socket.MSG_DONTWAIT
-        parts: list[memoryview] = []
-        total = 0
-        for index, message in enumerate(messages):
+        frames = []  # every frame encoded and checked before any takes a sequence number
+        for message in messages:
             kind, fields, data = self.protocol.encode(message)
             payload = memoryview(data).cast("B")
             if not wait and payload.nbytes > STREAM_CHUNK:
                 raise ValueError(f"a frame of {payload.nbytes} payload bytes cannot be sent without waiting")
-            header = self.protocol.pack(kind, fields, payload.nbytes)
+            _check_length(payload.nbytes)
+            frames.append((self.protocol.pack(kind, fields, payload.nbytes), payload))
+        parts: list[memoryview] = []
+        total = 0
+        for index, (header, payload) in enumerate(frames):
             seq = self._send_seq
             self._send_seq += 1
             parts += [memoryview(header), self._tag(self._send_dir, seq, _HEADER_TAG, header)]
@@ -235,7 +239,7 @@ class Channel(Generic[M]):
             if self._cipher is not None:
                 sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
                 self._cipher.encrypt_into(_aead_nonce(self._send_dir, seq), payload, header, sealed)
-                if index + 1 < len(messages):  # the next frame reuses the buffer: send or copy
+                if index + 1 < len(frames):  # the next frame reuses the buffer: send or copy
                     if payload.nbytes > STREAM_CHUNK:
                         _send_parts(self.sock, [*parts, sealed])
                         parts = []
@@ -287,6 +291,7 @@ class Channel(Generic[M]):
         self._verify(seq, _HEADER_TAG, header, memoryview(tagged)[size:])
         values = self.protocol.header.unpack(header)
         kind, length, fields = values[_KIND], values[_LENGTH], values[_FIELDS:]
+        _check_length(length)
         if length > max_payload:
             hint = f"; {self.protocol.oversize_hint}" if self.protocol.oversize_hint else ""
             raise ProtocolError(
@@ -295,10 +300,11 @@ class Channel(Generic[M]):
             )
         target = into(kind, fields, length) if into else None
         payload: Any = target if target is not None else bytearray(length)
+        view = memoryview(payload).cast("B")  # the placement's memory, whatever its element type
+        if view.nbytes != length:
+            raise ValueError(f"a payload of {length} bytes cannot be read into {view.nbytes} bytes")
         if self._cipher is None:
-            view, tag = memoryview(payload).cast("B"), memoryview(self._tag_read)
-            if view.nbytes != length:
-                raise ValueError(f"a payload of {length} bytes cannot be read into {view.nbytes} bytes")
+            tag = memoryview(self._tag_read)
             for piece, start in enumerate(range(0, length, STREAM_CHUNK)):  # each verified as it lands
                 chunk = view[start : start + STREAM_CHUNK]
                 _recv_into(self.sock, [chunk, tag])
@@ -307,7 +313,7 @@ class Channel(Generic[M]):
             sealed = self._opened.view(length + TAG_BYTES)
             _recv_into(self.sock, [sealed])
             try:
-                self._cipher.decrypt_into(_aead_nonce(self._recv_dir, seq), sealed, header, payload)
+                self._cipher.decrypt_into(_aead_nonce(self._recv_dir, seq), sealed, header, view)
             except InvalidTag:
                 raise self._refused() from None
         self._recv_seq += 1
@@ -338,7 +344,18 @@ def frame_bytes(header_bytes: int, payload_bytes: int, encrypted: bool = False) 
 
 
 def _tag_nonce(direction: bytes, seq: int, index: int) -> bytes:
+    """A tag's nonce: unique per connection key while ``seq`` < 2**56 (past it, to_bytes
+    raises) and a piece's index stays under ``_HEADER_TAG`` (:func:`_check_length`)."""
     return direction + seq.to_bytes(7, "little") + index.to_bytes(4, "little")
+
+
+def _check_length(length: int) -> None:
+    """Refuse a payload with a piece whose index would be the header's (about 1 PiB): its
+    tag's nonce would repeat the header's."""
+    if length > MAX_FRAME_PAYLOAD:
+        raise ProtocolError(
+            f"a frame of {length} payload bytes: the framing carries at most {MAX_FRAME_PAYLOAD}"
+        )
 
 
 def _aead_nonce(direction: bytes, seq: int) -> bytes:
@@ -503,7 +520,9 @@ def _recv_into(sock: socket.socket, views: list[memoryview], at_frame_start: boo
         if n == 0:
             if received == 0 and at_frame_start:
                 raise ConnectionClosed("the peer closed the connection")
-            raise ProtocolError(f"connection closed after {received} of {count} bytes (truncated frame)")
+            raise ProtocolError(
+                f"connection closed after {received} of the {count} bytes expected next (truncated frame)"
+            )
         received += n
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import sparkdl.net.framing as framing
 import sparkdl.net.listener as listener_module
 from sparkdl.errors import (
     CheckpointError,
@@ -384,6 +385,72 @@ def test_each_frame_takes_the_bytes_frame_bytes_says_and_an_empty_plain_payload_
             feeder = feeding(a, wire)
             assert server.recv(len(payload))[2] == payload
             feeder.join(5)
+
+
+class Refusing(Echo):
+    """The echo protocol, refusing to encode a message whose first field is 666."""
+
+    def encode(self, message):
+        if message[1][0] == 666:
+            raise ValueError("not encodable")
+        return message
+
+
+@pytest.mark.parametrize(
+    ("batch", "wait"),
+    [
+        ([(EchoKind.DATA, (1, 0), b"s" * (2 * STREAM_CHUNK + 3)), (EchoKind.DATA, (666, 0), b"")], True),
+        ([(EchoKind.DATA, (1, 0), b"small"), (EchoKind.DATA, (2, 0), b"L" * (STREAM_CHUNK + 1))], False),
+    ],
+    ids=["a message that does not encode", "a large frame without waiting"],
+)
+def test_a_batch_refused_by_send_many_sends_nothing_and_spends_no_sequence_number(batch, wait):
+    """Every frame of a batch is encoded and checked before any is sent: a refusal leaves
+    neither half a frame on the wire nor a gap in the sequence numbers."""
+    protocol = Refusing("test-echo", ident=9, fields="IQ", hello_kind=EchoKind.HELLO)
+    a, b, client, server = pair(protocol)
+    with a, b:
+        with pytest.raises(ValueError):
+            client.send_many(batch, wait=wait)
+        assert not server.pending(0.2)  # nothing of the batch left
+        client.send((EchoKind.DATA, (7, 7), b"next"))
+        assert server.recv(1024) == (EchoKind.DATA, (7, 7), b"next")  # the sequence stayed in step
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_payload_lands_in_a_placement_of_any_element_type(encrypt):
+    values = np.arange(3 * STREAM_CHUNK // 4 + 3, dtype=np.float32)  # pieces that split floats
+    target = np.zeros_like(values)
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(10)
+        b.settimeout(10)
+        client = Channel(a, SECRET, ECHO, NONCE, client=True, encrypt=encrypt)
+        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=encrypt)
+        sender = threading.Thread(target=client.send, args=((EchoKind.DATA, (1, 2), values.data),))
+        sender.start()
+        server.recv(values.nbytes, into=lambda kind, fields, length: memoryview(target))
+        sender.join(10)
+    assert np.array_equal(target, values)
+
+
+def test_a_payload_whose_piece_would_repeat_the_headers_nonce_is_refused_both_ways(monkeypatch):
+    """The last piece index a payload may reach is just under the header's (about 1 PiB of
+    payload); the bound, lowered here to 100 bytes, holds on both ends."""
+    a, b, client, server = pair()
+    with a, b:
+        client.send((EchoKind.DATA, (1, 0), b"x" * 101))  # sent under the real bound
+        monkeypatch.setattr(framing, "MAX_FRAME_PAYLOAD", 100)
+        placed = []
+        with pytest.raises(ProtocolError, match="carries at most 100"):
+            server.recv(1 << 20, into=lambda *frame: placed.append(frame))
+        assert placed == []  # refused before any placement
+    a, b, client, server = pair()
+    with a, b:
+        with pytest.raises(ProtocolError, match="carries at most 100"):
+            client.send((EchoKind.DATA, (2, 0), b"y" * 101))
+        client.send((EchoKind.DATA, (3, 0), b"z" * 100))
+        assert server.recv(1024)[2] == b"z" * 100  # the refused frame spent no sequence number
 
 
 def test_a_replayed_frame_fails():
