@@ -435,7 +435,7 @@ def test_a_payload_lands_in_a_placement_of_any_element_type(encrypt):
 
 
 def test_a_payload_whose_piece_would_repeat_the_headers_nonce_is_refused_both_ways(monkeypatch):
-    """The last piece index a payload may reach is just under the header's (about 1 PiB of
+    """The last piece index a payload may reach is just under the header's (about 4 PiB of
     payload); the bound, lowered here to 100 bytes, holds on both ends."""
     a, b, client, server = pair()
     with a, b:
