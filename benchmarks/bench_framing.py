@@ -20,6 +20,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import save_report  # noqa: E402
+from common import echo, save_report  # noqa: E402
 
 from sparkdl.errors import ProtocolError  # noqa: E402
 from sparkdl.net import framing  # noqa: E402
@@ -43,24 +44,12 @@ def bare_bytes(size: int) -> int:
 def _echo_server(ready, secret: bytes, size: int, encrypt: bool) -> None:
     """Two connections, one after the other in the client's order: bare, then framed. Each
     is served on its own process thread until the client closes it."""
-    import threading
-
     listener = socket.create_server(("127.0.0.1", 0))
     ready.put(listener.getsockname()[1])
-    echoed = bare_bytes(size)
-    buffer, into = bytearray(echoed), bytearray(size)
+    into = bytearray(size)
 
     def bare(conn: socket.socket) -> None:
-        with conn:
-            view = memoryview(buffer)
-            while True:
-                got = 0
-                while got < echoed:
-                    n = conn.recv_into(view[got:], echoed - got)
-                    if n == 0:
-                        return
-                    got += n
-                conn.sendall(buffer)
+        echo(conn, bare_bytes(size))
 
     def framed(conn: socket.socket) -> None:
         with conn:

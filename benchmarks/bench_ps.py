@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import save_report  # noqa: E402
+from common import echo, save_report  # noqa: E402
 
 from sparkdl.config import PsMode  # noqa: E402
 from sparkdl.ps.client import PsClient  # noqa: E402
@@ -177,17 +177,7 @@ def _flood(port: int, count: int, stop) -> None:
 
 def _echo_server(listener: socket.socket, size: int) -> None:
     """Send back every ``size`` bytes received, until the client closes the connection."""
-    conn, _ = listener.accept()
-    buffer = bytearray(size)
-    with conn:
-        while True:
-            view, got = memoryview(buffer), 0
-            while got < size:
-                n = conn.recv_into(view[got:], size - got)
-                if n == 0:
-                    return
-                got += n
-            conn.sendall(buffer)
+    echo(listener.accept()[0], size)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,3 +57,19 @@ def make_model() -> nn.Module:
 
 def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def echo(conn: socket.socket, size: int) -> None:
+    """Send back every ``size`` bytes received on ``conn``, until the peer closes it (a bare
+    socket's round trip, for the transport benchmarks to compare against)."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    with conn:
+        while True:
+            got = 0
+            while got < size:
+                n = conn.recv_into(view[got:], size - got)
+                if n == 0:
+                    return
+                got += n
+            conn.sendall(buffer)

@@ -79,13 +79,13 @@ class Echo(WireProtocol[tuple[int, tuple[int, ...], bytes]]):
 ECHO = Echo("test-echo", ident=9, fields="IQ", hello_kind=EchoKind.HELLO)
 
 
-def pair(protocol=ECHO, client_protocol=None):
+def pair(protocol=ECHO, client_protocol=None, encrypt=False):
     """Two connected sockets and a client and server channel on them (no HELLO)."""
     a, b = socket.socketpair()
     a.settimeout(5)
     b.settimeout(5)
-    client = Channel(a, SECRET, client_protocol or protocol, NONCE, client=True)
-    server = Channel(b, SECRET, protocol, NONCE, client=False)
+    client = Channel(a, SECRET, client_protocol or protocol, NONCE, client=True, encrypt=encrypt)
+    server = Channel(b, SECRET, protocol, NONCE, client=False, encrypt=encrypt)
     return a, b, client, server
 
 
@@ -421,12 +421,8 @@ def test_a_batch_refused_by_send_many_sends_nothing_and_spends_no_sequence_numbe
 def test_a_payload_lands_in_a_placement_of_any_element_type(encrypt):
     values = np.arange(3 * STREAM_CHUNK // 4 + 3, dtype=np.float32)  # pieces that split floats
     target = np.zeros_like(values)
-    a, b = socket.socketpair()
+    a, b, client, server = pair(encrypt=encrypt)
     with a, b:
-        a.settimeout(10)
-        b.settimeout(10)
-        client = Channel(a, SECRET, ECHO, NONCE, client=True, encrypt=encrypt)
-        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=encrypt)
         sender = threading.Thread(target=client.send, args=((EchoKind.DATA, (1, 2), values.data),))
         sender.start()
         server.recv(values.nbytes, into=lambda kind, fields, length: memoryview(target))
@@ -801,12 +797,8 @@ def test_the_heartbeat_interval_must_be_positive(heartbeat_s):
 def test_frames_sent_together_arrive_in_order_whatever_their_sizes(encrypt):
     """send_many: small frames share a sendmsg, a streamed one goes alone, anywhere in the
     batch; encrypted frames copy their ciphertext when another frame follows."""
-    a, b = socket.socketpair()
+    a, b, client, server = pair(encrypt=encrypt)
     with a, b:
-        a.settimeout(10)
-        b.settimeout(10)
-        client = Channel(a, SECRET, ECHO, NONCE, client=True, encrypt=encrypt)
-        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=encrypt)
         rng = np.random.default_rng(0)
         sizes = [0, 100, STREAM_CHUNK + 1, 5, 3 * STREAM_CHUNK, 0]
         frames = [(EchoKind.DATA, (i, n), rng.bytes(n)) for i, n in enumerate(sizes)]
