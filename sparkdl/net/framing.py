@@ -204,7 +204,7 @@ class Channel(Generic[M]):
         self._recv_seq = 0
         self._poller: select.poll | None = None  # pending(): this socket's readiness
         self._sealed = ReusedBuffer()  # encrypted: the ciphertext sent
-        self._tag_read = bytearray(TAG_BYTES)  # plain: each payload piece's tag, as it arrives
+        self._tag_read = memoryview(bytearray(TAG_BYTES))  # plain: each payload piece's tag, as it arrives
         self._opened = ReusedBuffer()  # encrypted: the ciphertext received
 
     @property
@@ -238,7 +238,7 @@ class Channel(Generic[M]):
         for index, (header, payload) in enumerate(frames):
             seq = self._send_seq
             self._send_seq += 1
-            parts += [memoryview(header), self._tag(self._send_dir, seq, _HEADER_TAG, header)]
+            parts += [memoryview(header), self._tag(seq, _HEADER_TAG, header)]
             total += frame_bytes(len(header), payload.nbytes, self.encrypted)
             if self._cipher is not None:
                 sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
@@ -252,12 +252,12 @@ class Channel(Generic[M]):
                 parts.append(sealed)
             elif payload.nbytes <= STREAM_CHUNK:
                 if payload.nbytes:
-                    parts += [payload, self._tag(self._send_dir, seq, 0, payload)]
+                    parts += [payload, self._tag(seq, 0, payload)]
             else:  # stream: tag each piece once the kernel holds it, while the reader copies it out
                 for piece, start in enumerate(range(0, payload.nbytes, STREAM_CHUNK)):
                     chunk = payload[start : start + STREAM_CHUNK]
                     _send_parts(self.sock, [*parts, chunk])
-                    parts = [self._tag(self._send_dir, seq, piece, chunk)]  # leaves with what follows
+                    parts = [self._tag(seq, piece, chunk)]  # leaves with what follows
         _send_parts(self.sock, parts, flags)
         return total
 
@@ -308,11 +308,10 @@ class Channel(Generic[M]):
         if view.nbytes != length:
             raise ValueError(f"a payload of {length} bytes cannot be read into {view.nbytes} bytes")
         if self._cipher is None:
-            tag = memoryview(self._tag_read)
             for piece, start in enumerate(range(0, length, STREAM_CHUNK)):  # each verified as it lands
                 chunk = view[start : start + STREAM_CHUNK]
-                _recv_into(self.sock, [chunk, tag])
-                self._verify(seq, piece, chunk, tag)
+                _recv_into(self.sock, [chunk, self._tag_read])
+                self._verify(seq, piece, chunk, self._tag_read)
         else:
             sealed = self._opened.view(length + TAG_BYTES)
             _recv_into(self.sock, [sealed])
@@ -323,9 +322,10 @@ class Channel(Generic[M]):
         self._recv_seq += 1
         return self.protocol.decode(kind, fields, payload)
 
-    def _tag(self, direction: bytes, seq: int, index: int, data: Payload) -> memoryview:
-        """The GMAC tag of ``data``: frame ``seq``'s header (``_HEADER_TAG``) or its piece ``index``."""
-        return memoryview(self._mac.encrypt(_tag_nonce(direction, seq, index), b"", data))
+    def _tag(self, seq: int, index: int, data: Payload) -> memoryview:
+        """The GMAC tag of ``data`` sent as frame ``seq``'s header (``_HEADER_TAG``) or its
+        piece ``index``."""
+        return memoryview(self._mac.encrypt(_tag_nonce(self._send_dir, seq, index), b"", data))
 
     def _verify(self, seq: int, index: int, data: Payload, tag: memoryview) -> None:
         try:
@@ -500,12 +500,15 @@ def _send_parts(sock: socket.socket, parts: list[memoryview], flags: int = 0) ->
     """Send a frame's parts in one ``sendmsg`` (more only if the kernel takes part)."""
     parts = [p for p in parts if p.nbytes]
     while parts:
-        sent = sock.sendmsg(parts, (), flags)
-        while parts and sent >= parts[0].nbytes:
-            sent -= parts[0].nbytes
-            parts.pop(0)
-        if parts and sent:
-            parts[0] = parts[0][sent:]
+        _consume(parts, sock.sendmsg(parts, (), flags))
+
+
+def _consume(views: list[memoryview], count: int) -> None:
+    """Drop the first ``count`` bytes of ``views`` (sent or filled), in place."""
+    while views and count >= views[0].nbytes:
+        count -= views.pop(0).nbytes
+    if views and count:
+        views[0] = views[0][count:]
 
 
 def _recv_exactly(sock: socket.socket, count: int, at_frame_start: bool = False) -> bytearray:
@@ -528,8 +531,4 @@ def _recv_into(sock: socket.socket, views: list[memoryview], at_frame_start: boo
                 f"connection closed after {received} of the {count} bytes expected next (truncated frame)"
             )
         received += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _consume(views, n)

@@ -236,7 +236,7 @@ class ShardStore:
     def pull_timeout(self, rank: int, clock: int, timeout_s: float) -> PsTimeoutError:
         """The error of a pull of ``clock`` that waited ``timeout_s`` in vain: whom it waited for."""
         with self._cond:
-            clock_needed = self._start_clock + max(clock - self._start_clock - self.staleness, 0)
+            clock_needed = self._start_clock + self._clocks_needed(clock)
             behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
             at = [self._next_clock[r] for r in behind]
         return PsTimeoutError(
@@ -247,7 +247,11 @@ class ShardStore:
 
     def _needed(self, clock: int) -> int:
         """The version a pull of ``clock`` waits for."""
-        return self._base_version + max(clock - self._start_clock - self.staleness, 0)
+        return self._base_version + self._clocks_needed(clock)
+
+    def _clocks_needed(self, clock: int) -> int:
+        """How many clocks of this attempt a pull of ``clock`` waits to see applied."""
+        return max(clock - self._start_clock - self.staleness, 0)
 
     def _ready(self, rank: int, clock: int) -> bool:
         """Whether a pull of ``clock`` is answered now (under the lock); raises once the
