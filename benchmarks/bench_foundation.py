@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -117,28 +118,39 @@ def timed_rows(action) -> float:
 
 def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
     """Best and median rows/s of each way to get the rows into Python, interleaved."""
-    memory = SparkDLConfig().data.cache_memory_mb << 20  # the epoch cache as fit's workers keep it
+    data = SparkDLConfig().data  # the epoch cache as fit's workers keep it
     options = FeedOptions(
-        batch_size=128, shuffle=True, seed=0, rank=0, prefetch_batches=4, cache_memory_bytes=memory
+        batch_size=128,
+        shuffle=True,
+        seed=0,
+        rank=0,
+        prefetch_batches=4,
+        cache_memory_bytes=data.cache_memory_mb << 20,
+        cache_memory_keep_s=data.cache_memory_keep_s,
     )
+    # the same feed with cache_memory_keep_s = 0: every pass caches in fresh pages
+    fresh = dataclasses.replace(options, cache_memory_keep_s=0.0)
     actions = {
         "toPandas": lambda: len(df.toPandas()),
         "bare_mapInArrow": lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()),
         "sparkdl_feed": lambda: sum(
             r[0] for r in df.mapInArrow(functools.partial(feed_rows, options), COUNT_SCHEMA).collect()
         ),
+        "sparkdl_feed_fresh_pages": lambda: sum(
+            r[0] for r in df.mapInArrow(functools.partial(feed_rows, fresh), COUNT_SCHEMA).collect()
+        ),
     }
     for action in actions.values():  # warm up Python workers and the JIT-compiled JVM paths
         action()
     runs: dict[str, list[float]] = {name: [] for name in actions}
-    # The two mapInArrow passes alternate, each first in turn. toPandas runs after them, on
+    # The mapInArrow passes take turns, in a rotating order. toPandas runs after them, on
     # its own: it builds and frees over a GB in the driver's process, and in this VM every
     # pass after it then paid for touching fresh memory again (measured: the feed's kernel
     # time per task 0.07 s before it, 0.27-0.32 s after it, with the cache on tmpfs too),
     # which said more about toPandas than about the pass that followed it.
-    passes = ["bare_mapInArrow", "sparkdl_feed"]
+    passes = ["bare_mapInArrow", "sparkdl_feed", "sparkdl_feed_fresh_pages"]
     for repeat in range(repeats):
-        for name in passes if repeat % 2 == 0 else passes[::-1]:
+        for name in passes[repeat % 3 :] + passes[: repeat % 3]:
             runs[name].append(timed_rows(actions[name]))
     for _ in range(repeats):
         runs["toPandas"].append(timed_rows(actions["toPandas"]))
@@ -155,6 +167,7 @@ def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
         "feed_vs_toPandas": median["sparkdl_feed"] / median["toPandas"],
         "feed_vs_toPandas_without_arrow": median["sparkdl_feed"] / median["toPandas_without_arrow"],
         "feed_vs_bare_mapInArrow": median["sparkdl_feed"] / median["bare_mapInArrow"],
+        "feed_fresh_pages_vs_bare_mapInArrow": median["sparkdl_feed_fresh_pages"] / median["bare_mapInArrow"],
     }
 
 

@@ -277,6 +277,16 @@ class DataConfig:
             bound=">= 0",
         ),
     )
+    cache_memory_keep_s: float = field(
+        default=60.0,
+        metadata=about(
+            "Seconds a Python worker keeps the pages of its closed in-memory cache for the next "
+            "fit's to reuse (Spark reuses Python workers task after task; the kernel zeroes fresh "
+            "pages, 0.8 s of system time a GB on the benchmarks' VM). The worker holds at most 4x "
+            "cache_memory_mb meanwhile. 0 = hand them back when the cache closes.",
+            bound=">= 0",
+        ),
+    )
     prefetch_batches: int = field(
         default=4,
         metadata=about(

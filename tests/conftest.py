@@ -67,6 +67,11 @@ def no_leaked_process_group_threads_or_environment() -> Iterator[None]:
     before = dict(os.environ)
     yield
     assert not (dist.is_available() and dist.is_initialized()), "test leaked a process group"
+    # a worker run in this process leaves its epoch cache's memory to the next one, watched by
+    # the pool's releaser thread (by design: data.cache_memory_keep_s); hand it back first
+    from sparkdl.data.pool import shared_pool
+
+    shared_pool().clear()
     leaked = [t.name for t in threading.enumerate() if t.name.startswith("sparkdl-") and t.is_alive()]
     assert not leaked, f"test leaked threads: {leaked}"
     after = dict(os.environ)

@@ -10,12 +10,14 @@ over rows. Pure numpy: no torch, no Spark.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 RowIndex = slice | np.ndarray
+# (shape, dtype) -> an uninitialised array to write a result into (e.g. pooled memory)
+Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 @dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
@@ -71,9 +73,9 @@ class Ragged:
         return Ragged(self.values[first:last], self.offsets - first)
 
     @staticmethod
-    def concat(parts: Sequence[Ragged]) -> Ragged:
+    def concat(parts: Sequence[Ragged], allocate: Allocate | None = None) -> Ragged:
         compacted = [p.compact() for p in parts]
-        values = np.concatenate([p.values for p in compacted])
+        values = _concat([p.values for p in compacted], allocate)
         lengths = np.concatenate([p.lengths for p in compacted])
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -107,10 +109,18 @@ def take_rows(column: Column, index: RowIndex) -> Column:
     return column.rows(index) if isinstance(column, Ragged) else column[index]
 
 
-def concat_rows(parts: Sequence[Column]) -> Column:
+def concat_rows(parts: Sequence[Column], allocate: Allocate | None = None) -> Column:
+    """The rows of ``parts`` one after another; ``allocate`` provides the joined values."""
     if isinstance(parts[0], Ragged):
-        return Ragged.concat(parts)  # type: ignore[arg-type]
-    return np.concatenate(parts)  # type: ignore[arg-type]
+        return Ragged.concat(parts, allocate)  # type: ignore[arg-type]
+    return _concat(parts, allocate)  # type: ignore[arg-type]
+
+
+def _concat(arrays: Sequence[np.ndarray], allocate: Allocate | None) -> np.ndarray:
+    if allocate is None:
+        return np.concatenate(arrays)
+    out = allocate((sum(len(a) for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+    return np.concatenate(arrays, out=out)
 
 
 @dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap

@@ -1,9 +1,10 @@
 """A per-worker local cache of one partition, so epochs 2+ never re-run the Spark query.
 
 A partition within ``data.cache_memory_mb`` stays in memory (epoch 1 keeps the decoded
-chunks, joined into one array per column at the first replay); a larger one is appended
-chunk by chunk to files on the executor's local disk and memory-mapped afterwards. A
-replayed batch is a slice (in order) or one gather (shuffled): no copy through Spark.
+chunks, joined into one array per column at the first replay), in buffers the Python worker
+reuses from one fit to the next (:mod:`sparkdl.data.pool`); a larger one is appended chunk
+by chunk to files on the executor's local disk and memory-mapped afterwards. A replayed
+batch is a slice (in order) or one gather (shuffled): no copy through Spark.
 
 Two forms, one interface:
 
@@ -26,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl.data.blocks import Block, Column, Ragged, concat_rows, values_of
+from sparkdl.data.pool import BufferPool
 
 
 class EpochCache(Protocol):
@@ -89,22 +91,26 @@ class _ColumnFile:
 class BlockCache:
     """Write-once, read-many store of one worker's decoded rows.
 
-    A partition of at most ``memory_bytes`` stays in memory: epoch 1 keeps each decoded
-    chunk (views of Spark's Arrow buffers are kept as they are, read-only: no copy while the
-    stream competes with Spark for the CPU; other arrays as read-only copies), and the first
-    replay joins them into one array per column. The first chunk past ``memory_bytes``
-    spills every chunk to files on local disk, replayed memory-mapped. Either way a replayed
-    batch is a slice or a gather of read-only rows.
+    A partition of at most ``memory_bytes`` stays in memory: epoch 1 keeps a read-only copy
+    of each decoded chunk, and the first replay joins them into one array per column. With a
+    ``pool``, the copies and the joined columns live in its buffers, given back when the cache
+    closes (the next cache gets pages already mapped); without one, views of Spark's Arrow
+    buffers are kept as they are, uncopied. The first chunk past ``memory_bytes`` spills
+    every chunk to files on local disk, replayed memory-mapped. Either way a replayed batch
+    is a slice or a gather of read-only rows.
 
     Args:
         parent: directory to create the cache files in (an executor local dir); "" for the
             system temporary directory.
         memory_bytes: the most decoded bytes kept in memory; 0 = always on disk.
+        pool: where the in-memory rows live, or None for fresh memory.
     """
 
-    def __init__(self, parent: str = "", memory_bytes: int = 0) -> None:
+    def __init__(self, parent: str = "", memory_bytes: int = 0, pool: BufferPool | None = None) -> None:
         self._parent = parent
         self._memory_bytes = memory_bytes
+        self._pool = pool
+        self._buffers: list[np.ndarray] = []  # taken from the pool, given back when unread
         self._dir: Path | None = None
         self._files: dict[str, _ColumnFile] = {}
         self._held: list[dict[str, Column]] = []  # in memory until the first spill
@@ -136,7 +142,7 @@ class BlockCache:
         self._rows += len(block)
         size = sum(_nbytes(c) for c in columns.values())
         if self.in_memory and self._held_bytes + size <= self._memory_bytes:
-            self._held.append({key: _kept(column) for key, column in columns.items()})
+            self._held.append({key: self._keep(column) for key, column in columns.items()})
             self._held_bytes += size
             return
         if self.in_memory:  # the partition is larger than memory_bytes: everything to disk
@@ -162,10 +168,14 @@ class BlockCache:
     def _spill_held(self, first: dict[str, Column]) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="sparkdl-cache-", dir=self._parent or None))
         self._files = {key: _ColumnFile(self._dir, i, c) for i, (key, c) in enumerate(first.items())}
-        for columns in self._held:
+        self._write(self._held)
+        self._held, self._held_bytes = [], 0
+        self._give_back()  # the written chunks' memory (the loop's names went with _write)
+
+    def _write(self, held: list[dict[str, Column]]) -> None:
+        for columns in held:
             for key, column in columns.items():
                 self._files[key].append(column)
-        self._held, self._held_bytes = [], 0
 
     def seal(self) -> None:
         """Finish writing and memory-map the files for replay (in memory: nothing to do)."""
@@ -194,17 +204,49 @@ class BlockCache:
         if self._whole is None and self._held:
             held, self._held, self._held_bytes = self._held, [], 0
             joined: dict[str, Column] = {}
+            allocate = self._allocate if self._pool is not None else None
             for key in self._first:  # a column at a time: the peak is the rows and one column
                 parts = [columns.pop(key) for columns in held]
-                joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts))
+                joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts, allocate))
+                del parts
+                self._give_back()  # this column's chunks (its joined buffers are still read)
             self._whole = Block.from_columns(joined)
         return self._whole
 
+    def _keep(self, column: Column) -> Column:
+        """``column`` as the memory cache keeps it: a read-only copy in pooled memory, or
+        without a pool, see :func:`_kept`."""
+        if self._pool is None or values_of(column).dtype.hasobject:
+            return _kept(column)
+        if isinstance(column, Ragged):
+            column = column.compact()
+            return Ragged(self._copy(column.values), self._copy(column.offsets))
+        return self._copy(column)
+
+    def _copy(self, array: np.ndarray) -> np.ndarray:
+        out = self._allocate(array.shape, array.dtype)
+        out[...] = array
+        return _read_only(out)  # type: ignore[return-value]
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        assert self._pool is not None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buffer = self._pool.take(nbytes)
+        self._buffers.append(buffer)
+        return buffer[:nbytes].view(dtype).reshape(shape)
+
+    def _give_back(self) -> None:
+        if self._pool is not None:
+            self._pool.give(self._buffers)
+
     def close(self) -> None:
-        """Delete the files and drop the rows; safe to call twice."""
+        """Delete the files and drop the rows (their pooled memory back to the pool); safe
+        to call twice."""
         for file in self._files.values():
             file.close()
         self._held, self._whole = [], None
+        self._give_back()
+        self._buffers = []  # still read somewhere: freed with their last reader
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -19,6 +19,7 @@ from sparkdl.data.batching import epoch_rng, rebatch, shuffle_chunks
 from sparkdl.data.blocks import Block
 from sparkdl.data.cache import ArrowCache, BlockCache
 from sparkdl.data.inputs import DataPlan, decode_block
+from sparkdl.data.pool import shared_pool
 from sparkdl.data.prefetch import Prefetcher, mapped
 from sparkdl.data.screening import RowScreen
 from sparkdl.data.tensors import Batch, to_batch
@@ -33,6 +34,8 @@ class FeedOptions:
     prefetch_batches: int
     cache_dir: str = ""
     cache_memory_bytes: int = 0  # decoded rows kept in memory (fit: data.cache_memory_mb); 0 = disk
+    # seconds this process keeps a closed memory cache's pages for the next (data.cache_memory_keep_s)
+    cache_memory_keep_s: float = 0.0
     pin_memory: bool = False
     skip_bad_rows: bool = False
 
@@ -50,16 +53,21 @@ class PartitionFeed:
         self._source: Iterator[pa.RecordBatch] | None = source
         self._plan = plan
         self._options = options
+        pool = None
+        if options.cache_memory_bytes > 0 and options.cache_memory_keep_s > 0:
+            pool = shared_pool()
+            # the training rows and the held-out rows, each as chunks and then joined
+            pool.configure(options.cache_memory_keep_s, 4 * options.cache_memory_bytes)
         self._cache: BlockCache | ArrowCache = (
             ArrowCache(self._decode, options.cache_dir)
             if plan.transforms_every_epoch
-            else BlockCache(options.cache_dir, options.cache_memory_bytes)
+            else BlockCache(options.cache_dir, options.cache_memory_bytes, pool)
         )
         self._open: Prefetcher[Batch] | None = None
         self._screen = RowScreen(plan) if options.skip_bad_rows else None
         # rows held out to validate: decoded once (training=False: no augmentation), never trained on
         self._held_out = (
-            BlockCache(options.cache_dir, options.cache_memory_bytes) if plan.validation_col else None
+            BlockCache(options.cache_dir, options.cache_memory_bytes, pool) if plan.validation_col else None
         )
 
     @property

@@ -501,6 +501,7 @@ def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> Fee
         prefetch_batches=config.data.prefetch_batches,
         cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
         cache_memory_bytes=config.data.cache_memory_mb << 20,
+        cache_memory_keep_s=config.data.cache_memory_keep_s,
         pin_memory=device.type == "cuda",
         skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
     )
