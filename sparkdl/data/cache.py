@@ -204,8 +204,9 @@ class BlockCache:
         if self._whole is None and self._held:
             held, self._held, self._held_bytes = self._held, [], 0
             joined: dict[str, Column] = {}
-            allocate = self._allocate if self._pool is not None else None
             for key in self._first:  # a column at a time: the peak is the rows and one column
+                pooled = self._pool is not None and not self._first[key][1].hasobject
+                allocate = self._allocate if pooled else None
                 parts = [columns.pop(key) for columns in held]
                 joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts, allocate))
                 del parts

@@ -16,8 +16,9 @@ Rules that keep it safe and small:
 
 * a buffer goes back only when nothing else holds it (no view, no tensor, no frame): the
   pool never hands out memory that someone can still read;
-* free buffers are bounded in bytes (the oldest go first) and all go back to the kernel
-  after ``keep_s`` seconds unused, from one daemon thread;
+* free buffers are bounded in bytes (the oldest go first), and each goes back to the
+  kernel ``keep_s`` seconds after it was given back unless taken again (one daemon thread
+  watches them; it ends when none is left);
 * buffers under :data:`MIN_POOLED` are not worth it and are plain allocations.
 
 Pure numpy and threading: no Spark, no torch.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -39,21 +41,32 @@ def _rounded(nbytes: int) -> int:
     return -(-nbytes // GRANULE) * GRANULE
 
 
+def _unshared_refcount() -> int:
+    """What ``sys.getrefcount`` says of a local that nothing else references, measured the
+    way :meth:`BufferPool.give` reads its buffers (an interpreter may borrow references to
+    locals, as CPython 3.14 does, and count one fewer)."""
+    probes = [np.empty(0, dtype=np.uint8)]
+    probe = probes.pop()
+    return sys.getrefcount(probe)
+
+
 class BufferPool:
     """Free byte buffers, reused by exact (rounded) size.
 
     Args:
-        keep_s: seconds a free buffer may wait unused before the pool hands every free
-            buffer back to the kernel; 0 = keep nothing.
+        keep_s: seconds a free buffer waits to be taken again before it goes back to the
+            kernel; 0 = keep nothing.
         limit_bytes: the most free bytes held; giving more drops the oldest first.
     """
 
     def __init__(self, keep_s: float, limit_bytes: int) -> None:
         self._lock = threading.Condition()
-        self._free: list[np.ndarray] = []  # oldest first
+        self._free: dict[
+            int, deque[tuple[float, np.ndarray]]
+        ] = {}  # size -> (given at, buffer), oldest first
         self._free_bytes = 0
-        self._last_used = time.monotonic()
         self._releaser: threading.Thread | None = None
+        self._unshared = _unshared_refcount()
         self.keep_s = keep_s
         self.limit_bytes = limit_bytes
 
@@ -70,16 +83,15 @@ class BufferPool:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writeable uint8 buffer of at least ``nbytes`` (rounded up to :data:`GRANULE`
-        when pooled): a free one of that size if the pool has it, else a new one."""
+        when pooled): the most recently given free one of that size, else a new one."""
         if nbytes < MIN_POOLED:
             return np.empty(nbytes, dtype=np.uint8)
         size = _rounded(nbytes)
         with self._lock:
-            self._last_used = time.monotonic()
-            for i in range(len(self._free) - 1, -1, -1):  # the most recently given first
-                if len(self._free[i]) == size:
-                    self._free_bytes -= size
-                    return self._free.pop(i)
+            free = self._free.get(size)
+            if free:
+                self._free_bytes -= size
+                return free.pop()[1]
         return np.empty(size, dtype=np.uint8)
 
     def give(self, buffers: list[np.ndarray]) -> None:
@@ -87,24 +99,25 @@ class BufferPool:
         the others stay in the list (a view or a tensor still reads them: give them again
         later, or drop them). Buffers this pool would not have handed out are dropped."""
         still_read: list[np.ndarray] = []
+        now = time.monotonic()
         with self._lock:
             while buffers:
                 buffer = buffers.pop()
-                # references: `buffer` and getrefcount's argument; any view or tensor of it
-                # holds one more (a numpy view keeps its owning array as `.base`)
-                if sys.getrefcount(buffer) > 2:
+                # any view, tensor or memoryview of it holds one more reference (a numpy
+                # view keeps its owning array as `.base`)
+                if sys.getrefcount(buffer) > self._unshared:
                     still_read.append(buffer)
                     continue
-                if self.keep_s <= 0 or len(buffer) < MIN_POOLED or len(buffer) % GRANULE:
+                size = len(buffer)
+                if self.keep_s <= 0 or size < MIN_POOLED or size % GRANULE:
                     continue
                 if buffer.base is not None or not buffer.flags.writeable:
                     continue
-                self._free.append(buffer)
-                self._free_bytes += len(buffer)
+                self._free.setdefault(size, deque()).append((now, buffer))
+                self._free_bytes += size
             buffers.extend(still_read)
             self._trim(self.limit_bytes)
-            self._last_used = time.monotonic()
-            if self._free and self._releaser is None:
+            if self._free_bytes and self._releaser is None:
                 self._releaser = threading.Thread(
                     target=self._release_when_idle, name="sparkdl-pool", daemon=True
                 )
@@ -117,26 +130,47 @@ class BufferPool:
         self._wake_releaser()
 
     def _wake_releaser(self) -> None:
-        """Let the releaser see the new settings; with nothing left to release it ends, and
-        this waits for it (bounded), so that no thread outlives the memory it watched."""
+        """Let the releaser see the new settings. With nothing left to watch it ends, and
+        this waits for it (bounded), so that no thread outlives the memory it watched; a
+        buffer given meanwhile keeps it, rightly, alive."""
         with self._lock:
             self._lock.notify_all()
-            releaser = self._releaser if not self._free else None
-        if releaser is not None:
-            releaser.join(timeout=5.0)
+            releaser = self._releaser
+        deadline = time.monotonic() + 5.0
+        while releaser is not None and releaser.is_alive() and time.monotonic() < deadline:
+            with self._lock:
+                if self._free_bytes:
+                    return
+            releaser.join(0.01)
+
+    def _oldest(self) -> tuple[float, int] | None:
+        """(given at, size) of the free buffer given back longest ago."""
+        heads = [(free[0][0], size) for size, free in self._free.items() if free]
+        return min(heads) if heads else None
 
     def _trim(self, limit: int) -> None:
-        while self._free and self._free_bytes > limit:
-            self._free_bytes -= len(self._free.pop(0))
+        while self._free_bytes > limit:
+            oldest = self._oldest()
+            assert oldest is not None
+            self._drop(oldest[1])
+
+    def _drop(self, size: int) -> None:
+        free = self._free[size]
+        free.popleft()
+        self._free_bytes -= size
+        if not free:
+            del self._free[size]
 
     def _release_when_idle(self) -> None:
         with self._lock:
-            while self._free:
-                idle = time.monotonic() - self._last_used
-                if idle >= self.keep_s:
-                    self._trim(0)
-                    break
-                self._lock.wait(min(self.keep_s - idle, 3600.0))  # re-checked on waking
+            while self._free_bytes:
+                oldest = self._oldest()
+                assert oldest is not None
+                wait = oldest[0] + self.keep_s - time.monotonic()
+                if wait <= 0:
+                    self._drop(oldest[1])
+                    continue
+                self._lock.wait(min(wait, 3600.0))  # re-checked on waking
             self._releaser = None
 
 

@@ -1,5 +1,6 @@
 """The host memory pool, and the epoch cache on top of it: the same rows, the same pages."""
 
+import threading
 import time
 
 import numpy as np
@@ -85,6 +86,52 @@ def test_idle_buffers_go_back_to_the_kernel_after_keep_s(pool):
     while pool.free_bytes and time.monotonic() < deadline + 10:
         time.sleep(0.05)
     assert pool.free_bytes == 0
+
+
+def test_each_free_buffer_goes_back_keep_s_after_it_was_given_though_others_are_taken(pool):
+    pool.configure(keep_s=0.3, limit_bytes=64 * MB)
+    pool.give([pool.take(4 * MB)])  # a size the later takes never ask for
+    deadline = time.monotonic() + 10
+    while pool.free_bytes != 3 * MB and time.monotonic() < deadline:  # a later fit of its own sizes
+        pool.give([pool.take(3 * MB)])
+        time.sleep(0.01)
+    assert pool.free_bytes == 3 * MB  # the 4 MB buffer went, the one in use stays
+
+
+def test_clear_returns_while_another_thread_keeps_giving(pool):
+    stop = threading.Event()
+
+    def give_and_take():
+        for _ in range(20_000):  # bounded: about 10 s at most
+            if stop.is_set():
+                return
+            pool.give([pool.take(MB)])
+            time.sleep(0.0005)
+
+    giver = threading.Thread(target=give_and_take)
+    giver.start()
+    try:
+        worst = 0.0
+        for _ in range(20):
+            started = time.monotonic()
+            pool.clear()
+            worst = max(worst, time.monotonic() - started)
+    finally:
+        stop.set()
+        giver.join(30)
+    # a clear() that waited for a releaser kept alive by the giver stalled 5 s (its join's bound)
+    assert worst < 2.5
+
+
+def test_a_pooled_cache_joins_object_columns_in_plain_memory(tmp_path, pool):
+    names = np.array([["a", 1]] * 50, dtype=object)
+    with BlockCache(str(tmp_path), 1 << 30, pool) as cache:
+        for start in (0, 50):
+            cache.append(Block({"names": names}, np.arange(start, start + 50, dtype=np.int64)))
+        cache.seal()
+        (batch,) = cache.batches(100)
+        assert batch.inputs["names"].tolist() == names.tolist() * 2
+        np.testing.assert_array_equal(batch.label, np.arange(100))
 
 
 def ragged_chunks(sizes, seed=0):
