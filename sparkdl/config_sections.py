@@ -282,9 +282,10 @@ class DataConfig:
         metadata=about(
             "Seconds a Python worker keeps the pages of its closed in-memory cache for the next "
             "fit's to reuse (Spark reuses Python workers task after task; the kernel zeroes fresh "
-            "pages, 0.8 s of system time a GB on the benchmarks' VM). The worker holds at most 4x "
-            "cache_memory_mb meanwhile. 0 = this fit's cache keeps nothing (pages an earlier fit "
-            "left still go after that fit's time).",
+            "pages, 0.8 s of system time a GB on the benchmarks' VM). The worker holds at most 2x "
+            "cache_memory_mb meanwhile, which a fit with other data sizes does not reuse. 0 = this "
+            "fit's cache keeps nothing (pages an earlier fit left still go after that fit's time); "
+            "set 0 where spark.executor.pyspark.memory leaves no room for them.",
             bound=">= 0",
         ),
     )

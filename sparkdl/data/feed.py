@@ -56,8 +56,9 @@ class PartitionFeed:
         pool = None
         if options.cache_memory_bytes > 0 and options.cache_memory_keep_s > 0:
             pool = shared_pool()
-            # the training rows and the held-out rows, each as chunks and then joined
-            pool.configure(options.cache_memory_keep_s, 4 * options.cache_memory_bytes)
+            # a partition within the budget, as chunks and then joined (held-out rows past
+            # that go back, the oldest first)
+            pool.configure(options.cache_memory_keep_s, 2 * options.cache_memory_bytes)
         self._cache: BlockCache | ArrowCache = (
             ArrowCache(self._decode, options.cache_dir)
             if plan.transforms_every_epoch
