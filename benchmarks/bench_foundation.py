@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -130,15 +130,15 @@ def feed_benchmark(spark, df, rows: int, repeats: int) -> dict:
     )
     # the same feed with cache_memory_keep_s = 0: every pass caches in fresh pages
     fresh = dataclasses.replace(options, cache_memory_keep_s=0.0)
+
+    def rows_through(per_partition) -> Callable[[], int]:
+        return lambda: sum(r[0] for r in df.mapInArrow(per_partition, COUNT_SCHEMA).collect())
+
     actions = {
         "toPandas": lambda: len(df.toPandas()),
-        "bare_mapInArrow": lambda: sum(r[0] for r in df.mapInArrow(count_rows, COUNT_SCHEMA).collect()),
-        "sparkdl_feed": lambda: sum(
-            r[0] for r in df.mapInArrow(functools.partial(feed_rows, options), COUNT_SCHEMA).collect()
-        ),
-        "sparkdl_feed_fresh_pages": lambda: sum(
-            r[0] for r in df.mapInArrow(functools.partial(feed_rows, fresh), COUNT_SCHEMA).collect()
-        ),
+        "bare_mapInArrow": rows_through(count_rows),
+        "sparkdl_feed": rows_through(functools.partial(feed_rows, options)),
+        "sparkdl_feed_fresh_pages": rows_through(functools.partial(feed_rows, fresh)),
     }
     for action in actions.values():  # warm up Python workers and the JIT-compiled JVM paths
         action()

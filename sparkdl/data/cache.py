@@ -205,8 +205,7 @@ class BlockCache:
             held, self._held, self._held_bytes = self._held, [], 0
             joined: dict[str, Column] = {}
             for key in self._first:  # a column at a time: the peak is the rows and one column
-                pooled = self._pool is not None and not self._first[key][1].hasobject
-                allocate = self._allocate if pooled else None
+                allocate = self._allocate if self._poolable(self._first[key][1]) else None
                 parts = [columns.pop(key) for columns in held]
                 joined[key] = parts[0] if len(parts) == 1 else _read_only(concat_rows(parts, allocate))
                 del parts
@@ -217,12 +216,15 @@ class BlockCache:
     def _keep(self, column: Column) -> Column:
         """``column`` as the memory cache keeps it: a read-only copy in pooled memory, or
         without a pool, see :func:`_kept`."""
-        if self._pool is None or values_of(column).dtype.hasobject:
+        if not self._poolable(values_of(column).dtype):
             return _kept(column)
         if isinstance(column, Ragged):
             column = column.compact()
             return Ragged(self._copy(column.values), self._copy(column.offsets))
         return self._copy(column)
+
+    def _poolable(self, dtype: np.dtype) -> bool:
+        return self._pool is not None and not dtype.hasobject  # object arrays hold references
 
     def _copy(self, array: np.ndarray) -> np.ndarray:
         out = self._allocate(array.shape, array.dtype)

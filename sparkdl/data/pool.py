@@ -50,6 +50,9 @@ def _unshared_refcount() -> int:
     return sys.getrefcount(probe)
 
 
+_UNSHARED = _unshared_refcount()
+
+
 class BufferPool:
     """Free byte buffers, reused by exact (rounded) size.
 
@@ -61,12 +64,10 @@ class BufferPool:
 
     def __init__(self, keep_s: float, limit_bytes: int) -> None:
         self._lock = threading.Condition()
-        self._free: dict[
-            int, deque[tuple[float, np.ndarray]]
-        ] = {}  # size -> (given at, buffer), oldest first
+        # size -> (when given back, buffer), oldest first; a size here has a free buffer
+        self._free: dict[int, deque[tuple[float, np.ndarray]]] = {}
         self._free_bytes = 0
         self._releaser: threading.Thread | None = None
-        self._unshared = _unshared_refcount()
         self.keep_s = keep_s
         self.limit_bytes = limit_bytes
 
@@ -88,10 +89,8 @@ class BufferPool:
             return np.empty(nbytes, dtype=np.uint8)
         size = _rounded(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._free_bytes -= size
-                return free.pop()[1]
+            if size in self._free:
+                return self._pop(size, newest=True)
         return np.empty(size, dtype=np.uint8)
 
     def give(self, buffers: list[np.ndarray]) -> None:
@@ -105,7 +104,7 @@ class BufferPool:
                 buffer = buffers.pop()
                 # any view, tensor or memoryview of it holds one more reference (a numpy
                 # view keeps its owning array as `.base`)
-                if sys.getrefcount(buffer) > self._unshared:
+                if sys.getrefcount(buffer) > _UNSHARED:
                     still_read.append(buffer)
                     continue
                 size = len(buffer)
@@ -143,32 +142,30 @@ class BufferPool:
                     return
             releaser.join(0.01)
 
-    def _oldest(self) -> tuple[float, int] | None:
-        """(given at, size) of the free buffer given back longest ago."""
-        heads = [(free[0][0], size) for size, free in self._free.items() if free]
-        return min(heads) if heads else None
+    def _oldest(self) -> tuple[float, int]:
+        """(given at, size) of the free buffer given back longest ago (there is one)."""
+        return min((free[0][0], size) for size, free in self._free.items())
 
     def _trim(self, limit: int) -> None:
         while self._free_bytes > limit:
-            oldest = self._oldest()
-            assert oldest is not None
-            self._drop(oldest[1])
+            self._pop(self._oldest()[1], newest=False)
 
-    def _drop(self, size: int) -> None:
+    def _pop(self, size: int, newest: bool) -> np.ndarray:
+        """Remove a free buffer of ``size``: the newest given (to reuse) or the oldest (to drop)."""
         free = self._free[size]
-        free.popleft()
+        _, buffer = free.pop() if newest else free.popleft()
         self._free_bytes -= size
         if not free:
             del self._free[size]
+        return buffer
 
     def _release_when_idle(self) -> None:
         with self._lock:
             while self._free_bytes:
-                oldest = self._oldest()
-                assert oldest is not None
-                wait = oldest[0] + self.keep_s - time.monotonic()
+                given_at, size = self._oldest()
+                wait = given_at + self.keep_s - time.monotonic()
                 if wait <= 0:
-                    self._drop(oldest[1])
+                    self._pop(size, newest=False)
                     continue
                 self._lock.wait(min(wait, 3600.0))  # re-checked on waking
             self._releaser = None
