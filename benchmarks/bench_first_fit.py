@@ -38,7 +38,7 @@ started = time.perf_counter()
 import sparkdl
 from benchmarks.common import make_data, make_model, make_optimizer
 from sparkdl.config import SparkDLConfig
-from sparkdl.runtime.session import build_session
+from sparkdl.spark.session import build_session
 variant = {variant!r}
 extra = {{"spark.python.daemon.module": "pyspark.daemon"}} if variant == "pyspark_daemon" else {{}}
 conf = {{"spark.ui.enabled": "false", **extra}}

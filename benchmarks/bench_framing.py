@@ -1,4 +1,4 @@
-"""The authenticated framing alone (``sparkdl.net.framing``): echo round trips per second of
+"""The authenticated framing alone (``sparkdl.wire.framing``): echo round trips per second of
 one frame each way, against a bare loopback socket echoing the same bytes, in one run; for
 an empty payload (what a parameter-server step through shared memory sends: headers only),
 64 KiB and 4 MB (a 1M-parameter model), plain and encrypted.
@@ -31,8 +31,8 @@ sys.path.insert(0, str(HERE))
 from common import echo, save_report  # noqa: E402
 
 from sparkdl.errors import ProtocolError  # noqa: E402
-from sparkdl.net import framing  # noqa: E402
-from sparkdl.ps.protocol import PS_WIRE, Frame, Kind  # noqa: E402
+from sparkdl.services.ps.protocol import PS_WIRE, Frame, Kind  # noqa: E402
+from sparkdl.wire import framing  # noqa: E402
 
 
 def bare_bytes(size: int) -> int:

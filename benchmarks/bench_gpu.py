@@ -68,7 +68,7 @@ def make_wide_model() -> torch.nn.Module:
 
 def session(device: str, workers: int, folder: Path) -> Any:
     from sparkdl.config import SparkDLConfig
-    from sparkdl.runtime.session import build_session
+    from sparkdl.spark.session import build_session
 
     extra = {"spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1"}
     master = f"local[{workers}]"

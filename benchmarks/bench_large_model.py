@@ -75,7 +75,7 @@ class Peaks:
 def part1(width: int) -> dict[str, Any]:
     from sparkdl import TorchEstimator, TorchModel
     from sparkdl.config import SparkDLConfig
-    from sparkdl.runtime.session import build_session
+    from sparkdl.spark.session import build_session
 
     spark = build_session("local[2]", "sparkdl-bench-large", SparkDLConfig(), {"spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")
@@ -120,7 +120,7 @@ def part1(width: int) -> dict[str, Any]:
 
 
 def _sender(queue: Any, nbytes: int, repeats: int) -> None:
-    from sparkdl.weights.client import upload
+    from sparkdl.services.weights.client import upload
 
     state = {"weight": torch.randn(nbytes // 4)}
     raw = memoryview(state["weight"].view(torch.uint8).numpy())
@@ -142,7 +142,7 @@ def _receive_bare(server: socket.socket, buffer: memoryview) -> None:
 
 
 def part2(nbytes: int, repeats: int) -> dict[str, Any]:
-    from sparkdl.weights.server import WeightServer
+    from sparkdl.services.weights.server import WeightServer
 
     server = WeightServer("127.0.0.1")
     bare = socket.create_server(("127.0.0.1", 0))

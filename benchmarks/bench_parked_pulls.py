@@ -22,7 +22,7 @@ from bench_strategies import add_workload_arguments, run_variant  # noqa: E402
 from common import save_report  # noqa: E402
 from spark_setup import bench_session, dataframe  # noqa: E402
 
-from sparkdl.ps import server  # noqa: E402
+from sparkdl.services.ps import server  # noqa: E402
 
 SYNC_PS = {"strategy": "parameter_server", "ps_mode": "sync"}
 

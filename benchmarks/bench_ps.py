@@ -35,9 +35,9 @@ sys.path.insert(0, str(HERE))
 from common import echo, save_report  # noqa: E402
 
 from sparkdl.config import PsMode  # noqa: E402
-from sparkdl.ps.client import PsClient  # noqa: E402
-from sparkdl.ps.server import ParameterServer  # noqa: E402
-from sparkdl.ps.store import ShardStore, shard_count, split_into_shards  # noqa: E402
+from sparkdl.services.ps.client import PsClient  # noqa: E402
+from sparkdl.services.ps.server import ParameterServer  # noqa: E402
+from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards  # noqa: E402
 
 SECRET = os.urandom(32)
 

@@ -26,9 +26,9 @@ sys.path.insert(0, str(HERE))
 from common import save_report  # noqa: E402
 
 from sparkdl.config import PsMode  # noqa: E402
-from sparkdl.ps.client import PsClient  # noqa: E402
-from sparkdl.ps.server import ParameterServer  # noqa: E402
-from sparkdl.ps.store import ShardStore  # noqa: E402
+from sparkdl.services.ps.client import PsClient  # noqa: E402
+from sparkdl.services.ps.server import ParameterServer  # noqa: E402
+from sparkdl.services.ps.store import ShardStore  # noqa: E402
 
 PARAMS = 85_002  # the benchmark MLP 64-256-256-10
 

@@ -7,7 +7,7 @@ times (medians), so both ways see the same machine:
 
 - a DDP training step of the benchmark MLP (benchmarks/common.py, batch 128, one torch
   thread per worker): DDP's default gloo all-reduce against sparkdl's shared-memory hook
-  (:func:`sparkdl.strategies.shared_memory.shared_memory_hook`), and the same step with no
+  (:func:`sparkdl.comm.shared_memory.shared_memory_hook`), and the same step with no
   exchange at all (the compute's floor);
 - a bare all-reduce of 1 float, the MLP's 85k floats, 1M and 10M floats.
 
@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, init: str, steps: int, repeats: int, out: Any
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from sparkdl.strategies.shared_memory import form_host_group, shared_memory_hook
+    from sparkdl.comm.shared_memory import form_host_group, shared_memory_hook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -88,7 +88,7 @@ def sparkdl_loop(device: torch.device, rows: int, epochs: int, profile: bool) ->
     from sparkdl.config import SparkDLConfig
     from sparkdl.data.columns import LabelKind
     from sparkdl.data.inputs import plan_data
-    from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
+    from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
 
     table = make_table(rows)
     plan = plan_data(

@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 
 from common import save_report  # noqa: E402
 
-from sparkdl.costmodel import Cluster, Exchange, Link, Workload, step_cost  # noqa: E402
+from sparkdl.advisor.costmodel import Cluster, Exchange, Link, Workload, step_cost  # noqa: E402
 
 MODELS = {
     "ResNet-101 (Horovod), 4 per host": (Workload(44_500_000, 0.50, 64), 4),

@@ -16,7 +16,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 from common import make_table  # noqa: E402
 
 from sparkdl.config import SparkDLConfig  # noqa: E402
-from sparkdl.runtime.session import build_session  # noqa: E402
+from sparkdl.spark.session import build_session  # noqa: E402
 
 
 def bench_session(app_name: str) -> Any:

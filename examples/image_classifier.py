@@ -1,6 +1,6 @@
 """Images -> a CNN: scikit-learn's bundled digits as PNG files, read by Spark, classified by sparkdl.
 
-Run it with ``python examples/image_classifier.py``. It writes the 1,797 8x8 grayscale
+Run it with ``.venv/bin/python examples/image_classifier.py``. It writes the 1,797 8x8 grayscale
 digits as PNG files into a temporary folder (the label in each file's name), reads them
 with ``spark.read.format("image")`` and trains a small CNN: sparkdl turns Spark's image
 struct into float32 ``[N, C, H, W]`` in [0, 1] with no user code. It prints the held-out

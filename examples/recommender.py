@@ -1,6 +1,6 @@
 """Ids -> embeddings: matrix factorisation on a MovieLens-like ratings table, against Spark's ALS.
 
-Run it with ``python examples/recommender.py``. It generates ratings from a low-rank model
+Run it with ``.venv/bin/python examples/recommender.py``. It generates ratings from a low-rank model
 plus noise (seeded, nothing downloaded), trains a biased matrix factorisation with sparkdl
 (``inputs`` passes the integer id columns to the model as int64 tensors), fits
 ``pyspark.ml.recommendation.ALS`` on the same split, and prints both test RMSEs and fit

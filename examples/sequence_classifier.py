@@ -1,6 +1,6 @@
 """Token ids of different lengths -> a bag-of-embeddings classifier, with padding and a mask.
 
-Run it with ``python examples/sequence_classifier.py``. It generates short "reviews" from
+Run it with ``.venv/bin/python examples/sequence_classifier.py``. It generates short "reviews" from
 a tiny vocabulary (seeded, nothing downloaded): 3 to 20 token ids each, positive when
 they hold more positive words than negative ones. The ``array<int>`` column is listed in
 ``sequence_cols``, so every batch is padded to its longest row and the model also gets

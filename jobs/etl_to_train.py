@@ -1,7 +1,7 @@
 """ETL to training: raw CSV/Parquet -> Spark SQL feature steps -> fit -> predictions as Parquet.
 
 spark-submit jobs/etl_to_train.py --config conf/etl.toml [--set section.key=value ...] [--output DIR]
-python jobs/etl_to_train.py --config conf/etl.toml          # local embedded Spark
+.venv/bin/python jobs/etl_to_train.py --config conf/etl.toml          # local embedded Spark
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.etl import load_etl_config, run_etl_job
-from sparkdl.job import job_main
+from sparkdl.apps.etl_job import load_etl_config, run_etl_job
+from sparkdl.apps.train_job import job_main
 
 
 def main(argv: list[str] | None = None) -> int:

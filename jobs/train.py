@@ -1,8 +1,8 @@
 """Main job: train on a bundled data set and write metrics and the model.
 
 spark-submit jobs/train.py --config conf/local.toml [--set section.key=value ...] [--output DIR]
-python jobs/train.py --config conf/local.toml          # local embedded Spark
-python jobs/train.py --config conf/local.toml --advise # predicted samples/s of every strategy
+.venv/bin/python jobs/train.py --config conf/local.toml          # local embedded Spark
+.venv/bin/python jobs/train.py --config conf/local.toml --advise # predicted samples/s of every strategy
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.job import job_main, load_job_config, run_advise_job, run_train_job
+from sparkdl.apps.train_job import job_main, load_job_config, run_advise_job, run_train_job
 
 
 def main(argv: list[str] | None = None) -> int:

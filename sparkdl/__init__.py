@@ -26,11 +26,11 @@ _PUBLIC = {
     "TrainingFailedError": "sparkdl.errors",
     "SparkDLConfig": "sparkdl.config",
     "load_config": "sparkdl.config",
-    "TorchEstimator": "sparkdl.estimator",
-    "TorchModel": "sparkdl.estimator",
-    "advise": "sparkdl.runtime.advise",
-    "loading": "sparkdl.persistence",
-    "session": "sparkdl.runtime.session",
+    "TorchEstimator": "sparkdl.ml.estimator",
+    "TorchModel": "sparkdl.ml.estimator",
+    "advise": "sparkdl.advisor.advise",
+    "loading": "sparkdl.ml.persistence",
+    "session": "sparkdl.spark.session",
 }
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from sparkdl.advisor.advise import advise
     from sparkdl.config import SparkDLConfig, load_config
     from sparkdl.errors import (
         BadDataError,
@@ -69,10 +70,9 @@ if TYPE_CHECKING:
         StageStalledError,
         TrainingFailedError,
     )
-    from sparkdl.estimator import TorchEstimator, TorchModel
-    from sparkdl.persistence import loading
-    from sparkdl.runtime.advise import advise
-    from sparkdl.runtime.session import session
+    from sparkdl.ml.estimator import TorchEstimator, TorchModel
+    from sparkdl.ml.persistence import loading
+    from sparkdl.spark.session import session
 
 
 def __getattr__(name: str) -> Any:

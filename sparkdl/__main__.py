@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "notebook":
         return run_notebook(args.path, args.timeout)
-    from sparkdl.settings import render_markdown, render_text
+    from sparkdl.apps.settings import render_markdown, render_text
 
     sys.stdout.write(render_markdown() if args.format == "markdown" else render_text())
     return 0

@@ -21,7 +21,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network at test 
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A local[2] SparkSession with the settings sparkdl recommends and short timeouts."""
     from sparkdl.config import SparkDLConfig
-    from sparkdl.runtime.session import build_session
+    from sparkdl.spark.session import build_session
 
     config = SparkDLConfig().replace(collective_timeout_s=60.0)
     warehouse = tmp_path_factory.mktemp("warehouse")

@@ -1,7 +1,7 @@
 """Sync strategies: how workers keep their models consistent (one module each, loaded
-when chosen; see :data:`sparkdl.strategies.base.REGISTRY`)."""
+when chosen; see :data:`sparkdl.training.strategy.REGISTRY`)."""
 
-from sparkdl.strategies.base import (
+from sparkdl.training.strategy import (
     REGISTRY,
     StepInput,
     StrategyContext,

@@ -3,11 +3,11 @@
 DDP buckets gradients and starts each bucket's all-reduce while backward is still
 running, so communication overlaps compute. Compression is a DDP communication hook:
 PyTorch's own for fp16 and PowerSGD, ours for bf16 (PyTorch's needs NCCL), 1bit and topk, which exchange each
-bucket by all-gather with error feedback (:class:`sparkdl.compression.collectives.CompressedAllReduce`).
+bucket by all-gather with error feedback (:class:`sparkdl.comm.compression.collectives.CompressedAllReduce`).
 With ``runtime.hierarchy`` the hook reduces each bucket within the host, all-reduces it among
-the hosts' leaders and broadcasts it back (:class:`sparkdl.strategies.hierarchy.HierarchicalAllReduce`).
+the hosts' leaders and broadcasts it back (:class:`sparkdl.comm.hierarchy.HierarchicalAllReduce`).
 Where every worker shares one host, the hook sums each bucket in shared memory
-(:mod:`sparkdl.strategies.shared_memory`), not over gloo's loopback TCP.
+(:mod:`sparkdl.comm.shared_memory`), not over gloo's loopback TCP.
 
 Every worker scales its mean loss by ``world * local_rows / global_rows``: after DDP's
 mean over workers the gradient is exactly the mean over every row of the step, as
@@ -23,18 +23,18 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from sparkdl.compression.codecs import ErrorFeedback, OneBit, TopK
-from sparkdl.compression.collectives import CompressedAllReduce, bf16_allreduce_hook
+from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit, TopK
+from sparkdl.comm.compression.collectives import CompressedAllReduce, bf16_allreduce_hook
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, hierarchical_bytes
+from sparkdl.comm.shared_memory import shared_memory_hook
+from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import Compression, RuntimeConfig, Strategy
-from sparkdl.strategies.base import (
+from sparkdl.training.strategy import (
     StepInput,
     StrategyContext,
     SyncStrategy,
     parameter_bytes,
-    ring_allreduce_bytes,
 )
-from sparkdl.strategies.hierarchy import HierarchicalAllReduce, hierarchical_bytes
-from sparkdl.strategies.shared_memory import shared_memory_hook
 
 
 class AllReduceStrategy(SyncStrategy):

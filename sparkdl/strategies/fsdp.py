@@ -60,8 +60,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from sparkdl.config import SparkDLConfig, Strategy
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, parameter_bytes
 from sparkdl.training.factory import build_model
+from sparkdl.training.strategy import StepInput, StrategyContext, SyncStrategy, parameter_bytes
 
 #: A submodule with at least this share of the parameters is sharded as its own unit.
 UNIT_SHARE = 0.05

@@ -21,13 +21,13 @@ the server's own weights, and so the trained model, stay float32, and every pull
 afresh, so no rounding error accumulates (no error feedback needed).
 
 Shared memory. A worker on the driver's own host (local mode, a single-node cluster) pushes
-and pulls through the server's shared memory (``ps_shared_memory_mb``, :mod:`sparkdl.ps.areas`):
+and pulls through the server's shared memory (``ps_shared_memory_mb``, :mod:`sparkdl.comm.ps_areas`):
 only the frames' authenticated headers cross its socket, and its traffic never counts as
 crossing hosts.
 
 Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
 the driver: the host's workers sum their gradients and rows into the leader
-(:class:`sparkdl.strategies.hierarchy.Hierarchy`), the leader pushes the host's sum as pusher
+(:class:`sparkdl.comm.hierarchy.Hierarchy`), the leader pushes the host's sum as pusher
 number ``host`` of ``hosts`` and pulls, and broadcasts the weights to its host. The driver's
 traffic falls by the workers per host, and in sync mode the answer is unchanged: the
 server's mean is still over every row of the step. A worker that must stop says so in the
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.compression.codecs import ErrorFeedback, codec_for
+from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.config import Precision, PsMode, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
-from sparkdl.ps.client import ClientStats, PsClient
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStats, SyncStrategy
+from sparkdl.services.ps.client import ClientStats, PsClient
+from sparkdl.training.strategy import StepInput, StrategyContext, SyncStats, SyncStrategy
 
 
 class ParameterServerStrategy(SyncStrategy):

@@ -23,7 +23,7 @@ bookkeeping (Adam's step count) is the same on every worker and left alone. With
 
 Compression. With ``compression`` set, what travels is each worker's weighted change
 since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedback
-(:class:`sparkdl.compression.collectives.CompressedAverage`): a worker sends the
+(:class:`sparkdl.comm.compression.collectives.CompressedAverage`): a worker sends the
 compression factor less on top of ``1/tau``, and every worker still ends each average
 with the same tensors.
 
@@ -41,7 +41,7 @@ workers, which skip steps already made without them, the rows of a cut-short per
 are not trained by anyone.
 
 Hierarchy. With ``runtime.hierarchy`` each bucket is summed within the host into its
-leader, all-reduced among the leaders and broadcast back (:mod:`sparkdl.strategies.hierarchy`):
+leader, all-reduced among the leaders and broadcast back (:mod:`sparkdl.comm.hierarchy`):
 one model's worth crosses the network per host and average.
 """
 
@@ -53,13 +53,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparkdl.compression.codecs import ErrorFeedback, codec_for
-from sparkdl.compression.collectives import CompressedAverage
+from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
+from sparkdl.comm.compression.collectives import CompressedAverage
+from sparkdl.comm.hierarchy import hierarchical_bytes
+from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
-from sparkdl.strategies.base import StepInput, StrategyContext, SyncStrategy, ring_allreduce_bytes
-from sparkdl.strategies.hierarchy import hierarchical_bytes
 from sparkdl.training.planning import summing_over
+from sparkdl.training.strategy import StepInput, StrategyContext, SyncStrategy
 
 Named = tuple[str, torch.Tensor]
 

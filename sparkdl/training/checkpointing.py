@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from sparkdl.checkpoint import CheckpointStore
+from sparkdl.storage.checkpoint_store import CheckpointStore
 
 if TYPE_CHECKING:
-    from sparkdl.strategies.base import SyncStrategy
+    from sparkdl.training.strategy import SyncStrategy
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from torch import nn
 from sparkdl.config import Precision
 from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
-from sparkdl.strategies.base import StepInput, SyncStats, SyncStrategy
 from sparkdl.training.checkpointing import Position, Resume
 from sparkdl.training.guards import LabelRangeCheck
 from sparkdl.training.hooks import EpochTally, StepHook
@@ -35,6 +34,7 @@ from sparkdl.training.planning import (
     exchange_row_counts,
     summing_over,
 )
+from sparkdl.training.strategy import StepInput, SyncStats, SyncStrategy
 from sparkdl.training.validation import EarlyStopping, Validator
 
 log = logging.getLogger(__name__)

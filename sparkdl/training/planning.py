@@ -27,7 +27,7 @@ from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.tensors import Batch
 
 if TYPE_CHECKING:
-    from sparkdl.strategies.shared_memory import SharedMemoryGroup
+    from sparkdl.comm.shared_memory import SharedMemoryGroup
 
 #: Sums a small tensor over every worker, in place (:func:`summing_over`).
 Sum = Callable[[torch.Tensor], object]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from sparkdl.config import SparkDLConfig  # noqa: E402
-from sparkdl.runtime.session import build_session  # noqa: E402
+from sparkdl.spark.session import build_session  # noqa: E402
 from tests.reference import make_shards  # noqa: E402
 from tests.spark.test_fit import estimator, shards_dataframe  # noqa: E402
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from sparkdl.config import SparkDLConfig  # noqa: E402
-from sparkdl.runtime.session import build_session  # noqa: E402
+from sparkdl.spark.session import build_session  # noqa: E402
 from tests.reference import make_shards, max_abs_diff  # noqa: E402
 from tests.spark.test_fit import estimator, shards_dataframe  # noqa: E402
 

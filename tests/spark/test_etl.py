@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.etl import load_etl_config, run_etl_job, write_sample_input
+from sparkdl.apps.etl_job import load_etl_config, run_etl_job, write_sample_input
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_the_etl_job_reads_parquet_and_writes_predictions_a_reloadable_pipeline_
 
     # The saved pipeline replays every step on raw rows: same predictions as the job wrote.
     from sparkdl import loading
-    from sparkdl.models import MLPFactory
+    from sparkdl.apps.models import MLPFactory
 
     architecture = MLPFactory(64, config.etl.hidden, 10, config.etl.dropout)
     with loading(model_fn=architecture):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.net.framing import frame_bytes
-from sparkdl.ps.protocol import PS_WIRE
+from sparkdl.services.ps.protocol import PS_WIRE
+from sparkdl.wire.framing import frame_bytes
 from tests.reference import make_tiny_net
 from tests.spark.processes import run_drill
 

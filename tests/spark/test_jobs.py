@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from sparkdl import TorchModel
-from sparkdl.job import load_job_config, run_advise_job, run_train_job
-from sparkdl.models import MLPFactory
+from sparkdl.apps.models import MLPFactory
+from sparkdl.apps.train_job import load_job_config, run_advise_job, run_train_job
 from tests.spark.processes import spark_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparkdl import TorchEstimator, TorchModel
-from sparkdl.weights.server import weight_server
+from sparkdl.services.weights.server import weight_server
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 

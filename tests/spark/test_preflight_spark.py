@@ -18,10 +18,10 @@ from torch import nn
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.errors import ModelMismatchError
-from sparkdl.runtime.driver import plan_inputs
-from sparkdl.runtime.environment import check_executor_environment, environment_job_group
-from sparkdl.runtime.preflight import check_model, sample_batch
-from sparkdl.runtime.worker import TrainSpec
+from sparkdl.spark.driver import plan_inputs
+from sparkdl.spark.environment import check_executor_environment, environment_job_group
+from sparkdl.spark.preflight import check_model, sample_batch
+from sparkdl.worker.assembly import TrainSpec
 from tests.spark.processes import ROOT, spark_env, wait_for
 
 pytestmark = pytest.mark.spark

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sparkdl import TrainingFailedError
-from sparkdl.checkpoint import CheckpointStore
 from sparkdl.errors import CheckpointError
+from sparkdl.storage.checkpoint_store import CheckpointStore
 from tests.reference import make_shards, max_abs_diff
 from tests.spark.test_fit import estimator, fit_in_one_attempt, shards_dataframe
 
@@ -266,7 +266,7 @@ def _stage_attempt_name(_):
 def test_the_driver_believes_only_the_stage_attempts_spark_runs(spark):
     """The gate of the driver's servers (a HELLO claiming a newer stage attempt) reads the
     attempt's name from Spark's status store: the one the tasks compute, and no other."""
-    from sparkdl.runtime.attempts import attempt_gate, running_attempts
+    from sparkdl.spark.attempts import attempt_gate, running_attempts
 
     sc = spark.sparkContext
     group = "sparkdl-test-attempt-gate"

@@ -1,4 +1,4 @@
-"""The advisor's arithmetic (sparkdl.advice): modelled candidates, the run's epoch, the
+"""The advisor's arithmetic (sparkdl.advisor.predict): modelled candidates, the run's epoch, the
 recommendation and the link estimate, on hand-made probe figures."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sparkdl.advice import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
+from sparkdl.advisor.advise import chosen_candidates
+from sparkdl.advisor.predict import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
 from sparkdl.errors import ConfigError
-from sparkdl.runtime.advise import chosen_candidates
 
 MODEL_BYTES = 4 * 85_000
 

@@ -3,8 +3,8 @@ import pickle
 import pytest
 import torch
 
-from sparkdl.checkpoint import CheckpointStore
 from sparkdl.errors import CheckpointError
+from sparkdl.storage.checkpoint_store import CheckpointStore
 
 
 def state(step):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.compression.codecs import ErrorFeedback, Half, OneBit, TopK, push_codecs
+from sparkdl.comm.compression.codecs import ErrorFeedback, Half, OneBit, TopK, push_codecs
 from sparkdl.config import SparkDLConfig
-from sparkdl.runtime.ps_host import host_parameter_server
-from sparkdl.runtime.worker import TrainSpec
+from sparkdl.spark.ps_host import host_parameter_server
+from sparkdl.worker.assembly import TrainSpec
 from tests.reference import make_shards, shard_plan
 from tests.unit.test_worker_gloo import _spawn
 
@@ -247,7 +247,7 @@ def _tiny() -> nn.Module:
 def _average_once(rank, path, out):
     import torch.distributed as dist
 
-    from sparkdl.compression.collectives import CompressedAverage
+    from sparkdl.comm.compression.collectives import CompressedAverage
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from sparkdl import ConfigError, SparkDLConfig, TorchEstimator, load_config
+from sparkdl.apps.train_job import load_job_config
 from sparkdl.config import (
     SECTIONS,
     Compression,
@@ -15,8 +16,7 @@ from sparkdl.config import (
     flat_field_owners,
     parse_override,
 )
-from sparkdl.config_loading import section_owners
-from sparkdl.job import load_job_config
+from sparkdl.config.loading import section_owners
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_every_shipped_config_loads():
-    from sparkdl.etl import load_etl_config
+    from sparkdl.apps.etl_job import load_etl_config
 
     paths = sorted((ROOT / "conf").glob("*.toml"))
     assert {p.name for p in paths} >= {"local.toml", "cluster.toml", "gpu.toml", "etl.toml"}

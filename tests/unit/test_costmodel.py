@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.costmodel import OVERLAP, Cluster, Exchange, Link, Workload, host_bytes, step_cost
+from sparkdl.advisor.costmodel import OVERLAP, Cluster, Exchange, Link, Workload, host_bytes, step_cost
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
 M = 100e6
@@ -51,7 +51,7 @@ def _measured(name):
     return json.loads((RESULTS / f"compression_{name}.json").read_text())
 
 
-FIXED_S = 3.0  # a fit's fixed cost on this machine (BENCHMARKS.md: first fit, later fits)
+FIXED_S = 3.0  # a fit's fixed cost on this machine (docs/benchmarks/history.md: first fit, later fits)
 
 
 @pytest.mark.parametrize(

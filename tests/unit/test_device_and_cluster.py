@@ -4,8 +4,8 @@ import torch
 from sparkdl import ClusterConfigError
 from sparkdl.config import Backend, UseGpu
 from sparkdl.errors import BadDataError, TrainingFailedError
-from sparkdl.runtime.cluster import _parse_seconds, wait_for_slots
-from sparkdl.runtime.device import choose_backend, choose_device
+from sparkdl.spark.cluster import _parse_seconds, wait_for_slots
+from sparkdl.worker.device import choose_backend, choose_device
 
 
 def test_device_comes_from_the_task_gpu_resources():
@@ -16,7 +16,7 @@ def test_device_comes_from_the_task_gpu_resources():
 
 
 def test_the_training_stage_asks_for_one_gpu_per_task_only_when_executors_have_gpus():
-    from sparkdl.runtime.resources import decide_gpu_request
+    from sparkdl.spark.resources import decide_gpu_request
 
     assert decide_gpu_request(UseGpu.AUTO, 2, 0, 4, "spark://m:7077").gpus == 1
     assert decide_gpu_request(UseGpu.YES, 1, 0, 1, "spark://m:7077").cpus == 1

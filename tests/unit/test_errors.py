@@ -34,8 +34,8 @@ def sample(cls: type[SparkDLError]) -> SparkDLError:
 
 
 def test_every_error_class_lives_in_sparkdl_errors_and_is_found_by_name():
-    import sparkdl.ps.client
-    import sparkdl.runtime.driver  # noqa: F401
+    import sparkdl.services.ps.client
+    import sparkdl.spark.driver  # noqa: F401
 
     for cls in every_error_class():
         assert cls.__module__ == "sparkdl.errors", f"{cls.__qualname__} is defined in {cls.__module__}"
@@ -115,7 +115,7 @@ def test_a_record_of_an_unknown_class_keeps_its_message():
     ],
 )
 def test_a_stage_that_ran_out_of_memory_fails_naming_the_memory_and_the_setting(failure, setting):
-    from sparkdl.runtime.driver import translate_failure
+    from sparkdl.spark.driver import translate_failure
 
     error = translate_failure(Exception(f"Job aborted due to stage failure: {failure}"))
     assert setting in error.message and "memory" in error.message

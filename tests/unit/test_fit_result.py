@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from sparkdl.runtime.driver import _fit_result
+from sparkdl.spark.driver import _fit_result
 from sparkdl.training.factory import state_to_bytes
 
 

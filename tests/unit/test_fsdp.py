@@ -19,14 +19,14 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import decode_block, plan_data
 from sparkdl.data.tensors import to_batch
 from sparkdl.errors import ConfigError
-from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
+from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies.fsdp import shard_units
+from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
 from tests.reference import (
     TinyNet,
     make_shards,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, group_ranks, host_key
 from sparkdl.config import Hierarchy, SparkDLConfig
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.hierarchy import HierarchicalAllReduce, group_ranks, host_key
 
 ADDRESSES = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7002", "10.0.0.1:7001"]
 

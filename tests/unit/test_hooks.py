@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import SparkDLConfig
+from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import StrategyContext, create_strategy
 from sparkdl.training.checkpointing import Checkpointer, Position, restore
 from sparkdl.training.hooks import CheckpointHook, EpochTally, ProgressHook, ReseedHook

@@ -9,7 +9,7 @@ import torch
 
 from sparkdl.config import UseGpu
 from sparkdl.data.inputs import plan_data
-from sparkdl.runtime.inference import (
+from sparkdl.spark.inference import (
     ModelWeights,
     OutputCols,
     OutputMode,

@@ -11,10 +11,10 @@ import pytest
 FORBIDDEN = (
     "pyspark",
     "cryptography",
-    "sparkdl.net",
-    "sparkdl.progress",
+    "sparkdl.wire",
+    "sparkdl.services.progress",
     "sparkdl.runtime",
-    "sparkdl.ps.server",
+    "sparkdl.services.ps.server",
 )
 
 
@@ -34,7 +34,8 @@ def test_choosing_a_strategy_loads_only_its_module():
     code = (
         "import sys; from sparkdl.config import Strategy; from sparkdl.strategies import strategy_class; "
         "strategy_class(Strategy.WEIGHT_AVERAGING); "
-        "print('sparkdl.ps.client' in sys.modules, 'sparkdl.strategies.weight_averaging' in sys.modules)"
+        "print('sparkdl.services.ps.client' in sys.modules, "
+        "'sparkdl.strategies.weight_averaging' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

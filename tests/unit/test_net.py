@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-import sparkdl.net.framing as framing
-import sparkdl.net.listener as listener_module
+import sparkdl.wire.framing as framing
+import sparkdl.wire.listener as listener_module
 from sparkdl.errors import (
     CheckpointError,
     ConfigError,
@@ -28,7 +28,16 @@ from sparkdl.errors import (
     PsTimeoutError,
     PushRejected,
 )
-from sparkdl.net.framing import (
+from sparkdl.services.progress.board import ProgressBoard
+from sparkdl.services.progress.channel import (
+    ProgressEndpoint,
+    ProgressReporter,
+    ProgressServer,
+    reporting_to_driver,
+)
+from sparkdl.services.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Heartbeat, Hello, Log
+from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, error_frame, error_of
+from sparkdl.wire.framing import (
     PREFIX,
     STREAM_CHUNK,
     TAG_BYTES,
@@ -40,11 +49,7 @@ from sparkdl.net.framing import (
     member,
     server_challenge,
 )
-from sparkdl.net.listener import ConnectionListener
-from sparkdl.progress.board import ProgressBoard
-from sparkdl.progress.channel import ProgressEndpoint, ProgressReporter, ProgressServer, reporting_to_driver
-from sparkdl.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Heartbeat, Hello, Log
-from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, error_frame, error_of
+from sparkdl.wire.listener import ConnectionListener
 
 SECRET = b"s" * 32
 NONCE = b"n" * 16

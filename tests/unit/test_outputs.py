@@ -13,8 +13,8 @@ import torch
 from sparkdl.config import UseGpu
 from sparkdl.data.inputs import plan_data
 from sparkdl.errors import SchemaError
-from sparkdl.runtime import inference
-from sparkdl.runtime.inference import (
+from sparkdl.spark import inference
+from sparkdl.spark.inference import (
     VECTOR_ARROW_TYPE,
     ModelWeights,
     OutputCols,

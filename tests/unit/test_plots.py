@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pytest
 
-from sparkdl.plots import history_series, plot_history
+from sparkdl.ml.plots import history_series, plot_history
 
 HISTORY = [
     {

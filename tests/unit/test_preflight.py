@@ -19,14 +19,14 @@ from torch import nn
 
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, ModelMismatchError
-from sparkdl.runtime.environment import (
+from sparkdl.spark.environment import (
     SHIPPED_PROBE,
     Interpreter,
     driver_interpreter,
     environment_problems,
     mismatch_message,
 )
-from sparkdl.training.preflight import preflight
+from sparkdl.training.trial import preflight
 
 FEATURES = "the feature columns ['features']"
 LABEL = "the label column 'y'"

@@ -10,10 +10,9 @@ import time
 import pytest
 
 from sparkdl.errors import ConnectionClosed
-from sparkdl.net.framing import Channel
-from sparkdl.progress.board import ProgressBoard, Report
-from sparkdl.progress.channel import ForwardToDriver, ProgressReporter, ProgressServer
-from sparkdl.progress.protocol import (
+from sparkdl.services.progress.board import ProgressBoard, Report
+from sparkdl.services.progress.channel import ForwardToDriver, ProgressReporter, ProgressServer
+from sparkdl.services.progress.protocol import (
     MAX_PAYLOAD,
     PROGRESS_WIRE,
     REPORT_PAYLOAD,
@@ -22,6 +21,7 @@ from sparkdl.progress.protocol import (
     Log,
     client_hello,
 )
+from sparkdl.wire.framing import Channel
 
 SECRET = b"p" * 32
 
@@ -188,7 +188,7 @@ def test_a_frame_naming_another_rank_than_its_hello_is_refused(caplog):
     server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
     try:
         with (
-            caplog.at_level(logging.WARNING, logger="sparkdl.progress"),
+            caplog.at_level(logging.WARNING, logger="sparkdl.services.progress"),
             socket.create_connection((server.host, server.port), timeout=5) as sock,
         ):
             channel = client_hello(sock, SECRET, rank=1, attempt=0)

@@ -13,11 +13,18 @@ import torch
 from torch import nn
 
 from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerError, PeerStopped, PsAborted
-from sparkdl.net.framing import CHALLENGE
-from sparkdl.ps.client import PsClient
-from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
-from sparkdl.ps.server import ParameterServer, _all_finite
-from sparkdl.ps.store import PsMode, PsTimeoutError, PushRejected, ShardStore, shard_count, split_into_shards
+from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
+from sparkdl.services.ps.server import ParameterServer, _all_finite
+from sparkdl.services.ps.store import (
+    PsMode,
+    PsTimeoutError,
+    PushRejected,
+    ShardStore,
+    shard_count,
+    split_into_shards,
+)
+from sparkdl.wire.framing import CHALLENGE
 
 SECRET = b"k" * 32
 
@@ -287,7 +294,7 @@ def test_a_stopped_worker_stops_its_peers_and_an_old_attempt_is_rejected_by_type
 
 def test_spark_connect_sessions_are_told_which_strategies_work():
     from sparkdl import ClusterConfigError
-    from sparkdl.runtime.ps_host import start_parameter_server
+    from sparkdl.spark.ps_host import start_parameter_server
 
     # A stand-in whose type lives where Spark Connect's session class lives: the check
     # looks only at that, and must fire before anything else is touched.

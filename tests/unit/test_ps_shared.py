@@ -1,4 +1,4 @@
-"""The parameter server's shared memory for workers on its host (:mod:`sparkdl.ps.areas`):
+"""The parameter server's shared memory for workers on its host (:mod:`sparkdl.comm.ps_areas`):
 the same numbers as over the sockets, only headers on the wire, areas handed out and
 taken back, a worker in another process attaching through ``/proc``, and frames that name
 an area not theirs refused."""
@@ -19,15 +19,15 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.compression.codecs import ErrorFeedback, OneBit
+from sparkdl.comm import ps_areas as areas
+from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit
 from sparkdl.errors import ConnectionClosed, PeerStopped, PsTimeoutError
-from sparkdl.net.framing import TAG_BYTES, Channel, frame_bytes
-from sparkdl.ps import areas
-from sparkdl.ps import server as server_module
-from sparkdl.ps.client import PsClient
-from sparkdl.ps.protocol import PS_WIRE, Frame, Kind, client_hello
-from sparkdl.ps.server import ParameterServer, _Waiting, _WarmBuffers
-from sparkdl.ps.store import PsMode, ShardStore
+from sparkdl.services.ps import server as server_module
+from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.protocol import PS_WIRE, Frame, Kind, client_hello
+from sparkdl.services.ps.server import ParameterServer, _Waiting, _WarmBuffers
+from sparkdl.services.ps.store import PsMode, ShardStore
+from sparkdl.wire.framing import TAG_BYTES, Channel, frame_bytes
 
 SECRET = b"s" * 32
 VALUES = ((1.0, 2.0, -0.5), tuple(float(v) / 7 for v in range(1, 300)))

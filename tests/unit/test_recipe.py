@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from sparkdl.config import LrSchedule, PsMode, SparkDLConfig
 from sparkdl.data.tensors import Batch
-from sparkdl.ps.store import ShardStore
+from sparkdl.services.ps.store import ShardStore
 from sparkdl.strategies import StepInput, StrategyContext, create_strategy
 from sparkdl.training.losses import resolve_loss
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, lr_plan, steps_per_epoch_estimate

@@ -21,20 +21,20 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.errors import ConnectionClosed, ProtocolError, PushRejected
-from sparkdl.net.framing import TAG_BYTES, Channel
-from sparkdl.net.listener import one_line
-from sparkdl.progress.board import ProgressBoard, Report
-from sparkdl.progress.channel import ProgressReporter, ProgressServer
-from sparkdl.progress.protocol import MAX_LOG_CHARS, MAX_PAYLOAD, Ack, Log
-from sparkdl.progress.protocol import client_hello as progress_hello
-from sparkdl.ps.client import PsClient
-from sparkdl.ps.endpoint import PsEndpoint
-from sparkdl.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
-from sparkdl.ps.server import ParameterServer
-from sparkdl.ps.store import PsMode, ShardStore
-from sparkdl.weights.client import download, upload
-from sparkdl.weights.server import WeightServer
+from sparkdl.services.progress.board import ProgressBoard, Report
+from sparkdl.services.progress.channel import ProgressReporter, ProgressServer
+from sparkdl.services.progress.protocol import MAX_LOG_CHARS, MAX_PAYLOAD, Ack, Log
+from sparkdl.services.progress.protocol import client_hello as progress_hello
+from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
+from sparkdl.services.ps.server import ParameterServer
+from sparkdl.services.ps.store import PsMode, ShardStore
+from sparkdl.services.weights.client import download, upload
+from sparkdl.services.weights.server import WeightServer
+from sparkdl.wire.framing import TAG_BYTES, Channel
+from sparkdl.wire.listener import one_line
 
 SECRET = b"k" * 32
 
@@ -140,7 +140,7 @@ def test_a_recorded_parameter_server_session_replayed_applies_nothing_and_is_log
         version, weights = store.version, store.flat_weights().clone()
         assert version == 3 and weights.tolist() == [-0.5, 0.5]
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="sparkdl.ps"):
+        with caplog.at_level(logging.WARNING, logger="sparkdl.services.ps"):
             answered = replay(ps.host, ps.port, bytes(relay.from_client))
             assert wait_until(lambda: ps.refusals)
         assert len(answered) == 24  # its own fresh challenge, then the close
@@ -201,7 +201,7 @@ def test_thousands_of_idle_and_half_open_connections_cost_no_thread_and_lock_no_
 
 
 def test_a_connection_that_never_finishes_its_hello_is_closed_after_the_timeout():
-    from sparkdl.net.listener import ConnectionListener
+    from sparkdl.wire.listener import ConnectionListener
 
     listener = ConnectionListener(
         "127.0.0.1",
@@ -236,8 +236,8 @@ _CHILD = textwrap.dedent(
     """
     import json, resource, sys, torch
     from torch import nn
-    from sparkdl.ps.server import ParameterServer
-    from sparkdl.ps.store import PsMode, ShardStore
+    from sparkdl.services.ps.server import ParameterServer
+    from sparkdl.services.ps.store import PsMode, ShardStore
     resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     def shard(values):
         sgd = lambda params: torch.optim.SGD(params, lr=0.5)
@@ -385,7 +385,7 @@ def test_the_board_takes_only_the_fit_s_own_ranks_and_epochs(hello_rank, report_
     server = ProgressServer(board, "127.0.0.1", SECRET, 10.0)
     try:
         with (
-            caplog.at_level(logging.WARNING, logger="sparkdl.progress"),
+            caplog.at_level(logging.WARNING, logger="sparkdl.services.progress"),
             socket.create_connection((server.host, server.port), timeout=5) as sock,
         ):
             channel = progress_hello(sock, SECRET, rank=hello_rank, attempt=0)
@@ -499,7 +499,7 @@ def test_encrypted_weights_upload_and_download_round_trip():
 def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_handshake_loop():
     """Eviction and reading meet in one selector batch: a connection evicted by a newer one
     may have its bytes reported in the same batch. The loop must skip it, not die."""
-    from sparkdl.net.listener import ConnectionListener
+    from sparkdl.wire.listener import ConnectionListener
 
     served = []
     listener = ConnectionListener(

@@ -10,18 +10,11 @@ import pytest
 import tomllib
 
 from sparkdl import ConfigError, SparkDLConfig, TorchEstimator, load_config
+from sparkdl.apps.settings import REGENERATE, job_settings, render_markdown, render_text
 from sparkdl.config import SECTIONS
-from sparkdl.config_loading import about
-from sparkdl.estimator import choose_loss
-from sparkdl.settings import (
-    REGENERATE,
-    job_settings,
-    library_settings,
-    missing_meanings,
-    render_markdown,
-    render_text,
-    toml_literal,
-)
+from sparkdl.config.loading import about
+from sparkdl.config.table import library_settings, missing_meanings, toml_literal
+from sparkdl.ml.estimator import choose_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_NAMES = [s.name for s in library_settings()]

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from sparkdl.comm import shared_memory
+from sparkdl.comm.shared_memory import SharedMemoryGroup, _Setup, area_bytes_for
 from sparkdl.errors import CollectiveError
-from sparkdl.strategies import shared_memory
-from sparkdl.strategies.shared_memory import SharedMemoryGroup, _Setup, area_bytes_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux shared memory")
 

@@ -185,8 +185,8 @@ def test_all_reduce_stops_at_once_on_a_non_finite_average(gloo_group):
 
 
 def test_the_parameter_server_strategy_pushes_gradients_and_pulls_the_servers_step(gloo_group):
-    from sparkdl.runtime.ps_host import host_parameter_server
-    from sparkdl.runtime.worker import TrainSpec
+    from sparkdl.spark.ps_host import host_parameter_server
+    from sparkdl.worker.assembly import TrainSpec
     from tests.reference import shard_plan
 
     config = SparkDLConfig().replace(num_workers=1, strategy="parameter_server", ps_shards=2)

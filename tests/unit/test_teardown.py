@@ -25,7 +25,7 @@ def test_a_teardown_that_blocks_is_ended_with_every_thread_s_stack():
     done = _run(
         """
         import time
-        from sparkdl.runtime.worker import TeardownWatchdog
+        from sparkdl.worker.assembly import TeardownWatchdog
         def release_process_groups_stuck():
             time.sleep(60)
         TeardownWatchdog(1.0, rank=3).arm()
@@ -41,7 +41,7 @@ def test_a_teardown_that_finishes_in_time_disarms_the_watchdog():
     done = _run(
         """
         import time
-        from sparkdl.runtime.worker import TeardownWatchdog
+        from sparkdl.worker.assembly import TeardownWatchdog
         watchdog = TeardownWatchdog(1.0, rank=0)
         watchdog.arm()
         watchdog.disarm()
@@ -57,7 +57,7 @@ def test_the_worker_daemon_freezes_its_imports_so_a_forked_worker_collects_only_
     done = _run(
         """
         import gc, os
-        from sparkdl.runtime import daemon
+        from sparkdl.spark import daemon
         daemon._prepare()
         frozen = gc.get_freeze_count()
         child = os.fork()
@@ -76,7 +76,7 @@ def _fits_in_one_process(rank, world, shards, spec, store_dir, fits, out):
 
     import torch.distributed as dist
 
-    from sparkdl.runtime.worker import Placement, run_worker
+    from sparkdl.worker.assembly import Placement, run_worker
     from tests.reference import shard_to_batch
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -99,8 +99,8 @@ def _fits_in_one_process(rank, world, shards, spec, store_dir, fits, out):
 @pytest.mark.parametrize("strategy", ["allreduce", "weight_averaging", "parameter_server"])
 def test_back_to_back_fits_in_one_process_release_everything(tmp_path, strategy):
     from sparkdl.config import SparkDLConfig
-    from sparkdl.runtime.ps_host import host_parameter_server
-    from sparkdl.runtime.worker import TrainSpec
+    from sparkdl.spark.ps_host import host_parameter_server
+    from sparkdl.worker.assembly import TrainSpec
     from tests.reference import make_tiny_net, shard_plan
     from tests.unit.test_worker_gloo import _plain_sgd
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.estimator import TorchModel
-from sparkdl.tracking import _log_model
+from sparkdl.ml.estimator import TorchModel
+from sparkdl.ml.tracking import _log_model
 
 
 class DataDependent(nn.Module):

@@ -8,10 +8,10 @@ import threading
 import time
 
 from sparkdl.errors import StageStalledError
-from sparkdl.progress.board import ProgressBoard
-from sparkdl.progress.channel import ProgressReporter, ProgressServer
-from sparkdl.progress.protocol import client_hello
-from sparkdl.runtime.watch import StallMonitor, find_stall
+from sparkdl.services.progress.board import ProgressBoard
+from sparkdl.services.progress.channel import ProgressReporter, ProgressServer
+from sparkdl.services.progress.protocol import client_hello
+from sparkdl.spark.watch import StallMonitor, find_stall
 
 
 def test_a_stall_is_a_rank_silent_for_longer_than_the_bound():

@@ -12,11 +12,17 @@ import pytest
 import torch
 
 from sparkdl.errors import ProtocolError, WeightTransferError
-from sparkdl.net.listener import close_quietly
+from sparkdl.services.weights.client import download, upload
+from sparkdl.services.weights.codec import (
+    StateAssembler,
+    byte_chunks,
+    decode_manifest,
+    encode_manifest,
+    manifest_of,
+)
+from sparkdl.services.weights.server import KEEP_RELEASED, WeightServer
 from sparkdl.training.factory import module_with_state
-from sparkdl.weights.client import download, upload
-from sparkdl.weights.codec import StateAssembler, byte_chunks, decode_manifest, encode_manifest, manifest_of
-from sparkdl.weights.server import KEEP_RELEASED, WeightServer
+from sparkdl.wire.listener import close_quietly
 
 
 class Owner:
@@ -234,7 +240,7 @@ def test_a_module_with_tensors_the_state_lacks_is_built_normally_and_loaded():
 
 
 def test_a_large_released_model_is_not_kept_beside_the_next_one(server, monkeypatch):
-    from sparkdl.weights import server as serving
+    from sparkdl.services.weights import server as serving
 
     monkeypatch.setattr(serving, "RELEASED_BYTES", 1024)
     big_owner, small_owner = Owner(), Owner()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from sparkdl.config import SparkDLConfig
-from sparkdl.net.framing import frame_bytes
-from sparkdl.ps.protocol import PS_WIRE
-from sparkdl.runtime.ps_host import host_parameter_server
-from sparkdl.runtime.worker import Placement, TrainSpec, run_worker
+from sparkdl.services.ps.protocol import PS_WIRE
+from sparkdl.spark.ps_host import host_parameter_server
+from sparkdl.wire.framing import frame_bytes
+from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
 from tests.reference import (
     make_shards,
     make_tiny_net,
@@ -85,7 +85,7 @@ class _OwnWeights:
 
 
 def _worker_sending_its_weights(rank, world, shards, spec, store_path, out, peers=()):
-    import sparkdl.runtime.worker as assembly
+    import sparkdl.worker.assembly as assembly
 
     built = []
     create = assembly.create_strategy

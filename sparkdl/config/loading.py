@@ -1,0 +1,243 @@
+"""The machinery behind :mod:`sparkdl.config`: declaring settings, reading TOML, building sections.
+
+Generic over frozen dataclasses (one per ``[section]``), so the jobs' own sections
+(``[job]``, ``[etl]``, ``[spark]``) are read by the same code as the library's.
+
+* :func:`about` is a field's metadata: its meaning (``doc``) and its valid values, kept
+  next to the field so the settings table (:mod:`sparkdl.config.table`) is generated from them.
+* :func:`section_owners` maps each setting name to its section and refuses a name
+  declared twice: the flat surface (keyword arguments, ``replace``) needs one owner per name.
+* :func:`config_from_tables` builds sections from raw TOML tables; an unknown key says
+  which section it belongs in, or which name was probably meant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomllib
+
+from sparkdl.errors import ConfigError
+
+T = TypeVar("T")
+
+BOUNDS = ("> 0", ">= 0")  # the numeric bounds a setting can declare and check_bounds enforces
+
+
+def about(doc: str, *, bound: str = "", valid: str = "") -> dict[str, str]:
+    """The metadata of a setting: ``field(default=..., metadata=about(...))``.
+
+    Args:
+        doc: one sentence saying what the setting does; shown by ``explainParams``,
+            ``python -m sparkdl settings`` and docs/settings.md.
+        bound: ``"> 0"`` or ``">= 0"``, enforced by :func:`check_bounds`.
+        valid: the valid values in words, where the type and bound do not say it all.
+    """
+    if bound and bound not in BOUNDS:
+        raise ValueError(f"bound {bound!r} is not one of {BOUNDS}")
+    return {"doc": doc, "bound": bound, "valid": valid}
+
+
+def check_bounds(obj: Any, section: str) -> None:
+    """Enforce every ``bound`` declared with :func:`about` on the section ``obj``.
+
+    Raises:
+        ConfigError: naming ``section.name``, the value and the bound.
+    """
+    for f in dataclasses.fields(obj):
+        bound, value = f.metadata.get("bound", ""), getattr(obj, f.name)
+        if bound and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} = {value} must be a finite number {bound}")
+        if (bound == "> 0" and value <= 0) or (bound == ">= 0" and value < 0):
+            raise ConfigError(f"{section}.{f.name} = {value} must be {bound}")
+
+
+def section_owners(sections: Mapping[str, type[Any]]) -> dict[str, str]:
+    """Map each setting name to the one section that declares it.
+
+    Raises:
+        ConfigError: a name is declared by two sections (both are named).
+    """
+    owners: dict[str, str] = {}
+    for section, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            if f.name in owners:
+                raise ConfigError(
+                    f"setting {f.name!r} is declared in both [{owners[f.name]}] and [{section}]; "
+                    "a setting name must be unique across sections (keyword arguments and "
+                    "SparkDLConfig.replace name settings without their section): rename one"
+                )
+            owners[f.name] = section
+    return owners
+
+
+def unknown_names(kind: str, names: Iterable[str], valid: Iterable[str]) -> str:
+    """Say which names are unknown: ``unknown setting 'batch_sise'; did you mean 'batch_size'?``.
+
+    A name with a close match gets that match alone; the valid names are listed (once)
+    only for names that resemble none of them.
+    """
+    choices = sorted(valid)
+    guesses, strangers = [], []
+    for name in names:
+        close = difflib.get_close_matches(name, choices, n=1, cutoff=0.75)
+        if close:
+            guesses.append(f"unknown {kind} {name!r}; did you mean {close[0]!r}?")
+        else:
+            strangers.append(repr(name))
+    if strangers:
+        listed = f"unknown {kind}(s) {', '.join(strangers)}; valid {kind}s: {', '.join(choices)}"
+        guesses.append(listed)
+    return "; ".join(guesses)
+
+
+def load_toml(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """Read a TOML file and apply ``section.key=value`` overrides to the raw tables.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, or an override is malformed.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else taken as a string."""
+    name, sep, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. training.epochs=3)")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return section, key.strip(), value
+
+
+def config_from_tables(
+    raw: Mapping[str, Any], source: str, sections: Mapping[str, type[Any]]
+) -> dict[str, Any]:
+    """Build one dataclass per expected section from raw TOML tables.
+
+    Raises:
+        ConfigError: an unknown section, a key in the wrong or no section, a bad value.
+    """
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"{source}: {unknown_names('section', unknown, sections)}")
+    owners: dict[str, str] = {}
+    for name, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, name)
+    out = {}
+    for name, cls in sections.items():
+        table = raw.get(name, {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{source}: [{name}] must be a table, got {table!r}")
+        out[name] = build_section(cls, table, source, name, owners)
+    return out
+
+
+def build_section(
+    cls: type[T], table: Mapping[str, Any], source: str, section: str, owners: Mapping[str, str]
+) -> T:
+    """Build section ``cls`` from ``table``, coercing values to the fields' types.
+
+    ``owners`` maps the names of the other sections' settings to their section, so a
+    key in the wrong section is reported with the section it belongs in.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ConfigError("; ".join(_misplaced(key, source, section, names, owners) for key in unknown))
+    where = f"{source} [{section}]" if source else f"[{section}]"
+    kwargs = {k: _coerce(v, hints[k], f"{where} {k}") for k, v in table.items()}
+    return cls(**kwargs)
+
+
+def _misplaced(key: str, source: str, section: str, names: list[str], owners: Mapping[str, str]) -> str:
+    """Why ``key`` is not a key of ``[section]``: it belongs elsewhere, or a close name was meant."""
+    owner = owners.get(key)
+    if owner is not None and owner != section:
+        return (
+            f"{source}: {section}.{key}: {key} belongs in [{owner}] "
+            f"(write it under [{owner}], or --set {owner}.{key}=...)"
+        )
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if close:
+        return f"{source} [{section}]: unknown key {key!r}; did you mean {close[0]!r}?"
+    elsewhere = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.75)
+    if elsewhere:
+        other = elsewhere[0]
+        return f"{source} [{section}]: unknown key {key!r}; did you mean {owners[other]}.{other}?"
+    return f"{source} [{section}]: unknown key {key!r}; valid keys: {', '.join(sorted(names))}"
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        text = str(value).lower() if isinstance(value, bool | str) else value
+        if isinstance(value, hint):
+            return value
+        try:
+            return hint(text)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in hint)
+            raise ConfigError(f"{where} = {value!r} is not valid; choose one of {choices}") from None
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} = {value!r} must be a list")
+        (item_type, _) = typing.get_args(hint)
+        return tuple(_coerce(v, item_type, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} = {value!r} must be a table")
+        (_, value_type) = typing.get_args(hint)
+        return {str(k): _coerce(v, value_type, f"{where}.{k}") for k, v in value.items()}
+    if origin in (types.UnionType, typing.Union):
+        members: tuple[Any, ...] = typing.get_args(hint)
+        if str in members and isinstance(value, str):
+            return value
+        for member in members:
+            if typing.get_origin(member) is tuple and isinstance(value, list | tuple):
+                return _coerce(value, member, where)
+        names = " or ".join(_hint_name(m) for m in members)
+        raise ConfigError(f"{where} = {value!r} must be {names}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not _is_exact(value, hint):
+        raise ConfigError(f"{where} = {value!r} must be of type {hint.__name__}")
+    return value
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    return f"a {getattr(hint, '__name__', hint)}"
+
+
+def _is_exact(value: Any, hint: type) -> bool:
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)

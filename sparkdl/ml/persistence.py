@@ -1,0 +1,222 @@
+"""Spark ML persistence of :class:`~sparkdl.ml.estimator.TorchModel` and
+:class:`~sparkdl.ml.estimator.TorchEstimator`: settings as Spark ML metadata, weights as a
+``weights_only`` torch file, user functions cloudpickled beside them.
+
+The readers and writers know the stages only through the attributes they save
+(:class:`SavedModel`) and the class the caller hands a reader, so this module sits below
+the estimator and imports nothing of it.
+
+Loading runs no code from the saved directory. The weights are read with
+``torch.load(weights_only=True)``, which only rebuilds tensors. The architecture is code,
+so it comes from the caller: ``TorchModel.load(path, model_fn=make_model)`` (and
+``transform_fn=`` for a model trained with one). The pickled factory in the directory
+is unpickled, which runs whatever it holds, only on ``trust_pickle=True``. Inside a
+``PipelineModel.load`` or ``CrossValidatorModel.load``, which call the reader without
+arguments, the same choices apply through :func:`loading`::
+
+    with sparkdl.loading(model_fn=make_model):
+        pipeline = PipelineModel.load(path)
+
+The weights file is written by ``torch.save`` straight to a file and loaded memory-mapped
+into a module built on the meta device, so saving or loading a model of N bytes holds
+about N bytes, not two or three copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+import cloudpickle
+import torch
+from pyspark.ml.param import Params
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+
+from sparkdl.errors import ConfigError
+from sparkdl.storage import fs
+from sparkdl.training.factory import cpu_state_dict, module_with_state
+
+_LOADING = threading.local()
+
+
+class SavedModel(Protocol):
+    """What a fitted model keeps beside its Params: the attributes the writer saves."""
+
+    uid: str
+    module: torch.nn.Module | None
+    model_fn: Callable[[], torch.nn.Module] | None
+    history: list[dict[str, Any]]
+    output_shape: tuple[int, ...]
+    trained_input_shapes: dict[str, tuple[int, ...]]
+    classifier: bool
+    transform_fn: Callable[..., Any] | None
+
+
+#: The class a reader builds: ``TorchModel`` or ``TorchEstimator``.
+R = TypeVar("R", bound=Params)
+
+
+@contextlib.contextmanager
+def loading(trust_pickle: bool = False, **functions: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, every sparkdl model or estimator loaded without arguments (as
+    ``PipelineModel.load`` and ``CrossValidatorModel.load`` load their stages) takes its
+    functions from ``functions`` (``model_fn=``, ``transform_fn=``, ``optimizer_fn=``, ...)
+    or, with ``trust_pickle=True``, unpickles the ones saved with it (which runs their code:
+    only for directories you trust)."""
+    previous = getattr(_LOADING, "options", None)
+    _LOADING.options = (trust_pickle, functions)
+    try:
+        yield
+    finally:
+        _LOADING.options = previous
+
+
+def _options(trust_pickle: bool | None, functions: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """The caller's options, or else those of the enclosing :func:`loading` block."""
+    outer_trust, outer_functions = getattr(_LOADING, "options", None) or (False, {})
+    given = {name: f for name, f in functions.items() if f is not None}
+    return bool(trust_pickle if trust_pickle is not None else outer_trust), {**outer_functions, **given}
+
+
+def _refused(path: str, what: str, names: list[str], files: str, cls: str) -> ConfigError:
+    example = ", ".join(f"{name}=..." for name in names)
+    return ConfigError(
+        f"{path} holds {what} only as pickled code ({files}); unpickling runs whatever code it "
+        f"holds, so load refuses it. Pass the code yourself: {cls}.load(path, {example}); or, if "
+        f"you trust whoever wrote {path}: {cls}.load(path, trust_pickle=True). Inside "
+        f"PipelineModel.load or CrossValidatorModel.load: with sparkdl.loading({example}): ... "
+        "(or sparkdl.loading(trust_pickle=True))"
+    )
+
+
+class TorchModelWriter(MLWriter):
+    """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
+
+    def __init__(self, instance: SavedModel) -> None:
+        super().__init__()
+        self.instance = instance
+        self.params: Params = instance  # type: ignore[assignment]  # a SavedModel is a Params too
+
+    def saveImpl(self, path: str) -> None:
+        model = self.instance
+        extra = {
+            "history": model.history,
+            "output_shape": list(model.output_shape),
+            "trained_input_shapes": {name: list(shape) for name, shape in model.trained_input_shapes.items()},
+            "classifier": model.classifier,
+            "transform_fn": model.transform_fn is not None,
+        }
+        DefaultParamsWriter.saveMetadata(self.params, path, self.sparkSession, extraMetadata=extra)
+        assert model.module is not None
+        state = cpu_state_dict(model.module)
+        fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
+        fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
+        if model.transform_fn is not None:
+            data = cloudpickle.dumps(model.transform_fn)
+            fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
+
+
+def _legacy_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A model saved before named inputs recorded one ``input_shape``: feature_cols' matrix."""
+    shape = metadata.get("input_shape")
+    return {"features": tuple(shape)} if shape else {}
+
+
+class TorchModelReader(MLReader[Any], Generic[R]):
+    """Loads a model of class ``model_class``: the weights as tensors only, the architecture
+    from the caller (or, on ``trust_pickle``, from the pickled factory saved with it)."""
+
+    def __init__(
+        self,
+        model_class: Callable[..., R],
+        model_fn: Callable[[], torch.nn.Module] | None = None,
+        transform_fn: Callable[..., Any] | None = None,
+        trust_pickle: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self._model_class = model_class
+        self._trust, self._functions = trust_pickle, {"model_fn": model_fn, "transform_fn": transform_fn}
+
+    def load(self, path: str) -> R:
+        trust, functions = _options(self._trust, self._functions)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        wanted = ["model_fn"] + (["transform_fn"] if metadata.get("transform_fn") else [])
+        missing = [name for name in wanted if name not in functions]
+        if missing and not trust:
+            files = ", ".join(f"{name}.cloudpickle" for name in missing)
+            raise _refused(path, "its model's architecture", missing, files, "TorchModel")
+        for name in missing:  # trusted: the saved code
+            functions[name] = cloudpickle.loads(
+                fs.read_bytes(self.sparkSession, f"{path}/{name}.cloudpickle")
+            )
+        with fs.local_file(self.sparkSession, f"{path}/weights.pt") as file:
+            # memory-mapped: the weights are read from the file as they are used, not copied
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        model_fn = functions["model_fn"]
+        module = module_with_state(model_fn, state)
+        model = self._model_class(
+            module=module,
+            model_fn=model_fn,
+            history=metadata["history"],
+            output_shape=tuple(metadata["output_shape"]),
+            classifier=metadata["classifier"],
+            trained_input_shapes=metadata.get("trained_input_shapes") or _legacy_shapes(metadata),
+            transform_fn=functions.get("transform_fn") if metadata.get("transform_fn") else None,
+        )
+        model._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
+        return model
+
+
+class TorchEstimatorWriter(MLWriter):
+    """Saves an unfitted estimator (e.g. inside a saved Pipeline or CrossValidatorModel):
+    its settings as Spark ML metadata and its functions cloudpickled."""
+
+    def __init__(self, instance: Params) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        # every user function (model_fn, optimizer_fn, loss_fn, ...): what is not a Param
+        functions = {name: value for name, value in vars(self.instance).items() if name.endswith("_fn")}
+        saved = sorted(name for name, value in functions.items() if value is not None)
+        DefaultParamsWriter.saveMetadata(
+            self.instance, path, self.sparkSession, extraMetadata={"functions": saved}
+        )
+        fs.write_bytes(self.sparkSession, f"{path}/functions.cloudpickle", cloudpickle.dumps(functions))
+
+
+class TorchEstimatorReader(MLReader[Any], Generic[R]):
+    """Loads a TorchEstimator: its settings, and its functions from the caller (or, on
+    ``trust_pickle``, unpickled from the directory)."""
+
+    def __init__(
+        self,
+        estimator_class: Callable[[], R],
+        trust_pickle: bool | None = None,
+        **functions: Callable[..., Any] | None,
+    ) -> None:
+        super().__init__()
+        self._estimator_class = estimator_class
+        self._trust, self._functions = trust_pickle, functions
+
+    def load(self, path: str) -> R:
+        trust, functions = _options(self._trust, self._functions)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        if trust:  # the saved code, under what the caller passed
+            saved = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/functions.cloudpickle"))
+            functions = {**saved, **functions}
+        else:
+            # the names of the functions saved; a directory of an older sparkdl does not say
+            needed = metadata.get("functions", ["model_fn"])
+            missing = sorted(set(needed) - set(functions))
+            if missing:
+                raise _refused(path, "its functions", missing, "functions.cloudpickle", "TorchEstimator")
+        estimator = self._estimator_class()
+        for name, value in functions.items():
+            setattr(estimator, name, value)
+        estimator._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(estimator, metadata)  # type: ignore[type-var]  # R is MLReadable too
+        return estimator

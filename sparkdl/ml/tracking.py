@@ -1,0 +1,156 @@
+"""MLflow logging of a fit, on the driver, when MLflow is installed and pointed somewhere.
+
+Logged: every setting as a param, each epoch's figures as metrics (step = epoch), and
+the trained model through ``mlflow.pytorch`` in the ``pt2`` graph format when the model
+exports with an example batch (loading it runs no Python code of ours). A model that
+does not export is logged pickled only when ``mlflow_pickle_model`` asks for it (loading
+a pickle runs its code); otherwise only its weights are logged, as a ``weights_only``
+torch file that ``TorchModel.load``'s own format reads back into ``model_fn()``. Inside
+an active run (a notebook's, or a pipeline's) the fit becomes a nested run.
+
+Nothing is logged unless a tracking URI was chosen (``MLFLOW_TRACKING_URI``,
+``mlflow.set_tracking_uri``, Databricks' own) or a run is active: sparkdl never
+creates an ``mlruns`` directory a user did not ask for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any, Protocol
+
+import torch
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.training.factory import cpu_state_dict
+
+log = logging.getLogger(__name__)
+
+
+class TrackedModel(Protocol):
+    """What MLflow logging reads of a fitted model (a ``TorchModel``)."""
+
+    module: torch.nn.Module | None
+    history: list[dict[str, Any]]
+    trained_input_shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def keyword_inputs(self) -> bool: ...
+
+
+_EPOCH_METRICS = (
+    "loss",
+    "samples",
+    "samples_per_s",
+    "seconds",
+    "steps",
+    "sync_rounds",
+    "bytes_sent",
+    "bytes_received",
+    "staleness_mean",
+    "staleness_max",
+    "wait_s",
+    "nan_skips",
+    "val_loss",
+    "val_accuracy",
+    "val_rmse",
+    "val_samples",
+)
+
+
+def mlflow_if_configured(config: SparkDLConfig) -> Any | None:
+    """The ``mlflow`` module when fit should log to it, else None."""
+    if not config.tracking.mlflow:
+        return None
+    try:
+        import mlflow
+    except ImportError:
+        return None
+    if os.environ.get("MLFLOW_TRACKING_URI") or mlflow.active_run() is not None or _uri_was_set():
+        return mlflow
+    return None
+
+
+def _uri_was_set() -> bool:
+    try:
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+    except ImportError:  # a future MLflow moved it: fall back to the environment only
+        return False
+    return bool(is_tracking_uri_set())
+
+
+def log_fit(config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str | None:
+    """Log ``model``'s fit to MLflow if configured; return the run id."""
+    mlflow = mlflow_if_configured(config)
+    if mlflow is None:
+        return None
+    tracking = config.tracking
+    nested = mlflow.active_run() is not None
+    # The experiment is chosen for this run only: mlflow.set_experiment would change the
+    # caller's process-wide MLflow state (and MLFLOW_EXPERIMENT_ID) behind their back.
+    experiment_id = (
+        _experiment_id(mlflow, tracking.mlflow_experiment)
+        if tracking.mlflow_experiment and not nested
+        else None
+    )
+    with mlflow.start_run(
+        run_name=tracking.mlflow_run_name or None, nested=nested, experiment_id=experiment_id
+    ) as run:
+        params = {name: _param(value) for name, value in config.flat().items()}
+        mlflow.log_params(params)
+        for record in model.history:
+            metrics = {k: float(record[k]) for k in _EPOCH_METRICS if isinstance(record.get(k), int | float)}
+            mlflow.log_metrics(metrics, step=int(record["epoch"]))
+        mlflow.log_metric("fit_seconds", fit_seconds)
+        if tracking.mlflow_log_model and model.module is not None:
+            _log_model(mlflow, model, config.tracking.mlflow_pickle_model)
+        log.info("logged the fit to MLflow run %s (%s)", run.info.run_id, mlflow.get_tracking_uri())
+        return str(run.info.run_id)
+
+
+def _experiment_id(mlflow: Any, name: str) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    return str(experiment.experiment_id) if experiment is not None else str(mlflow.create_experiment(name))
+
+
+def _log_model(mlflow: Any, model: TrackedModel, pickle: bool = False) -> None:
+    import mlflow.pytorch
+
+    assert model.module is not None
+    module = model.module.eval()
+    requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+    shapes = model.trained_input_shapes
+    reason = "it takes named inputs, which the pt2 export is not given an example of"
+    if len(shapes) == 1 and not model.keyword_inputs:  # model(x): an example export can trace
+        example = torch.zeros((2, *next(iter(shapes.values()))))  # a batch of 1 would fix the batch size
+        try:
+            mlflow.pytorch.log_model(
+                module, name="model", input_example=example.numpy(), pip_requirements=requirements
+            )
+            return
+        except Exception as exc:  # torch.export cannot trace every model
+            reason = f"it does not export as pt2 ({exc})"
+    if pickle:
+        log.warning("MLflow: logging the model pickled (mlflow_pickle_model = true) because %s", reason)
+        mlflow.pytorch.log_model(
+            module, name="model", serialization_format="pickle", pip_requirements=requirements
+        )
+        return
+    log.warning(
+        "MLflow: logging only the model's weights (model_weights/weights.pt, a weights_only torch file) "
+        "because %s; load them into model_fn() with torch.load(..., weights_only=True), or set "
+        "mlflow_pickle_model = true to log the whole model pickled (loading a pickle runs its code)",
+        reason,
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "weights.pt")
+        torch.save(cpu_state_dict(module), path)
+        mlflow.log_artifact(path, artifact_path="model_weights")
+
+
+def _param(value: Any) -> str:
+    text = (
+        ",".join(map(str, value)) if isinstance(value, list | tuple) else str(getattr(value, "value", value))
+    )
+    return text[:500]  # MLflow's limit on a param value

@@ -1,0 +1,212 @@
+"""The weights channel's messages, on the authenticated framing of :mod:`sparkdl.wire.framing`.
+
+Header fields (after the framing prefix), the same three on every frame:
+
+    op      UPLOAD (a fit's rank 0 sends the trained weights) or DOWNLOAD (an inference
+            task fetches a model's weights)
+    slot    what is moved: the fit's upload slot, or the offered model; each slot has
+            its own secret, which its HELLO must verify under
+    value   CHUNK: the stream offset of its first byte; DONE and the final ACK: the
+            stream's total bytes; otherwise 0
+
+Kinds and payloads:
+
+    HELLO     client -> driver: opens the connection; empty (the nonce is the framing's)
+    ACK       driver -> client: the HELLO was accepted (value 0), or, after an upload's
+              DONE, the weights were received whole (value = total bytes)
+    MANIFEST  sender -> receiver: the state dict's entries (:mod:`sparkdl.services.weights.codec`)
+    CHUNK     sender -> receiver: the next bytes of the tensors' stream
+    DONE      sender -> receiver: the stream is complete; empty
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from sparkdl import wire
+from sparkdl.errors import ProtocolError
+from sparkdl.services.weights.codec import (
+    StateAssembler,
+    byte_chunks,
+    decode_manifest,
+    encode_manifest,
+    manifest_of,
+)
+from sparkdl.wire.framing import Channel, Fields, Payload, SecretLookup, WireProtocol, member
+
+CHUNK_BYTES = 4 * 1024 * 1024
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_PAYLOAD = max(CHUNK_BYTES, MAX_MANIFEST_BYTES)
+
+
+class Op(enum.IntEnum):
+    UPLOAD = 1
+    DOWNLOAD = 2
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    ACK = 2
+    MANIFEST = 3
+    CHUNK = 4
+    DONE = 5
+
+
+@dataclass(frozen=True)
+class Hello:
+    op: Op
+    slot: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    op: Op
+    slot: int
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    op: Op
+    slot: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    op: Op
+    slot: int
+    offset: int
+    data: Payload
+
+
+@dataclass(frozen=True)
+class Done:
+    op: Op
+    slot: int
+    total: int
+
+
+Message = Hello | Ack | Manifest | Chunk | Done
+
+
+class _WeightsWire(WireProtocol[Message]):
+    """Maps the weights messages onto the framing: header fields op, slot and value."""
+
+    def encode(self, message: Message) -> tuple[int, Fields, Payload]:
+        if isinstance(message, Chunk):
+            return Kind.CHUNK, (message.op, message.slot, message.offset), message.data
+        if isinstance(message, Manifest):
+            return Kind.MANIFEST, (message.op, message.slot, 0), message.payload
+        if isinstance(message, Done):
+            return Kind.DONE, (message.op, message.slot, message.total), b""
+        if isinstance(message, Ack):
+            return Kind.ACK, (message.op, message.slot, message.total), b""
+        return Kind.HELLO, (message.op, message.slot, 0), b""
+
+    def decode(self, kind: int, fields: Fields, payload: bytearray) -> Message:
+        op, slot, value = member(Op, fields[0], self.name), fields[1], fields[2]
+        which = member(Kind, kind, self.name)
+        if which is Kind.CHUNK:
+            return Chunk(op, slot, value, payload)
+        if which is Kind.MANIFEST:
+            if len(payload) > MAX_MANIFEST_BYTES:
+                raise ProtocolError(f"weights MANIFEST of {len(payload)} bytes, over {MAX_MANIFEST_BYTES}")
+            return Manifest(op, slot, bytes(payload))
+        if payload:
+            raise ProtocolError(f"{which.name} with {len(payload)} payload bytes, expected none")
+        if which is Kind.DONE:
+            return Done(op, slot, value)
+        if which is Kind.ACK:
+            return Ack(op, slot, value)
+        return Hello(op, slot)
+
+
+WEIGHTS_WIRE = _WeightsWire("sparkdl-weights", ident=3, fields="IQQ", hello_kind=Kind.HELLO)
+WeightsChannel = Channel[Message]
+
+
+def client_hello(
+    sock: socket.socket, secret: bytes, op: Op, slot: int, encrypt: bool = False
+) -> WeightsChannel:
+    """Open a connection for ``op`` on ``slot``; the driver answers with an ACK."""
+    return wire.client_hello(sock, secret, WEIGHTS_WIRE, Hello(op, slot), encrypt)
+
+
+def server_hello(
+    sock: socket.socket, secret_of: SecretLookup, encrypt: bool = False
+) -> tuple[Hello, WeightsChannel]:
+    """Read a HELLO on one blocking socket and verify it under the secret of the slot it
+    names (the driver's server does it in its listener)."""
+    hello, channel = wire.server_hello(sock, secret_of, WEIGHTS_WIRE, encrypt)
+    if not isinstance(hello, Hello):  # the framing checked the kind; this tells mypy
+        raise ProtocolError(f"first weights frame was {type(hello).__name__}, expected a HELLO")
+    return hello, channel
+
+
+def expect(channel: WeightsChannel, kind: type[Message], hello: Hello) -> Message:
+    """The next frame, which must be a ``kind`` of the connection's op and slot."""
+    message = channel.recv(MAX_PAYLOAD)
+    if not isinstance(message, kind) or (message.op, message.slot) != (hello.op, hello.slot):
+        raise ProtocolError(
+            f"expected a weights {kind.__name__} of {hello.op.name} slot {hello.slot}, got "
+            f"{type(message).__name__} of {message.op.name} slot {message.slot}"
+        )
+    return message
+
+
+def send_state(channel: WeightsChannel, hello: Hello, state: Mapping[str, torch.Tensor]) -> int:
+    """Send ``state``: MANIFEST, the tensors' bytes in CHUNKs, DONE; return the stream's bytes."""
+    entries, tensors = manifest_of(state)
+    channel.send(Manifest(hello.op, hello.slot, encode_manifest(entries)))
+    offset = 0
+    for data in byte_chunks(tensors, CHUNK_BYTES):
+        channel.send(Chunk(hello.op, hello.slot, offset, data))
+        offset += data.nbytes
+    channel.send(Done(hello.op, hello.slot, offset))
+    return offset
+
+
+def receive_state(channel: WeightsChannel, hello: Hello) -> tuple[dict[str, torch.Tensor], int]:
+    """Receive what :func:`send_state` sends, each chunk copied into its tensor on arrival;
+    return the state and the stream's bytes.
+
+    Raises:
+        ProtocolError: frames out of order, or a stream that disagrees with its manifest.
+    """
+    manifest = expect(channel, Manifest, hello)
+    assert isinstance(manifest, Manifest)
+    assembler = StateAssembler(decode_manifest(manifest.payload))
+    placed = 0  # bytes the socket read straight into the tensors for the current frame
+
+    def place(kind: int, fields: Fields, length: int) -> memoryview | None:
+        nonlocal placed
+        view = assembler.target(length) if kind == Kind.CHUNK and fields[2] == assembler.received else None
+        placed = length if view is not None else 0
+        return view
+
+    while True:
+        message = channel.recv(MAX_PAYLOAD, into=place)
+        if (message.op, message.slot) != (hello.op, hello.slot):
+            raise ProtocolError(
+                f"a weights frame of slot {message.slot} on the connection of slot {hello.slot}"
+            )
+        if isinstance(message, Done):
+            if message.total != assembler.received:
+                raise ProtocolError(
+                    f"weights DONE announces {message.total} bytes, {assembler.received} arrived"
+                )
+            return assembler.finish(), assembler.received
+        if not isinstance(message, Chunk) or message.offset != assembler.received:
+            raise ProtocolError(
+                f"expected the weights CHUNK at offset {assembler.received}, got {type(message).__name__}"
+            )
+        if placed:
+            assembler.advance(placed)
+        else:
+            assembler.add(message.data)

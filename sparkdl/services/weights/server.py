@@ -1,0 +1,248 @@
+"""The driver's weights server: trained weights arrive from a fit's rank 0, and inference
+tasks fetch a model's weights, over the driver's own socket instead of through the JVM.
+
+Why not Spark. A fit's result row and a ``transform`` closure both cross the JVM: a
+400 MB model ran a default driver (1 GB heap) out of memory, and a closure is sent to
+the Python worker again with every task. Here the bytes go socket to tensor: the
+receiver allocates each tensor once from the manifest and copies every chunk into
+place, so the driver holds one copy of the model; a Python worker fetches a model
+once and keeps it for every later task (:mod:`sparkdl.spark.inference`).
+
+Slots. Every transfer names a slot: an upload slot opened by one fit (:meth:`expect_upload`)
+or a model offered for download (:meth:`offer`). Each slot has its own random secret,
+shipped only in the tasks that use it; a HELLO must verify under its slot's secret
+(the listener's handshake with a lookup), so a task of one fit can neither read another
+model nor upload into another fit.
+
+How long an offer lives. ``transform`` is lazy: its DataFrame may run long after the call,
+even after the model object is gone (``TorchModel.load(p).transform(df).show()``). An
+offer is kept while the model that made it lives, and the newest
+:data:`KEEP_RELEASED` offers of released models are kept as well; a task asking for an
+offer dropped since gets an error that says to keep the model referenced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import weakref
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from sparkdl.errors import ConnectionClosed, ProtocolError
+from sparkdl.services.weights.codec import manifest_of
+from sparkdl.services.weights.endpoint import WeightsEndpoint
+from sparkdl.services.weights.protocol import (
+    WEIGHTS_WIRE,
+    Ack,
+    Hello,
+    Op,
+    WeightsChannel,
+    receive_state,
+    send_state,
+)
+from sparkdl.wire.framing import Fields
+from sparkdl.wire.listener import ConnectionListener
+
+log = logging.getLogger(__name__)
+
+#: Offers of released models still served (for lazy DataFrames that outlive them): the
+#: newest offer always, and up to this many more released ones while they hold at most
+#: :data:`RELEASED_BYTES` together (a released 2 GB model is not kept beside the next one).
+KEEP_RELEASED = 2
+RELEASED_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class _Offer:
+    """A model's weights, served for download."""
+
+    secret: bytes
+    state: Mapping[str, torch.Tensor]
+    nbytes: int
+    owner: int  # id() of the object that offered it
+    fingerprint: Hashable  # (owner, what the owner said identifies the tensors' content)
+    released: bool = False
+
+
+@dataclass
+class _Inbox:
+    """A fit's upload slot: the newest complete upload (a re-run stage uploads again)."""
+
+    secret: bytes
+    state: dict[str, torch.Tensor] | None = None
+    total: int = 0
+    arrived: threading.Event = field(default_factory=threading.Event)
+
+
+class Upload:
+    """One fit's upload slot on the server; :meth:`take` the weights once the stage is done."""
+
+    def __init__(self, server: WeightServer, endpoint: WeightsEndpoint) -> None:
+        self._server = server
+        self.endpoint = endpoint
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a complete upload arrived within ``timeout_s``."""
+        with self._server._lock:
+            inbox = self._server._slots.get(self.endpoint.slot)
+        return isinstance(inbox, _Inbox) and inbox.arrived.wait(timeout_s)
+
+    def take(self) -> dict[str, torch.Tensor] | None:
+        """The newest complete upload, or None if none arrived; the slot then closes."""
+        inbox = self._server._close(self.endpoint.slot)
+        return inbox.state if isinstance(inbox, _Inbox) else None
+
+    def close(self) -> None:
+        self._server._close(self.endpoint.slot)
+
+
+class WeightServer:
+    """Listens on the driver's address for uploads and downloads of weights.
+
+    Args:
+        host: the address to bind (the driver's, which executors reach).
+        timeout_s: how long a connection may wait on its peer between two frames.
+        encrypt: encrypt every transfer (a server encrypts all its connections or none).
+    """
+
+    def __init__(self, host: str, timeout_s: float = 120.0, encrypt: bool = False) -> None:
+        self.server_id = secrets.token_hex(8)
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Offer | _Inbox] = {}
+        self._numbers = itertools.count(1)
+        # Not "sparkdl-" named: it serves for the life of the driver process, not of one fit.
+        self._encrypt = encrypt
+        self._listener = ConnectionListener(
+            host, WEIGHTS_WIRE, self._secret_of, self._serve, "weights", log, encrypt=encrypt
+        )
+        self.host, self.port = self._listener.host, self._listener.port
+
+    def offer(
+        self, state: Mapping[str, torch.Tensor], owner: object, fingerprint: Hashable
+    ) -> WeightsEndpoint:
+        """Serve ``state`` (held by reference, not copied) while ``owner`` lives.
+
+        An owner offering the same ``fingerprint`` again gets its earlier slot back, so
+        executors keep the model they loaded; a new fingerprint releases its older offers.
+        """
+        identity = (id(owner), fingerprint)
+        with self._lock:
+            for slot, held in self._slots.items():
+                if isinstance(held, _Offer) and not held.released and held.fingerprint == identity:
+                    return self._endpoint(slot, held.secret)
+            for held in self._slots.values():
+                if isinstance(held, _Offer) and held.owner == id(owner):
+                    held.released = True
+            slot, secret = next(self._numbers), secrets.token_bytes(32)
+            nbytes = sum(t.numel() * t.element_size() for t in manifest_of(state)[1])  # tied once
+            self._slots[slot] = _Offer(secret, state, nbytes, id(owner), identity)
+            self._prune()
+        weakref.finalize(owner, self._release, slot)
+        return self._endpoint(slot, secret)
+
+    def expect_upload(self) -> Upload:
+        """Open a slot for one fit's trained weights."""
+        with self._lock:
+            slot, secret = next(self._numbers), secrets.token_bytes(32)
+            self._slots[slot] = _Inbox(secret)
+            self._prune()
+        return Upload(self, self._endpoint(slot, secret))
+
+    def serves(self, slot: int) -> bool:
+        with self._lock:
+            return slot in self._slots
+
+    def stop(self) -> None:
+        self._listener.stop()
+
+    # --------------------------------------------------------------- bookkeeping
+
+    def _endpoint(self, slot: int, secret: bytes) -> WeightsEndpoint:
+        return WeightsEndpoint(
+            self.host, self.port, slot, secret, self.server_id, self._timeout_s, self._encrypt
+        )
+
+    def _release(self, slot: int) -> None:
+        """The owner of offer ``slot`` was collected. Runs inside the garbage collector, which
+        may fire in any allocation, also one made while this thread holds ``_lock``: so it
+        takes no lock (a dict lookup and an attribute store are atomic) and prunes nothing;
+        the next offer or upload prunes."""
+        held = self._slots.get(slot)
+        if isinstance(held, _Offer):
+            held.released = True
+
+    def _prune(self) -> None:
+        """Drop released offers but the newest offer and, beyond it, up to
+        :data:`KEEP_RELEASED` of the newest within :data:`RELEASED_BYTES` (lock held)."""
+        offers = sorted((s for s, h in list(self._slots.items()) if isinstance(h, _Offer)), reverse=True)
+        kept, held = 0, 0
+        for slot in offers[1:]:  # the newest offer stays, released or not
+            offer = self._slots[slot]
+            assert isinstance(offer, _Offer)
+            if not offer.released:
+                continue
+            if kept < KEEP_RELEASED and held + offer.nbytes <= RELEASED_BYTES:
+                kept, held = kept + 1, held + offer.nbytes
+            else:
+                del self._slots[slot]
+
+    def _close(self, slot: int) -> _Offer | _Inbox | None:
+        with self._lock:
+            return self._slots.pop(slot, None)
+
+    def _secret_of(self, fields: Fields) -> bytes | None:
+        op, slot = fields[0], fields[1]
+        with self._lock:
+            held = self._slots.get(slot)
+        wanted = _Inbox if op == Op.UPLOAD else _Offer
+        return held.secret if isinstance(held, wanted) else None
+
+    # --------------------------------------------------------------- connections
+
+    def _serve(self, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
+        try:
+            channel.sock.settimeout(self._timeout_s)
+            with self._lock:
+                held = self._slots.get(hello.slot)
+            if held is None:  # closed since its secret was looked up
+                return
+            channel.send(Ack(hello.op, hello.slot))
+            if isinstance(held, _Offer):
+                sent = send_state(channel, hello, held.state)
+                log.debug("sent %d bytes of weights (slot %d) to %s", sent, hello.slot, peer)
+            elif isinstance(held, _Inbox):
+                state, total = receive_state(channel, hello)
+                with self._lock:
+                    held.state, held.total = state, total
+                held.arrived.set()
+                channel.send(Ack(hello.op, hello.slot, total))
+                log.debug("received %d bytes of trained weights (slot %d) from %s", total, hello.slot, peer)
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            if not self._listener.stopping:
+                self._listener.refusals.add("transfer refused", peer, str(exc))
+        except OSError as exc:
+            if not self._listener.stopping:
+                log.warning("weights transfer with %s failed: %s", peer, exc)
+        except Exception as exc:  # e.g. a manifest whose tensors cannot be allocated
+            log.warning("weights transfer with %s failed: %s: %s", peer, type(exc).__name__, exc)
+
+
+_SERVERS: dict[tuple[str, bool], WeightServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def weight_server(host: str, encrypt: bool = False) -> WeightServer:
+    """This process's weights server on ``host`` (an encrypting one with ``encrypt``),
+    started on first use."""
+    with _SERVERS_LOCK:
+        if (host, encrypt) not in _SERVERS:
+            _SERVERS[(host, encrypt)] = WeightServer(host, encrypt=encrypt)
+        return _SERVERS[(host, encrypt)]

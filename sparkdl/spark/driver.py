@@ -1,0 +1,351 @@
+"""Driver side of ``fit``: validate, launch the barrier stage, gather the result.
+
+The training stage is ``mapInArrow(train_partition, barrier=True)`` followed by a
+shuffle (``repartition(1)``). The shuffle makes the barrier stage a
+ShuffleMapStage, which Spark re-runs as a whole when a task fails, instead of
+aborting the job as it does for a failed barrier ResultStage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from sparkdl.config import DataConfig, SparkDLConfig, Strategy
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
+from sparkdl.services.progress.board import ProgressBoard
+from sparkdl.services.progress.channel import ProgressServer
+from sparkdl.services.weights.server import weight_server
+from sparkdl.spark.attempts import attempt_gate
+from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
+from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
+from sparkdl.spark.preflight import check_model, sample_batch
+from sparkdl.spark.ps_host import start_parameter_server
+from sparkdl.spark.resources import training_profile
+from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
+from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.training.factory import state_from_bytes
+from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` brings back to the driver: one copy of the weights, and figures."""
+
+    state_dict: dict[str, torch.Tensor]
+    history: list[dict[str, Any]]
+    output_shape: tuple[int, ...]
+    input_shapes: dict[str, tuple[int, ...]]
+    worker_devices: list[dict[str, Any]]  # per rank: the device it trained on, the GPUs Spark gave it
+    worker_rows: list[int]
+    bad_rows_skipped: int = 0
+
+
+def plan_inputs(
+    df: Any,
+    data: DataConfig,
+    label_kind: LabelKind,
+    transform_fn: TransformFn | None = None,
+    with_label: bool = True,
+    validation_col: str = "",
+) -> DataPlan:
+    """Check the DataFrame's schema on the driver, before any task starts, and decide how
+    each column reaches the model (see :mod:`sparkdl.data.inputs`)."""
+    return plan_data(
+        arrow_schema(df),
+        feature_cols=data.feature_cols,
+        inputs=data.inputs,
+        input_shapes=data.input_shapes,
+        sequence_cols=data.sequence_cols,
+        max_sequence_length=data.max_sequence_length,
+        label_col=data.label_col if with_label else None,
+        label_kind=label_kind,
+        weight_col=(data.weight_col or None) if with_label else None,
+        transform_fn=transform_fn,
+        cache_transformed=data.cache_transformed,
+        validation_col=validation_col or None,
+    )
+
+
+VALIDATION_MARK = "__sparkdl_validation__"
+
+
+def with_validation(df: Any, config: SparkDLConfig, held_out: Any = None) -> tuple[Any, str]:
+    """``df`` with the rows to validate marked, and the marking column ("" for none).
+
+    The rows come from ``held_out`` (a DataFrame, appended to ``df``), the setting
+    ``validation_col`` (the user's boolean column) or ``validation_fraction`` (a seeded
+    draw per row, marked in the same pass that feeds training).
+    """
+    from pyspark.sql import functions as F
+
+    training = config.training
+    if held_out is not None:
+        missing = [c for c in df.columns if c not in held_out.columns]
+        if missing:
+            raise SchemaError(
+                f"the validation DataFrame lacks column(s) {missing} of the training DataFrame; "
+                "give it the same columns"
+            )
+        marked = df.withColumn(VALIDATION_MARK, F.lit(False))
+        return marked.unionByName(
+            held_out.select(*df.columns).withColumn(VALIDATION_MARK, F.lit(True))
+        ), VALIDATION_MARK
+    if training.validation_col:
+        return df, training.validation_col
+    if training.validation_fraction:
+        draw = F.rand(training.seed) < F.lit(training.validation_fraction)
+        return df.withColumn(VALIDATION_MARK, draw), VALIDATION_MARK
+    return df, ""
+
+
+def vectors_as_arrays(df: Any) -> Any:
+    """``df`` with every ml Vector column as array<float> (dense), converted in the JVM.
+
+    A Vector column crosses into Python as a struct that Spark builds row by row, about ten
+    times slower than an array column; the feed makes every Vector dense anyway.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+
+    vectors = [f.name for f in df.schema.fields if isinstance(f.dataType, VectorUDT)]
+    if not vectors:
+        return df
+    return df.withColumns({name: vector_to_array(name, "float32") for name in vectors})
+
+
+def arrow_schema(df: Any) -> pa.Schema:
+    """The DataFrame's columns as Arrow types; a column Arrow cannot carry is left out (it
+    is an error only if a setting names it: then it is "not found" with the list of
+    columns that are there)."""
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    fields = []
+    for field in df.schema.fields:
+        try:
+            fields.append(pa.field(field.name, to_arrow_type(field.dataType)))
+        except Exception as exc:
+            log.debug("column %r (%s) cannot be sent as Arrow: %s", field.name, field.dataType, exc)
+    return pa.schema(fields)
+
+
+def run_training(df: Any, spec: TrainSpec) -> FitResult:
+    """Train on ``df`` with one barrier task per worker; return rank 0's weights and history."""
+    config = spec.config
+    n = config.training.num_workers
+    spark = df.sparkSession
+    profile = None if is_connect(spark) else training_profile(spark, config.runtime.use_gpu)
+    check_cluster(
+        spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
+    )
+    sample = _preflight(df, spec)
+    spec = dataclasses.replace(
+        spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
+    )
+    hosted = progress = inbox = None
+    group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
+    attempt_started = attempt_gate(spark.sparkContext, group) if group else None
+    if config.training.strategy is Strategy.PARAMETER_SERVER:
+        hosted = start_parameter_server(spark, spec, attempt_started)
+        spec = hosted.spec
+    try:
+        if not is_connect(spark):
+            inbox = weight_server(driver_host(spark), config.runtime.encrypt).expect_upload()
+            spec = dataclasses.replace(spec, weights=inbox.endpoint)
+        progress = start_progress_channel(spark, config, attempt_started)
+        if progress is not None:
+            spec = dataclasses.replace(spec, progress=progress.endpoint())
+        data = df.select(*spec.plan.column_names)
+        if needs_repartition(data, n, spark):
+            data = data.repartition(n)
+        stage = data.mapInArrow(
+            functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
+        )
+        _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+        runtime = config.runtime
+        bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
+        silence = progress.silence if progress is not None else None
+        try:
+            rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
+        except StageStalledError:
+            raise
+        except Exception as exc:
+            raise translate_failure(exc) from exc
+        result = _fit_result(rows, n, inbox.take() if inbox is not None else None)
+        if hosted is not None and "restored_epoch" not in result.history[-1]:
+            # the server's weights are the newest (async pushes land after a worker's last pull);
+            # after an early stop rank 0's copy of the best epoch wins
+            result.state_dict.update(hosted.parameter_state())
+        return result
+    finally:
+        if inbox is not None:
+            inbox.close()
+        if progress is not None:
+            progress.stop()
+        if hosted is not None:
+            hosted.stop()
+
+
+def _preflight(df: Any, spec: TrainSpec) -> Batch | None:
+    """The DataFrame's first rows, decoded; with ``runtime.preflight``, mistakes that would
+    fail every attempt fail here, once, in seconds: the executors' Python (a Spark job, one
+    task per worker) is checked while the model runs on those rows here (driver CPU)."""
+    runtime = spec.config.runtime
+    if not runtime.preflight:
+        return sample_batch(df, spec.plan)
+    sample = sample_batch(df, spec.plan)  # first: the check's tasks would hold every slot
+    with ThreadPoolExecutor(1, thread_name_prefix="sparkdl-preflight") as pool:
+        wait_s = max(runtime.executor_wait_timeout_s, 60.0)
+        workers = spec.config.training.num_workers
+        environment = pool.submit(check_executor_environment, df.sparkSession, wait_s, workers)
+        try:
+            check_model(df, spec, sample)
+        finally:
+            environment.result()  # a wrong environment is the first thing to fix: its error wins
+    return sample
+
+
+def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:
+    """The run's learning-rate schedule; one that decays over the run needs its length, so
+    the rows are counted first (one Spark job; epoch 1 streams, so no worker knows it yet)."""
+    steps_per_epoch = 0
+    if needs_run_length(config):
+        rows = df.count()
+        steps_per_epoch = steps_per_epoch_estimate(rows, config)
+        log.info(
+            "lr_schedule %s: %d rows, about %d steps per epoch, %d in the run",
+            config.optimizer.lr_schedule.value,
+            rows,
+            steps_per_epoch,
+            steps_per_epoch * config.training.epochs,
+        )
+    return lr_plan(config, steps_per_epoch)
+
+
+def needs_repartition(data: Any, n: int, spark: Any) -> bool:
+    """Whether ``data`` must be shuffled into ``n`` partitions before the barrier stage: when
+    it has another count, and when a coalesce made its count (Spark refuses a barrier stage
+    over a coalesce, SPARK-24820). A Connect client cannot see the plan: always."""
+    if is_connect(spark) or data.rdd.getNumPartitions() != n:
+        return True
+    return "Coalesce" in data._jdf.queryExecution().executedPlan().toString()
+
+
+def start_progress_channel(
+    spark: Any, config: SparkDLConfig, attempt_started: Callable[[int], bool] | None = None
+) -> ProgressServer | None:
+    """Listen for the workers' progress and log records on the driver's address.
+
+    A Spark Connect client is not the driver, and executors cannot reach it, so it
+    gets no live progress (the result's history is complete all the same).
+    """
+    if is_connect(spark):
+        log.info("Spark Connect session: no live progress; fit's history holds every figure")
+        return None
+    board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
+    secret = secrets.token_bytes(32)
+    return ProgressServer(
+        board,
+        driver_host(spark),
+        secret,
+        config.runtime.progress_interval_s,
+        encrypt=config.runtime.encrypt,
+        attempt_started=attempt_started,
+    )
+
+
+def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | None = None) -> FitResult:
+    """The fit's result from the rows of every rank, with rank 0's weights as it sent them
+    to the weights server (``uploaded``) or, without one, from its result row."""
+    _raise_agreed_error(rows)
+    by_rank = {row["rank"]: row for row in rows}
+    if sorted(by_rank) != list(range(n)):
+        raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
+    lead = by_rank[0]
+    if lead["state"]:
+        state = state_from_bytes(lead["state"])
+    elif uploaded is not None:
+        state = uploaded
+    else:
+        raise TrainingFailedError(
+            "rank 0 finished but its trained weights never reached the driver's weights server; "
+            "see the executor log of rank 0"
+        )
+    history = json.loads(lead["history"])
+    per_worker = {r: json.loads(by_rank[r]["history"]) for r in range(n)}
+    for i, record in enumerate(history):
+        record["worker_samples"] = [per_worker[r][i]["local_samples"] for r in range(n)]
+        record["worker_seconds"] = [per_worker[r][i]["seconds"] for r in range(n)]
+        record["worker_nan_skips"] = [per_worker[r][i]["nan_skips"] for r in range(n)]
+        record["worker_peak_gpu_mb"] = [per_worker[r][i].get("peak_gpu_mb", 0.0) for r in range(n)]
+        record["worker_bytes_across_hosts"] = [
+            per_worker[r][i].get("bytes_across_hosts", 0) for r in range(n)
+        ]
+        record["worker_skipped_steps"] = [per_worker[r][i].get("skipped_steps", 0) for r in range(n)]
+        record["nan_skips"] = max(record["worker_nan_skips"])
+        # backup workers: whichever ranks fell behind, the job's figures count them all
+        record["skipped_steps"] = sum(record["worker_skipped_steps"])
+        record["dropped_pushes"] = sum(per_worker[r][i].get("dropped_pushes", 0) for r in range(n))
+        del record["local_samples"]
+    return FitResult(
+        state_dict=state,
+        history=history,
+        output_shape=tuple(json.loads(lead["output_shape"])),
+        input_shapes={k: tuple(v) for k, v in json.loads(lead["input_shapes"]).items()},
+        worker_devices=[json.loads(by_rank[r]["device"]) for r in range(n)],
+        worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
+        bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
+    )
+
+
+def _raise_agreed_error(rows: list[Any]) -> None:
+    """Raise the error that made every rank stop together (the rejecting rank's, not its peers')."""
+    records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
+    if records:
+        records.sort(key=lambda r: r.error_type == "PeerStopped")
+        raise located(records[0].to_error())
+
+
+def translate_failure(exc: Exception) -> SparkDLError:
+    """The error a worker raised, rebuilt from the record its failed task carried; the
+    Spark failure itself (first line) when no worker's record is in it."""
+    text = str(exc)
+    records = ErrorRecord.find_embedded(text)
+    if records:
+        error = located(records[-1].to_error())
+    else:
+        detail = failure_excerpt(text) or type(exc).__name__
+        error = TrainingFailedError(f"the training stage failed: {detail}")
+    hint = memory_hint(text)
+    if hint and hint not in error.message:
+        error.message = f"{error.message}; {hint}"
+        error.args = (error.message,)
+    return error
+
+
+def located(error: SparkDLError) -> SparkDLError:
+    """The same error, its message prefixed with the rank it happened on (when known)."""
+    if error.rank is not None and not error.message.startswith(f"rank {error.rank}"):
+        error.message = f"rank {error.rank}: {error.message}"
+        error.args = (error.message,)
+    return error
+
+
+def _describe_job(spark: Any, text: str) -> None:
+    if not is_connect(spark):
+        spark.sparkContext.setJobDescription(text)

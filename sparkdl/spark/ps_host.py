@@ -1,0 +1,132 @@
+"""Hosting the parameter server inside the driver process for the length of one ``fit``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.config import PsMode, SparkDLConfig
+from sparkdl.errors import ClusterConfigError
+from sparkdl.services.ps.server import ParameterServer
+from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
+from sparkdl.spark.cluster import driver_host, is_connect
+from sparkdl.training.factory import build_model, build_optimizer
+from sparkdl.worker.assembly import TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HostedServer:
+    server: ParameterServer
+    model: nn.Module  # its parameters are the shards' authoritative weights
+    spec: TrainSpec  # the task spec, now carrying the endpoint and secret
+
+    def parameter_state(self) -> dict[str, torch.Tensor]:
+        """The server's weights by state-dict key (buffers are not served: rank 0's are kept)."""
+        names = {name for name, _ in self.model.named_parameters()}
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in names}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_parameter_server(
+    spark: Any, spec: TrainSpec, attempt_started: Callable[[int], bool] | None = None
+) -> HostedServer:
+    """Build the initial model, split it into shards and serve them on the driver's address.
+
+    A fresh 32-byte secret authenticates every frame of this fit; it travels to the
+    executors inside the task spec, never in SparkConf (which the UI and event log show).
+
+    Raises:
+        ClusterConfigError: the session is a Spark Connect client (its driver process is
+            not ours to host a server in).
+    """
+    if is_connect(spark):
+        raise ClusterConfigError(
+            "strategy 'parameter_server' hosts its server in the Spark driver process, which a "
+            "Spark Connect client cannot run code in; use strategy 'allreduce' or "
+            "'weight_averaging' with Spark Connect"
+        )
+    return host_parameter_server(spec, driver_host(spark), attempt_started)
+
+
+def _steps_per_version(config: SparkDLConfig) -> float:
+    """Global steps one server version stands for: one in sync and ssp (a version is a
+    clock every worker pushed); in async each push is a version, and a worker pushes every
+    ``push_every`` of its steps, so N workers make N versions per push_every steps."""
+    settings = config.parameter_server
+    if settings.ps_mode is not PsMode.ASYNC:
+        return 1.0
+    return settings.push_every / config.training.num_workers
+
+
+def _shared_memory_bytes(config: SparkDLConfig) -> int:
+    """How much shared memory the server may give workers on its host (0: none)."""
+    if not config.runtime.shared_memory:
+        return 0
+    return int(config.parameter_server.ps_shared_memory_mb * 1024 * 1024)
+
+
+def host_parameter_server(
+    spec: TrainSpec, host: str, attempt_started: Callable[[int], bool] | None = None
+) -> HostedServer:
+    """Start the server for ``spec`` on ``host`` (port chosen by the OS); a HELLO of a stage
+    attempt is believed when ``attempt_started`` says Spark runs it (None: any)."""
+    config = spec.config
+    torch.manual_seed(config.training.seed)
+    model = build_model(spec.model_fn)
+    params = list(model.parameters())
+    groups = split_into_shards(params, shard_count(params, config.parameter_server.ps_shards))
+
+    def optimizer_fn(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer(shard, spec.optimizer_fn, config.optimizer)
+
+    stores = [
+        ShardStore(
+            [params[i] for i in group],
+            optimizer_fn,
+            config.parameter_server.ps_mode,
+            config.training.num_workers,
+            config.parameter_server.staleness,
+            lr=spec.lr,
+            scheduler_fn=spec.scheduler_fn,
+            steps_per_version=_steps_per_version(config),
+            backup_workers=config.parameter_server.backup_workers,
+        )
+        for group in groups
+    ]
+    server = ParameterServer(
+        stores,
+        host,
+        secrets.token_bytes(32),
+        config.parameter_server.ps_timeout_s,
+        int(config.parameter_server.ps_max_frame_mb * 1024 * 1024),
+        snapshot_dir=config.reliability.checkpoint_dir,
+        encrypt=config.runtime.encrypt,
+        attempt_started=attempt_started,
+        # a connection per shard per worker, twice over while a failed attempt's close
+        max_sessions=2 * config.training.num_workers * len(stores) + 16,
+        topk_ratio=config.runtime.topk_ratio,
+        torch_threads=config.parameter_server.ps_torch_threads,
+        shared_memory_bytes=_shared_memory_bytes(config),
+    )
+    log.info(
+        "parameter server for %d workers on %s:%d, %d shards, %s",
+        config.training.num_workers,
+        server.host,
+        server.port,
+        len(stores),
+        f"shared memory for workers on its host ({server.areas.info.slots} areas)"
+        if server.areas is not None
+        else "no shared memory",
+    )
+    endpoint = server.endpoint(tuple(tuple(g) for g in groups))
+    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))

@@ -1,0 +1,128 @@
+"""The driver's bound on the training stage: a stage whose workers stop reporting is
+cancelled, and ``fit`` says which rank went quiet, instead of waiting forever.
+
+Every worker sends a heartbeat over the progress channel every few seconds from a
+thread of its own, so a worker that is alive (training, or waiting in a collective that
+has its own timeout) is never silent. A worker that is silent longer than the bound
+(``collective_timeout_s + teardown_timeout_s`` plus a margin) is stuck where nothing of
+ours can time out, e.g. holding the GIL in a destructor: the driver cancels the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sparkdl.errors import StageStalledError
+
+log = logging.getLogger(__name__)
+
+#: Added to the bound: the heartbeat period, a GC pause, a slow network.
+MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """The ranks silent for longer than the bound, and for how long."""
+
+    silent: dict[int, float]
+    bound_s: float
+
+    def error(self) -> StageStalledError:
+        ranks = ", ".join(f"rank {r} ({s:.0f}s)" for r, s in sorted(self.silent.items()))
+        return StageStalledError(
+            f"the training stage stopped reporting: {ranks} sent nothing for longer than "
+            f"{self.bound_s:.0f}s (runtime.collective_timeout_s + runtime.teardown_timeout_s + "
+            f"{MARGIN_S:.0f}s); fit cancelled the stage. The executor's log of that rank holds "
+            "its threads' stacks; raise those timeouts if the workers are only slow"
+        )
+
+
+def find_stall(silence: dict[int, float], bound_s: float) -> Stall | None:
+    """The stall, if any rank has been silent for longer than ``bound_s`` (pure)."""
+    silent = {rank: seconds for rank, seconds in silence.items() if seconds > bound_s}
+    return Stall(silent, bound_s) if silent else None
+
+
+class StallMonitor:
+    """Polls ``silence()`` on a thread; on a stall, records it and calls ``cancel`` once.
+
+    Args:
+        silence: seconds since each live rank was last heard from.
+        bound_s: how long a rank may be silent.
+        cancel: stops the stage (e.g. ``sc.cancelJobGroup``).
+        poll_s: how often to look.
+    """
+
+    def __init__(
+        self,
+        silence: Callable[[], dict[int, float]],
+        bound_s: float,
+        cancel: Callable[[], None],
+        poll_s: float = 1.0,
+    ) -> None:
+        self._silence = silence
+        self._bound_s = bound_s
+        self._cancel = cancel
+        self._poll_s = poll_s
+        self._stopped = threading.Event()
+        self.stall: Stall | None = None
+        self._thread = threading.Thread(target=self._run, name="sparkdl-stall-monitor", daemon=True)
+
+    def __enter__(self) -> StallMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        self._thread.join(self._poll_s + 5.0)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._poll_s):
+            stall = find_stall(self._silence(), self._bound_s)
+            if stall is not None:
+                self.stall = stall
+                log.error("%s", stall.error())
+                self._cancel()
+                return
+
+
+def fit_job_group(spark: Any) -> str:
+    """The job group the training stage runs in: the user's own (their tools track it), or
+    a fresh one. The stage is the group's only job from this thread while fit runs, so
+    cancelling the group cancels the stage, and the group names the stage's attempts
+    (:mod:`sparkdl.spark.attempts`)."""
+    return spark.sparkContext.getLocalProperty("spark.jobGroup.id") or f"sparkdl-fit-{secrets.token_hex(6)}"
+
+
+def collect_watched(
+    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float, group: str
+) -> list[Any]:
+    """``stage.collect()`` in job group ``group``, cancelled when a worker goes silent for
+    longer than ``bound_s``.
+
+    Raises:
+        StageStalledError: the stage was cancelled because a rank stopped reporting.
+    """
+    if silence is None:  # no progress channel (Spark Connect): Spark's own timeouts only
+        return list(stage.collect())
+    sc = spark.sparkContext
+    users_group = sc.getLocalProperty("spark.jobGroup.id")
+    interrupt = sc.getLocalProperty("spark.job.interruptOnCancel")
+    sc.setLocalProperty("spark.jobGroup.id", group)
+    sc.setLocalProperty("spark.job.interruptOnCancel", "true")
+    try:
+        with StallMonitor(silence, bound_s, lambda: sc.cancelJobGroup(group)) as monitor:
+            try:
+                return list(stage.collect())
+            except Exception as exc:
+                if monitor.stall is not None:
+                    raise monitor.stall.error() from exc
+                raise
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", users_group)
+        sc.setLocalProperty("spark.job.interruptOnCancel", interrupt)

@@ -1,0 +1,350 @@
+"""The protocol every sync strategy follows, and the registry that picks one.
+
+A strategy is built complete by its constructor from a :class:`StrategyContext`, and
+owns how a step is taken (:meth:`SyncStrategy.train_step`: forward on its model,
+backward, what happens after it, whether and how the optimizer steps). What it needs
+from the rest of the worker it declares as typed properties (``checkpoint_multiple``).
+The loop never asks which strategy runs; adding one is one new file and a line in
+:data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparkdl.comm.ps_endpoint import PsEndpoint
+from sparkdl.config import Precision, SparkDLConfig, Strategy
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.training.factory import cpu_state_dict
+from sparkdl.training.guards import NanGuard, grads_finite
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
+
+if TYPE_CHECKING:
+    from sparkdl.comm.hierarchy import Hierarchy
+    from sparkdl.comm.shared_memory import SharedMemoryGroup
+
+#: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
+SchedulerFn = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    """Everything a strategy is built from, on one worker.
+
+    Attributes:
+        config: the run's settings.
+        rank, world_size: this worker and the world.
+        device: where the model lives.
+        module: the bare model, already on ``device``.
+        optimizer: the worker's optimizer over ``module``'s parameters.
+        control_group: the gloo group for small CPU messages (None: the default group).
+        ps: the parameter server's endpoint (strategy "parameter_server" only).
+        attempt: the stage attempt, the same on every rank.
+        resume_step: the global step the run resumed from (0: a fresh start).
+        lr: the learning-rate schedule, a factor of the configured lr per global step.
+        scheduler_fn: the user's ``(optimizer) -> LRScheduler``, stepped after every step.
+        hierarchy: this worker's host and its leader (``runtime.hierarchy``; None: flat).
+        store: the process group's key-value store (rank 0's TCPStore), reachable by every
+            rank: weight averaging's backup workers count finished periods in it.
+        host_memory: every worker's shared-memory group, where they all share one host
+            (``runtime.shared_memory``; None: the exchange goes through the process group).
+    """
+
+    config: SparkDLConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    control_group: dist.ProcessGroup | None = None
+    ps: PsEndpoint | None = None
+    attempt: int = 0
+    resume_step: int = 0
+    lr: LrPlan = CONSTANT_LR
+    scheduler_fn: SchedulerFn | None = None
+    hierarchy: Hierarchy | None = None
+    store: dist.Store | None = None
+    host_memory: SharedMemoryGroup | None = None
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step as the loop hands it to the strategy.
+
+    Attributes:
+        step: the global step index (0-based, counted across epochs).
+        epoch: the 1-based epoch.
+        batches: this worker's rows, as ``accumulate_steps`` micro-batches at most (their
+            gradients add up before one optimizer step); empty once its partition has run out.
+        rows: rows in ``batches`` (0 without any).
+        global_rows: rows of this step over every worker.
+        loss_of: runs the strategy's model and the loss on a batch: the mean loss.
+        filler: a zero-weight batch, for a worker without rows whose strategy must
+            still join the step's collectives.
+    """
+
+    step: int
+    epoch: int
+    batches: tuple[Batch, ...]
+    rows: int
+    global_rows: int
+    loss_of: Callable[[nn.Module, Batch], torch.Tensor]
+    filler: Callable[[], Batch]
+
+
+@dataclass
+class SyncStats:
+    """What a strategy did in one epoch."""
+
+    sync_rounds: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    pushes: int = 0
+    pulls: int = 0
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+    wait_s: float = 0.0
+    skipped_steps: int = 0  # backup workers: steps this worker skipped to keep up (their rows untrained)
+    dropped_pushes: int = 0  # ... and its pushes that came after their step was applied
+    bytes_across_hosts: int = 0  # runtime.hierarchy: what this worker sent to other hosts
+
+
+class SyncStrategy(abc.ABC):
+    """Keeps the workers' models consistent. One instance per worker per fit.
+
+    Args:
+        ctx: what the strategy is built from.
+    """
+
+    name: ClassVar[Strategy]
+    #: Whether every rank steps on the same averaged gradient, so a non-finite value on
+    #: one rank is seen by all at the same step with no further message.
+    shares_gradients: ClassVar[bool] = False
+    #: Whether the model's forward and backward are themselves collectives (sharded
+    #: parameters are gathered in them): then every rank must run every forward, in
+    #: validation and in the label probe too, at the same point.
+    lockstep_forward: ClassVar[bool] = False
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        reliability = ctx.config.reliability
+        self.guard = NanGuard(
+            reliability.on_nan_loss, reliability.max_nan_skips, ctx.rank, self.shares_gradients
+        )
+        self.stats = SyncStats()
+        #: The last train_step trained nothing: its rows went to no gradient (a backup
+        #: worker catching up); the loop leaves them out of the epoch's loss and samples.
+        self.skipped_step = False
+        self._lr = None if ctx.lr.is_constant else ScheduledLr(ctx.optimizer, ctx.lr)
+        self._scheduler = ctx.scheduler_fn(ctx.optimizer) if ctx.scheduler_fn is not None else None
+        self._clip_norm = ctx.config.optimizer.grad_clip_norm
+        self._scaler = None
+        if ctx.config.training.precision is Precision.FP16:
+            self._scaler = torch.amp.GradScaler(ctx.device.type)
+
+    @classmethod
+    def build_module(
+        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+    ) -> nn.Module:
+        """Build this worker's model with ``model_fn``, on ``device``, ready for the
+        optimizer (every rank, once the process group exists). By default the whole model
+        on every rank, then :meth:`prepare_module`; a sharding strategy may build it so
+        that no rank but one ever holds it whole."""
+        from sparkdl.training.factory import build_model
+
+        return cls.prepare_module(build_model(model_fn).to(device), config, device)
+
+    @classmethod
+    def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
+        """Make the freshly built ``module`` (already on ``device``) ready for this strategy,
+        before the optimizer is built over its parameters: a sharding strategy shards it
+        here, so that the optimizer holds only this rank's shards. Called on every rank,
+        once the process group exists. By default: ``module`` as it is."""
+        return module
+
+    @classmethod
+    def load_full_state(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Load a full (unsharded) checkpoint, held by every rank, into ``module`` and
+        ``optimizer`` (as built by :meth:`prepare_module`). ``optimizer_state`` has the
+        format of ``torch.optim.Optimizer.state_dict()``."""
+        module.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+    @property
+    def model(self) -> nn.Module:
+        """The module forward and backward run on (may wrap ``ctx.module``)."""
+        return self.ctx.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state as CPU tensors on rank 0, ``{}`` on the other ranks.
+
+        Every rank calls it at the same point: where parameters are sharded it is a
+        collective (the shards are gathered to rank 0). What checkpoints, early stopping
+        and the final weights carry."""
+        return cpu_state_dict(self.ctx.module) if self.ctx.rank == 0 else {}
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's whole state on rank 0 (in the format of
+        ``torch.optim.Optimizer.state_dict()``), ``{}`` elsewhere; same contract as
+        :meth:`full_state_dict`."""
+        return self.ctx.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the model to ``state``, the full state held by rank 0 (``{}`` on the other
+        ranks); every rank calls it. By default only rank 0's copy changes: it is the one
+        whose weights are returned. A sharded strategy spreads it to every rank's shards."""
+        if state:
+            self.ctx.module.load_state_dict(state)
+
+    @property
+    def checkpoint_multiple(self) -> int:
+        """Checkpoints fall only on global steps that are multiples of this."""
+        return 1
+
+    @abc.abstractmethod
+    def train_step(self, step: StepInput) -> torch.Tensor:
+        """Take one step; return this worker's mean loss on its rows (0 without rows)."""
+
+    def checkpoint_state(self, global_step: int) -> dict[str, Any]:
+        """Rank 0 is about to write the checkpoint of ``global_step``: save what the
+        strategy holds outside the worker, and return entries for the checkpoint."""
+        return {}
+
+    def finish(self) -> None:  # noqa: B027 - only local-step strategies have work left
+        """Training is over: leave every worker with the same final weights."""
+
+    def end_epoch(self) -> SyncStats:
+        """Return this epoch's figures and start counting afresh."""
+        stats, self.stats = self.stats, SyncStats()
+        return stats
+
+    def close(self) -> None:  # noqa: B027 - only strategies holding resources release them
+        """Release what the constructor acquired (called once, by the worker's exit stack)."""
+
+    # ----------------------------------------------------------- shared step pieces
+
+    def _backward(
+        self, step: StepInput, batches: tuple[Batch, ...], scale: float, fillers: int = 0
+    ) -> torch.Tensor:
+        """Forward, loss and backward of ``scale * loss`` over the micro-batches (each
+        weighted by its rows, so k micro-batches give the gradient of one batch of their
+        union), then over ``fillers`` zero-weight filler batches (for strategies whose
+        forward and backward are collectives, so every rank runs as many); return the
+        unscaled mean loss of ``batches``. Only the last backward starts DDP's all-reduce."""
+        total = sum(len(b) for b in batches)
+        runs = [(b, len(b) / total) for b in batches] + [(step.filler(), 0.0)] * fillers
+        no_sync = getattr(self.model, "no_sync", None)
+        losses = []
+        for i, (batch, share) in enumerate(runs):
+            last = i == len(runs) - 1
+            with contextlib.nullcontext() if no_sync is None or last else no_sync():
+                loss = step.loss_of(self.model, batch)
+                factor = scale * share
+                scaled = loss if factor == 1.0 else loss * factor  # one kernel fewer per step
+                (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+            if share:
+                losses.append((loss.detach().float(), share))
+        if len(losses) == 1 and losses[0][1] == 1.0:
+            return losses[0][0]  # the common step: one batch
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for loss, share in losses:
+            loss_sum.add_(loss, alpha=share)
+        return loss_sum
+
+    def _optimizer_step(self, step: StepInput) -> None:
+        """The worker's optimizer step: the step's learning rate, clipping, the step, the
+        user's scheduler. Gradients are already unscaled (fp16) by :meth:`_judged_step`."""
+        optimizer = self.ctx.optimizer
+        if self._lr is not None:
+            self._lr.apply(step.step)
+        if self._clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+
+    def _step_on_shared_gradients(self, step: StepInput, loss: torch.Tensor) -> torch.Tensor:
+        """The end of a step whose gradients every rank shares: the optimizer step if the
+        guard allows it, the gradients cleared either way; return the step's loss (0 when
+        skipped: nothing of it reached the weights)."""
+        if self._judged_step(step, loss):
+            self._optimizer_step(step)
+        else:
+            loss = torch.zeros((), device=self.ctx.device)
+        self.ctx.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def _judged_step(self, step: StepInput, loss: torch.Tensor) -> bool:
+        """Ask the guard whether this step may reach the weights; if it may not and a
+        failure is pending, hand it to :meth:`_stop`. The gradients are cleared either way
+        by the caller.
+
+        With fp16, an overflow of the scaled gradients (finite loss, infinite gradients) is
+        the scaler's to handle: it skips the step and lowers its scale; the guard is not asked.
+        """
+        if self._scaler is not None:
+            self._scaler.unscale_(self.ctx.optimizer)
+            if bool(torch.isfinite(loss).all()) and not grads_finite(self.ctx.module):
+                self._scaler.step(self.ctx.optimizer)  # skipped: it found the infinities
+                self._scaler.update()
+                return False
+        if self.guard.allows_step(loss, self.model, step.epoch, step.step):
+            return True
+        if self.guard.failure is not None:
+            self._stop(self.guard.failure)
+        return False
+
+    def _stop(self, error: SparkDLError) -> None:
+        """This rank must stop with ``error``: by default at once, on this rank alone."""
+        raise error
+
+
+#: Each strategy's class, by module and name: a module is imported only when its strategy
+#: is chosen, so that the loop does not pull in the parameter server's sockets.
+REGISTRY: dict[Strategy, str] = {
+    Strategy.ALLREDUCE: "sparkdl.strategies.allreduce:AllReduceStrategy",
+    Strategy.WEIGHT_AVERAGING: "sparkdl.strategies.weight_averaging:WeightAveragingStrategy",
+    Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
+    Strategy.FSDP: "sparkdl.strategies.fsdp:FsdpStrategy",
+}
+
+
+def strategy_class(name: Strategy) -> type[SyncStrategy]:
+    """The class registered for ``name``."""
+    try:
+        module, _, cls = REGISTRY[name].partition(":")
+    except KeyError:
+        valid = ", ".join(s.value for s in REGISTRY)
+        raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
+    found: type[SyncStrategy] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def create_strategy(ctx: StrategyContext) -> SyncStrategy:
+    """Build the strategy named by ``ctx.config.training.strategy``."""
+    return strategy_class(ctx.config.training.strategy)(ctx)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of all trainable parameters (what one gradient all-reduce moves)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

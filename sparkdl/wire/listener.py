@@ -1,0 +1,404 @@
+"""A listening socket on the driver that authenticates before it spends anything on a peer.
+
+All three driver-side servers use it: the parameter server (:mod:`sparkdl.services.ps.server`), the
+progress channel (:mod:`sparkdl.services.progress.channel`) and the weights server
+(:mod:`sparkdl.services.weights.server`). Their port is reachable by anyone on the cluster network,
+so until a peer has proved it holds the secret it gets, from here:
+
+- one file descriptor and a ~100-byte buffer, in one thread (a selector) shared by every
+  connection still in its handshake: no thread, no allocation it chooses;
+- ``hello_timeout_s`` to send its HELLO, counted from the accept, not per read;
+- a place among at most ``max_pending`` such connections: a new one evicts the oldest, so
+  a flood of idle connections delays a real worker by one handshake, not for ever;
+- no log line of its own: refusals are counted by reason, the first of each reason logged,
+  then one line per reason and ``every_s`` with the count (:class:`Refusals`).
+
+The accept loop survives running out of file descriptors (it evicts the oldest pending
+connection and goes on) and any other failed accept. An authenticated connection gets a
+thread running ``serve(hello, channel, peer)``, at most ``max_sessions`` at once; the
+thread's end removes it. :meth:`ConnectionListener.stop` closes everything in bounded time.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from sparkdl.errors import ProtocolError
+from sparkdl.wire.framing import Channel, SecretLookup, WireProtocol, accept_hello, server_challenge
+
+M = TypeVar("M")
+
+Serve = Callable[[M, Channel[M], tuple[str, int]], None]
+
+_WAKE = object()  # the selector key of the loop's wake-up socket
+_POLL_S = 0.2  # how often the loop looks at stop() and at expired handshakes, at most
+_ACCEPT_BATCH = 64  # accepts per wake-up, so that reading HELLOs is never starved
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_BACKOFF_S = 0.05  # an accept failed and nothing could be freed: wait this long
+
+
+def one_line(text: str, limit: int = 8000) -> str:
+    """Text a peer sent, made safe for one log line: control characters (newlines too)
+    escaped, at most ``limit`` characters, so that no peer can forge a line of the log."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
+class Refusals:
+    """Refused connections and frames, counted by reason; a log line for the first of each
+    reason, then at most one per reason and ``every_s`` seconds, with the count since.
+
+    Reasons are short fixed strings chosen by our code, never by a peer, so the counts stay
+    bounded however many connections are refused; only the latest detail of each is kept.
+    """
+
+    def __init__(self, name: str, logger: logging.Logger, every_s: float = 30.0) -> None:
+        self.name = name
+        self._log = logger
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self._unlogged: dict[str, int] = {}
+        self._logged_at: dict[str, float] = {}
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+    def add(self, reason: str, peer: object, detail: str = "") -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+            last = self._logged_at.get(reason)
+            if last is not None and now - last < self._every_s:
+                self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+                return
+            more = self._unlogged.pop(reason, 0)
+            since = now - last if last is not None else 0.0
+            self._logged_at[reason] = now
+        said = f"{reason}: {one_line(detail, 1000)}" if detail else reason
+        if more:
+            self._log.warning(
+                "%s refused %s: %s (and %d more like it in the last %.0f s)",
+                self.name,
+                peer,
+                said,
+                more,
+                since,
+            )
+        else:
+            self._log.warning("%s refused %s: %s", self.name, peer, said)
+
+    def flush(self) -> None:
+        """Log the counts not logged yet (at the end of a server's life)."""
+        with self._lock:
+            unlogged, self._unlogged = self._unlogged, {}
+        for reason, count in unlogged.items():
+            self._log.warning("%s refused %d more: %s", self.name, count, reason)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A connection in its handshake: the challenge sent, the HELLO's bytes so far."""
+
+    sock: socket.socket
+    peer: tuple[str, int]
+    challenge: bytes
+    deadline: float
+    hello: bytearray
+    received: int = 0
+
+
+@dataclass(eq=False)
+class _Session:
+    sock: socket.socket
+    thread: threading.Thread = field(init=False)
+
+
+class ConnectionListener(Generic[M]):
+    """Listens on ``(host, port 0)``; runs ``serve(hello, channel, peer)`` in a thread for
+    each connection that completed the handshake of ``protocol`` under ``secret``.
+
+    ``serve`` may leave its socket open: the listener closes it when ``serve`` returns,
+    and :meth:`stop` closes whatever is still open.
+
+    Args:
+        host: the address to bind.
+        protocol: the protocol spoken (its HELLO is read and verified here).
+        secret: the per-fit secret, or a lookup from a HELLO's fields to its resource's.
+        serve: the session, on its own thread, once the peer is authenticated.
+        name: names the threads and the log lines.
+        logger: where refusals are logged.
+        encrypt: every connection's payloads are encrypted.
+        hello_timeout_s: the time from accept to a complete HELLO.
+        max_pending: connections in their handshake at once (a new one evicts the oldest).
+        max_sessions: authenticated connections at once (one more is refused).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        protocol: WireProtocol[M],
+        secret: bytes | SecretLookup,
+        serve: Serve,
+        name: str,
+        logger: logging.Logger,
+        *,
+        encrypt: bool = False,
+        hello_timeout_s: float = 5.0,
+        max_pending: int = 128,
+        max_sessions: int = 256,
+    ) -> None:
+        self._protocol = protocol
+        self._secret = secret
+        self._serve = serve
+        self._name = name
+        self._encrypt = encrypt
+        self._hello_timeout_s = hello_timeout_s
+        self._max_pending = max_pending
+        self._max_sessions = max_sessions
+        self.refusals = Refusals(name, logger)
+        self._socket = socket.create_server((host, 0), backlog=128)
+        self._socket.setblocking(False)
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._socket, selectors.EVENT_READ, None)
+        # stop() writes a byte here, so the loop ends now, not at its next poll
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, _WAKE)
+        self._accepting = True
+        self._pending: dict[socket.socket, _Pending] = {}  # oldest first
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._sessions: list[_Session] = []
+        self._loop = threading.Thread(target=self._run, name=f"{name}-accept", daemon=True)
+        self._loop.start()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called: a connection's end is then expected, not an error."""
+        return self._stopping.is_set()
+
+    @property
+    def sessions(self) -> int:
+        """Authenticated connections open now."""
+        with self._lock:
+            return len(self._sessions)
+
+    @property
+    def pending(self) -> int:
+        """Connections in their handshake now (read by tests; approximate while it runs)."""
+        return len(self._pending)
+
+    def stop(self, timeout: float = 10.0, drain_s: float = 0.0) -> None:
+        """Close the port and every pending handshake; give sessions up to ``drain_s`` to
+        finish by themselves (their peers are done and at EOF), then close them and join
+        every thread (bounded)."""
+        self._stopping.set()
+        try:
+            self._waker.send(b"\0")
+        except OSError:  # stopped before (the loop closed its end)
+            pass
+        self._loop.join(timeout)
+        self._waker.close()
+        with self._lock:
+            sessions = list(self._sessions)
+        deadline = time.monotonic() + drain_s
+        for session in sessions:
+            session.thread.join(max(deadline - time.monotonic(), 0.0))
+        for session in sessions:
+            close_quietly(session.sock)
+        for session in sessions:
+            session.thread.join(timeout)
+        self.refusals.flush()
+
+    # --- the handshake loop (one thread) ---------------------------------------------
+
+    def _run(self) -> None:
+        resume_at = 0.0
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                self._expire(now)
+                if not self._accepting and now >= resume_at:
+                    self._selector.register(self._socket, selectors.EVENT_READ, None)
+                    self._accepting = True
+                wait = _POLL_S
+                if self._pending:
+                    wait = min(wait, max(next(iter(self._pending.values())).deadline - now, 0.0))
+                for key, _ in self._selector.select(wait):
+                    if key.data is _WAKE:
+                        break
+                    if key.data is None:
+                        if not self._accept_safely():
+                            self._selector.unregister(self._socket)
+                            self._accepting, resume_at = False, time.monotonic() + _BACKOFF_S
+                    elif key.data.sock in self._pending:  # not evicted earlier in this batch
+                        self._read_safely(key.data)
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(pending)
+            self._selector.close()
+            self._socket.close()
+            self._wake.close()
+
+    def _accept_safely(self) -> bool:
+        """:meth:`_accept_some`, whose unexpected failure pauses accepting, never the loop."""
+        try:
+            return self._accept_some()
+        except Exception as exc:
+            self.refusals.add("accept failed", "a new connection", f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _read_safely(self, pending: _Pending) -> None:
+        """:meth:`_read_hello`, whose unexpected failure costs that connection, never the loop."""
+        try:
+            self._read_hello(pending)
+        except Exception as exc:
+            self.refusals.add("handshake failed", pending.peer, f"{type(exc).__name__}: {exc}")
+            self._drop(pending)
+            close_quietly(pending.sock)
+
+    def _accept_some(self) -> bool:
+        """Accept what is waiting (a batch at most); False when accepting must pause."""
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, peer = self._socket.accept()
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return True
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self.refusals.add(
+                        "accept failed for lack of file descriptors",
+                        "a new connection",
+                        f"{exc}; the oldest pending handshake was closed to make room"
+                        if self._pending
+                        else f"{exc}; raise the open-files limit (ulimit -n) of the driver",
+                    )
+                    if not self._pending:
+                        return False
+                    self._drop(next(iter(self._pending.values())))
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                self.refusals.add("accept failed", "a new connection", str(exc))
+                return False
+            self._admit(sock, peer)
+        return True
+
+    def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        challenge = server_challenge(self._protocol, self._encrypt)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.send(challenge) != len(challenge):  # a fresh socket's buffer takes 24 bytes
+                raise OSError("the challenge did not fit the socket's buffer")
+        except OSError:
+            close_quietly(sock)
+            return
+        if len(self._pending) >= self._max_pending:
+            oldest = next(iter(self._pending.values()))
+            self.refusals.add(
+                f"evicted: {self._max_pending} connections were waiting for their HELLO", oldest.peer
+            )
+            self._drop(oldest)
+        pending = _Pending(
+            sock,
+            peer,
+            challenge,
+            time.monotonic() + self._hello_timeout_s,
+            bytearray(self._protocol.hello_size),
+        )
+        self._pending[sock] = pending
+        self._selector.register(sock, selectors.EVENT_READ, pending)
+
+    def _read_hello(self, pending: _Pending) -> None:
+        try:
+            n = pending.sock.recv_into(memoryview(pending.hello)[pending.received :])
+        except BlockingIOError:
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self.refusals.add("closed before its HELLO", pending.peer)
+            self._drop(pending)
+            return
+        pending.received += n
+        if pending.received < len(pending.hello):
+            return
+        self._drop(pending, close=False)
+        try:
+            hello, channel = accept_hello(
+                pending.sock, pending.hello, pending.challenge, self._secret, self._protocol
+            )
+        except ProtocolError as exc:
+            self.refusals.add("HELLO refused", pending.peer, str(exc))
+            close_quietly(pending.sock)
+            return
+        self._start_session(hello, channel, pending.peer)
+
+    def _start_session(self, hello: M, channel: Channel[M], peer: tuple[str, int]) -> None:
+        with self._lock:
+            full = len(self._sessions) >= self._max_sessions
+            if not full:
+                session = _Session(channel.sock)
+                session.thread = threading.Thread(
+                    target=self._run_session,
+                    args=(session, hello, channel, peer),
+                    name=f"{self._name}-{peer[1]}",
+                    daemon=True,
+                )
+                self._sessions.append(session)
+        if full:
+            self.refusals.add(f"over the cap of {self._max_sessions} open sessions", peer)
+            close_quietly(channel.sock)
+            return
+        channel.sock.setblocking(True)
+        session.thread.start()
+
+    def _run_session(self, session: _Session, hello: M, channel: Channel[M], peer: tuple[str, int]) -> None:
+        try:
+            self._serve(hello, channel, peer)
+        finally:
+            close_quietly(session.sock)
+            with self._lock:
+                self._sessions.remove(session)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.deadline > now:
+                return
+            self.refusals.add(f"no HELLO within {self._hello_timeout_s:g} s", oldest.peer)
+            self._drop(oldest)
+
+    def _drop(self, pending: _Pending, close: bool = True) -> None:
+        """Forget a pending handshake (and close its socket unless told not to); forgetting
+        one already forgotten does nothing."""
+        if self._pending.pop(pending.sock, None) is None:
+            return
+        self._selector.unregister(pending.sock)
+        if close:
+            close_quietly(pending.sock)
+
+
+def close_quietly(sock: socket.socket) -> None:
+    """Shut down and close ``sock``, ignoring a peer that is already gone."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

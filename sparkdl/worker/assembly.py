@@ -1,0 +1,512 @@
+"""One place assembles a worker: device, process groups, model, optimizer, checkpoint
+restore, strategy, feed, hooks, trainer, progress; one exit stack tears it down.
+
+No Spark here: :func:`run_worker` takes plain arguments (the barrier's allGather among
+them), so tests drive it in-process or in spawned processes.
+
+Teardown order (the exit stack runs it in reverse of assembly, on success and on
+error alike): the teardown watchdog is armed; the feed's prefetch thread stops; the
+strategy lets go of DDP's reducer and its sockets; the checkpoint store closes; gloo's
+threads are given the GIL to drop their last works, then the process groups are
+destroyed; the progress reporter closes last, so a teardown error still reaches the
+driver. Destroying a gloo group joins its threads while holding the GIL; a thread
+still freeing a work needs the GIL too, and the worker would hang forever (seen once
+in 150 fits). Releasing the GIL before the destroy removes that race; the watchdog
+bounds whatever else might block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import gc
+import io
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from sparkdl.comm.hierarchy import Hierarchy, host_key
+from sparkdl.comm.ps_endpoint import PsEndpoint
+from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
+from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group
+from sparkdl.config import Compression, OnError, SparkDLConfig, Strategy
+from sparkdl.config import Hierarchy as HierarchyLevel
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.feed import FeedOptions, PartitionFeed
+from sparkdl.data.inputs import DataPlan
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import ClusterConfigError
+from sparkdl.services.progress.board import Report
+from sparkdl.services.progress.channel import (
+    HeldRecords,
+    ProgressEndpoint,
+    ProgressReporter,
+    reporting_to_driver,
+)
+from sparkdl.services.weights.client import upload
+from sparkdl.services.weights.endpoint import WeightsEndpoint
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
+from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
+from sparkdl.training.factory import (
+    ModelFn,
+    OptimizerFn,
+    build_optimizer,
+)
+from sparkdl.training.guards import LabelRangeCheck, no_label_check
+from sparkdl.training.hooks import (
+    CheckpointHook,
+    DrillHook,
+    ProgressHook,
+    ProgressUpdate,
+    ReseedHook,
+    StepHook,
+)
+from sparkdl.training.loop import Schedule, Trainer
+from sparkdl.training.losses import LossFn, resolve_loss
+from sparkdl.training.planning import Filler
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan
+from sparkdl.training.strategy import SchedulerFn
+from sparkdl.training.validation import EarlyStopping, Validator
+from sparkdl.worker.device import choose_backend, choose_device
+
+log = logging.getLogger(__name__)
+
+#: How long gloo's threads get, with the GIL released, to drop their last works.
+_SETTLE_S = 0.05
+_HEARTBEAT_S = 5.0
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything a worker needs, shipped to executors with the task (cloudpickled)."""
+
+    config: SparkDLConfig
+    model_fn: ModelFn
+    optimizer_fn: OptimizerFn | None
+    loss: str | LossFn
+    plan: DataPlan
+    template: Batch | None = None  # two decoded rows: what a worker without rows steps on
+    lr: LrPlan = CONSTANT_LR  # the learning-rate schedule (a factor of lr per global step)
+    scheduler_fn: SchedulerFn | None = None  # the user's LR scheduler, stepped every step
+    ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
+    progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
+    weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs, as its barrier task sees it."""
+
+    rank: int
+    world_size: int
+    host: str  # this worker's address that the others can reach
+    gpu_addresses: tuple[str, ...] = ()
+    torch_threads: int = 1
+    task_attempt: int = 0  # Spark's taskAttemptId; the smallest over the ranks names the stage attempt
+    peers: tuple[str, ...] = ()  # every rank's executor address ("host:port"), by rank
+
+
+@dataclass
+class WorkerResult:
+    """What one worker sends back: its figures, and the weights on rank 0."""
+
+    rank: int
+    rows: int
+    bad_rows: int
+    history: list[dict[str, Any]]
+    state: bytes
+    output_shape: tuple[int, ...]
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # one row of each input
+    # {"device": "cuda:0", "gpus": ["0"], "exchange": "nccl"}: exchange is the process group's
+    # backend, or "shared_memory" where the workers of one host exchange through it (see _exchange)
+    device: dict[str, Any] = field(default_factory=dict)
+
+
+def run_worker(
+    spec: TrainSpec, batches: Iterator[pa.RecordBatch], placement: Placement, all_gather: AllGather
+) -> WorkerResult:
+    """Train on this worker's partition; return its history (and the weights on rank 0)."""
+    config, rank = spec.config, placement.rank
+    with contextlib.ExitStack() as stack:
+        last_out = stack.enter_context(contextlib.ExitStack())  # the reporter, once it can start
+        held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
+        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
+        stack.callback(watchdog.disarm)
+        stack.enter_context(_socket_interface(config.runtime.network_interface))
+        device, groups = _join(config, placement, all_gather, stack)
+        attempt = groups.attempt  # known once the ranks have met
+        hierarchy = _hierarchy(config, placement)
+        reporter = last_out.enter_context(
+            reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
+        )
+        held.send_to(reporter)
+        torch.manual_seed(config.training.seed)
+        kind = strategy_class(config.training.strategy)
+        # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
+        module = kind.build_module(spec.model_fn, config, device)
+        shared = _host_memory(config, placement, device, groups, hierarchy, module)
+        if shared is not None:
+            stack.callback(shared.close)
+        host_memory = shared if hierarchy is None else None  # in a hierarchy: the host level's
+        optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
+        store = _checkpoint_store(config, stack)
+        resume = _resume(store, rank, module, optimizer, groups.control, kind)
+        start = resume.position if resume else Position()
+        context = strategy_context(
+            spec,
+            placement,
+            device,
+            groups,
+            hierarchy,
+            module,
+            optimizer,
+            start.global_steps_done,
+            host_memory,
+        )
+        strategy = create_strategy(context)
+        stack.callback(_close_strategy, strategy)
+        feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
+        stack.callback(feed.close)
+        hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
+        trainer = _trainer(
+            spec,
+            context,
+            strategy,
+            feed,
+            Schedule(
+                config.training.epochs,
+                config.training.batch_size,
+                start,
+                resume,
+                config.training.accumulate_steps,
+            ),
+            hooks,
+        )
+        stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+        history = trainer.run()
+        state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
+        return WorkerResult(
+            rank,
+            feed.cached_rows,
+            feed.bad_rows_dropped,
+            history,
+            _deliver_weights(spec, state) if rank == 0 else b"",
+            trainer.output_shape,
+            trainer.input_shapes,
+            {
+                "device": str(device),
+                "gpus": list(placement.gpu_addresses),
+                "exchange": _exchange(shared, hierarchy),
+            },
+        )
+    raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def strategy_context(
+    spec: TrainSpec,
+    placement: Placement,
+    device: torch.device,
+    groups: ProcessGroups,
+    hierarchy: Hierarchy | None,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start_step: int,
+    host_memory: SharedMemoryGroup | None = None,
+) -> StrategyContext:
+    """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
+    alike), starting at global step ``start_step``."""
+    return StrategyContext(
+        config=spec.config,
+        rank=placement.rank,
+        world_size=placement.world_size,
+        device=device,
+        module=module,
+        optimizer=optimizer,
+        control_group=groups.control,
+        ps=spec.ps,
+        attempt=groups.attempt,
+        resume_step=start_step,
+        lr=spec.lr,
+        scheduler_fn=spec.scheduler_fn,
+        hierarchy=hierarchy,
+        store=groups.store,
+        host_memory=host_memory,
+    )
+
+
+def _exchange(shared: SharedMemoryGroup | None, hierarchy: Hierarchy | None) -> str:
+    """How this worker exchanged: "shared_memory", the process group's backend, or, in a
+    hierarchy whose host level is in shared memory, "shared_memory+" the leaders' backend."""
+    if shared is None:
+        return dist.get_backend()
+    return "shared_memory" if hierarchy is None else f"shared_memory+{dist.get_backend()}"
+
+
+def _host_memory(
+    config: SparkDLConfig,
+    placement: Placement,
+    device: torch.device,
+    groups: ProcessGroups,
+    hierarchy: Hierarchy | None,
+    module: torch.nn.Module,
+) -> SharedMemoryGroup | None:
+    """The shared-memory group of this worker's host (``runtime.shared_memory``, CPUs only),
+    for the caller to close: a hierarchy's host level, or, without one, every worker's where
+    they all share one host and the strategy's exchange is a plain sum (allreduce or weight
+    averaging, no compression). The same decision on every rank, from the config; a group
+    forms only where every worker in it can attach."""
+    runtime = config.runtime
+    if not runtime.shared_memory or device.type != "cpu" or placement.world_size == 1:
+        return None
+    payload = sum(p.numel() * p.element_size() for p in module.parameters())
+    if hierarchy is not None:
+        return hierarchy.share_memory(payload, runtime.collective_timeout_s)
+    flat_sum = runtime.compression is Compression.NONE and config.training.strategy in (
+        Strategy.ALLREDUCE,
+        Strategy.WEIGHT_AVERAGING,
+    )
+    if not flat_sum:
+        return None
+    return form_host_group(
+        placement.rank, placement.world_size, groups.control, payload, runtime.collective_timeout_s
+    )
+
+
+def _hierarchy(config: SparkDLConfig, placement: Placement) -> Hierarchy | None:
+    """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two)."""
+    level = config.runtime.hierarchy
+    if level is HierarchyLevel.NONE:
+        return None
+    if len(placement.peers) != placement.world_size:
+        raise ClusterConfigError(
+            f"runtime.hierarchy = {level.value!r} needs every task's address; this worker got "
+            f"{len(placement.peers)} for {placement.world_size} ranks"
+        )
+    keys = [host_key(address, level) for address in placement.peers]
+    hierarchy = Hierarchy.build(keys, placement.rank, config.runtime.collective_timeout_s)
+    if hierarchy is not None:
+        where = (hierarchy.host, hierarchy.hosts, hierarchy.leader)
+        log.info("rank %d: host %d of %d, led by rank %d", placement.rank, *where)
+    return hierarchy
+
+
+def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
+    """Rank 0's trained weights for the driver: streamed to its weights server, so they never
+    cross the JVM (the result row then carries none); in the result row where the driver
+    cannot be reached (a Spark Connect client)."""
+    if spec.weights is None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+    sent = upload(spec.weights, state)
+    log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)
+    return b""
+
+
+def _join(
+    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
+) -> tuple[torch.device, ProcessGroups]:
+    """This worker's device, and the process groups it forms with the others."""
+    torch.set_num_threads(placement.torch_threads)
+    device = choose_device(
+        config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), placement.rank
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = form_process_group(
+        placement.rank,
+        placement.world_size,
+        placement.host,
+        choose_backend(config.runtime.backend, device),
+        all_gather,
+        config.runtime.collective_timeout_s,
+        placement.task_attempt,
+    )
+    stack.callback(release_process_groups, groups)
+    return device, groups
+
+
+def _trainer(
+    spec: TrainSpec,
+    context: StrategyContext,
+    strategy: SyncStrategy,
+    feed: PartitionFeed,
+    schedule: Schedule,
+    hooks: list[StepHook],
+) -> Trainer:
+    loss_fn, label_kind = resolve_loss(spec.loss)
+    label_name = spec.plan.label.name if spec.plan.label else "label"
+    keyword = spec.plan.keyword
+    check_labels = (
+        LabelRangeCheck(context.module, context.device, context.rank, label_name, keyword)
+        if label_kind is LabelKind.CLASS_INDEX
+        else no_label_check
+    )
+    validator = early_stopping = None
+    if spec.plan.validation_col:
+        batch_size = spec.config.data.inference_batch_size
+        validator = Validator(
+            lambda: feed.validation_batches(batch_size),
+            loss_fn,
+            label_kind,
+            keyword,
+            context.device,
+            context.control_group,
+        )
+        patience = spec.config.training.early_stopping_patience
+        early_stopping = EarlyStopping(patience, keep_weights=context.rank == 0) if patience else None
+    return Trainer(
+        strategy,
+        loss_fn,
+        keyword,
+        check_labels,
+        Filler(spec.template),
+        feed,
+        schedule,
+        context.control_group,
+        hooks,
+        validator,
+        early_stopping,
+    )
+
+
+def _hooks(
+    spec: TrainSpec,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    strategy: SyncStrategy,
+    store: CheckpointStore | None,
+    reporter: ProgressReporter | None,
+) -> list[StepHook]:
+    """The per-step extras this worker runs, in order."""
+    config = spec.config
+    hooks: list[StepHook] = []
+    if store is not None:
+        hooks.append(ReseedHook(config.training.seed, rank))
+    drill = config.reliability.drill
+    if drill is not None:
+        hooks.append(DrillHook(drill, rank, module))
+    if store is not None:
+        checkpointer = Checkpointer(
+            store, config.reliability.checkpoint_every, rank, module, optimizer, strategy
+        )
+        hooks.append(CheckpointHook(checkpointer))
+    if reporter is not None:
+        hooks.append(ProgressHook(_sender(reporter), reporter.due))
+    return hooks
+
+
+def _sender(reporter: ProgressReporter) -> Callable[[ProgressUpdate], None]:
+    """The loop's progress callable: its update, stamped with this worker's rank and attempt."""
+
+    def send(update: ProgressUpdate) -> None:
+        reporter.send(Report(rank=reporter.rank, attempt=reporter.attempt, **dataclasses.asdict(update)))
+
+    return send
+
+
+def _checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> CheckpointStore | None:
+    if not config.reliability.checkpoint_dir:
+        return None
+    store = CheckpointStore(config.reliability.checkpoint_dir)
+    stack.callback(store.close)
+    return store
+
+
+def _resume(
+    store: CheckpointStore | None,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    control: dist.ProcessGroup | None,
+    kind: type[SyncStrategy],
+) -> Resume | None:
+    """Rank 0 picks the checkpoint and tells the others (over the control group), so that
+    every rank loads the same one; the strategy ``kind`` loads it (into shards, for fsdp)."""
+    if store is None:
+        return None
+    latest = store.latest() if rank == 0 else None
+    chosen = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
+    dist.broadcast(chosen, src=0, group=control)
+    step = int(chosen.item())
+    return restore(store, step, rank, module, optimizer, kind.load_full_state) if step >= 0 else None
+
+
+def _close_strategy(strategy: SyncStrategy) -> None:
+    strategy.close()
+    gc.collect()  # DDP's reducer may sit in a reference cycle: free it while its group lives
+
+
+def release_process_groups(groups: ProcessGroups) -> None:
+    """Give gloo's threads the GIL to drop their last works, then destroy the groups."""
+    time.sleep(_SETTLE_S)  # releases the GIL
+    groups.destroy()
+
+
+class TeardownWatchdog:
+    """Bounds a worker's teardown: if releasing its resources takes longer than
+    ``timeout_s`` (``runtime.teardown_timeout_s``), the worker process ends with every
+    thread's stack on stderr (the executor's log), rather than hang its task forever.
+
+    Python cannot run a timer while another thread holds the GIL in a destructor, so
+    the bound is faulthandler's C-level timer; it is cancelled when the teardown ends.
+    """
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self._timeout_s = timeout_s
+        self._rank = rank
+
+    def arm(self) -> None:
+        """Start the clock; the exit stack cancels it once every resource is released."""
+        log.debug(
+            "rank %d: teardown bounded by runtime.teardown_timeout_s = %gs", self._rank, self._timeout_s
+        )
+        faulthandler.dump_traceback_later(self._timeout_s, exit=True, file=sys.stderr)
+
+    @staticmethod
+    def disarm() -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.contextmanager
+def _socket_interface(interface: str) -> Iterator[None]:
+    """Point gloo and NCCL at ``interface`` for this worker only; restore the environment."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    saved = {name: os.environ.get(name) for name in names}
+    if interface:
+        for name in names:
+            os.environ[name] = interface
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
+    return FeedOptions(
+        batch_size=config.training.batch_size,
+        shuffle=config.training.shuffle,
+        seed=config.training.seed,
+        rank=rank,
+        prefetch_batches=config.data.prefetch_batches,
+        cache_dir=config.data.cache_dir or os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0],
+        cache_memory_bytes=config.data.cache_memory_mb << 20,
+        cache_memory_keep_s=config.data.cache_memory_keep_s,
+        pin_memory=device.type == "cuda",
+        skip_bad_rows=config.reliability.on_bad_rows is OnError.SKIP,
+    )

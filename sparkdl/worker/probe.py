@@ -1,0 +1,296 @@
+"""The advisor's probe on one worker: a few steps of every candidate strategy, timed.
+
+No Spark here, like :mod:`sparkdl.worker.assembly`, whose assembly it reuses: the same
+process group, feed, strategy classes and training loop as ``fit``, so what it times is
+what a run would do. The worker reads the first ``steps`` batches of its partition once
+into the epoch cache (as a run's first epoch does), then for each candidate builds the
+model, optimizer and strategy afresh and trains cached epochs over those batches: one to
+warm up (DDP's buckets, the parameter server's connections, the allocator), then timed
+ones until the candidate's time budget is spent. A step's time is the slowest rank's
+(they wait for each other), the median over the timed epochs; an epoch's overhead is
+what the slowest rank's epoch holds beyond its steps. Every candidate is probed
+twice, the second pass in reverse order, and the two are averaged: on a shared machine
+whose speed drifts, no candidate gains from where it stands in the list.
+
+Last, the link: the median time of an all-reduce of one float (latency) and of the
+model's size (bandwidth, capped at 16 MB so a probe of a big model on a slow network
+stays short).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from sparkdl.comm.hierarchy import Hierarchy
+from sparkdl.comm.ps_endpoint import PsEndpoint
+from sparkdl.comm.rendezvous import AllGather, ProcessGroups
+from sparkdl.comm.shared_memory import SharedMemoryGroup
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.feed import PartitionFeed
+from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
+from sparkdl.training.checkpointing import Position
+from sparkdl.training.factory import build_optimizer
+from sparkdl.training.hooks import EpochTally, StepHook
+from sparkdl.training.loop import Schedule, Trainer
+from sparkdl.training.planning import coordinator_for, exchange_row_counts, summing_over
+from sparkdl.worker.assembly import (
+    Placement,
+    TeardownWatchdog,
+    TrainSpec,
+    _close_strategy,
+    _feed_options,
+    _hierarchy,
+    _host_memory,
+    _join,
+    _socket_interface,
+    _trainer,
+    strategy_context,
+)
+
+log = logging.getLogger(__name__)
+
+_LINK_CAP = 4 * 1024 * 1024  # floats in the bandwidth all-reduce (16 MB)
+_MAX_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class ProbeCandidate:
+    """One candidate as a worker trains it: its name, full settings and, for the parameter
+    server, the endpoint of the server the driver started for it."""
+
+    name: str
+    config: SparkDLConfig
+    ps: PsEndpoint | None = None
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Everything a probe worker needs, shipped with the task (cloudpickled).
+
+    Attributes:
+        train: the estimator's task spec (model, optimizer, loss, data plan, template).
+        candidates: what to time, in order (every rank the same).
+        steps: batches of its partition each worker reads (its first rows).
+        budget_s: timed seconds per candidate and pass (after a warm-up epoch, one to nine timed).
+        passes: times every candidate is trained, in alternating order; its figures are the mean.
+    """
+
+    train: TrainSpec
+    candidates: tuple[ProbeCandidate, ...]
+    steps: int
+    budget_s: float
+    passes: int = 2
+
+
+class StepClock(StepHook):
+    """The span from the start of an epoch's first step to the end of its last."""
+
+    def __init__(self) -> None:
+        self._first: float | None = None
+        self._last = 0.0
+
+    def before_step(self, position: Position) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        self._last = time.perf_counter()
+
+    def take(self) -> float:
+        """The last epoch's span; the clock starts afresh."""
+        span = self._last - self._first if self._first is not None else 0.0
+        self._first = None
+        return span
+
+
+def run_probe(
+    spec: ProbeSpec, batches: Iterator[pa.RecordBatch], placement: Placement, all_gather: AllGather
+) -> dict[str, Any]:
+    """Time every candidate on this worker's first rows; return rank 0's view (the slowest
+    rank's figures) as a JSON-able dict."""
+    config, rank = spec.train.config, placement.rank
+    with contextlib.ExitStack() as stack:
+        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
+        stack.callback(watchdog.disarm)
+        stack.enter_context(_socket_interface(config.runtime.network_interface))
+        device, groups = _join(config, placement, all_gather, stack)
+        hierarchy = _hierarchy(config, placement)
+        rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
+        feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, _feed_options(config, rank, device))
+        stack.callback(feed.close)
+        stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
+        feed.fill_cache()  # what a run's first epoch leaves behind
+        control = summing_over(groups.control)
+        counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, control)
+        bench = Bench(spec, feed, counts, device, groups, hierarchy, placement)
+        measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in spec.candidates}
+        for order in _pass_orders(spec.candidates, spec.passes):
+            for candidate in order:
+                log.info("rank %d: probing %s", rank, candidate.name)
+                measured[candidate.name].append(bench.time(candidate))
+                gc.collect()  # the candidate's model and optimizer, before the next one's
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        timings = {name: _mean(runs) for name, runs in measured.items()}
+        link = _measure_link(bench.params, device, placement.world_size, groups.control)
+        return {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
+    raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _pass_orders(candidates: tuple[ProbeCandidate, ...], passes: int) -> list[tuple[ProbeCandidate, ...]]:
+    """The candidates' order in each pass: forward, then backward, ... so that a machine
+    whose speed drifts during the probe favours no candidate for being first or last."""
+    return [candidates if p % 2 == 0 else candidates[::-1] for p in range(passes)]
+
+
+def _mean(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.fmean(run[key] for run in runs) for key in runs[0]}
+
+
+def first_rows(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """The record batches of the first ``rows`` rows (the last one sliced); the rest unread."""
+    left = rows
+    for batch in batches:
+        if left <= 0:
+            return
+        yield batch if batch.num_rows <= left else batch.slice(0, left)
+        left -= batch.num_rows
+
+
+@dataclass
+class Bench:
+    """What every candidate is timed on: one worker's cached rows, process groups and place.
+
+    ``epoch`` numbers the cached epochs across candidates (each its own shuffle);
+    ``steps_done`` is each candidate's global step, so that a later pass goes on where its
+    earlier one stopped (its parameter server, one per candidate for the whole probe,
+    expects the next clock).
+    """
+
+    spec: ProbeSpec
+    feed: PartitionFeed
+    counts: list[int]
+    device: torch.device
+    groups: ProcessGroups
+    hierarchy: Hierarchy | None
+    placement: Placement
+    epoch: int = 2
+    params: int = 0
+    steps_done: dict[str, int] = field(default_factory=dict)
+    _shared: SharedMemoryGroup | None = None  # the candidate being timed's, closed after it
+
+    def time(self, candidate: ProbeCandidate) -> dict[str, float]:
+        """Build ``candidate`` afresh and train a warm-up epoch and timed ones; its step time,
+        epoch overhead and bytes per step (each the slowest rank's)."""
+        config = candidate.config
+        train = dataclasses.replace(self.spec.train, config=config)
+        start = self.steps_done.get(candidate.name, 0)
+        strategy = None
+        try:
+            strategy = self._build(candidate, train, start)
+            clock = StepClock()
+            schedule = Schedule(
+                1 << 20,
+                config.training.batch_size,
+                Position(global_steps_done=start),
+                accumulate=config.training.accumulate_steps,
+            )
+            trainer = _trainer(train, strategy.ctx, strategy, self.feed, schedule, [clock])
+            per_step = schedule.rows_per_step
+            self._epoch(trainer, clock, per_step)  # warm-up
+            first = self._epoch(trainer, clock, per_step)
+            epoch_s = _agreed_max(torch.tensor([first[1]]), self.groups.control)[0]
+            repeats = min(_MAX_REPEATS, int(self.spec.budget_s / max(epoch_s, 1e-6)))
+            samples = [first] + [self._epoch(trainer, clock, per_step) for _ in range(repeats)]
+            medians = torch.tensor([statistics.median(s[i] for s in samples) for i in range(3)])
+            # the slowest rank's step and epoch: the others' epochs end waiting for it, so an
+            # epoch's overhead is what its slowest wall time holds beyond the slowest steps
+            step_s, wall_s, sent = _agreed_max(medians, self.groups.control)
+            steps = -(-max(self.counts) // per_step)
+            self.steps_done[candidate.name] = trainer.global_step
+        finally:
+            if strategy is not None:
+                _close_strategy(strategy)
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
+        log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
+        return {
+            "step_s": step_s,
+            "epoch_overhead_s": max(wall_s - steps * step_s, 0.0),
+            "bytes_per_step": sent,
+        }
+
+    def _build(self, candidate: ProbeCandidate, train: TrainSpec, start: int) -> SyncStrategy:
+        """Model, optimizer and strategy of ``candidate``, as ``run_worker`` builds them."""
+        config, placement = candidate.config, self.placement
+        torch.manual_seed(config.training.seed)
+        kind = strategy_class(config.training.strategy)
+        module = kind.build_module(train.model_fn, config, self.device)
+        # a sharded (DTensor) parameter counts whole
+        self.params = max(self.params, sum(p.numel() for p in module.parameters()))
+        optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
+        train = dataclasses.replace(train, ps=candidate.ps)
+        # the candidate exchanges as fit would: through shared memory where every worker shares
+        # the host (a hierarchy's host level keeps gloo here: its groups outlive a candidate)
+        if self.hierarchy is None:
+            self._shared = _host_memory(config, placement, self.device, self.groups, None, module)
+        context = strategy_context(
+            train, placement, self.device, self.groups, self.hierarchy, module, optimizer, start, self._shared
+        )
+        return create_strategy(context)
+
+    def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
+        """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""
+        batches, source = self.feed.epoch(self.epoch)
+        coordinator = coordinator_for(False, self.counts, rows_per_step, summing_over(self.groups.control))
+        started = time.perf_counter()
+        result, tally = trainer.run_epoch(self.epoch, batches, coordinator, source)
+        wall = time.perf_counter() - started
+        self.epoch += 1
+        steps = max(tally.steps, 1)
+        return clock.take() / steps, wall, result.sync.bytes_sent / steps
+
+
+def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
+    """The element-wise maximum over the ranks (the slowest rank sets a synchronous pace)."""
+    values = values.to(torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in values.tolist()]
+
+
+def _measure_link(
+    params: int, device: torch.device, world_size: int, control: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """Median seconds of an all-reduce of one float and of ``min(params, 4M)`` floats on the
+    default group (the data path: gloo or NCCL), the slowest rank's."""
+    floats = max(1, min(params, _LINK_CAP))
+    tiny_s = _timed_all_reduce(torch.zeros(1, device=device), 20)
+    model_s = _timed_all_reduce(torch.zeros(floats, device=device), 5)
+    tiny_s, model_s = _agreed_max(torch.tensor([tiny_s, model_s]), control)
+    return {"tiny_s": tiny_s, "model_s": model_s, "floats": floats, "workers": world_size}
+
+
+def _timed_all_reduce(tensor: torch.Tensor, repeats: int) -> float:
+    dist.all_reduce(tensor)  # warm-up: the connections, the buffers
+    times = []
+    for _ in itertools.repeat(None, repeats):
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
