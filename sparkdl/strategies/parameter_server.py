@@ -73,7 +73,7 @@ class ParameterServerStrategy(SyncStrategy):
         runtime = ctx.config.runtime
         codec = codec_for(runtime.compression, runtime.topk_ratio)
         feedback = ErrorFeedback(codec, runtime.error_feedback) if codec is not None else None
-        self._hierarchy = ctx.hierarchy
+        self._hierarchy = ctx.exchange.hierarchy  # its leaders alone talk to the server
         self._stopping: SparkDLError | None = None  # hierarchy: told to the leader at the next push
         self._client: PsClient | None = None
         bf16 = settings.ps_pull_precision is Precision.BF16

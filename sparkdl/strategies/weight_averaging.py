@@ -21,8 +21,8 @@ worker that has not stepped yet has no momentum buffer). Integer or scalar
 bookkeeping (Adam's step count) is the same on every worker and left alone. With
 ``false`` each worker keeps its own optimizer state; only weights and buffers move.
 
-Compression. With ``compression`` set, what travels is each worker's weighted change
-since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedback
+Compression. With ``compression`` set, the worker's exchange sends each worker's weighted
+change since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedback
 (:class:`sparkdl.comm.compression.collectives.CompressedAverage`): a worker sends the
 compression factor less on top of ``1/tau``, and every worker still ends each average
 with the same tensors.
@@ -40,9 +40,9 @@ so no worker can run ahead of a straggler there. Unlike the parameter server's b
 workers, which skip steps already made without them, the rows of a cut-short period
 are not trained by anyone.
 
-Hierarchy. With ``runtime.hierarchy`` each bucket is summed within the host into its
-leader, all-reduced among the leaders and broadcast back (:mod:`sparkdl.comm.hierarchy`):
-one model's worth crosses the network per host and average.
+Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
+its leader, all-reduces it among the leaders and broadcasts it back
+(:mod:`sparkdl.comm.hierarchy`): one model's worth crosses the network per host and average.
 """
 
 from __future__ import annotations
@@ -53,13 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
-from sparkdl.comm.compression.collectives import CompressedAverage
-from sparkdl.comm.hierarchy import hierarchical_bytes
-from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
-from sparkdl.training.planning import summing_over
 from sparkdl.training.strategy import StepInput, StrategyContext, SyncStrategy
 
 Named = tuple[str, torch.Tensor]
@@ -69,13 +64,13 @@ class WeightAveragingStrategy(SyncStrategy):
     """w <- weighted mean_i(w_i) every ``sync_every`` steps; no traffic in between."""
 
     name = Strategy.WEIGHT_AVERAGING
+    plain_sum = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._tau = ctx.config.weight_averaging.sync_every
         self._average_state = ctx.config.weight_averaging.average_optimizer_state
         self._bucket_bytes = int(ctx.config.runtime.bucket_cap_mb * 1024 * 1024)
-        self._sum = summing_over(None, ctx.host_memory)  # the round message: the default group's device
         self._rows_since_sync = 0
         self._steps_since_sync = 0
         self._stopping: SparkDLError | None = None
@@ -84,13 +79,8 @@ class WeightAveragingStrategy(SyncStrategy):
         self._cut_short = False  # the period ended without this worker
         self._trained_throughout = True  # rows at every step of the period so far
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
-            dist.broadcast(tensor, src=0)
-        runtime = ctx.config.runtime
-        codec = codec_for(runtime.compression, runtime.topk_ratio)
-        self._compressed = None
-        if codec is not None:
-            self._compressed = CompressedAverage(ErrorFeedback(codec, runtime.error_feedback))
-            self._compressed.remember(self._model_tensors())
+            ctx.exchange.broadcast_(tensor, src=0)
+        ctx.exchange.remember(list(self._model_tensors()))
 
     @property
     def checkpoint_multiple(self) -> int:
@@ -146,7 +136,7 @@ class WeightAveragingStrategy(SyncStrategy):
         round_ = RoundMessage(world)
         state = sum(t.numel() for _, t in self._optimizer_tensors()) if self._average_state else 0
         vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, state, self.ctx.device)
-        self._sum(vector)
+        self.ctx.exchange.sum_(vector)
         total, stopped, states = round_.unpack(vector)
         if stopped:
             raise agreed(
@@ -159,48 +149,11 @@ class WeightAveragingStrategy(SyncStrategy):
             named += list(self._optimizer_tensors())
         if total > 0:
             buckets = list(_buckets(named, self._bucket_bytes))
-            if self._compressed is not None:
-                self.stats.bytes_sent += self._compressed(buckets, self._rows_since_sync / total)
-            else:
-                self._weighted_all_reduce([[t for _, t in b] for b in buckets], self._rows_since_sync / total)
-                payload = sum(t.numel() * t.element_size() for _, t in named)
-                self.stats.bytes_sent += self._bytes_per_average(payload)
+            self.ctx.exchange.weighted_sum_(buckets, self._rows_since_sync / total)
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
         self._period += 1
         self._cut_short, self._trained_throughout = False, True
-
-    def _bytes_per_average(self, payload: int) -> int:
-        """What this worker sends for one average of ``payload`` bytes (into shared memory: once)."""
-        if self.ctx.host_memory is not None:
-            return payload
-        if self.ctx.hierarchy is not None:
-            return hierarchical_bytes(self.ctx.hierarchy, payload)
-        return ring_allreduce_bytes(payload, self.ctx.world_size)
-
-    def _weighted_all_reduce(self, buckets: list[list[torch.Tensor]], own_weight: float) -> None:
-        """sum_i own_weight_i * t_i, bucket by bucket, the buckets all-reduced concurrently
-        (one after the other through the two levels of a hierarchy)."""
-        pending = []
-        for bucket in buckets:
-            flat = torch.cat([t.detach().reshape(-1) for t in bucket]).mul_(own_weight)
-            if self.ctx.host_memory is not None:
-                self.ctx.host_memory.all_reduce_(flat)
-                pending.append((bucket, flat, None))
-                continue
-            if self.ctx.hierarchy is not None:
-                self.stats.bytes_across_hosts += self.ctx.hierarchy.all_reduce(flat)
-                pending.append((bucket, flat, None))
-                continue
-            pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
-        for bucket, flat, work in pending:
-            if work is not None:
-                work.wait()
-            offset = 0
-            with torch.no_grad():
-                for tensor in bucket:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
 
     def _model_tensors(self) -> Iterator[Named]:
         module = self.ctx.module

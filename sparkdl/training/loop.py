@@ -32,7 +32,6 @@ from sparkdl.training.planning import (
     Sum,
     coordinator_for,
     exchange_row_counts,
-    summing_over,
 )
 from sparkdl.training.strategy import StepInput, SyncStats, SyncStrategy
 from sparkdl.training.validation import EarlyStopping, Validator
@@ -138,7 +137,7 @@ class Trainer:
         self._filler = filler
         self._feed = feed
         self._schedule = schedule
-        self._sum: Sum = summing_over(control_group, self._ctx.host_memory)  # per step in epoch 1
+        self._sum: Sum = self._ctx.exchange.sum_control_  # per step in epoch 1
         self._hooks = list(hooks)
         self._validator = validator
         self._early_stopping = early_stopping

@@ -15,30 +15,16 @@ schedule is a pure function of them (:class:`ScheduledCoordinator`, no per-step 
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.tensors import Batch
 
-if TYPE_CHECKING:
-    from sparkdl.comm.shared_memory import SharedMemoryGroup
-
-#: Sums a small tensor over every worker, in place (:func:`summing_over`).
+#: Sums a small CPU tensor over every worker, in place (the exchange's ``sum_control_``).
 Sum = Callable[[torch.Tensor], object]
-
-
-def summing_over(group: dist.ProcessGroup | None, host_memory: SharedMemoryGroup | None = None) -> Sum:
-    """The sum over every worker: through the host's shared memory where every worker shares
-    one (``host_memory``), else an all-reduce over ``group`` (None: the default group)."""
-    if host_memory is not None:
-        return host_memory.all_reduce_
-    return functools.partial(dist.all_reduce, group=group)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ import abc
 import contextlib
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparkdl.comm.exchange import Exchange, FlatExchange
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.config import Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
@@ -28,10 +29,6 @@ from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.guards import NanGuard, grads_finite
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
-
-if TYPE_CHECKING:
-    from sparkdl.comm.hierarchy import Hierarchy
-    from sparkdl.comm.shared_memory import SharedMemoryGroup
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
@@ -53,11 +50,10 @@ class StrategyContext:
         resume_step: the global step the run resumed from (0: a fresh start).
         lr: the learning-rate schedule, a factor of the configured lr per global step.
         scheduler_fn: the user's ``(optimizer) -> LRScheduler``, stepped after every step.
-        hierarchy: this worker's host and its leader (``runtime.hierarchy``; None: flat).
         store: the process group's key-value store (rank 0's TCPStore), reachable by every
             rank: weight averaging's backup workers count finished periods in it.
-        host_memory: every worker's shared-memory group, where they all share one host
-            (``runtime.shared_memory``; None: the exchange goes through the process group).
+        exchange: the door of every sum and broadcast with the other workers, chosen when
+            the worker was assembled (default: a single worker's, which sends nothing).
     """
 
     config: SparkDLConfig
@@ -72,9 +68,15 @@ class StrategyContext:
     resume_step: int = 0
     lr: LrPlan = CONSTANT_LR
     scheduler_fn: SchedulerFn | None = None
-    hierarchy: Hierarchy | None = None
     store: dist.Store | None = None
-    host_memory: SharedMemoryGroup | None = None
+    exchange: Exchange = field(default_factory=lambda: FlatExchange(world_size=1))
+
+    def __post_init__(self) -> None:
+        if self.exchange.world_size != self.world_size:
+            raise ValueError(
+                f"the exchange serves {self.exchange.world_size} workers, the context {self.world_size}: "
+                "pass the exchange the worker formed (sparkdl.comm.exchange.form_exchange)"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,9 @@ class SyncStrategy(abc.ABC):
     #: parameters are gathered in them): then every rank must run every forward, in
     #: validation and in the label probe too, at the same point.
     lockstep_forward: ClassVar[bool] = False
+    #: Whether what the workers exchange is a plain sum of float tensors, which one host's
+    #: shared memory can carry (the worker's assembly then chooses it, where it can).
+    plain_sum: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -230,8 +235,11 @@ class SyncStrategy(abc.ABC):
         """Training is over: leave every worker with the same final weights."""
 
     def end_epoch(self) -> SyncStats:
-        """Return this epoch's figures and start counting afresh."""
+        """Return this epoch's figures, with what the exchange sent, and start counting afresh."""
+        traffic = self.ctx.exchange.take_traffic()
         stats, self.stats = self.stats, SyncStats()
+        stats.bytes_sent += traffic.bytes_sent
+        stats.bytes_across_hosts += traffic.bytes_across_hosts
         return stats
 
     def close(self) -> None:  # noqa: B027 - only strategies holding resources release them

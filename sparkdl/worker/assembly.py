@@ -34,17 +34,14 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.hierarchy import Hierarchy, host_key
+from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
-from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group
-from sparkdl.config import Compression, OnError, SparkDLConfig, Strategy
-from sparkdl.config import Hierarchy as HierarchyLevel
+from sparkdl.config import OnError, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import ClusterConfigError
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import (
     HeldRecords,
@@ -145,7 +142,8 @@ def run_worker(
         stack.enter_context(_socket_interface(config.runtime.network_interface))
         device, groups = _join(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
-        hierarchy = _hierarchy(config, placement)
+        where = Where(rank, placement.world_size, placement.peers, device)
+        hierarchy = form_hierarchy(config.runtime, where)
         reporter = last_out.enter_context(
             reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
         )
@@ -154,24 +152,16 @@ def run_worker(
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
         module = kind.build_module(spec.model_fn, config, device)
-        shared = _host_memory(config, placement, device, groups, hierarchy, module)
-        if shared is not None:
-            stack.callback(shared.close)
-        host_memory = shared if hierarchy is None else None  # in a hierarchy: the host level's
+        exchange = form_exchange(
+            config.runtime, where, groups, _payload_bytes(module), kind.plain_sum, hierarchy
+        )
+        stack.callback(exchange.close)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = _checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
         context = strategy_context(
-            spec,
-            placement,
-            device,
-            groups,
-            hierarchy,
-            module,
-            optimizer,
-            start.global_steps_done,
-            host_memory,
+            spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange
         )
         strategy = create_strategy(context)
         stack.callback(_close_strategy, strategy)
@@ -203,11 +193,7 @@ def run_worker(
             _deliver_weights(spec, state) if rank == 0 else b"",
             trainer.output_shape,
             trainer.input_shapes,
-            {
-                "device": str(device),
-                "gpus": list(placement.gpu_addresses),
-                "exchange": _exchange(shared, hierarchy),
-            },
+            {"device": str(device), "gpus": list(placement.gpu_addresses), "exchange": exchange.name},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
@@ -217,11 +203,10 @@ def strategy_context(
     placement: Placement,
     device: torch.device,
     groups: ProcessGroups,
-    hierarchy: Hierarchy | None,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     start_step: int,
-    host_memory: SharedMemoryGroup | None = None,
+    exchange: Exchange,
 ) -> StrategyContext:
     """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
     alike), starting at global step ``start_step``."""
@@ -238,66 +223,14 @@ def strategy_context(
         resume_step=start_step,
         lr=spec.lr,
         scheduler_fn=spec.scheduler_fn,
-        hierarchy=hierarchy,
         store=groups.store,
-        host_memory=host_memory,
+        exchange=exchange,
     )
 
 
-def _exchange(shared: SharedMemoryGroup | None, hierarchy: Hierarchy | None) -> str:
-    """How this worker exchanged: "shared_memory", the process group's backend, or, in a
-    hierarchy whose host level is in shared memory, "shared_memory+" the leaders' backend."""
-    if shared is None:
-        return dist.get_backend()
-    return "shared_memory" if hierarchy is None else f"shared_memory+{dist.get_backend()}"
-
-
-def _host_memory(
-    config: SparkDLConfig,
-    placement: Placement,
-    device: torch.device,
-    groups: ProcessGroups,
-    hierarchy: Hierarchy | None,
-    module: torch.nn.Module,
-) -> SharedMemoryGroup | None:
-    """The shared-memory group of this worker's host (``runtime.shared_memory``, CPUs only),
-    for the caller to close: a hierarchy's host level, or, without one, every worker's where
-    they all share one host and the strategy's exchange is a plain sum (allreduce or weight
-    averaging, no compression). The same decision on every rank, from the config; a group
-    forms only where every worker in it can attach."""
-    runtime = config.runtime
-    if not runtime.shared_memory or device.type != "cpu" or placement.world_size == 1:
-        return None
-    payload = sum(p.numel() * p.element_size() for p in module.parameters())
-    if hierarchy is not None:
-        return hierarchy.share_memory(payload, runtime.collective_timeout_s)
-    flat_sum = runtime.compression is Compression.NONE and config.training.strategy in (
-        Strategy.ALLREDUCE,
-        Strategy.WEIGHT_AVERAGING,
-    )
-    if not flat_sum:
-        return None
-    return form_host_group(
-        placement.rank, placement.world_size, groups.control, payload, runtime.collective_timeout_s
-    )
-
-
-def _hierarchy(config: SparkDLConfig, placement: Placement) -> Hierarchy | None:
-    """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two)."""
-    level = config.runtime.hierarchy
-    if level is HierarchyLevel.NONE:
-        return None
-    if len(placement.peers) != placement.world_size:
-        raise ClusterConfigError(
-            f"runtime.hierarchy = {level.value!r} needs every task's address; this worker got "
-            f"{len(placement.peers)} for {placement.world_size} ranks"
-        )
-    keys = [host_key(address, level) for address in placement.peers]
-    hierarchy = Hierarchy.build(keys, placement.rank, config.runtime.collective_timeout_s)
-    if hierarchy is not None:
-        where = (hierarchy.host, hierarchy.hosts, hierarchy.leader)
-        log.info("rank %d: host %d of %d, led by rank %d", placement.rank, *where)
-    return hierarchy
+def _payload_bytes(module: torch.nn.Module) -> int:
+    """What one sum of every parameter weighs (sizes a shared-memory segment)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:

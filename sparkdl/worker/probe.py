@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -34,10 +35,10 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
 from sparkdl.comm.hierarchy import Hierarchy
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
-from sparkdl.comm.shared_memory import SharedMemoryGroup
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
@@ -45,16 +46,15 @@ from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.loop import Schedule, Trainer
-from sparkdl.training.planning import coordinator_for, exchange_row_counts, summing_over
+from sparkdl.training.planning import coordinator_for, exchange_row_counts
 from sparkdl.worker.assembly import (
     Placement,
     TeardownWatchdog,
     TrainSpec,
     _close_strategy,
     _feed_options,
-    _hierarchy,
-    _host_memory,
     _join,
+    _payload_bytes,
     _socket_interface,
     _trainer,
     strategy_context,
@@ -127,15 +127,16 @@ def run_probe(
         stack.callback(watchdog.disarm)
         stack.enter_context(_socket_interface(config.runtime.network_interface))
         device, groups = _join(config, placement, all_gather, stack)
-        hierarchy = _hierarchy(config, placement)
+        where = Where(rank, placement.world_size, placement.peers, device)
+        hierarchy = form_hierarchy(config.runtime, where)
         rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
         feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, _feed_options(config, rank, device))
         stack.callback(feed.close)
         stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
         feed.fill_cache()  # what a run's first epoch leaves behind
-        control = summing_over(groups.control)
+        control = functools.partial(dist.all_reduce, group=groups.control)
         counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, control)
-        bench = Bench(spec, feed, counts, device, groups, hierarchy, placement)
+        bench = Bench(spec, feed, counts, where, groups, hierarchy, placement)
         measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in spec.candidates}
         for order in _pass_orders(spec.candidates, spec.passes):
             for candidate in order:
@@ -183,14 +184,14 @@ class Bench:
     spec: ProbeSpec
     feed: PartitionFeed
     counts: list[int]
-    device: torch.device
+    where: Where
     groups: ProcessGroups
     hierarchy: Hierarchy | None
     placement: Placement
     epoch: int = 2
     params: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
-    _shared: SharedMemoryGroup | None = None  # the candidate being timed's, closed after it
+    _exchange: Exchange | None = None  # the candidate being timed's, closed after it
 
     def time(self, candidate: ProbeCandidate) -> dict[str, float]:
         """Build ``candidate`` afresh and train a warm-up epoch and timed ones; its step time,
@@ -224,9 +225,9 @@ class Bench:
         finally:
             if strategy is not None:
                 _close_strategy(strategy)
-            if self._shared is not None:
-                self._shared.close()
-                self._shared = None
+            if self._exchange is not None:
+                self._exchange.close()
+                self._exchange = None
         log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
         return {
             "step_s": step_s,
@@ -239,24 +240,26 @@ class Bench:
         config, placement = candidate.config, self.placement
         torch.manual_seed(config.training.seed)
         kind = strategy_class(config.training.strategy)
-        module = kind.build_module(train.model_fn, config, self.device)
+        device = self.where.device
+        module = kind.build_module(train.model_fn, config, device)
         # a sharded (DTensor) parameter counts whole
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
         train = dataclasses.replace(train, ps=candidate.ps)
-        # the candidate exchanges as fit would: through shared memory where every worker shares
-        # the host (a hierarchy's host level keeps gloo here: its groups outlive a candidate)
-        if self.hierarchy is None:
-            self._shared = _host_memory(config, placement, self.device, self.groups, None, module)
+        # the candidate exchanges as fit would (the hierarchy's groups serve every candidate)
+        self._exchange = form_exchange(
+            config.runtime, self.where, self.groups, _payload_bytes(module), kind.plain_sum, self.hierarchy
+        )
         context = strategy_context(
-            train, placement, self.device, self.groups, self.hierarchy, module, optimizer, start, self._shared
+            train, placement, device, self.groups, module, optimizer, start, self._exchange
         )
         return create_strategy(context)
 
     def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
         """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""
         batches, source = self.feed.epoch(self.epoch)
-        coordinator = coordinator_for(False, self.counts, rows_per_step, summing_over(self.groups.control))
+        control = functools.partial(dist.all_reduce, group=self.groups.control)
+        coordinator = coordinator_for(False, self.counts, rows_per_step, control)
         started = time.perf_counter()
         result, tally = trainer.run_epoch(self.epoch, batches, coordinator, source)
         wall = time.perf_counter() - started

@@ -287,9 +287,9 @@ def test_a_compressed_average_leaves_every_worker_with_the_same_weights(tmp_path
     assert error < 0.8  # 1-bit of a Gaussian change keeps its direction (sqrt(1 - 2/pi) ~ 0.6)
 
 
-def _powersgd_steps(steps: int) -> torch.Tensor:
-    """``steps`` DDP steps of a 32 x 32 layer under PyTorch's PowerSGD hook (rank 1, the
-    low-rank path from the third step); return the layer's weight."""
+def _powersgd_steps(steps: int, hook=None) -> torch.Tensor:
+    """``steps`` DDP steps of a 32 x 32 layer under a PowerSGD hook (PyTorch's by default;
+    rank 1, the low-rank path from the third step); return the layer's weight."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -299,7 +299,7 @@ def _powersgd_steps(steps: int) -> torch.Tensor:
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
     )
-    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    ddp.register_comm_hook(state, hook or powerSGD_hook.powerSGD_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     x = torch.randn(16, 32)
     for _ in range(steps):
@@ -311,9 +311,10 @@ def _powersgd_steps(steps: int) -> torch.Tensor:
 
 def test_powersgd_trains_cpu_gradients_on_a_host_that_also_has_cuda(gloo_group, monkeypatch):
     """PyTorch's PowerSGD hook calls ``torch.cuda.synchronize(bucket device)`` whenever CUDA
-    is available: CPU workers on a GPU host failed (seen on an H100). The strategy makes a
-    CPU device's synchronize a no-op; the trained weights are those of a host without CUDA."""
-    from sparkdl.strategies.allreduce import tolerate_cpu_synchronize
+    is available: CPU workers on a GPU host failed (seen on an H100). The exchange gives CPU
+    workers a copy of the hook that sees no CUDA; the trained weights are those of a host
+    without CUDA, and torch itself is left as it was for the rest of the process."""
+    from sparkdl.comm.exchange import _cpu_powersgd_hook
 
     without_cuda = _powersgd_steps(4)
     reached: list[torch.device] = []
@@ -327,8 +328,7 @@ def test_powersgd_trains_cpu_gradients_on_a_host_that_also_has_cuda(gloo_group, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with a GPU
     with pytest.raises(RuntimeError, match="Expected a cuda device, but got: cpu"):
         _powersgd_steps(4)
-    tolerate_cpu_synchronize()
-    tolerate_cpu_synchronize()  # idempotent: wraps once
-    assert torch.equal(_powersgd_steps(4), without_cuda)
-    torch.cuda.synchronize(torch.device("cuda", 0))  # any other device reaches PyTorch's function
+    assert torch.equal(_powersgd_steps(4, _cpu_powersgd_hook), without_cuda)
+    assert torch.cuda.synchronize is pytorch_synchronize and torch.cuda.is_available()  # untouched
+    torch.cuda.synchronize(torch.device("cuda", 0))  # the process still reaches "PyTorch's" function
     assert reached == [torch.device("cuda", 0)]

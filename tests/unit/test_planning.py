@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from sparkdl.data.tensors import Batch
 from sparkdl.training.planning import (
@@ -15,8 +18,9 @@ from sparkdl.training.planning import (
     StreamingCoordinator,
     coordinator_for,
     exchange_row_counts,
-    summing_over,
 )
+
+_all_reduce = functools.partial(dist.all_reduce, group=None)  # the default (gloo) group
 
 
 def test_the_step_control_sums_rows_and_counts_the_workers_holding_rows():
@@ -46,7 +50,7 @@ def test_a_resumed_schedule_skips_the_steps_done_before_the_failure():
 
 
 def test_streaming_steps_agree_over_the_control_group_and_a_rejection_stops_everyone(gloo_group):
-    coordinator = StreamingCoordinator(summing_over(None))
+    coordinator = StreamingCoordinator(_all_reduce)
     assert coordinator.streaming and coordinator.total_steps == -1
     assert coordinator.next_step(8) == StepPlan(8)
     assert coordinator.next_step(0) is None
@@ -55,13 +59,13 @@ def test_streaming_steps_agree_over_the_control_group_and_a_rejection_stops_ever
 
 
 def test_row_counts_are_exchanged_in_one_all_reduce(gloo_group):
-    assert exchange_row_counts(0, 1, 12, summing_over(None)) == [12]
+    assert exchange_row_counts(0, 1, 12, _all_reduce) == [12]
 
 
 def test_the_coordinator_streams_only_while_the_data_comes_from_spark(gloo_group):
-    counts = exchange_row_counts(0, 1, 12, summing_over(None))
-    assert coordinator_for(True, None, 4, summing_over(None)).streaming
-    scheduled = coordinator_for(False, counts, 4, summing_over(None))
+    counts = exchange_row_counts(0, 1, 12, _all_reduce)
+    assert coordinator_for(True, None, 4, _all_reduce).streaming
+    scheduled = coordinator_for(False, counts, 4, _all_reduce)
     assert not scheduled.streaming and scheduled.total_steps == 3
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from sparkdl.comm.exchange import FlatExchange
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError, TrainingFailedError
 from sparkdl.strategies import StepInput, StrategyContext, create_strategy, strategy_class
@@ -138,7 +139,10 @@ def test_weight_averaging_with_a_backup_trains_none_of_a_period_the_others_finis
     )
     module = make_tiny_net()
     store = _RecordingStore()
-    ctx = dataclasses.replace(context(config, module), world_size=2, attempt=3, store=store)
+    # rank 1 is played through the store: the process group holds rank 0 alone, so its sums
+    # are rank 0's own values
+    two = FlatExchange(world_size=2)
+    ctx = dataclasses.replace(context(config, module), world_size=2, attempt=3, store=store, exchange=two)
     built = create_strategy(ctx)
     other = FirstFinishers(store.shared, 3, quorum=1)  # rank 1, as it counts
 
@@ -169,7 +173,9 @@ def test_weight_averaging_refuses_backups_without_a_store(gloo_group):
     config = SparkDLConfig().replace(
         num_workers=2, strategy="weight_averaging", sync_every=2, wa_backup_workers=1
     )
-    ctx = dataclasses.replace(context(config, make_tiny_net()), world_size=2)
+    ctx = dataclasses.replace(
+        context(config, make_tiny_net()), world_size=2, exchange=FlatExchange(world_size=2)
+    )
     with pytest.raises(ConfigError, match="wa_backup_workers = 1 needs the process group's store"):
         create_strategy(ctx)
 

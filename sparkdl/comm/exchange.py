@@ -1,0 +1,434 @@
+"""One exchange per worker: the door every strategy's sums and broadcasts go through.
+
+How bytes move between the workers is decided once, when the worker is assembled
+(:func:`form_exchange`), from the settings, the device and where the workers run:
+
+- :class:`FlatExchange`: the process group over every worker (gloo or NCCL), with the
+  run's compression (``runtime.compression``): DDP's hooks for gradients (PyTorch's fp16
+  and PowerSGD, ours for bf16, 1bit and topk), error-feedback codecs for averages.
+- :class:`HostMemoryExchange`: every worker shares one host and the strategy's exchange
+  is a plain sum (``runtime.shared_memory``, CPUs, no compression): a shared-memory
+  segment of the host's workers instead of gloo's loopback TCP.
+- :class:`HierarchicalExchange`: ``runtime.hierarchy`` found several hosts with several
+  workers each: sum within the host (its shared memory where it can), all-reduce among
+  the hosts' leaders, broadcast back to the host.
+
+A strategy calls the same methods whatever was chosen, and never asks which; adding a
+transport touches this package alone. Each exchange counts what this worker sends
+(:class:`Traffic`); control messages (a few numbers a step) are not counted.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit, TopK, codec_for
+from sparkdl.comm.compression.collectives import CompressedAllReduce, CompressedAverage, bf16_allreduce_hook
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, Hierarchy, hierarchical_bytes, host_key
+from sparkdl.comm.rendezvous import ProcessGroups
+from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group, shared_memory_hook
+from sparkdl.comm.traffic import ring_allreduce_bytes
+from sparkdl.config import Compression, RuntimeConfig
+from sparkdl.config import Hierarchy as HierarchyLevel
+from sparkdl.errors import ClusterConfigError
+
+log = logging.getLogger(__name__)
+
+#: Tensors by name (the name keys a compressed average's reference and residual).
+NamedBucket = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class Traffic:
+    """What this worker sent since the counters were last taken.
+
+    Attributes:
+        bytes_sent: onto any link or into shared memory, by every collective but control messages.
+        bytes_across_hosts: ``runtime.hierarchy``: the part of it that left this worker's host.
+    """
+
+    bytes_sent: int = 0
+    bytes_across_hosts: int = 0
+
+
+class Exchange(abc.ABC):
+    """The sums and broadcasts of one worker with the others; chosen by :func:`form_exchange`.
+
+    Args:
+        world_size: the workers.
+        control: the gloo group for small CPU messages (None: the default group).
+    """
+
+    #: How this worker exchanges, as fit reports it ("gloo", "nccl", "shared_memory", ...).
+    name: str
+
+    def __init__(self, world_size: int, control: dist.ProcessGroup | None = None) -> None:
+        self.world_size = world_size
+        self.control = control
+        self.traffic = Traffic()
+        self._gradient_step_bytes = 0
+
+    # -- control messages: a few numbers, not counted ------------------------------------
+
+    def sum_control_(self, tensor: torch.Tensor) -> None:
+        """Sum a small CPU tensor over every worker, in place (step planning, row counts)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.control)
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum a small tensor on the worker's device over every worker, in place (a round's
+        message before an average)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Replace ``tensor`` by rank ``src``'s on every worker (the starting weights)."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
+
+    # -- payloads: counted ----------------------------------------------------------------
+
+    def remember(self, named: NamedBucket) -> None:  # noqa: B027 - only a compressed average keeps references
+        """The tensors every worker now holds alike (the weights after the starting broadcast):
+        what a compressed average measures its first change from."""
+
+    def weighted_sum_(self, buckets: Sequence[NamedBucket], own_weight: float) -> None:
+        """Replace every tensor of ``buckets`` by ``sum_i own_weight_i * t_i`` over the workers
+        (a weighted average when the weights add up to 1), bucket by bucket."""
+        flats = [
+            torch.cat([t.detach().reshape(-1) for _, t in bucket]).mul_(own_weight) for bucket in buckets
+        ]
+        self._sum_flats_(flats)
+        with torch.no_grad():
+            for bucket, flat in zip(buckets, flats, strict=True):
+                offset = 0
+                for _, tensor in bucket:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+        payload = sum(flat.numel() * flat.element_size() for flat in flats)
+        self.traffic.bytes_sent += self.sum_bytes(payload)
+
+    def attach_gradient_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> None:
+        """Make ``ddp`` average its gradient buckets through this exchange; ``grad_bytes`` is
+        what one step's gradients weigh. Count each step with :meth:`count_gradient_step`."""
+        self._gradient_step_bytes = self._register_hook(ddp, grad_bytes)
+
+    def count_gradient_step(self) -> None:
+        """One step's gradients went through the hook: add what they sent to :attr:`traffic`."""
+        self.traffic.bytes_sent += self._gradient_step_bytes
+
+    def take_traffic(self) -> Traffic:
+        """The counters since the last call; they start afresh."""
+        taken, self.traffic = self.traffic, Traffic()
+        return taken
+
+    @abc.abstractmethod
+    def sum_bytes(self, payload: int) -> int:
+        """What this worker sends for one sum of ``payload`` bytes over every worker."""
+
+    @abc.abstractmethod
+    def _sum_flats_(self, flats: list[torch.Tensor]) -> None:
+        """Sum each flat tensor over every worker, in place (concurrently where the transport can)."""
+
+    @abc.abstractmethod
+    def _register_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> int:
+        """Register the DDP communication hook; return what one step sends (0: the hook counts)."""
+
+    @property
+    def hierarchy(self) -> Hierarchy | None:
+        """The two levels, for a strategy whose leaders alone talk to a server; None: flat."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - only exchanges holding threads or segments release them
+        """Release what the exchange holds (its shared memory, its hook's thread)."""
+
+
+class FlatExchange(Exchange):
+    """Every worker's collectives on the process group, compressed as ``runtime`` says."""
+
+    def __init__(
+        self,
+        world_size: int,
+        control: dist.ProcessGroup | None = None,
+        runtime: RuntimeConfig | None = None,
+        on_cpu: bool = True,
+    ) -> None:
+        super().__init__(world_size, control)
+        self._runtime = runtime or RuntimeConfig()
+        self._on_cpu = on_cpu
+        self.name = dist.get_backend() if dist.is_initialized() else "none"
+        codec = codec_for(self._runtime.compression, self._runtime.topk_ratio)
+        self._average: CompressedAverage | None = None
+        if codec is not None and world_size > 1:
+            self._average = CompressedAverage(ErrorFeedback(codec, self._runtime.error_feedback))
+        self._compressed_hook: CompressedAllReduce | None = None
+
+    def remember(self, named: NamedBucket) -> None:
+        if self._average is not None:
+            self._average.remember(named)
+
+    def weighted_sum_(self, buckets: Sequence[NamedBucket], own_weight: float) -> None:
+        if self._average is None:
+            super().weighted_sum_(buckets, own_weight)
+        elif self.world_size > 1:
+            self.traffic.bytes_sent += self._average(buckets, own_weight)
+
+    def count_gradient_step(self) -> None:
+        super().count_gradient_step()
+        if self._compressed_hook is not None:
+            self.traffic.bytes_sent += self._compressed_hook.bytes_sent
+            self._compressed_hook.bytes_sent = 0
+
+    def sum_bytes(self, payload: int) -> int:
+        return ring_allreduce_bytes(payload, self.world_size)
+
+    def _sum_flats_(self, flats: list[torch.Tensor]) -> None:
+        if self.world_size > 1:
+            for work in [dist.all_reduce(flat, async_op=True) for flat in flats]:
+                work.wait()
+
+    def _register_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> int:
+        runtime, world = self._runtime, self.world_size
+        compression = runtime.compression
+        if compression is Compression.FP16:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            return ring_allreduce_bytes(grad_bytes // 2, world)
+        if compression is Compression.BF16:
+            ddp.register_comm_hook(None, bf16_allreduce_hook)
+            return ring_allreduce_bytes(grad_bytes // 2, world)
+        if compression is Compression.POWERSGD:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=runtime.powersgd_rank,
+                start_powerSGD_iter=2,  # DDP rebuilds its buckets after the first step
+                use_error_feedback=runtime.error_feedback,
+            )
+            if self._on_cpu and torch.cuda.is_available():
+                ddp.register_comm_hook(state, _cpu_powersgd_hook)
+            else:
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            return ring_allreduce_bytes(powersgd_bytes(ddp.module, runtime.powersgd_rank), world)
+        if compression in (Compression.ONEBIT, Compression.TOPK):
+            codec = OneBit() if compression is Compression.ONEBIT else TopK(runtime.topk_ratio)
+            self._compressed_hook = CompressedAllReduce(ErrorFeedback(codec, runtime.error_feedback))
+            ddp.register_comm_hook(self._compressed_hook, CompressedAllReduce.hook)
+            return 0  # the hook counts what it sends
+        return ring_allreduce_bytes(grad_bytes, world)
+
+
+class HostMemoryExchange(Exchange):
+    """Every worker on one host: sums through the host's shared-memory segment.
+
+    Chosen only for a plain sum (no compression): every worker writes its tensor into the
+    segment once, and reads the sum back.
+    """
+
+    name = "shared_memory"
+
+    def __init__(self, shared: SharedMemoryGroup, world_size: int, control: dist.ProcessGroup | None) -> None:
+        super().__init__(world_size, control)
+        self._shared = shared
+
+    def sum_control_(self, tensor: torch.Tensor) -> None:
+        self._shared.all_reduce_(tensor)
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        self._shared.all_reduce_(tensor)
+
+    def sum_bytes(self, payload: int) -> int:
+        return payload  # each worker's tensor, into the shared segment
+
+    def _sum_flats_(self, flats: list[torch.Tensor]) -> None:
+        for flat in flats:
+            self._shared.all_reduce_(flat)
+
+    def _register_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> int:
+        ddp.register_comm_hook(self._shared, shared_memory_hook)
+        return grad_bytes
+
+    def close(self) -> None:
+        self._shared.close()
+
+
+class HierarchicalExchange(Exchange):
+    """Two levels: within the host (its shared memory where it has it), then among the
+    hosts' leaders; what leaves the host is counted in ``traffic.bytes_across_hosts``."""
+
+    def __init__(self, hierarchy: Hierarchy, world_size: int, control: dist.ProcessGroup | None) -> None:
+        super().__init__(world_size, control)
+        self._hierarchy = hierarchy
+        backend = dist.get_backend()
+        self.name = backend if hierarchy.shared is None else f"shared_memory+{backend}"
+        self._hook: HierarchicalAllReduce | None = None
+
+    @property
+    def hierarchy(self) -> Hierarchy:
+        return self._hierarchy
+
+    def count_gradient_step(self) -> None:
+        super().count_gradient_step()
+        if self._hook is not None:
+            self.traffic.bytes_across_hosts += self._hook.bytes_across_hosts
+            self._hook.bytes_across_hosts = 0
+
+    def sum_bytes(self, payload: int) -> int:
+        return hierarchical_bytes(self._hierarchy, payload)
+
+    def _sum_flats_(self, flats: list[torch.Tensor]) -> None:
+        for flat in flats:  # one after the other through the two levels
+            self.traffic.bytes_across_hosts += self._hierarchy.all_reduce(flat)
+
+    def _register_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> int:
+        self._hook = HierarchicalAllReduce(self._hierarchy, self.world_size)
+        ddp.register_comm_hook(self._hook, HierarchicalAllReduce.hook)
+        return hierarchical_bytes(self._hierarchy, grad_bytes)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.close()
+        if self._hierarchy.shared is not None:  # the groups stay; the next exchange shares afresh
+            self._hierarchy.shared.close()
+            self._hierarchy.shared = None
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where one worker runs, as far as the exchange cares.
+
+    Attributes:
+        rank, world_size: this worker and the world.
+        peers: every rank's executor address ("host:port"), by rank (for ``runtime.hierarchy``).
+        device: the worker's device (shared memory serves CPUs only).
+    """
+
+    rank: int
+    world_size: int
+    peers: tuple[str, ...]
+    device: torch.device
+
+
+def form_exchange(
+    runtime: RuntimeConfig,
+    where: Where,
+    groups: ProcessGroups,
+    payload_bytes: int,
+    plain_sum: bool,
+    hierarchy: Hierarchy | None = None,
+) -> Exchange:
+    """Choose and form this worker's exchange; the same choice on every rank (collective over
+    the control group where shared memory is formed).
+
+    Args:
+        runtime: the run's ``[runtime]`` settings.
+        where: this worker's place.
+        groups: the process groups the workers formed.
+        payload_bytes: what one sum of the model weighs (sizes the shared segment).
+        plain_sum: whether the strategy's exchange is a plain sum of float tensors that one
+            host's shared memory can carry (all-reduce, weight averaging).
+        hierarchy: the two levels :func:`form_hierarchy` formed (None: flat).
+    """
+    shared_ok = runtime.shared_memory and where.device.type == "cpu" and where.world_size > 1
+    if hierarchy is not None:
+        if shared_ok:
+            hierarchy.share_memory(payload_bytes, runtime.collective_timeout_s)
+        return HierarchicalExchange(hierarchy, where.world_size, groups.control)
+    if shared_ok and plain_sum and runtime.compression is Compression.NONE:
+        shared = form_host_group(
+            where.rank, where.world_size, groups.control, payload_bytes, runtime.collective_timeout_s
+        )
+        if shared is not None:
+            return HostMemoryExchange(shared, where.world_size, groups.control)
+    return FlatExchange(where.world_size, groups.control, runtime, on_cpu=where.device.type == "cpu")
+
+
+def form_hierarchy(runtime: RuntimeConfig, where: Where) -> Hierarchy | None:
+    """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two); their
+    process groups, formed by every rank in step, serve every exchange of the worker."""
+    level = runtime.hierarchy
+    if level is HierarchyLevel.NONE:
+        return None
+    if len(where.peers) != where.world_size:
+        raise ClusterConfigError(
+            f"runtime.hierarchy = {level.value!r} needs every task's address; this worker got "
+            f"{len(where.peers)} for {where.world_size} ranks"
+        )
+    keys = [host_key(address, level) for address in where.peers]
+    hierarchy = Hierarchy.build(keys, where.rank, runtime.collective_timeout_s)
+    if hierarchy is not None:
+        log.info(
+            "rank %d: host %d of %d, led by rank %d",
+            where.rank,
+            hierarchy.host,
+            hierarchy.hosts,
+            hierarchy.leader,
+        )
+    return hierarchy
+
+
+def powersgd_bytes(module: nn.Module, rank: int) -> int:
+    """What PowerSGD all-reduces per step: for a matrix n x m, its factors P (n x r) and
+    Q (m x r) when they are smaller than it; any other gradient whole (float32)."""
+    total = 0
+    for param in module.parameters():
+        if not param.requires_grad:
+            continue
+        n = param.shape[0] if param.dim() > 1 else 0
+        m = param.numel() // n if n else 0
+        low_rank = n and (n + m) * rank < n * m
+        total += 4 * ((n + m) * rank if low_rank else param.numel())
+    return total
+
+
+class _TorchWithoutCuda:
+    """``torch`` as PowerSGD's CPU copy sees it: everything but ``cuda.is_available()``,
+    which says False (a CPU bucket has nothing to synchronize)."""
+
+    class _Cuda:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def is_available() -> bool:
+            return False
+
+    cuda = _Cuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+#: PyTorch's PowerSGD hook, its code unchanged, reading ``torch`` from globals of its own.
+_powersgd_without_cuda = types.FunctionType(
+    powerSGD_hook.powerSGD_hook.__code__,
+    {**powerSGD_hook.powerSGD_hook.__globals__, "torch": _TorchWithoutCuda()},
+    "powerSGD_hook",
+    powerSGD_hook.powerSGD_hook.__defaults__,
+    powerSGD_hook.powerSGD_hook.__closure__,
+)
+
+
+def _cpu_powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's PowerSGD hook for CPU workers on a host with a GPU (``use_gpu = false`` on a
+    GPU cluster). PyTorch's ends each bucket with ``torch.cuda.synchronize(bucket.device)``
+    whenever CUDA is available, which raises for a CPU device ("Expected a cuda device, but
+    got: cpu", seen on an H100 host; pytorch/pytorch#196568). This copy of the hook sees CUDA
+    as absent; ``torch`` itself is left alone for the rest of the process."""
+    future: torch.futures.Future[torch.Tensor] = _powersgd_without_cuda(state, bucket)
+    return future
+
+
+_cpu_powersgd_hook.__annotations__ = {
+    "state": powerSGD_hook.PowerSGDState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
