@@ -15,13 +15,13 @@ because it must join the step's all-reduce.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sparkdl.config import Strategy
 from sparkdl.training.strategy import (
     StepInput,
+    StepOutcome,
     StrategyContext,
     SyncStrategy,
     parameter_bytes,
@@ -55,7 +55,7 @@ class AllReduceStrategy(SyncStrategy):
     def model(self) -> nn.Module:
         return self._ddp if self._ddp is not None else self.ctx.module
 
-    def train_step(self, step: StepInput) -> torch.Tensor:
+    def train_step(self, step: StepInput) -> StepOutcome:
         batches = step.batches or (step.filler(),)
         scale = self.ctx.world_size * step.rows / step.global_rows
         loss = self._backward(step, batches, scale)

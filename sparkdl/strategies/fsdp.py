@@ -61,7 +61,14 @@ from torch.distributed.fsdp import fully_shard
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.training.factory import build_model
-from sparkdl.training.strategy import StepInput, StrategyContext, SyncStrategy, parameter_bytes
+from sparkdl.training.strategy import (
+    CollectiveForward,
+    StepInput,
+    StepOutcome,
+    StrategyContext,
+    SyncStrategy,
+    parameter_bytes,
+)
 
 #: A submodule with at least this share of the parameters is sharded as its own unit.
 UNIT_SHARE = 0.05
@@ -71,12 +78,11 @@ _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-class FsdpStrategy(SyncStrategy):
+class FsdpStrategy(SyncStrategy, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with w, g and the optimizer state sharded over the ranks."""
 
     name = Strategy.FSDP
     shares_gradients = True
-    lockstep_forward = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -151,7 +157,7 @@ class FsdpStrategy(SyncStrategy):
         """Rank 0's full state, broadcast and sharded into every rank (a collective)."""
         set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=_FROM_RANK0)
 
-    def train_step(self, step: StepInput) -> torch.Tensor:
+    def train_step(self, step: StepInput) -> StepOutcome:
         scale = self.ctx.world_size * step.rows / step.global_rows
         fillers = self._micro_batches - len(step.batches)
         loss = self._backward(step, step.batches, scale, fillers)

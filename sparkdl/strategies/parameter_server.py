@@ -45,7 +45,14 @@ from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.config import Precision, PsMode, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
-from sparkdl.training.strategy import StepInput, StrategyContext, SyncStats, SyncStrategy
+from sparkdl.training.strategy import (
+    StepInput,
+    StepOutcome,
+    StrategyContext,
+    SyncStats,
+    SyncStrategy,
+    Verdict,
+)
 
 
 class ParameterServerStrategy(SyncStrategy):
@@ -90,16 +97,17 @@ class ParameterServerStrategy(SyncStrategy):
             self.close()
             raise
 
-    def train_step(self, step: StepInput) -> torch.Tensor:
+    def train_step(self, step: StepInput) -> StepOutcome:
         loss = torch.zeros((), device=self.ctx.device)
-        self.skipped_step = self._skip > 0
-        if self.skipped_step:  # a backup worker catching up: the server applied this step without it
+        if self._skip > 0:  # a backup worker catching up: the server applied this step without it
             self._skip -= 1
             self.stats.skipped_steps += 1
-            return loss
+            return StepOutcome(loss, trained=False)
+        verdict = Verdict.APPLY
         if step.batches:  # the optimizer runs on the server: the worker only computes gradients
             loss = self._backward(step, step.batches, 1.0)
-            if self._judged_step(step, loss):
+            verdict = self._judge(step, loss)
+            if verdict is Verdict.APPLY:
                 if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
                     torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
                 for acc, shard in zip(self._accumulated, self._shards, strict=True):
@@ -114,7 +122,7 @@ class ParameterServerStrategy(SyncStrategy):
         pull = (step.step + 1) % self._pull_every == 0
         if push or pull:
             self._exchange(step.step if push else None, step.step + 1 if pull else None)
-        return loss
+        return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
     def _stop(self, error: SparkDLError) -> None:
         """Tell the server, which fails the other workers' next pull or push; stop together.

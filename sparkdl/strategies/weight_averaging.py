@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
-from sparkdl.training.strategy import StepInput, StrategyContext, SyncStrategy
+from sparkdl.training.strategy import StepInput, StepOutcome, StrategyContext, SyncStrategy, Verdict
 
 Named = tuple[str, torch.Tensor]
 
@@ -88,15 +88,17 @@ class WeightAveragingStrategy(SyncStrategy):
         # at which one checkpoint (rank 0's) stands for all of them.
         return self._tau
 
-    def train_step(self, step: StepInput) -> torch.Tensor:
+    def train_step(self, step: StepInput) -> StepOutcome:
         rows = 0
         loss = torch.zeros((), device=self.ctx.device)
-        self.skipped_step = self._period_ended(step)
-        if self.skipped_step:  # a backup worker: the period ended without it
+        verdict = Verdict.APPLY
+        cut_short = self._period_ended(step)
+        if cut_short:  # a backup worker: the period ended without it
             self.stats.skipped_steps += 1 if step.batches else 0
         elif step.batches:  # a worker without rows only joins the averages
             loss = self._backward(step, step.batches, 1.0)  # each worker steps on its own mean loss
-            if self._judged_step(step, loss):
+            verdict = self._judge(step, loss)
+            if verdict is Verdict.APPLY:
                 self._optimizer_step(step)
                 rows = step.rows
             else:
@@ -108,7 +110,7 @@ class WeightAveragingStrategy(SyncStrategy):
         self._steps_since_sync += 1
         if (step.step + 1) % self._tau == 0:
             self._end_period()
-        return loss
+        return StepOutcome(loss, trained=not cut_short, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
     def finish(self) -> None:
         if self._steps_since_sync:

@@ -29,6 +29,7 @@ class EpochTally:
     started: float
     steps: int = 0
     samples: int = 0
+    nan_skips: int = 0  # steps whose update the NaN guard skipped
     # rows-weighted, on the device: read (a device sync) only when reported
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -17,11 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparkdl.config import Precision
 from sparkdl.data.tensors import Batch, call_model
 from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
 from sparkdl.training.checkpointing import Position, Resume
-from sparkdl.training.guards import LabelRangeCheck
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.losses import LossFn
 from sparkdl.training.planning import (
@@ -33,13 +31,21 @@ from sparkdl.training.planning import (
     coordinator_for,
     exchange_row_counts,
 )
-from sparkdl.training.strategy import StepInput, SyncStats, SyncStrategy
+from sparkdl.training.strategy import CollectiveForward, StepInput, SyncStats, SyncStrategy
 from sparkdl.training.validation import EarlyStopping, Validator
 
 log = logging.getLogger(__name__)
 
-LabelCheck = Callable[[Batch], BadDataError | None]
-_AUTOCAST = {Precision.FP32: None, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+class LabelCheck(Protocol):
+    """Finds labels the model cannot take in a batch, before its step (guards.LabelRangeCheck)."""
+
+    def __call__(self, batch: Batch) -> BadDataError | None: ...
+
+    def probe(self, batch: Batch) -> int:
+        """Learn what the model takes from a batch now (a forward): where the forward is a
+        collective, every rank runs it together before training."""
+        ...
 
 
 class EpochSource(Protocol):
@@ -145,7 +151,8 @@ class Trainer:
         self.output_shape: tuple[int, ...] = ()
         self.input_shapes: dict[str, tuple[int, ...]] = {}
         self._shapes_seen = False
-        self._autocast_dtype = _AUTOCAST[self._ctx.config.training.precision]
+        self._precision = self._ctx.precision
+        self._collective_forward = isinstance(strategy, CollectiveForward)
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the schedule's start to its last epoch; return the history."""
@@ -153,12 +160,8 @@ class Trainer:
         history = list(resume.history) if resume else []
         start = schedule.start
         counts: list[int] | None = None
-        if (
-            self.strategy.lockstep_forward
-            and isinstance(self._check_labels, LabelRangeCheck)
-            and self._filler.available
-        ):
-            # its probe is a forward, a collective here: every rank runs it now, together
+        if self._collective_forward and self._filler.available:
+            # the label check's probe is a forward, a collective here: every rank runs it now, together
             self._check_labels.probe(self._filler.batch())
         if start.epoch > 1:  # the cache of this attempt is empty: refill it from Spark first
             self._feed.fill_cache()
@@ -212,7 +215,7 @@ class Trainer:
         if self._validator is None:
             return False
         self.strategy.finish()  # one model: every worker's weights made equal first
-        lockstep = self._filler.batch if self.strategy.lockstep_forward else None
+        lockstep = self._filler.batch if self._collective_forward else None
         figures = self._validator.evaluate(self._ctx.module, lockstep)
         record.update(figures)
         if self._early_stopping is None or "val_loss" not in figures:
@@ -246,7 +249,6 @@ class Trainer:
         """
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._ctx.device)
         tally = EpochTally(epoch, coordinator.total_steps, time.perf_counter(), loss_sum=loss_sum)
-        skips_before = self.strategy.guard.skipped
         self.strategy.model.train()
         iterator = iter(batches)
         while True:
@@ -282,8 +284,8 @@ class Trainer:
             seconds=time.perf_counter() - tally.started,
             source=source,
             sync=self.strategy.end_epoch(),
-            nan_skips=self.strategy.guard.skipped - skips_before,
-            peak_gpu_mb=_peak_gpu_mb(self.strategy.ctx.device),
+            nan_skips=tally.nan_skips,
+            peak_gpu_mb=_peak_gpu_mb(self._ctx.device),
         )
         return result, tally
 
@@ -306,10 +308,11 @@ class Trainer:
             self._loss_of,
             self._filler.batch,
         )
-        loss = self.strategy.train_step(step)
-        if not self.strategy.skipped_step:
-            tally.loss_sum.add_(loss.detach(), alpha=rows)  # float64 sum, one kernel
+        outcome = self.strategy.train_step(step)
+        if outcome.trained:
+            tally.loss_sum.add_(outcome.loss.detach(), alpha=rows)  # float64 sum, one kernel
             tally.samples += rows
+        tally.nan_skips += outcome.nan_skipped
         tally.steps += 1
         self.global_step += 1
         after = Position(tally.epoch, tally.steps, self.global_step)
@@ -320,9 +323,7 @@ class Trainer:
         """The batch's mean loss (weighted by the weight column when there is one)."""
         device = self._ctx.device
         batch = batch.to(device)
-        with torch.autocast(
-            device.type, dtype=self._autocast_dtype or torch.float32, enabled=self._autocast_dtype is not None
-        ):
+        with self._precision.autocast():
             output = call_model(model, batch, self._keyword)
             if not self._shapes_seen:  # once: a model with scalar outputs has output_shape ()
                 self.output_shape, self.input_shapes = tuple(output.shape[1:]), batch.shapes()

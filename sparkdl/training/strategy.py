@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,11 +24,12 @@ from torch import nn
 
 from sparkdl.comm.exchange import Exchange, FlatExchange
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.config import Precision, SparkDLConfig, Strategy
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.guards import NanGuard, grads_finite
+from sparkdl.training.guards import NanGuard
+from sparkdl.training.precision import Precision
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
@@ -54,6 +56,8 @@ class StrategyContext:
             rank: weight averaging's backup workers count finished periods in it.
         exchange: the door of every sum and broadcast with the other workers, chosen when
             the worker was assembled (default: a single worker's, which sends nothing).
+        precision: autocast and the fp16 scaler, shared with the loop (default: built from
+            ``training.precision`` for ``device``).
     """
 
     config: SparkDLConfig
@@ -70,8 +74,12 @@ class StrategyContext:
     scheduler_fn: SchedulerFn | None = None
     store: dist.Store | None = None
     exchange: Exchange = field(default_factory=lambda: FlatExchange(world_size=1))
+    precision: Precision = field(default_factory=Precision)
 
     def __post_init__(self) -> None:
+        setting = self.config.training.precision
+        if self.precision.setting is not setting:  # the default: build the configured one
+            object.__setattr__(self, "precision", Precision(setting, self.device))
         if self.exchange.world_size != self.world_size:
             raise ValueError(
                 f"the exchange serves {self.exchange.world_size} workers, the context {self.world_size}: "
@@ -104,6 +112,37 @@ class StepInput:
     filler: Callable[[], Batch]
 
 
+class Verdict(enum.Enum):
+    """What may happen to a step's gradients, as the precision and the NaN guard judge them."""
+
+    APPLY = "apply"  # the optimizer steps
+    OVERFLOW = "overflow"  # fp16: the scaled gradients overflowed; the scaler skipped the step
+    NAN_SKIPPED = "nan_skipped"  # the NaN guard skipped the step (on_nan_loss = "skip")
+    HELD = "held"  # not applied, not counted: this rank is stopping at the next sync
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one :meth:`SyncStrategy.train_step` did, for the loop to tally.
+
+    Attributes:
+        loss: this worker's mean loss on its rows (0 without rows, or when none of it was trained).
+        trained: False when the rows went to no gradient (a backup worker catching up): the
+            loop leaves them out of the epoch's loss and samples.
+        nan_skipped: the NaN guard skipped this step's update (counted in ``nan_skips``).
+    """
+
+    loss: torch.Tensor
+    trained: bool = True
+    nan_skipped: bool = False
+
+
+class CollectiveForward:
+    """An ability a strategy declares by inheriting it: its model's forward and backward are
+    themselves collectives (sharded parameters gathered in them), so every rank must run
+    every forward at the same point, in validation and in the label probe too."""
+
+
 @dataclass
 class SyncStats:
     """What a strategy did in one epoch."""
@@ -132,10 +171,6 @@ class SyncStrategy(abc.ABC):
     #: Whether every rank steps on the same averaged gradient, so a non-finite value on
     #: one rank is seen by all at the same step with no further message.
     shares_gradients: ClassVar[bool] = False
-    #: Whether the model's forward and backward are themselves collectives (sharded
-    #: parameters are gathered in them): then every rank must run every forward, in
-    #: validation and in the label probe too, at the same point.
-    lockstep_forward: ClassVar[bool] = False
     #: Whether what the workers exchange is a plain sum of float tensors, which one host's
     #: shared memory can carry (the worker's assembly then chooses it, where it can).
     plain_sum: ClassVar[bool] = False
@@ -147,15 +182,10 @@ class SyncStrategy(abc.ABC):
             reliability.on_nan_loss, reliability.max_nan_skips, ctx.rank, self.shares_gradients
         )
         self.stats = SyncStats()
-        #: The last train_step trained nothing: its rows went to no gradient (a backup
-        #: worker catching up); the loop leaves them out of the epoch's loss and samples.
-        self.skipped_step = False
+        self._precision = ctx.precision
         self._lr = None if ctx.lr.is_constant else ScheduledLr(ctx.optimizer, ctx.lr)
         self._scheduler = ctx.scheduler_fn(ctx.optimizer) if ctx.scheduler_fn is not None else None
         self._clip_norm = ctx.config.optimizer.grad_clip_norm
-        self._scaler = None
-        if ctx.config.training.precision is Precision.FP16:
-            self._scaler = torch.amp.GradScaler(ctx.device.type)
 
     @classmethod
     def build_module(
@@ -223,8 +253,8 @@ class SyncStrategy(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def train_step(self, step: StepInput) -> torch.Tensor:
-        """Take one step; return this worker's mean loss on its rows (0 without rows)."""
+    def train_step(self, step: StepInput) -> StepOutcome:
+        """Take one step; return what it did (this worker's mean loss on its rows, ...)."""
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         """Rank 0 is about to write the checkpoint of ``global_step``: save what the
@@ -265,7 +295,7 @@ class SyncStrategy(abc.ABC):
                 loss = step.loss_of(self.model, batch)
                 factor = scale * share
                 scaled = loss if factor == 1.0 else loss * factor  # one kernel fewer per step
-                (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+                self._precision.backward(scaled)
             if share:
                 losses.append((loss.detach().float(), share))
         if len(losses) == 1 and losses[0][1] == 1.0:
@@ -277,50 +307,41 @@ class SyncStrategy(abc.ABC):
 
     def _optimizer_step(self, step: StepInput) -> None:
         """The worker's optimizer step: the step's learning rate, clipping, the step, the
-        user's scheduler. Gradients are already unscaled (fp16) by :meth:`_judged_step`."""
+        user's scheduler. Gradients are already unscaled (fp16) by :meth:`_judge`."""
         optimizer = self.ctx.optimizer
         if self._lr is not None:
             self._lr.apply(step.step)
         if self._clip_norm:
             torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
-        if self._scaler is not None:
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        else:
-            optimizer.step()
+        self._precision.step(optimizer)
         if self._scheduler is not None:
             self._scheduler.step()
 
-    def _step_on_shared_gradients(self, step: StepInput, loss: torch.Tensor) -> torch.Tensor:
+    def _step_on_shared_gradients(self, step: StepInput, loss: torch.Tensor) -> StepOutcome:
         """The end of a step whose gradients every rank shares: the optimizer step if the
-        guard allows it, the gradients cleared either way; return the step's loss (0 when
-        skipped: nothing of it reached the weights)."""
-        if self._judged_step(step, loss):
+        judges allow it, the gradients cleared either way; the step's outcome (its loss 0
+        when skipped: nothing of it reached the weights)."""
+        verdict = self._judge(step, loss)
+        if verdict is Verdict.APPLY:
             self._optimizer_step(step)
         else:
             loss = torch.zeros((), device=self.ctx.device)
         self.ctx.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
-    def _judged_step(self, step: StepInput, loss: torch.Tensor) -> bool:
-        """Ask the guard whether this step may reach the weights; if it may not and a
-        failure is pending, hand it to :meth:`_stop`. The gradients are cleared either way
-        by the caller.
-
-        With fp16, an overflow of the scaled gradients (finite loss, infinite gradients) is
-        the scaler's to handle: it skips the step and lowers its scale; the guard is not asked.
-        """
-        if self._scaler is not None:
-            self._scaler.unscale_(self.ctx.optimizer)
-            if bool(torch.isfinite(loss).all()) and not grads_finite(self.ctx.module):
-                self._scaler.step(self.ctx.optimizer)  # skipped: it found the infinities
-                self._scaler.update()
-                return False
+    def _judge(self, step: StepInput, loss: torch.Tensor) -> Verdict:
+        """Whether this step may reach the weights: the precision first (an fp16 overflow of
+        the scaled gradients, with a finite loss, is the scaler's to handle), then the NaN
+        guard; a failure the guard holds for this rank goes to :meth:`_stop`. The gradients
+        are cleared either way by the caller."""
+        if self._precision.overflowed(self.ctx.optimizer, loss, self.ctx.module):
+            return Verdict.OVERFLOW
+        skipped_before = self.guard.skipped
         if self.guard.allows_step(loss, self.model, step.epoch, step.step):
-            return True
+            return Verdict.APPLY
         if self.guard.failure is not None:
             self._stop(self.guard.failure)
-        return False
+        return Verdict.NAN_SKIPPED if self.guard.skipped > skipped_before else Verdict.HELD
 
     def _stop(self, error: SparkDLError) -> None:
         """This rank must stop with ``error``: by default at once, on this rank alone."""

@@ -13,6 +13,7 @@ from sparkdl.config import LrSchedule, PsMode, SparkDLConfig
 from sparkdl.data.tensors import Batch
 from sparkdl.services.ps.store import ShardStore
 from sparkdl.strategies import StepInput, StrategyContext, create_strategy
+from sparkdl.training.guards import no_label_check
 from sparkdl.training.losses import resolve_loss
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, lr_plan, steps_per_epoch_estimate
 from tests.reference import make_tiny_net
@@ -70,7 +71,7 @@ def _run(config, steps, batches_of_step, plan=CONSTANT_LR, scheduler_fn=None, mo
             batches = batches_of_step(s)
             n = sum(len(b) for b in batches)
             step = StepInput(s, 1, batches, n, n, loss_of, lambda: rows(X[:2], Y[:2]))
-            losses.append(float(strategy.train_step(step)))
+            losses.append(float(strategy.train_step(step).loss))
             lrs.append(optimizer.param_groups[0]["lr"])
     finally:
         strategy.close()
@@ -143,7 +144,7 @@ def test_bf16_autocast_trains_close_to_fp32_and_keeps_float32_weights(gloo_group
             seen.append(output.dtype)
             return F.cross_entropy(output, target)
 
-        trainer = Trainer(strategy, recording_loss, False, lambda b: None, None, None, Schedule(1, 8), None)
+        trainer = Trainer(strategy, recording_loss, False, no_label_check, None, None, Schedule(1, 8), None)
         loss = trainer._loss_of(module, rows(X, Y))
     finally:
         strategy.close()
@@ -267,15 +268,17 @@ def test_fp16_trains_with_a_gradient_scaler_and_an_overflow_only_skips_the_step(
     strategy = create_strategy(StrategyContext(config, 0, 1, torch.device("cpu"), module, optimizer))
     step = lambda s: StepInput(s, 1, (rows(X, Y),), 8, 8, fp16_loss_of, lambda: rows(X[:2], Y[:2]))  # noqa: E731
     try:
-        losses = [float(strategy.train_step(step(s))) for s in range(3)]
-        assert all(math.isfinite(v) for v in losses) and strategy._scaler.get_scale() == 65536.0
+        losses = [float(strategy.train_step(step(s)).loss) for s in range(3)]
+        scaler = strategy.ctx.precision.scaler
+        assert all(math.isfinite(v) for v in losses) and scaler.get_scale() == 65536.0
         _same(module, _plain(start, 3), atol=1e-2)  # three real steps, within fp16's precision
         # a scale that overflows the fp16 gradients: the scaler skips the step and lowers its
         # scale; the guard is not asked (on_nan_loss = "error" would stop the run)
         before = copy.deepcopy(module.state_dict())
-        strategy._scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
-        loss = strategy.train_step(step(3))
-        assert math.isfinite(float(loss)) and strategy._scaler.get_scale() == 2.0**99
+        strategy.ctx.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+        outcome = strategy.train_step(step(3))
+        assert math.isfinite(float(outcome.loss)) and strategy.ctx.precision.scaler.get_scale() == 2.0**99
+        assert outcome.trained and not outcome.nan_skipped  # the scaler's skip, not the guard's
         _same(module, before, atol=0)
         assert strategy.guard.skipped == 0
     finally:

@@ -62,7 +62,7 @@ def test_one_worker_takes_exactly_plain_sgd_steps(gloo_group, strategy):
     config = SparkDLConfig().replace(num_workers=1, strategy=strategy, sync_every=2)
     built = create_strategy(context(config, module))
     try:
-        losses = [float(built.train_step(step_input(s)).detach()) for s in range(3)]
+        losses = [float(built.train_step(step_input(s)).loss.detach()) for s in range(3)]
         built.finish()
         final = built.full_state_dict()  # the gathered state, for fsdp
     finally:
@@ -81,10 +81,10 @@ def test_all_reduce_runs_a_worker_without_rows_on_a_zero_weight_filler(gloo_grou
     built = create_strategy(context(SparkDLConfig().replace(num_workers=1), module))
     try:
         assert isinstance(built, AllReduceStrategy) and built.model is module  # one worker: no DDP
-        loss = built.train_step(StepInput(0, 1, (), 0, 8, loss_of, lambda: (X[:2], Y[:2])))
+        outcome = built.train_step(StepInput(0, 1, (), 0, 8, loss_of, lambda: (X[:2], Y[:2])))
     finally:
         built.close()
-    assert float(loss.detach()) > 0  # the filler's forward ran, so the all-reduce was joined
+    assert float(outcome.loss.detach()) > 0  # the filler's forward ran, so the all-reduce was joined
     assert_same_weights(module, before)  # and nothing of it reached the weights
     assert built.model is module  # close let go of DDP
 
@@ -149,8 +149,10 @@ def test_weight_averaging_with_a_backup_trains_none_of_a_period_the_others_finis
     def step(index, epoch, batch=(X, Y)):
         rows = len(batch[0]) if batch else 0
         batches = (batch,) if batch else ()
-        loss = built.train_step(StepInput(index, epoch, batches, rows, 16, loss_of, lambda: (X[:2], Y[:2])))
-        return float(loss.detach()), built.skipped_step
+        outcome = built.train_step(
+            StepInput(index, epoch, batches, rows, 16, loss_of, lambda: (X[:2], Y[:2]))
+        )
+        return float(outcome.loss.detach()), not outcome.trained
 
     (loss_0, skipped_0), (loss_1, skipped_1) = step(0, 1), step(1, 1)  # period 0, epoch 1
     assert loss_0 > 0 and loss_1 > 0 and not skipped_0 and not skipped_1
