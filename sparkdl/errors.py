@@ -110,18 +110,43 @@ class ModelMismatchError(SparkDLError, ValueError):
 
 
 class RendezvousError(SparkDLError):
-    """Workers could not find each other or form a process group in time."""
+    """Workers could not find each other or form a process group."""
 
 
 class CollectiveError(SparkDLError):
-    """A collective operation (all-reduce, broadcast) failed or timed out."""
+    """A collective operation (all-reduce, broadcast) failed."""
+
+
+class WaitTimeout(SparkDLError):
+    """A bounded wait ran out. Every wait in sparkdl has a bound; its error names what was
+    waited for (in the message) and the setting that raises the bound (a field).
+
+    Attributes:
+        setting: the setting that raises the bound, e.g. ``"runtime.collective_timeout_s"``.
+        limit_s: the bound that ran out, in seconds (None where the raising side does not know it).
+    """
+
+    fields = ("setting", "limit_s")
+
+    def __init__(self, message: str, setting: str = "", limit_s: float | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.limit_s = limit_s
+
+
+class RendezvousTimeout(WaitTimeout, RendezvousError):
+    """The workers did not all meet, or form their process group, within the bound."""
+
+
+class CollectiveTimeout(WaitTimeout, CollectiveError):
+    """A collective waited longer than its bound for a worker that neither arrived nor failed."""
 
 
 class TeardownError(SparkDLError):
     """A worker could not release its process groups, sockets or threads in time."""
 
 
-class StageStalledError(SparkDLError):
+class StageStalledError(WaitTimeout):
     """The training stage made no progress for longer than its bound; fit cancelled it."""
 
 
@@ -146,7 +171,7 @@ class PushRejected(ParameterServerError):
     """A push was refused (stale attempt, duplicate clock, wrong size, unknown rank)."""
 
 
-class PsTimeoutError(ParameterServerError):
+class PsTimeoutError(WaitTimeout, ParameterServerError):
     """A pull waited longer than ``ps_timeout_s`` for other workers."""
 
 

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from sparkdl.errors import RendezvousError
+from sparkdl.errors import RendezvousTimeout
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def form_process_group(
         task_attempt: this task's attempt id (Spark's ``taskAttemptId``), unique per task.
 
     Raises:
-        RendezvousError: the store could not be created or reached in time.
+        RendezvousTimeout: the store could not be created or reached in time.
     """
     timeout = timedelta(seconds=timeout_s)
     listener = None
@@ -93,11 +93,13 @@ def form_process_group(
     except RuntimeError as exc:  # DistStoreError and DistBackendError derive from it
         if listener is not None:
             listener.close()
-        raise RendezvousError(
+        raise RendezvousTimeout(
             f"rank {rank}/{world_size}: could not form the {backend} process group through "
             f"{address['host']}:{address['port']} within {timeout_s:.0f}s ({exc}); check that "
             "executors can reach each other on that address, set runtime.network_interface, "
-            "or raise runtime.collective_timeout_s"
+            "or raise runtime.collective_timeout_s",
+            setting="runtime.collective_timeout_s",
+            limit_s=timeout_s,
         ) from exc
     log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
     return ProcessGroups(store=store, control=control, listener=listener, attempt=attempt)

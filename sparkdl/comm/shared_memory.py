@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sparkdl.errors import CollectiveError
+from sparkdl.errors import CollectiveError, CollectiveTimeout
 
 log = logging.getLogger(__name__)
 
@@ -211,11 +211,13 @@ class SharedMemoryGroup:
             peer.settimeout(max(deadline - time.monotonic(), 1e-3))
             got = peer.recv(1)
         except TimeoutError:
-            raise CollectiveError(
+            raise CollectiveTimeout(
                 f"shared-memory all-reduce: rank {self.ranks[self.local_rank]} waited "
                 f"{self._timeout_s:g}s for rank {self.ranks[local_rank]} of the same host, which "
                 "neither arrived nor failed; raise runtime.collective_timeout_s if one step can take "
-                "that long"
+                "that long",
+                setting="runtime.collective_timeout_s",
+                limit_s=self._timeout_s,
             ) from None
         except OSError as exc:
             raise self._left(local_rank, exc) from None

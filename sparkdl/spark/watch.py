@@ -38,7 +38,9 @@ class Stall:
             f"the training stage stopped reporting: {ranks} sent nothing for longer than "
             f"{self.bound_s:.0f}s (runtime.collective_timeout_s + runtime.teardown_timeout_s + "
             f"{MARGIN_S:.0f}s); fit cancelled the stage. The executor's log of that rank holds "
-            "its threads' stacks; raise those timeouts if the workers are only slow"
+            "its threads' stacks; raise those timeouts if the workers are only slow",
+            setting="runtime.collective_timeout_s",
+            limit_s=self.bound_s,
         )
 
 

@@ -29,7 +29,13 @@ def every_error_class() -> list[type[SparkDLError]]:
 
 
 def sample(cls: type[SparkDLError]) -> SparkDLError:
-    values = {"column": "age", "bad_rows": 7, "causes": {1: "RuntimeError: boom", 3: "x"}}
+    values = {
+        "column": "age",
+        "bad_rows": 7,
+        "causes": {1: "RuntimeError: boom", 3: "x"},
+        "setting": "runtime.collective_timeout_s",
+        "limit_s": 60.0,
+    }
     return cls(f"{cls.__name__} happened", *(values[name] for name in cls.fields))
 
 
@@ -120,3 +126,20 @@ def test_a_stage_that_ran_out_of_memory_fails_naming_the_memory_and_the_setting(
     error = translate_failure(Exception(f"Job aborted due to stage failure: {failure}"))
     assert setting in error.message and "memory" in error.message
     assert "Java heap" not in translate_failure(Exception("Job aborted: something else")).message
+
+
+def test_every_timeout_shares_one_base_that_names_the_setting_to_raise():
+    timeouts = {cls.__name__ for cls in every_error_class() if issubclass(cls, errors.WaitTimeout)}
+    assert timeouts == {
+        "WaitTimeout",
+        "RendezvousTimeout",
+        "CollectiveTimeout",
+        "PsTimeoutError",
+        "StageStalledError",
+    }
+    # each is also of its kind: a handler of RendezvousError or CollectiveError catches its timeout
+    assert issubclass(errors.RendezvousTimeout, errors.RendezvousError)
+    assert issubclass(errors.CollectiveTimeout, errors.CollectiveError)
+    assert issubclass(errors.PsTimeoutError, errors.ParameterServerError)
+    back = ErrorRecord.from_json(ErrorRecord.of(sample(errors.PsTimeoutError)).to_json()).to_error()
+    assert (back.setting, back.limit_s) == ("runtime.collective_timeout_s", 60.0)

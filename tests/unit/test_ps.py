@@ -55,9 +55,10 @@ def test_sync_pull_waits_for_the_clock_and_times_out_naming_the_straggler():
     started = time.monotonic()
     with pytest.raises(
         PsTimeoutError, match=r"rank 0: pull of clock 1 waited 0s for worker\(s\) \[1\].*ps_timeout_s"
-    ):
+    ) as raised:
         s.pull(0, 1, timeout_s=0.3)
     assert 0.25 < time.monotonic() - started < 2
+    assert (raised.value.setting, raised.value.limit_s) == ("parameter_server.ps_timeout_s", 0.3)
     releaser = threading.Timer(0.2, lambda: s.push(1, 0, 0, 1, torch.ones(3)))
     releaser.start()
     version, _ = s.pull(0, 1, timeout_s=5)

@@ -143,15 +143,17 @@ def _stalls(rank, group):
     try:
         group.all_reduce_(torch.ones(10))
     except CollectiveError as exc:
-        return (str(exc), time.monotonic() - started)
+        timeout = (type(exc).__name__, getattr(exc, "setting", None), getattr(exc, "limit_s", None))
+        return (str(exc), time.monotonic() - started, timeout)
     return "no error"
 
 
 @pytest.mark.slow
 def test_a_stalled_worker_is_reported_after_one_collective_timeout(tmp_path):
     results = _spawn(tmp_path, 3, _stalls, timeout_s=1.0)
-    message, waited = results[0]
+    message, waited, timeout = results[0]
     assert "waited 1s for rank 2" in message and "runtime.collective_timeout_s" in message
+    assert timeout == ("CollectiveTimeout", "runtime.collective_timeout_s", 1.0)  # the family's fields
     assert 0.9 <= waited < 1.5  # one deadline for the barrier, not one timeout per member
     assert "rank 0 of the same host closed its connection" in results[1][0]  # the leader gave up
 

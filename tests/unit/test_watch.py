@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from sparkdl.errors import StageStalledError
+from sparkdl.errors import StageStalledError, WaitTimeout
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressReporter, ProgressServer
 from sparkdl.services.progress.protocol import client_hello
@@ -19,7 +19,8 @@ def test_a_stall_is_a_rank_silent_for_longer_than_the_bound():
     stall = find_stall({0: 3.0, 1: 61.0, 2: 75.0}, 60.0)
     assert stall is not None and stall.silent == {1: 61.0, 2: 75.0}
     error = stall.error()
-    assert isinstance(error, StageStalledError)
+    assert isinstance(error, StageStalledError) and isinstance(error, WaitTimeout)
+    assert (error.setting, error.limit_s) == ("runtime.collective_timeout_s", 60.0)
     assert "rank 1 (61s), rank 2 (75s)" in error.message
     assert "runtime.collective_timeout_s + runtime.teardown_timeout_s" in error.message
 

@@ -202,6 +202,6 @@ def error_of(frame: Frame, rank: int) -> SparkDLError:
     if frame.error is ErrorCode.ABORTED:
         return agreed(PeerStopped(f"rank {rank}: {message}"))
     if frame.error is ErrorCode.TIMEOUT:
-        return PsTimeoutError(message)
+        return PsTimeoutError(message, setting="parameter_server.ps_timeout_s")
     cls = _CLASSES.get(frame.error, ParameterServerError)
     return cls(f"rank {rank}: the parameter server refused the request: {message}")

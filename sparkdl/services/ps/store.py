@@ -242,7 +242,9 @@ class ShardStore:
         return PsTimeoutError(
             f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
             f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
-            "Raise parameter_server.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness"
+            "Raise parameter_server.ps_timeout_s, or use ps_mode = 'async' or 'ssp' with a larger staleness",
+            setting="parameter_server.ps_timeout_s",
+            limit_s=timeout_s,
         )
 
     def _needed(self, clock: int) -> int:
@@ -262,7 +264,8 @@ class ShardStore:
             return True
         if self._closed:
             raise PsTimeoutError(
-                f"rank {rank}: the parameter server stopped while pull of clock {clock} waited"
+                f"rank {rank}: the parameter server stopped while pull of clock {clock} waited",
+                setting="parameter_server.ps_timeout_s",
             )
         return False
 
