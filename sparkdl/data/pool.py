@@ -33,6 +33,8 @@ from collections import deque
 
 import numpy as np
 
+from sparkdl import process
+
 GRANULE = 64 << 10  # sizes round up to this, so that chunks of almost equal size share buffers
 MIN_POOLED = GRANULE
 
@@ -172,6 +174,13 @@ class BufferPool:
 
 
 _SHARED = BufferPool(keep_s=0.0, limit_bytes=0)
+process.keep(
+    "data.pool",
+    "executor",
+    "the epoch cache's pages, free for the next fit's cache (fresh pages cost the kernel 0.8 s a GB)",
+    "data.cache_memory_keep_s (60 s) after the fit that gave them back",
+    _SHARED.clear,
+)
 
 
 def shared_pool() -> BufferPool:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdl import process
 from sparkdl.errors import ExecutorEnvironmentError
 from sparkdl.spark.cluster import is_connect
 
@@ -34,6 +35,20 @@ _EXCERPT_LIMIT = 600
 _PYTHON_ERROR = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): .+)$", re.MULTILINE)
 
 _passed: dict[str, Interpreter] = {}  # applicationId -> the executors' interpreter
+
+
+def _forget_passed() -> None:
+    with _lock:
+        _passed.clear()
+
+
+process.keep(
+    "spark.environment",
+    "driver",
+    "the applications whose executors passed the Python check (it runs once per application)",
+    "the application (its SparkContext)",
+    _forget_passed,
+)
 _lock = threading.Lock()
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from sparkdl import process
 from sparkdl.config import UseGpu
 from sparkdl.data.inputs import DataPlan, decode_block
 from sparkdl.data.tensors import call_model, to_batch
@@ -264,6 +265,13 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 _MODULES: dict[tuple[str, str], torch.nn.Module] = {}
+process.keep(
+    "spark.inference",
+    "executor",
+    "the last model transform loaded, so the next task of the same model skips the download",
+    "until a task of another model replaces it, or the Python worker exits",
+    _MODULES.clear,
+)
 
 
 def _cached_module(spec: PredictSpec, device: str) -> torch.nn.Module:

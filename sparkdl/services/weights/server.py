@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparkdl import process
 from sparkdl.errors import ConnectionClosed, ProtocolError
 from sparkdl.services.weights.codec import manifest_of
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -237,6 +238,23 @@ class WeightServer:
 
 _SERVERS: dict[tuple[str, bool], WeightServer] = {}
 _SERVERS_LOCK = threading.Lock()
+
+
+def _stop_servers() -> None:
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for server in servers:
+        server.stop()
+
+
+process.keep(
+    "services.weights",
+    "driver",
+    "the weights server on the driver's address (one listening socket, for every fit and transform)",
+    "the driver process",
+    _stop_servers,
+)
 
 
 def weight_server(host: str, encrypt: bool = False) -> WeightServer:
