@@ -12,7 +12,8 @@ from torch import nn
 
 from sparkdl.data.batching import epoch_rng
 from sparkdl.data.columns import LabelKind
-from sparkdl.data.inputs import DataPlan, decode_block, plan_data
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import DataPlan, plan_data
 from sparkdl.data.tensors import Batch, to_batch
 
 

@@ -140,6 +140,22 @@ def build_pipeline(etl: EtlSection, sparkdl: SparkDLConfig, feature_columns: lis
     )
 
 
+def _read_raw(spark: Any, etl: EtlSection) -> Any:
+    """The raw rows; a missing local input is first written from the bundled digits when
+    ``etl.write_sample`` asks for it."""
+    location = etl.input_path
+    if len(urlparse(location).scheme) <= 1:  # a local path (the sample is only written to one)
+        source = Path(location)
+        if etl.write_sample and not source.exists():
+            log.info("no raw input at %s: writing the bundled digits there", source)
+            write_sample_input(source, etl.input_format)
+        location = str(source.resolve())
+    reader = spark.read.format(etl.input_format)
+    if etl.input_format == "csv":
+        reader = reader.option("header", True).option("inferSchema", True)
+    return reader.load(location)
+
+
 def run_etl_job(config: EtlConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
     """Read raw rows, fit the pipeline on the training split, predict the held-out split.
 
@@ -158,17 +174,7 @@ def run_etl_job(config: EtlConfig, output_dir: str | Path, spark: Any | None = N
     out.mkdir(parents=True, exist_ok=True)
     if spark is None:
         spark = build_session(config.spark.master or None, config.spark.app_name, sparkdl, config.spark.conf)
-    location = etl.input_path
-    if len(urlparse(location).scheme) <= 1:  # a local path (the sample is only written to one)
-        source = Path(location)
-        if etl.write_sample and not source.exists():
-            log.info("no raw input at %s: writing the bundled digits there", source)
-            write_sample_input(source, etl.input_format)
-        location = str(source.resolve())
-    reader = spark.read.format(etl.input_format)
-    if etl.input_format == "csv":
-        reader = reader.option("header", True).option("inferSchema", True)
-    raw = reader.load(location)
+    raw = _read_raw(spark, etl)
     features = list(etl.feature_columns) or _numeric_columns(raw, etl.label_column)
     classes = raw.select(etl.label_column).distinct().count()
     train, test = raw.randomSplit([1.0 - etl.test_fraction, etl.test_fraction], seed=sparkdl.training.seed)

@@ -43,7 +43,7 @@ def render_text() -> str:
 def render_markdown() -> str:
     """docs/settings.md: a header saying how to regenerate it, then one table per section."""
     out = [
-        "<!-- Generated from the settings' own metadata (sparkdl/config/sections.py,",
+        "<!-- Generated from the settings' own metadata (sparkdl/config/*_sections.py,",
         "     sparkdl/apps/train_job.py, sparkdl/apps/etl_job.py); do not edit by hand. Regenerate with:",
         f"       {REGENERATE}",
         "     tests/unit/test_settings.py fails while this file is out of step. -->",

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import abc
 import logging
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit, TopK, codec_for
 from sparkdl.comm.compression.collectives import CompressedAllReduce, CompressedAverage, bf16_allreduce_hook
+from sparkdl.comm.compression.powersgd import cpu_powersgd_hook, powersgd_bytes
 from sparkdl.comm.hierarchy import HierarchicalAllReduce, Hierarchy, hierarchical_bytes, host_key
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group, shared_memory_hook
@@ -214,7 +213,7 @@ class FlatExchange(Exchange):
                 use_error_feedback=runtime.error_feedback,
             )
             if self._on_cpu and torch.cuda.is_available():
-                ddp.register_comm_hook(state, _cpu_powersgd_hook)
+                ddp.register_comm_hook(state, cpu_powersgd_hook)
             else:
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             return ring_allreduce_bytes(powersgd_bytes(ddp.module, runtime.powersgd_rank), world)
@@ -373,62 +372,3 @@ def form_hierarchy(runtime: RuntimeConfig, where: Where) -> Hierarchy | None:
             hierarchy.leader,
         )
     return hierarchy
-
-
-def powersgd_bytes(module: nn.Module, rank: int) -> int:
-    """What PowerSGD all-reduces per step: for a matrix n x m, its factors P (n x r) and
-    Q (m x r) when they are smaller than it; any other gradient whole (float32)."""
-    total = 0
-    for param in module.parameters():
-        if not param.requires_grad:
-            continue
-        n = param.shape[0] if param.dim() > 1 else 0
-        m = param.numel() // n if n else 0
-        low_rank = n and (n + m) * rank < n * m
-        total += 4 * ((n + m) * rank if low_rank else param.numel())
-    return total
-
-
-class _TorchWithoutCuda:
-    """``torch`` as PowerSGD's CPU copy sees it: everything but ``cuda.is_available()``,
-    which says False (a CPU bucket has nothing to synchronize)."""
-
-    class _Cuda:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch.cuda, name)
-
-        @staticmethod
-        def is_available() -> bool:
-            return False
-
-    cuda = _Cuda()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-#: PyTorch's PowerSGD hook, its code unchanged, reading ``torch`` from globals of its own.
-_powersgd_without_cuda = types.FunctionType(
-    powerSGD_hook.powerSGD_hook.__code__,
-    {**powerSGD_hook.powerSGD_hook.__globals__, "torch": _TorchWithoutCuda()},
-    "powerSGD_hook",
-    powerSGD_hook.powerSGD_hook.__defaults__,
-    powerSGD_hook.powerSGD_hook.__closure__,
-)
-
-
-def _cpu_powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """PyTorch's PowerSGD hook for CPU workers on a host with a GPU (``use_gpu = false`` on a
-    GPU cluster). PyTorch's ends each bucket with ``torch.cuda.synchronize(bucket.device)``
-    whenever CUDA is available, which raises for a CPU device ("Expected a cuda device, but
-    got: cpu", seen on an H100 host; pytorch/pytorch#196568). This copy of the hook sees CUDA
-    as absent; ``torch`` itself is left alone for the rest of the process."""
-    future: torch.futures.Future[torch.Tensor] = _powersgd_without_cuda(state, bucket)
-    return future
-
-
-_cpu_powersgd_hook.__annotations__ = {
-    "state": powerSGD_hook.PowerSGDState,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}

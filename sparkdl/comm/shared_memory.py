@@ -34,64 +34,47 @@ collective timeout. A worker that fails closes its sockets (at once when a barri
 fails, else in its teardown), so the others stop with an error naming it instead of
 waiting out the timeout; a group whose barrier failed raises on every later call.
 
-**Who shares memory.** Workers whose kernel boot id and mount namespace are equal see
-the same ``/dev/shm``. The leader creates the segment and the socket in a directory of
-its own there (mode 0700) once every worker has arrived, members attach and connect,
-proving it with the token they read from the segment, and the directory is removed as
-soon as they all have: from then on the segment lives only in the workers' mappings and
-nothing is left behind however a worker ends (only a leader killed within those few
-setup messages would leave its directory).
-Setup is collective over a gloo group; if it fails anywhere (no ``/dev/shm``, too little
-room in it), every worker keeps gloo and the log says why.
+**Setup.** Only workers that see the same ``/dev/shm`` form a group, collectively over
+gloo, and where that fails anywhere every worker keeps gloo and the log says why:
+:mod:`sparkdl.comm.shared_memory_setup` (the segment, its sockets, who joins) does it,
+:meth:`SharedMemoryGroup.form` and :func:`form_host_group` ask for it.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import mmap
-import os
-import secrets
-import shutil
 import socket
-import struct
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from sparkdl.comm.shared_memory_setup import (
+    HEADER_BYTES,
+    MAX_AREA_BYTES,
+    SHM_DIR,
+    SegmentSetup,
+    area_bytes_for,
+    host_identity,
+)
 from sparkdl.errors import CollectiveError, CollectiveTimeout
+
+__all__ = [
+    "MAX_AREA_BYTES",
+    "SHM_DIR",
+    "SharedMemoryGroup",
+    "area_bytes_for",
+    "form_host_group",
+    "host_identity",
+    "shared_memory_hook",
+]
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-_MAGIC = b"SDLSHM01"
-_TOKEN_BYTES = 32
-_HEADER_BYTES = 64  # the magic, the token, padding to a cache line
-_HELLO = struct.Struct(f"<{_TOKEN_BYTES}sI")  # a member's token and local rank
-#: The largest area: a tensor beyond it goes through in parts (two parities x (workers + 1) areas).
-MAX_AREA_BYTES = 4 << 20
 #: Below this many bytes read per worker, every worker sums every area itself (one barrier).
 _DIRECT_BYTES = 1 << 20
-
-
-def host_identity() -> str:
-    """What is equal on two workers exactly when they see the same ``/dev/shm``: the kernel's
-    boot id and the mount namespace; "" where that cannot be told (not Linux)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        mounts = os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        return ""
-    return f"{boot} {mounts}"
-
-
-def area_bytes_for(payload_bytes: int) -> int:
-    """An area for a payload: the payload rounded up to a cache line, at most MAX_AREA_BYTES."""
-    return max(64, min(MAX_AREA_BYTES, -(-payload_bytes // 64) * 64))
 
 
 class SharedMemoryGroup:
@@ -117,7 +100,7 @@ class SharedMemoryGroup:
         self._peers = peers  # the leader: one socket per member, in local-rank order; a member: the leader's
         self._timeout_s = timeout_s
         count = 2 * (size + 1) * area_bytes
-        data = torch.frombuffer(segment, dtype=torch.uint8, offset=_HEADER_BYTES, count=count)
+        data = torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER_BYTES, count=count)
         self._areas: torch.Tensor | None = data.view(2, size + 1, area_bytes)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._round = 0
@@ -271,29 +254,8 @@ class SharedMemoryGroup:
         if size < 2:
             raise ValueError(f"a shared-memory group needs 2 workers or more, got ranks {list(ranks)}")
         area = area_bytes_for(payload_bytes)
-        total = _HEADER_BYTES + 2 * (size + 1) * area
-        setup = _Setup(local_rank, size, total, timeout_s)
-        agreed = False
-        try:
-            # every worker is here before the segment exists: the window in which a killed
-            # leader would leave its directory behind is the few gloo calls below, not the
-            # time the others take to arrive
-            _all_agree(True, group)
-            path = setup.create(directory) if local_rank == 0 else ""
-            shared = [path]
-            dist.broadcast_object_list(shared, src=ranks[0], group=group)
-            if local_rank != 0 and shared[0]:
-                setup.attach(shared[0])
-            attached = _all_agree(setup.ok, group)
-            setup.remove_directory()  # every member has mapped the segment and connected (or failed)
-            if attached and local_rank == 0:
-                setup.accept_members()
-            agreed = attached and _all_agree(setup.ok, group)
-        finally:
-            setup.remove_directory()
-            setup.close_listener()
-            if not agreed:
-                setup.abandon()
+        setup = SegmentSetup(local_rank, size, HEADER_BYTES + 2 * (size + 1) * area, timeout_s)
+        agreed = setup.run(ranks, group, directory)
         if not agreed:
             if local_rank == 0 or setup.reason:
                 log.warning(
@@ -315,122 +277,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
             f"(contiguous: {tensor.is_contiguous()}); this is a sparkdl bug, please report it"
         )
     return tensor.view(-1)
-
-
-def _all_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-class _Setup:
-    """One worker's side of :meth:`SharedMemoryGroup.form`; records the first failure in ``reason``."""
-
-    def __init__(self, local_rank: int, size: int, total: int, timeout_s: float) -> None:
-        self.local_rank, self.size, self.total, self.timeout_s = local_rank, size, total, timeout_s
-        self.segment: mmap.mmap | None = None
-        self.token = b""
-        self.peers: list[socket.socket] = []
-        self.directory = ""
-        self.listener: socket.socket | None = None
-        self.reason = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason
-
-    def create(self, parent: str) -> str:
-        """The leader: the segment and the listening socket in a private directory; its path."""
-        try:
-            self.directory = tempfile.mkdtemp(prefix="sparkdl-", dir=parent)  # mode 0700
-            fd = os.open(os.path.join(self.directory, "segment"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, self.total)  # fails now if the tmpfs is too small, not later
-                self.segment = mmap.mmap(fd, self.total)
-            finally:
-                os.close(fd)
-            self.token = secrets.token_bytes(_TOKEN_BYTES)
-            self.segment[: len(_MAGIC) + _TOKEN_BYTES] = _MAGIC + self.token
-            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(os.path.join(self.directory, "socket"))
-            self.listener.listen(self.size)
-        except OSError as exc:
-            self.reason = f"cannot create {self.total / 1e6:.1f} MB of shared memory in {parent}: {exc}"
-            return ""
-        return self.directory
-
-    def attach(self, directory: str) -> None:
-        """A member: map the leader's segment, connect, and prove it with the segment's token."""
-        try:
-            fd = os.open(os.path.join(directory, "segment"), os.O_RDWR)
-            try:
-                if os.fstat(fd).st_size != self.total:
-                    raise OSError(f"the segment holds {os.fstat(fd).st_size} bytes, not {self.total}")
-                self.segment = mmap.mmap(fd, self.total)
-            finally:
-                os.close(fd)
-            if self.segment[: len(_MAGIC)] != _MAGIC:
-                raise OSError("the segment does not start with sparkdl's magic number")
-            token = bytes(self.segment[len(_MAGIC) : len(_MAGIC) + _TOKEN_BYTES])
-            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.peers = [peer]
-            peer.settimeout(self.timeout_s)
-            peer.connect(os.path.join(directory, "socket"))
-            peer.sendall(_HELLO.pack(token, self.local_rank))
-        except OSError as exc:
-            self.reason = f"cannot attach to the shared memory in {directory}: {exc}"
-
-    def accept_members(self) -> None:
-        """The leader: one authenticated connection from each member, in local-rank order."""
-        assert self.listener is not None
-        self.listener.settimeout(self.timeout_s)
-        members: dict[int, socket.socket] = {}
-        try:
-            for _ in range(self.size - 1):
-                conn, _ = self.listener.accept()
-                try:
-                    conn.settimeout(self.timeout_s)
-                    token, local_rank = _HELLO.unpack(_receive_exactly(conn, _HELLO.size))
-                    if not hmac.compare_digest(token, self.token) or not 0 < local_rank < self.size:
-                        raise OSError("a connection did not present the segment's token")
-                    if local_rank in members:
-                        raise OSError(f"local rank {local_rank} connected twice")
-                except OSError:
-                    conn.close()
-                    raise
-                members[local_rank] = conn
-        except OSError as exc:
-            self.reason = f"the host's workers did not all connect: {exc}"
-        self.peers = [members[r] for r in sorted(members)]
-
-    def remove_directory(self) -> None:
-        """Unlink the segment and the socket's path (the listener still accepts what is queued)."""
-        if self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = ""
-
-    def close_listener(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-
-    def abandon(self) -> None:
-        for peer in self.peers:
-            peer.close()
-        self.peers = []
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
-
-
-def _receive_exactly(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        more = conn.recv(size - len(data))
-        if not more:
-            raise OSError(f"the connection closed after {len(data)} of {size} bytes")
-        data += more
-    return data
 
 
 def form_host_group(

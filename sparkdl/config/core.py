@@ -10,9 +10,11 @@ Each field carries its meaning and valid values (``metadata=about(...)``), from 
 ``TorchEstimator.explainParams()`` and docs/settings.md. A setting name belongs to exactly
 one section (checked when this module is imported), so keyword arguments need no section.
 
-The sections live in :mod:`sparkdl.config.sections`, their choices (enums, the fault-drill
-form) in :mod:`sparkdl.config.choices`, TOML reading in :mod:`sparkdl.config.loading`;
-this module puts them together and re-exports them.
+The sections live in :mod:`sparkdl.config.training_sections` (training, optimizer, data),
+:mod:`sparkdl.config.runtime_sections` (runtime, reliability, tracking) and
+:mod:`sparkdl.config.strategy_sections` (weight averaging, parameter server), their choices
+(enums, the fault-drill form) in :mod:`sparkdl.config.choices`, TOML reading in
+:mod:`sparkdl.config.loading`; this module puts them together and re-exports them.
 """
 
 from __future__ import annotations
@@ -49,16 +51,9 @@ from sparkdl.config.loading import (
     section_owners,
     unknown_names,
 )
-from sparkdl.config.sections import (
-    DataConfig,
-    OptimizerConfig,
-    ParameterServerConfig,
-    ReliabilityConfig,
-    RuntimeConfig,
-    TrackingConfig,
-    TrainingConfig,
-    WeightAveragingConfig,
-)
+from sparkdl.config.runtime_sections import ReliabilityConfig, RuntimeConfig, TrackingConfig
+from sparkdl.config.strategy_sections import ParameterServerConfig, WeightAveragingConfig
+from sparkdl.config.training_sections import DataConfig, OptimizerConfig, TrainingConfig
 from sparkdl.errors import ConfigError
 
 __all__ = [

@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 from sparkdl.data.batching import epoch_rng, rebatch, shuffle_chunks
 from sparkdl.data.blocks import Block
 from sparkdl.data.cache import ArrowCache, BlockCache
-from sparkdl.data.inputs import DataPlan, decode_block
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import DataPlan
 from sparkdl.data.pool import shared_pool
 from sparkdl.data.prefetch import Prefetcher, mapped
 from sparkdl.data.screening import RowScreen

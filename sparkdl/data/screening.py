@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 
 from sparkdl.data.blocks import Ragged, values_of
 from sparkdl.data.columns import ColumnKind, ColumnSpec, bad_label_rows, flat_rows, label_values
-from sparkdl.data.inputs import DataPlan, InputKind, decode_input
+from sparkdl.data.decoding import decode_input
+from sparkdl.data.inputs import DataPlan, InputKind
 
 
 class RowScreen:

@@ -29,7 +29,8 @@ import torch
 
 from sparkdl import process
 from sparkdl.config import UseGpu
-from sparkdl.data.inputs import DataPlan, decode_block
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import call_model, to_batch
 from sparkdl.errors import SchemaError
 from sparkdl.services.weights.client import download

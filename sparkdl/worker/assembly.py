@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
-import gc
 import io
 import logging
 import os
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,11 +71,10 @@ from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.training.validation import EarlyStopping, Validator
 from sparkdl.worker.device import choose_backend, choose_device
+from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, release_process_groups, socket_interface
 
 log = logging.getLogger(__name__)
 
-#: How long gloo's threads get, with the GIL released, to drop their last works.
-_SETTLE_S = 0.05
 _HEARTBEAT_S = 5.0
 
 
@@ -139,8 +134,8 @@ def run_worker(
         held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
-        stack.enter_context(_socket_interface(config.runtime.network_interface))
-        device, groups = _join(config, placement, all_gather, stack)
+        stack.enter_context(socket_interface(config.runtime.network_interface))
+        device, groups = join(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
         where = Where(rank, placement.world_size, placement.peers, device)
         hierarchy = form_hierarchy(config.runtime, where)
@@ -153,7 +148,7 @@ def run_worker(
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
         module = kind.build_module(spec.model_fn, config, device)
         exchange = form_exchange(
-            config.runtime, where, groups, _payload_bytes(module), kind.plain_sum, hierarchy
+            config.runtime, where, groups, payload_bytes(module), kind.plain_sum, hierarchy
         )
         stack.callback(exchange.close)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
@@ -164,24 +159,11 @@ def run_worker(
             spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange
         )
         strategy = create_strategy(context)
-        stack.callback(_close_strategy, strategy)
-        feed = PartitionFeed(batches, spec.plan, _feed_options(config, rank, device))
+        stack.callback(close_strategy, strategy)
+        feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
         stack.callback(feed.close)
         hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
-        trainer = _trainer(
-            spec,
-            context,
-            strategy,
-            feed,
-            Schedule(
-                config.training.epochs,
-                config.training.batch_size,
-                start,
-                resume,
-                config.training.accumulate_steps,
-            ),
-            hooks,
-        )
+        trainer = build_trainer(spec, context, strategy, feed, _schedule(config, start, resume), hooks)
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         history = trainer.run()
         state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
@@ -196,6 +178,11 @@ def run_worker(
             {"device": str(device), "gpus": list(placement.gpu_addresses), "exchange": exchange.name},
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
+
+
+def _schedule(config: SparkDLConfig, start: Position, resume: Resume | None) -> Schedule:
+    training = config.training
+    return Schedule(training.epochs, training.batch_size, start, resume, training.accumulate_steps)
 
 
 def strategy_context(
@@ -228,7 +215,7 @@ def strategy_context(
     )
 
 
-def _payload_bytes(module: torch.nn.Module) -> int:
+def payload_bytes(module: torch.nn.Module) -> int:
     """What one sum of every parameter weighs (sizes a shared-memory segment)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -246,7 +233,7 @@ def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     return b""
 
 
-def _join(
+def join(
     config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
 ) -> tuple[torch.device, ProcessGroups]:
     """This worker's device, and the process groups it forms with the others."""
@@ -269,7 +256,7 @@ def _join(
     return device, groups
 
 
-def _trainer(
+def build_trainer(
     spec: TrainSpec,
     context: StrategyContext,
     strategy: SyncStrategy,
@@ -376,61 +363,7 @@ def _resume(
     return restore(store, step, rank, module, optimizer, kind.load_full_state) if step >= 0 else None
 
 
-def _close_strategy(strategy: SyncStrategy) -> None:
-    strategy.close()
-    gc.collect()  # DDP's reducer may sit in a reference cycle: free it while its group lives
-
-
-def release_process_groups(groups: ProcessGroups) -> None:
-    """Give gloo's threads the GIL to drop their last works, then destroy the groups."""
-    time.sleep(_SETTLE_S)  # releases the GIL
-    groups.destroy()
-
-
-class TeardownWatchdog:
-    """Bounds a worker's teardown: if releasing its resources takes longer than
-    ``timeout_s`` (``runtime.teardown_timeout_s``), the worker process ends with every
-    thread's stack on stderr (the executor's log), rather than hang its task forever.
-
-    Python cannot run a timer while another thread holds the GIL in a destructor, so
-    the bound is faulthandler's C-level timer; it is cancelled when the teardown ends.
-    """
-
-    def __init__(self, timeout_s: float, rank: int) -> None:
-        self._timeout_s = timeout_s
-        self._rank = rank
-
-    def arm(self) -> None:
-        """Start the clock; the exit stack cancels it once every resource is released."""
-        log.debug(
-            "rank %d: teardown bounded by runtime.teardown_timeout_s = %gs", self._rank, self._timeout_s
-        )
-        faulthandler.dump_traceback_later(self._timeout_s, exit=True, file=sys.stderr)
-
-    @staticmethod
-    def disarm() -> None:
-        faulthandler.cancel_dump_traceback_later()
-
-
-@contextlib.contextmanager
-def _socket_interface(interface: str) -> Iterator[None]:
-    """Point gloo and NCCL at ``interface`` for this worker only; restore the environment."""
-    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-    saved = {name: os.environ.get(name) for name in names}
-    if interface:
-        for name in names:
-            os.environ[name] = interface
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
+def feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
     return FeedOptions(
         batch_size=config.training.batch_size,
         shuffle=config.training.shuffle,

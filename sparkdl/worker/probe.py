@@ -49,16 +49,14 @@ from sparkdl.training.loop import Schedule, Trainer
 from sparkdl.training.planning import coordinator_for, exchange_row_counts
 from sparkdl.worker.assembly import (
     Placement,
-    TeardownWatchdog,
     TrainSpec,
-    _close_strategy,
-    _feed_options,
-    _join,
-    _payload_bytes,
-    _socket_interface,
-    _trainer,
+    build_trainer,
+    feed_options,
+    join,
+    payload_bytes,
     strategy_context,
 )
+from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, socket_interface
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +123,12 @@ def run_probe(
     with contextlib.ExitStack() as stack:
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
-        stack.enter_context(_socket_interface(config.runtime.network_interface))
-        device, groups = _join(config, placement, all_gather, stack)
+        stack.enter_context(socket_interface(config.runtime.network_interface))
+        device, groups = join(config, placement, all_gather, stack)
         where = Where(rank, placement.world_size, placement.peers, device)
         hierarchy = form_hierarchy(config.runtime, where)
         rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
-        feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, _feed_options(config, rank, device))
+        feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, feed_options(config, rank, device))
         stack.callback(feed.close)
         stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
         feed.fill_cache()  # what a run's first epoch leaves behind
@@ -209,7 +207,7 @@ class Bench:
                 Position(global_steps_done=start),
                 accumulate=config.training.accumulate_steps,
             )
-            trainer = _trainer(train, strategy.ctx, strategy, self.feed, schedule, [clock])
+            trainer = build_trainer(train, strategy.ctx, strategy, self.feed, schedule, [clock])
             per_step = schedule.rows_per_step
             self._epoch(trainer, clock, per_step)  # warm-up
             first = self._epoch(trainer, clock, per_step)
@@ -224,7 +222,7 @@ class Bench:
             self.steps_done[candidate.name] = trainer.global_step
         finally:
             if strategy is not None:
-                _close_strategy(strategy)
+                close_strategy(strategy)
             if self._exchange is not None:
                 self._exchange.close()
                 self._exchange = None
@@ -248,7 +246,7 @@ class Bench:
         train = dataclasses.replace(train, ps=candidate.ps)
         # the candidate exchanges as fit would (the hierarchy's groups serve every candidate)
         self._exchange = form_exchange(
-            config.runtime, self.where, self.groups, _payload_bytes(module), kind.plain_sum, self.hierarchy
+            config.runtime, self.where, self.groups, payload_bytes(module), kind.plain_sum, self.hierarchy
         )
         context = strategy_context(
             train, placement, device, self.groups, module, optimizer, start, self._exchange

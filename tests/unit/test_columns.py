@@ -4,7 +4,8 @@ import pytest
 
 from sparkdl import BadDataError, SchemaError
 from sparkdl.data.columns import ColumnKind, LabelKind, decode_label
-from sparkdl.data.inputs import POSITIONAL, decode_block, plan_data
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import POSITIONAL, plan_data
 
 VECTOR = pa.struct(
     [

@@ -20,6 +20,7 @@ from sparkdl.spark.ps_host import host_parameter_server
 from sparkdl.worker.assembly import TrainSpec
 from tests.reference import make_shards, shard_plan
 from tests.unit.test_worker_gloo import _spawn
+from tests.workers import worker_context
 
 CODECS = [OneBit(), TopK(0.01), Half(torch.float16), Half(torch.bfloat16)]
 
@@ -262,9 +263,8 @@ def _average_once(rank, path, out):
 
 
 def test_a_compressed_average_leaves_every_worker_with_the_same_weights(tmp_path):
-    import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_average_once, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
     for p in procs:
@@ -314,7 +314,7 @@ def test_powersgd_trains_cpu_gradients_on_a_host_that_also_has_cuda(gloo_group, 
     is available: CPU workers on a GPU host failed (seen on an H100). The exchange gives CPU
     workers a copy of the hook that sees no CUDA; the trained weights are those of a host
     without CUDA, and torch itself is left as it was for the rest of the process."""
-    from sparkdl.comm.exchange import _cpu_powersgd_hook
+    from sparkdl.comm.compression.powersgd import cpu_powersgd_hook
 
     without_cuda = _powersgd_steps(4)
     reached: list[torch.device] = []
@@ -328,7 +328,7 @@ def test_powersgd_trains_cpu_gradients_on_a_host_that_also_has_cuda(gloo_group, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with a GPU
     with pytest.raises(RuntimeError, match="Expected a cuda device, but got: cpu"):
         _powersgd_steps(4)
-    assert torch.equal(_powersgd_steps(4, _cpu_powersgd_hook), without_cuda)
+    assert torch.equal(_powersgd_steps(4, cpu_powersgd_hook), without_cuda)
     assert torch.cuda.synchronize is pytorch_synchronize and torch.cuda.is_available()  # untouched
     torch.cuda.synchronize(torch.device("cuda", 0))  # the process still reaches "PyTorch's" function
     assert reached == [torch.device("cuda", 0)]

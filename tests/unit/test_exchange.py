@@ -1,7 +1,5 @@
 """The exchange: one door for every strategy's sums and broadcasts, chosen once per worker."""
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
@@ -9,6 +7,7 @@ from sparkdl.comm.exchange import FlatExchange, Traffic
 from sparkdl.config import SparkDLConfig
 from sparkdl.training.strategy import StrategyContext
 from tests.reference import make_tiny_net
+from tests.workers import worker_context
 
 
 def _context(world_size: int, exchange=None) -> StrategyContext:
@@ -55,7 +54,7 @@ def _two_workers(rank: int, path: str, compression: str, out) -> None:
 
 
 def _run_two(tmp_path, compression):
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     procs = [
         ctx.Process(target=_two_workers, args=(r, str(tmp_path / "s"), compression, out)) for r in range(2)

@@ -9,7 +9,6 @@ state that rank 0 writes at every epoch end.
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import time
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from torch import nn
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
-from sparkdl.data.inputs import decode_block, plan_data
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import plan_data
 from sparkdl.data.tensors import to_batch
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
@@ -37,6 +37,7 @@ from tests.reference import (
     shard_to_batch,
 )
 from tests.unit.test_worker_gloo import LR, MOMENTUM, _file_all_gather, _sgd, run_workers
+from tests.workers import worker_context
 
 pytestmark = pytest.mark.slow
 
@@ -87,12 +88,21 @@ def _worker(rank, world, record_batches, spec, store_path, out, runs=1, gpus=Fal
         out.put((rank, [], exc, 0, b""))
 
 
-def spawn(parts, spec, tmp_path: Path, runs: int = 1, weights: dict | None = None, gpus: bool = False):
+def spawn(
+    parts,
+    spec,
+    tmp_path: Path,
+    runs: int = 1,
+    weights: dict | None = None,
+    gpus: bool = False,
+    fresh: bool = False,
+):
     """Run ``spec`` ``runs`` times in a row on one process per entry of ``parts`` (each a
     list of record batches); return {rank: (history, error, peak KiB)} of the last run, and
-    put rank 0's trained weights into ``weights``."""
+    put rank 0's trained weights into ``weights``. ``fresh``: workers from a new interpreter
+    (their memory measured from zero, their environment read at start-up)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context(fresh)
     out = ctx.Queue()
     world = len(parts)
     procs = [
@@ -385,7 +395,7 @@ def test_fsdp_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(tmp_p
             num_workers=2, collective_timeout_s=30.0, strategy=strategy, batch_size=8, epochs=1, shuffle=False
         )
         spec = TrainSpec(config, make_wide_net, _adam, "cross_entropy", plan, template)
-        results = spawn(parts, spec, tmp_path / strategy, runs=2)
+        results = spawn(parts, spec, tmp_path / strategy, runs=2, fresh=True)  # memory from zero
         assert all(e is None for _, e, _ in results.values()), results
         peaks[strategy] = results[1][2] / 1024
     ratio = peaks["fsdp"] / peaks["allreduce"]

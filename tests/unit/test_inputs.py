@@ -15,8 +15,9 @@ from sparkdl import BadDataError, SchemaError
 from sparkdl.data.blocks import Ragged
 from sparkdl.data.cache import ArrowCache
 from sparkdl.data.columns import LabelKind
+from sparkdl.data.decoding import decode_block
 from sparkdl.data.feed import FeedOptions, PartitionFeed
-from sparkdl.data.inputs import decode_block, plan_data
+from sparkdl.data.inputs import plan_data
 from sparkdl.data.screening import RowScreen
 from sparkdl.data.tensors import call_model, to_batch
 

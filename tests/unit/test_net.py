@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-import sparkdl.wire.framing as framing
+import sparkdl.wire.layout as wire_layout
 import sparkdl.wire.listener as listener_module
 from sparkdl.errors import (
     CheckpointError,
@@ -441,7 +441,7 @@ def test_a_payload_whose_piece_would_repeat_the_headers_nonce_is_refused_both_wa
     a, b, client, server = pair()
     with a, b:
         client.send((EchoKind.DATA, (1, 0), b"x" * 101))  # sent under the real bound
-        monkeypatch.setattr(framing, "MAX_FRAME_PAYLOAD", 100)
+        monkeypatch.setattr(wire_layout, "MAX_FRAME_PAYLOAD", 100)
         placed = []
         with pytest.raises(ProtocolError, match="carries at most 100"):
             server.recv(1 << 20, into=lambda *frame: placed.append(frame))

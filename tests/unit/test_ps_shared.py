@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import socket
 import threading
@@ -24,10 +23,12 @@ from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit
 from sparkdl.errors import ConnectionClosed, PeerStopped, PsTimeoutError
 from sparkdl.services.ps import server as server_module
 from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.parking import ParkedPulls
 from sparkdl.services.ps.protocol import PS_WIRE, Frame, Kind, client_hello
 from sparkdl.services.ps.server import ParameterServer, _Waiting, _WarmBuffers
 from sparkdl.services.ps.store import PsMode, ShardStore
 from sparkdl.wire.framing import TAG_BYTES, Channel, frame_bytes
+from tests.workers import worker_context
 
 SECRET = b"s" * 32
 VALUES = ((1.0, 2.0, -0.5), tuple(float(v) / 7 for v in range(1, 300)))
@@ -137,7 +138,7 @@ def test_a_worker_in_another_process_of_the_host_attaches_through_proc_and_train
     ps = serve()
     try:
         endpoint = ps.endpoint(((0,), (1,)))
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         out = ctx.Queue()
         proc = ctx.Process(target=_worker_in_another_process, args=(endpoint, out))
         proc.start()
@@ -360,10 +361,8 @@ def rank_0_waiting(ps, parks=True):
 @pytest.mark.parametrize("parks", [True, False], ids=["small shards park", "large shards wait"])
 def test_a_parked_pull_is_answered_by_the_push_that_completes_its_clock(parks, monkeypatch):
     delivered = []
-    deliver = ParameterServer._deliver
-    monkeypatch.setattr(
-        ParameterServer, "_deliver", lambda self, *a: delivered.append(a) or deliver(self, *a)
-    )
+    deliver = ParkedPulls.deliver
+    monkeypatch.setattr(ParkedPulls, "deliver", lambda self, *a: delivered.append(a) or deliver(self, *a))
     if parks:  # no pull through shared memory may wait on its connection's thread
         monkeypatch.setattr(ShardStore, "pull", lambda *a, **k: pytest.fail("a parked pull waited"))
     else:
@@ -460,7 +459,7 @@ def test_an_answer_a_worker_leaves_unread_cuts_it_off_without_waiting():
         ps._parked[0].waiting.append(warm.waiting)
         started = time.monotonic()
         with ps._parked[0].lock:
-            ps._deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
+            ps._parked.deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
         assert time.monotonic() - started < 1
         assert ps.refusals.get("answer undeliverable") == 1
         assert warm.waiting is None and parked(ps) == [0, 0]
@@ -481,7 +480,7 @@ def test_an_answer_to_a_worker_that_went_away_is_dropped_without_a_refusal():
         warm.waiting = _Waiting(Frame(Kind.PULL, 0, 0, 0, 1), warm, channel, [], time.monotonic())
         ps._parked[0].waiting.append(warm.waiting)
         with ps._parked[0].lock:
-            ps._deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
+            ps._parked.deliver(ps._parked[0], warm.waiting, Frame(Kind.WEIGHTS))
         assert ps.refusals == {} and warm.waiting is None and parked(ps) == [0, 0]
     finally:
         server_end.close()
@@ -500,7 +499,7 @@ def test_a_parked_pull_waits_out_any_timeout_the_settings_allow():
 
 
 def test_a_parked_pull_whose_clock_was_applied_by_its_deadline_gets_the_weights_not_a_timeout(monkeypatch):
-    answer_parked = ParameterServer._answer_parked
+    answer_parked = ParkedPulls.answer
 
     def late(self, shard):  # the completing push's thread loses the race with the deadline
         time.sleep(1.5)
@@ -509,7 +508,7 @@ def test_a_parked_pull_whose_clock_was_applied_by_its_deadline_gets_the_weights_
     ps = ParameterServer(stores(), "127.0.0.1", SECRET, 1.0, 1 << 20, shared_memory_bytes=1 << 20)
     try:
         with rank_0_waiting(ps) as (_, second, thread, outcome):
-            monkeypatch.setattr(ParameterServer, "_answer_parked", late)
+            monkeypatch.setattr(ParkedPulls, "answer", late)
             theirs = [w.tolist() for _, w in second.push_pull(0, 4, step_grads(1), 1)]
             thread.join(10)
             assert "error" not in outcome, outcome
@@ -599,13 +598,13 @@ def raced(shared, workers, mode, staleness, encrypt, bf16, steps=60):
     )
     finals: dict[int, list[list[float]]] = {}
     answered = []
-    deliver = ps._deliver
+    deliver = ps._parked.deliver
 
     def counted(*args):
         answered.append(args[2].kind)
         deliver(*args)
 
-    ps._deliver = counted  # type: ignore[method-assign]
+    ps._parked.deliver = counted  # type: ignore[method-assign]
     try:
         clients = [PsClient(ps.endpoint(((0,), (1,))), rank, 0, bf16_pulls=bf16) for rank in range(workers)]
 

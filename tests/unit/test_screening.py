@@ -2,7 +2,8 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl.data.columns import LabelKind
-from sparkdl.data.inputs import POSITIONAL, decode_block, plan_data
+from sparkdl.data.decoding import decode_block
+from sparkdl.data.inputs import POSITIONAL, plan_data
 from sparkdl.data.screening import RowScreen
 
 

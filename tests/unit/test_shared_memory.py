@@ -4,7 +4,6 @@ what it leaves behind can be seen)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -15,8 +14,10 @@ import pytest
 import torch
 
 from sparkdl.comm import shared_memory
-from sparkdl.comm.shared_memory import SharedMemoryGroup, _Setup, area_bytes_for
+from sparkdl.comm.shared_memory import SharedMemoryGroup, area_bytes_for
+from sparkdl.comm.shared_memory_setup import HELLO, SegmentSetup
 from sparkdl.errors import CollectiveError
+from tests.workers import worker_context
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux shared memory")
 
@@ -50,7 +51,7 @@ def _run(rank, world, init, directory, scenario, out, timeout_s=30.0):
 
 
 def _spawn(tmp_path, world, scenario, directory=None, timeout_s=30.0):
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     init = f"file://{tmp_path / 'store'}"
     directory = str(directory or tmp_path)
@@ -162,7 +163,7 @@ def test_a_stalled_worker_is_reported_after_one_collective_timeout(tmp_path):
 
 
 def _leader(tmp_path, timeout_s=1.0):
-    setup = _Setup(local_rank=0, size=2, total=64 + 6 * 1024, timeout_s=timeout_s)
+    setup = SegmentSetup(local_rank=0, size=2, total=64 + 6 * 1024, timeout_s=timeout_s)
     directory = setup.create(str(tmp_path))
     assert directory and setup.ok
     return setup, directory
@@ -172,7 +173,7 @@ def test_a_connection_without_the_token_is_refused(tmp_path):
     setup, directory = _leader(tmp_path)
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stranger.connect(os.path.join(directory, "socket"))
-    stranger.sendall(shared_memory._HELLO.pack(b"x" * 32, 1))
+    stranger.sendall(HELLO.pack(b"x" * 32, 1))
     setup.accept_members()
     assert "did not present the segment's token" in setup.reason
     setup.remove_directory()
@@ -198,7 +199,7 @@ def test_a_connection_that_says_nothing_is_dropped_after_the_timeout(tmp_path):
 
 def test_a_member_refuses_a_segment_of_another_size(tmp_path):
     setup, directory = _leader(tmp_path)
-    member = _Setup(local_rank=1, size=2, total=64 + 6 * 2048, timeout_s=1.0)
+    member = SegmentSetup(local_rank=1, size=2, total=64 + 6 * 2048, timeout_s=1.0)
     member.attach(directory)
     assert "holds" in member.reason and str(64 + 6 * 1024) in member.reason
     setup.remove_directory()

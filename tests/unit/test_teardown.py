@@ -3,7 +3,6 @@ teardown that blocks anyway is ended by the watchdog instead of hanging its task
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 
 from tests.reference import make_shards
 from tests.unit.test_worker_gloo import _file_all_gather
+from tests.workers import worker_context
 
 
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -25,7 +25,7 @@ def test_a_teardown_that_blocks_is_ended_with_every_thread_s_stack():
     done = _run(
         """
         import time
-        from sparkdl.worker.assembly import TeardownWatchdog
+        from sparkdl.worker.teardown import TeardownWatchdog
         def release_process_groups_stuck():
             time.sleep(60)
         TeardownWatchdog(1.0, rank=3).arm()
@@ -41,7 +41,7 @@ def test_a_teardown_that_finishes_in_time_disarms_the_watchdog():
     done = _run(
         """
         import time
-        from sparkdl.worker.assembly import TeardownWatchdog
+        from sparkdl.worker.teardown import TeardownWatchdog
         watchdog = TeardownWatchdog(1.0, rank=0)
         watchdog.arm()
         watchdog.disarm()
@@ -121,7 +121,7 @@ def test_back_to_back_fits_in_one_process_release_everything(tmp_path, strategy)
     if hosted is not None:
         spec = hosted.spec
         fits = 1  # one server serves one fit
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     procs = [
         ctx.Process(target=_fits_in_one_process, args=(r, 2, shards, spec, str(tmp_path), fits, out))

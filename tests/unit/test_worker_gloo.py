@@ -7,7 +7,6 @@ the barrier's allGather is replaced by a real torch FileStore.
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 from datetime import timedelta
 
 import pytest
@@ -26,6 +25,7 @@ from tests.reference import (
     shard_plan,
     shard_to_batch,
 )
+from tests.workers import worker_context
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -124,7 +124,7 @@ def run_workers(
 
 def _spawn(shards, tmp_path, spec, peers=(), worker=_worker):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     world = len(shards)
     procs = [

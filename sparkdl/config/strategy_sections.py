@@ -1,0 +1,133 @@
+"""The sections that one strategy reads: ``[weight_averaging]`` and ``[parameter_server]``.
+
+Each is read only when ``training.strategy`` names its strategy (local SGD, or a parameter
+server on the driver), so they sit apart from the sections every fit uses. Each is one frozen
+dataclass whose fields carry their meaning and valid values (``metadata=about(...)``); rules
+within a section live in its ``__post_init__``, rules that involve ``[training]`` or
+``[runtime]`` (backup workers against num_workers, a hierarchy) in
+:class:`sparkdl.config.SparkDLConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparkdl.config.choices import Precision, PsMode
+from sparkdl.config.loading import about, check_bounds
+from sparkdl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WeightAveragingConfig:
+    """``[weight_averaging]``: local steps, then an average of the weights (local SGD)."""
+
+    sync_every: int = field(
+        default=8,
+        metadata=about("Local optimizer steps between two averages of the weights (tau).", bound="> 0"),
+    )
+    average_optimizer_state: bool = field(
+        default=True,
+        metadata=about(
+            "Average the optimizer state (momentum, Adam moments) too; false keeps it per worker."
+        ),
+    )
+    wa_backup_workers: int = field(
+        default=0,
+        metadata=about(
+            "End each period of sync_every local steps once num_workers - wa_backup_workers workers "
+            "finished it; a worker still behind trains none of the period's remaining steps (it counts "
+            "them as skipped_steps) and joins the average weighted by the rows it did train (from "
+            "epoch 2: the first epoch streams in lockstep).",
+            bound=">= 0",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "weight_averaging")
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    """``[parameter_server]``: the server on the driver and how workers talk to it."""
+
+    ps_mode: PsMode = field(
+        default=PsMode.SYNC,
+        metadata=about(
+            "sync waits for every worker each step, ssp lets a worker run up to staleness clocks ahead, "
+            "async applies each push as it arrives (Downpour)."
+        ),
+    )
+    staleness: int = field(
+        default=2,
+        metadata=about("ssp: clocks a worker may run ahead of the slowest; 0 = sync.", bound=">= 0"),
+    )
+    push_every: int = field(
+        default=1, metadata=about("async: steps whose gradients a worker sums before one push.", bound="> 0")
+    )
+    pull_every: int = field(
+        default=1, metadata=about("async: steps between two fetches of fresh weights.", bound="> 0")
+    )
+    backup_workers: int = field(
+        default=0,
+        metadata=about(
+            "sync: apply each step once num_workers - backup_workers workers pushed it; a late push is "
+            "dropped and counted, and a worker that fell behind skips ahead (from epoch 2: the first "
+            "epoch streams in lockstep).",
+            bound=">= 0",
+        ),
+    )
+    ps_timeout_s: float = field(
+        default=120.0,
+        metadata=about(
+            "Longest a pull waits for other workers before failing with their ranks.", bound="> 0"
+        ),
+    )
+    ps_shards: int = field(
+        default=0,
+        metadata=about(
+            "Shards of the parameters, each served on its own connection and thread; 0 = one per 16 MB "
+            "of parameters, at most 4 (one for a small model: each shard is a round trip per step).",
+            bound=">= 0",
+        ),
+    )
+    ps_torch_threads: int = field(
+        default=1,
+        metadata=about(
+            "torch intra-op threads on the driver while the server runs (restored after fit; 0 = "
+            "leave them): shards already run in parallel, and an idle OpenMP pool spins on cores "
+            "the executors may share in local mode.",
+            bound=">= 0",
+        ),
+    )
+    ps_max_frame_mb: float = field(
+        default=1024.0,
+        metadata=about(
+            "Largest frame the server or a worker accepts; raise it for a bigger shard.", bound="> 0"
+        ),
+    )
+    ps_pull_precision: Precision = field(
+        default=Precision.FP32,
+        metadata=about(
+            "Weights a pull carries: fp32, or bf16 (half the bytes of the server's busiest direction; "
+            "workers compute on weights rounded to bf16, the server keeps and returns float32).",
+            valid="fp32, bf16",
+        ),
+    )
+    ps_shared_memory_mb: float = field(
+        default=512.0,
+        metadata=about(
+            "Workers on the driver's own host (local mode, a single-node cluster) push and pull "
+            "through shared memory instead of a loopback socket (only the authenticated headers "
+            "cross it): at most this many MB of it, an area per connection while they last, "
+            "touched only as used; 0 = sockets only. Off with runtime.shared_memory = false.",
+            bound=">= 0",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "parameter_server")
+        if self.ps_pull_precision is Precision.FP16:
+            raise ConfigError(
+                "ps_pull_precision = 'fp16' could overflow weights above 65504; use 'bf16' (the same "
+                "bytes, float32's range) or 'fp32'"
+            )

@@ -1,0 +1,27 @@
+"""Worker processes for the unit tests, started the way Spark starts its Python workers:
+forked from a server that imported torch once (``forkserver``), so a worker starts in a
+fraction of a second instead of paying torch's import (about 3 s of CPU) again.
+
+The server is started by the first test that asks for a worker and lives for the session;
+it sees the environment of that moment (conftest.py sets what the workers need at import).
+A test whose worker must start from a fresh interpreter, e.g. to measure its memory from
+zero or to read an environment variable at start-up, asks for ``fresh=True`` (spawn).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.context import BaseContext
+
+#: Imported by the server before it forks a worker: torch, and what a first optimizer
+#: imports lazily. Nothing that starts a thread (pyarrow does), which a fork would not copy.
+PRELOAD = ["tests.preloaded"]
+
+
+def worker_context(fresh: bool = False) -> BaseContext:
+    """The multiprocessing context the unit tests start workers with."""
+    if fresh:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
