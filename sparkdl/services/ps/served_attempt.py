@@ -1,0 +1,115 @@
+"""Which stage attempt the parameter server's shards serve, and the shards' snapshots.
+
+Stage attempts. A HELLO from a newer stage attempt restarts the clocks, so it is only
+believed when ``attempt_started`` confirms Spark started that attempt (the driver asks
+Spark's status store: :func:`sparkdl.spark.attempts.attempt_gate`); a worker holding
+the secret cannot lock the running attempt out by claiming a newer one. Every connection
+of an attempt must agree on its pushers (0: every worker pushes).
+
+Snapshots. With a checkpoint directory, rank 0 asks every shard for a SNAPSHOT
+right before it writes the worker checkpoint of global step ``s``; each shard
+writes ``ps-shard-NNN-<s>.pt`` there (atomically, newest two kept). A stage attempt
+whose HELLO says it resumes from step ``s`` first returns every shard to its
+snapshot of ``s``: the state that checkpoint was taken with.
+
+Locking: one lock (:attr:`StageAttempts._lock`) guards the current attempt and its pushers
+and is held while every store begins the new attempt, so two connections of one new
+attempt cannot both restart the clocks. Under it each store's own lock is taken (never
+the other way around).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from sparkdl.errors import CheckpointError, PushRejected
+from sparkdl.services.ps.store import ShardStore
+from sparkdl.storage.checkpoint_store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+
+class StageAttempts:
+    """The stage attempt ``stores`` serve, and their snapshots in ``snapshot_dir``.
+
+    Args:
+        stores: one :class:`ShardStore` per shard.
+        snapshot_dir: where shards write their snapshots ("" = snapshots refused).
+        attempt_started: whether Spark really started the stage attempt a HELLO claims
+            (None believes any newer attempt: for servers outside a Spark driver).
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[ShardStore],
+        snapshot_dir: str,
+        attempt_started: Callable[[int], bool] | None,
+    ) -> None:
+        self._stores = stores
+        self._snapshots = [
+            CheckpointStore(snapshot_dir, name=f"ps-shard-{i:03d}") if snapshot_dir else None
+            for i in range(len(stores))
+        ]
+        self._attempt: int | None = None  # the stage attempt the stores serve now
+        self._pushers = 0  # ... and how many push to them (0: every worker)
+        self._lock = threading.Lock()
+        self._attempt_started = attempt_started
+
+    def begin(self, attempt: int, start_clock: int, pushers: int = 0) -> None:
+        """The first connection of a new stage attempt restarts the clocks (and restores
+        the snapshot of ``start_clock`` when the workers resumed from a checkpoint); every
+        connection of an attempt must agree on its pushers (0: every worker pushes).
+
+        Raises:
+            PushRejected: an older attempt, pushers that disagree, or an attempt Spark did not start.
+            CheckpointError: the workers resume from a step no snapshot was taken at.
+        """
+        with self._lock:
+            if self._attempt is not None and attempt <= self._attempt:
+                if attempt < self._attempt:
+                    raise PushRejected(f"stage attempt {attempt} is older than the current {self._attempt}")
+                if pushers != self._pushers:
+                    raise PushRejected(
+                        f"a HELLO of stage attempt {attempt} says {pushers} pushers, its first said "
+                        f"{self._pushers} (0 = every worker): the workers disagree about runtime.hierarchy"
+                    )
+                return
+            if self._attempt_started is not None and not self._attempt_started(attempt):
+                raise PushRejected(
+                    f"a HELLO claims stage attempt {attempt} (running: {self._attempt}), but Spark "
+                    "runs no such attempt of the training stage"
+                )
+            states = [
+                self._load_snapshot(i, start_clock) if start_clock else None for i in range(len(self._stores))
+            ]
+            for store, state in zip(self._stores, states, strict=True):
+                store.begin_attempt(attempt, start_clock, state, pushers)
+            self._attempt = attempt
+            self._pushers = pushers
+            if start_clock:
+                log.info(
+                    "parameter server resumed at step %d, versions %s",
+                    start_clock,
+                    [s.version for s in self._stores],
+                )
+
+    def save_snapshot(self, shard: int, step: int) -> int:
+        """Write ``shard``'s snapshot as of global step ``step``; return the version saved."""
+        snapshots = self._snapshots[shard]
+        if snapshots is None:
+            raise CheckpointError("snapshot requested but the parameter server has no checkpoint_dir")
+        state = self._stores[shard].snapshot()
+        snapshots.save(step, {"format": 1, **state})
+        return int(state["version"])
+
+    def _load_snapshot(self, shard: int, step: int) -> dict:
+        snapshots = self._snapshots[shard]
+        if snapshots is None or step not in snapshots.steps():
+            where = snapshots.directory if snapshots else "(no checkpoint_dir given to the server)"
+            raise CheckpointError(
+                f"the workers resume from step {step}, but shard {shard} has no snapshot of it in "
+                f"{where}; the checkpoint directory is incomplete: start afresh with a new checkpoint_dir"
+            )
+        return snapshots.load(step)
