@@ -25,19 +25,20 @@ sys.path.insert(0, str(HERE))
 
 from common import save_report  # noqa: E402
 
-from sparkdl.advisor.costmodel import Cluster, Exchange, Link, Workload, step_cost  # noqa: E402
+from sparkdl.advisor.costmodel import Cluster, Link, Workload, step_cost  # noqa: E402
+from sparkdl.comm.traffic import Pattern  # noqa: E402
 
 MODELS = {
     "ResNet-101 (Horovod), 4 per host": (Workload(44_500_000, 0.50, 64), 4),
     "ResNet-152 (MXNet), 8 per host": (Workload(60_200_000, 1.60, 32), 8),
 }
 VARIANTS = [
-    ("allreduce", Exchange.ALLREDUCE, False, "none", 1),
-    ("allreduce, hierarchy", Exchange.ALLREDUCE, True, "none", 1),
-    ("allreduce, 1bit", Exchange.ALLREDUCE, False, "1bit", 1),
-    ("weight_averaging tau=4", Exchange.WEIGHT_AVERAGING, False, "none", 4),
-    ("parameter_server sync", Exchange.PARAMETER_SERVER, False, "none", 1),
-    ("parameter_server sync, hierarchy", Exchange.PARAMETER_SERVER, True, "none", 1),
+    ("allreduce", Pattern.RING_OVERLAPPED, False, "none", 1),
+    ("allreduce, hierarchy", Pattern.RING_OVERLAPPED, True, "none", 1),
+    ("allreduce, 1bit", Pattern.RING_OVERLAPPED, False, "1bit", 1),
+    ("weight_averaging tau=4", Pattern.RING_PERIODIC, False, "none", 4),
+    ("parameter_server sync", Pattern.STAR, False, "none", 1),
+    ("parameter_server sync, hierarchy", Pattern.STAR, True, "none", 1),
 ]
 WORKERS = (8, 16, 32, 64, 128)
 LINKS = (10, 25, 100)

@@ -37,6 +37,7 @@ from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import HostedServer, host_parameter_server
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import PROBE_SCHEMA, probe_partition
+from sparkdl.strategies import REGISTRY, strategy_class
 from sparkdl.worker.assembly import TrainSpec
 from sparkdl.worker.probe import ProbeCandidate, ProbeSpec
 
@@ -108,7 +109,8 @@ def advise(
         probed, derived = chosen_candidates(probed, derived, strategies)
     total_rows, steps_per_epoch = run_length(dataset, spec)
     result = probe(dataset, spec, probed, steps, budget_s, passes)
-    advice = predict(result, probed, derived, total_rows, project_to, steps_per_epoch)
+    patterns = {name: strategy_class(name).pattern for name in REGISTRY}  # each strategy's own
+    advice = predict(result, probed, derived, total_rows, project_to, steps_per_epoch, patterns)
     log.info("strategy advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
     return advice
 

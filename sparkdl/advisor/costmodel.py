@@ -1,8 +1,9 @@
 """What a step costs: compute plus communication, by strategy, on a link of given speed.
 
-Pure arithmetic (no Spark, no torch): the alpha-beta model of each strategy's exchange,
-used to project sparkdl beyond the machines it was measured on (docs/benchmarks/history.md, "Scaling
-on paper") and meant as the core of the strategy advisor.
+Pure arithmetic (no Spark, no torch): the alpha-beta model of each shape of exchange a
+strategy declares (:class:`sparkdl.comm.traffic.Pattern`, ``SyncStrategy.pattern``),
+used to project sparkdl beyond the machines it was measured on
+(docs/benchmarks/history.md, "Scaling on paper") and meant as the core of the advisor.
 
 A link has a latency ``alpha`` per message and a bandwidth ``B`` per host, full duplex
 (a host sends and receives at ``B`` at once). For a model of ``M`` bytes on ``N``
@@ -29,8 +30,9 @@ after the step, so theirs is ``compute + communication``.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
+
+from sparkdl.comm.traffic import Pattern
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what DDP's bucketed all-reduce overlaps with
 #: The share of the shorter of backward and communication that DDP hides behind the other:
@@ -41,12 +43,6 @@ OVERLAP = 0.4
 #: Bytes sent per float32 byte by each compression (1bit: signs + two float32 means per 1,024
 #: values; topk at 1%: (int32 index, float32 value) pairs).
 COMPRESSION_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "1bit": 1 / 30, "topk": 0.02}
-
-
-class Exchange(str, enum.Enum):
-    ALLREDUCE = "allreduce"
-    WEIGHT_AVERAGING = "weight_averaging"
-    PARAMETER_SERVER = "parameter_server"
 
 
 @dataclass(frozen=True)
@@ -121,7 +117,7 @@ class StepCost:
 
 
 def host_bytes(
-    exchange: Exchange,
+    pattern: Pattern,
     cluster: Cluster,
     model_bytes: float,
     *,
@@ -133,7 +129,7 @@ def host_bytes(
     hierarchy's groups and NCCL's rings arrange them)."""
     m = model_bytes * COMPRESSION_FACTOR[compression]
     ring = cluster.hosts if hierarchical else cluster.workers  # the ring's members, or the pushers
-    if exchange is Exchange.PARAMETER_SERVER:  # float32 pulls (the default) fill the server's NIC
+    if pattern is Pattern.STAR:  # float32 pulls (the default) fill the server's NIC
         return ring * model_bytes
     if ring == 1:
         return 0.0
@@ -142,29 +138,27 @@ def host_bytes(
     return 2 * (ring - 1) / ring * m
 
 
-def shared_bytes(
-    exchange: Exchange, cluster: Cluster, model_bytes: float, compression: str = "none"
-) -> float:
+def shared_bytes(pattern: Pattern, cluster: Cluster, model_bytes: float, compression: str = "none") -> float:
     """Bytes of one exchange when a single link carries every worker's traffic both ways."""
     m = model_bytes * COMPRESSION_FACTOR[compression]
     n = cluster.workers
-    if exchange is Exchange.PARAMETER_SERVER:
+    if pattern is Pattern.STAR:
         return n * (m + model_bytes)  # every push (compressed) and every pull (float32)
     if compression in ("1bit", "topk"):
         return n * (n - 1) * m
     return n * 2 * (n - 1) / n * m
 
 
-def messages(exchange: Exchange, cluster: Cluster, *, hierarchical: bool) -> int:
+def messages(pattern: Pattern, cluster: Cluster, *, hierarchical: bool) -> int:
     """Sequential messages of one exchange (each costs the link's latency)."""
     ring = cluster.hosts if hierarchical else cluster.workers
-    if exchange is Exchange.PARAMETER_SERVER:
+    if pattern is Pattern.STAR:
         return 2
     return 2 * (ring - 1)
 
 
 def step_cost(
-    exchange: Exchange,
+    pattern: Pattern,
     cluster: Cluster,
     link: Link,
     workload: Workload,
@@ -173,22 +167,22 @@ def step_cost(
     compression: str = "none",
     tau: int = 1,
 ) -> StepCost:
-    """The predicted step of ``exchange`` (weight averaging: the mean step over ``tau``)."""
+    """The predicted step of a strategy exchanging by ``pattern`` (periodic: the mean step over ``tau``)."""
     payload = workload.model_bytes
-    if exchange is Exchange.WEIGHT_AVERAGING:
+    if pattern is Pattern.RING_PERIODIC:
         payload *= 1 + workload.state_copies
     if link.shared:
-        sent = shared_bytes(exchange, cluster, payload, compression)
+        sent = shared_bytes(pattern, cluster, payload, compression)
     else:
-        sent = host_bytes(exchange, cluster, payload, hierarchical=hierarchical, compression=compression)
-    comm = messages(exchange, cluster, hierarchical=hierarchical) * link.latency_s + sent / link.bytes_per_s
+        sent = host_bytes(pattern, cluster, payload, hierarchical=hierarchical, compression=compression)
+    comm = messages(pattern, cluster, hierarchical=hierarchical) * link.latency_s + sent / link.bytes_per_s
     if cluster.workers == 1:
         comm = 0.0
     compute = workload.compute_s
-    if exchange is Exchange.ALLREDUCE:
+    if pattern is Pattern.RING_OVERLAPPED:
         backward = compute * BACKWARD_SHARE
         step = compute + comm - OVERLAP * min(backward, comm)
-    elif exchange is Exchange.WEIGHT_AVERAGING:
+    elif pattern is Pattern.RING_PERIODIC:
         comm /= tau
         step = compute + comm
     else:

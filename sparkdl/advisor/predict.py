@@ -34,7 +34,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdl.advisor.costmodel import Cluster, Exchange, Link, Workload, step_cost
+from sparkdl.advisor.costmodel import Cluster, Link, Workload, step_cost
+from sparkdl.comm.traffic import Pattern
+from sparkdl.config import Strategy
 
 #: The internal candidate that trains with no communication at all: the compute a step costs.
 LOCAL = "local"
@@ -290,9 +292,12 @@ def predict(
     total_rows: int,
     project_to: Sequence[int] = (),
     steps: int = 0,
+    patterns: Mapping[Strategy, Pattern | None] | None = None,
 ) -> Advice:
     """Predicted samples/s of every candidate for a run over ``total_rows`` rows, ``steps``
-    a worker per epoch (0: balanced partitions, ``total_rows / (workers x batch)``).
+    a worker per epoch (0: balanced partitions, ``total_rows / (workers x batch)``), and
+    their projections to ``project_to`` workers for the strategies whose exchange
+    ``patterns`` says how to price (each strategy class's own ``pattern``).
 
     Raises:
         ValueError: the probe has no timing of the local step (nothing to model from).
@@ -321,7 +326,7 @@ def predict(
     if not rows:
         raise ValueError(f"the probe trained no candidate: {skipped}")
     advice = Advice(rows, skipped, total_rows, probe)
-    advice.projections = project(probe, project_to) if project_to else {}
+    advice.projections = project(probe, project_to, patterns or {}) if project_to else {}
     return advice
 
 
@@ -354,15 +359,19 @@ def _row(candidate: Candidate, timing: Timing, steps: int, total_rows: int, sour
     )
 
 
-_EXCHANGES = {
-    "allreduce": (Exchange.ALLREDUCE, "none"),
-    "allreduce 1bit": (Exchange.ALLREDUCE, "1bit"),
-    "weight_averaging tau=4": (Exchange.WEIGHT_AVERAGING, "none"),
-    "parameter_server sync": (Exchange.PARAMETER_SERVER, "none"),
+#: The strategies projected to larger clusters: (strategy, compression, tau) by row name; each
+#: strategy's own ``pattern`` says how the cost model prices it.
+_PROJECTED = {
+    "allreduce": (Strategy.ALLREDUCE, "none", 1),
+    "allreduce 1bit": (Strategy.ALLREDUCE, "1bit", 1),
+    "weight_averaging tau=4": (Strategy.WEIGHT_AVERAGING, "none", 4),
+    "parameter_server sync": (Strategy.PARAMETER_SERVER, "none", 1),
 }
 
 
-def project(probe: ProbeResult, workers: Sequence[int]) -> dict[str, dict[int, float]]:
+def project(
+    probe: ProbeResult, workers: Sequence[int], patterns: Mapping[Strategy, Pattern | None]
+) -> dict[str, dict[int, float]]:
     """Samples/s of a few strategies at ``workers`` workers (one per host), from the probe's
     local step and link through :mod:`sparkdl.advisor.costmodel` (alpha-beta; the real cluster's
     larger rings are assumed to see the same per-link bandwidth); none without a measured
@@ -373,10 +382,12 @@ def project(probe: ProbeResult, workers: Sequence[int]) -> dict[str, dict[int, f
     link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
     work = Workload(params=probe.params, compute_s=local.step_s, batch=probe.batch_size)
     out: dict[str, dict[int, float]] = {}
-    for name, (exchange, compression) in _EXCHANGES.items():
-        tau = 4 if exchange is Exchange.WEIGHT_AVERAGING else 1
+    for name, (strategy, compression, tau) in _PROJECTED.items():
+        pattern = patterns.get(strategy)
+        if pattern is None:
+            continue
         out[name] = {
-            n: step_cost(exchange, Cluster(n), link, work, compression=compression, tau=tau).samples_per_s
+            n: step_cost(pattern, Cluster(n), link, work, compression=compression, tau=tau).samples_per_s
             for n in workers
         }
     return out

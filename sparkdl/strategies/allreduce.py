@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Strategy
 from sparkdl.training.strategy import (
     StepInput,
@@ -32,6 +33,7 @@ class AllReduceStrategy(SyncStrategy):
     """w <- w - lr * mean_i(g_i): one gradient all-reduce per step."""
 
     name = Strategy.ALLREDUCE
+    pattern = Pattern.RING_OVERLAPPED
     shares_gradients = True
     plain_sum = True
 

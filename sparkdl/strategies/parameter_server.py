@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Precision, PsMode, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
@@ -59,6 +60,7 @@ class ParameterServerStrategy(SyncStrategy):
     """Gradients to the driver, weights back, by clock (sync / ssp) or as they come (async)."""
 
     name = Strategy.PARAMETER_SERVER
+    pattern = Pattern.STAR
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.training.strategy import StepInput, StepOutcome, StrategyContext, SyncStrategy, Verdict
@@ -64,6 +65,7 @@ class WeightAveragingStrategy(SyncStrategy):
     """w <- weighted mean_i(w_i) every ``sync_every`` steps; no traffic in between."""
 
     name = Strategy.WEIGHT_AVERAGING
+    pattern = Pattern.RING_PERIODIC
     plain_sum = True
 
     def __init__(self, ctx: StrategyContext) -> None:

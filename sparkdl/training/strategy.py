@@ -24,6 +24,7 @@ from torch import nn
 
 from sparkdl.comm.exchange import Exchange, FlatExchange
 from sparkdl.comm.ps_endpoint import PsEndpoint
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
@@ -171,6 +172,9 @@ class SyncStrategy(abc.ABC):
     #: Whether every rank steps on the same averaged gradient, so a non-finite value on
     #: one rank is seen by all at the same step with no further message.
     shares_gradients: ClassVar[bool] = False
+    #: How the strategy's exchange uses the network, for the advisor's cost model to price
+    #: (None: the cost model has no formula for it, and the advisor only measures it).
+    pattern: ClassVar[Pattern | None] = None
     #: Whether what the workers exchange is a plain sum of float tensors, which one host's
     #: shared memory can carry (the worker's assembly then chooses it, where it can).
     plain_sum: ClassVar[bool] = False

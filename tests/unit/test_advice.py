@@ -10,9 +10,13 @@ import pytest
 
 from sparkdl.advisor.advise import chosen_candidates
 from sparkdl.advisor.predict import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
+from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError
+from sparkdl.strategies import REGISTRY, strategy_class
 
 MODEL_BYTES = 4 * 85_000
+#: how each strategy exchanges, as the strategy classes themselves declare it (advise passes the same)
+PATTERNS = {name: strategy_class(name).pattern for name in REGISTRY}
 
 
 def _probe(**timings: Timing) -> ProbeResult:
@@ -39,7 +43,8 @@ TIMINGS = {
 
 def _advice(rows: int = 256_000, **extra: Timing):
     probed, derived = probe_set(tau=8, staleness=0, every=8)
-    return predict(_probe(**{**TIMINGS, **extra}), probed, derived, rows, project_to=(8, 32))
+    probe = _probe(**{**TIMINGS, **extra})
+    return predict(probe, probed, derived, rows, project_to=(8, 32), patterns=PATTERNS)
 
 
 def test_a_measured_candidate_runs_its_steps_plus_its_epoch_overhead():
@@ -126,7 +131,7 @@ def test_one_worker_has_no_link_to_measure_and_no_projection():
     assert (link.latency_s, link.bytes_per_s) == (0.0, 0.0)  # unknown: JSON has no Infinity
     probe = dataclasses.replace(_probe(**TIMINGS), workers=1, link=link)
     probed, derived = probe_set(tau=8, staleness=0, every=8)
-    advice = predict(probe, probed, derived, 1000, project_to=(8,))
+    advice = predict(probe, probed, derived, 1000, project_to=(8,), patterns=PATTERNS)
     assert advice.projections == {} and "link: not measured (one worker" in advice.table()
     json.dumps(advice.to_dict(), allow_nan=False)
 
@@ -160,3 +165,18 @@ def test_a_strategies_filter_keeps_what_its_modelled_rows_follow_from_and_refuse
     }
     with pytest.raises(ConfigError, match=r"got \['all_reduce'\], which start no candidate's name"):
         chosen_candidates(probed, derived, ["all_reduce"])
+
+
+def test_each_strategy_declares_how_it_exchanges_and_the_projections_follow_it():
+    from sparkdl.comm.traffic import Pattern
+
+    assert PATTERNS == {
+        Strategy.ALLREDUCE: Pattern.RING_OVERLAPPED,
+        Strategy.WEIGHT_AVERAGING: Pattern.RING_PERIODIC,
+        Strategy.PARAMETER_SERVER: Pattern.STAR,
+        Strategy.FSDP: None,  # not priced: the advisor measures it only
+    }
+    unpriced = {**PATTERNS, Strategy.PARAMETER_SERVER: None}
+    probed, derived = probe_set(tau=8, staleness=0, every=8)
+    advice = predict(_probe(**TIMINGS), probed, derived, 256_000, project_to=(8,), patterns=unpriced)
+    assert "parameter_server sync" not in advice.projections and "allreduce" in advice.projections
