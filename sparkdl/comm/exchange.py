@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit, TopK, codec_for
 from sparkdl.comm.compression.collectives import CompressedAllReduce, CompressedAverage, bf16_allreduce_hook
 from sparkdl.comm.compression.powersgd import cpu_powersgd_hook, powersgd_bytes
-from sparkdl.comm.hierarchy import HierarchicalAllReduce, Hierarchy, hierarchical_bytes, host_key
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, HostGroups, hierarchical_bytes, host_key
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group, shared_memory_hook
 from sparkdl.comm.traffic import ring_allreduce_bytes
@@ -144,7 +144,7 @@ class Exchange(abc.ABC):
         """Register the DDP communication hook; return what one step sends (0: the hook counts)."""
 
     @property
-    def hierarchy(self) -> Hierarchy | None:
+    def hierarchy(self) -> HostGroups | None:
         """The two levels, for a strategy whose leaders alone talk to a server; None: flat."""
         return None
 
@@ -263,7 +263,7 @@ class HierarchicalExchange(Exchange):
     """Two levels: within the host (its shared memory where it has it), then among the
     hosts' leaders; what leaves the host is counted in ``traffic.bytes_across_hosts``."""
 
-    def __init__(self, hierarchy: Hierarchy, world_size: int, control: dist.ProcessGroup | None) -> None:
+    def __init__(self, hierarchy: HostGroups, world_size: int, control: dist.ProcessGroup | None) -> None:
         super().__init__(world_size, control)
         self._hierarchy = hierarchy
         backend = dist.get_backend()
@@ -271,7 +271,7 @@ class HierarchicalExchange(Exchange):
         self._hook: HierarchicalAllReduce | None = None
 
     @property
-    def hierarchy(self) -> Hierarchy:
+    def hierarchy(self) -> HostGroups:
         return self._hierarchy
 
     def count_gradient_step(self) -> None:
@@ -322,7 +322,7 @@ def form_exchange(
     groups: ProcessGroups,
     payload_bytes: int,
     plain_sum: bool,
-    hierarchy: Hierarchy | None = None,
+    hierarchy: HostGroups | None = None,
 ) -> Exchange:
     """Choose and form this worker's exchange; the same choice on every rank (collective over
     the control group where shared memory is formed).
@@ -350,7 +350,7 @@ def form_exchange(
     return FlatExchange(where.world_size, groups.control, runtime, on_cpu=where.device.type == "cpu")
 
 
-def form_hierarchy(runtime: RuntimeConfig, where: Where) -> Hierarchy | None:
+def form_hierarchy(runtime: RuntimeConfig, where: Where) -> HostGroups | None:
     """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two); their
     process groups, formed by every rank in step, serve every exchange of the worker."""
     level = runtime.hierarchy
@@ -362,7 +362,7 @@ def form_hierarchy(runtime: RuntimeConfig, where: Where) -> Hierarchy | None:
             f"{len(where.peers)} for {where.world_size} ranks"
         )
     keys = [host_key(address, level) for address in where.peers]
-    hierarchy = Hierarchy.build(keys, where.rank, runtime.collective_timeout_s)
+    hierarchy = HostGroups.build(keys, where.rank, runtime.collective_timeout_s)
     if hierarchy is not None:
         log.info(
             "rank %d: host %d of %d, led by rank %d",

@@ -54,7 +54,7 @@ def group_ranks(keys: Sequence[str]) -> list[list[int]]:
 
 
 @dataclass
-class Hierarchy:
+class HostGroups:
     """This rank's place in the two levels, and the process groups of each.
 
     Attributes:
@@ -74,7 +74,7 @@ class Hierarchy:
     shared: SharedMemoryGroup | None = None
 
     @classmethod
-    def build(cls, keys: Sequence[str], rank: int, timeout_s: float) -> Hierarchy | None:
+    def build(cls, keys: Sequence[str], rank: int, timeout_s: float) -> HostGroups | None:
         """Form the groups (every rank calls this, in step); None where two levels would change
         nothing: one host, or one worker per host."""
         groups = group_ranks(keys)
@@ -139,7 +139,7 @@ class Hierarchy:
         return sent
 
 
-def hierarchical_bytes(hierarchy: Hierarchy, payload: int) -> int:
+def hierarchical_bytes(hierarchy: HostGroups, payload: int) -> int:
     """What one worker sends for one hierarchical all-reduce of ``payload`` bytes: a member its
     payload to the leader; a leader its share of the leaders' ring, and the result to each member."""
     if not hierarchy.is_leader:
@@ -148,14 +148,14 @@ def hierarchical_bytes(hierarchy: Hierarchy, payload: int) -> int:
 
 
 class HierarchicalAllReduce:
-    """A DDP communication hook: each bucket's gradients averaged by :meth:`Hierarchy.all_reduce`.
+    """A DDP communication hook: each bucket's gradients averaged by :meth:`HostGroups.all_reduce`.
 
     DDP calls the hook as buckets become ready, on every rank in the same order; one thread
     per worker runs the buckets' collectives in that order, so backward goes on computing
     the next buckets meanwhile (DDP waits for every bucket's future before the step).
     """
 
-    def __init__(self, hierarchy: Hierarchy, world_size: int) -> None:
+    def __init__(self, hierarchy: HostGroups, world_size: int) -> None:
         self.hierarchy = hierarchy
         self.world_size = world_size
         self.bytes_across_hosts = 0

@@ -27,7 +27,7 @@ crossing hosts.
 
 Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
 the driver: the host's workers sum their gradients and rows into the leader
-(:class:`sparkdl.comm.hierarchy.Hierarchy`), the leader pushes the host's sum as pusher
+(:class:`sparkdl.comm.hierarchy.HostGroups`), the leader pushes the host's sum as pusher
 number ``host`` of ``hosts`` and pulls, and broadcasts the weights to its host. The driver's
 traffic falls by the workers per host, and in sync mode the answer is unchanged: the
 server's mean is still over every row of the step. A worker that must stop says so in the

@@ -34,7 +34,7 @@ from sparkdl.wire.layout import (
     TAG_BYTES,
     M,
     Payload,
-    Placement,
+    PayloadPlacement,
     WireProtocol,
     check_length,
     check_prefix,
@@ -144,7 +144,7 @@ class Channel(Generic[M]):
             self._poller.register(self.sock, select.POLLIN)
         return bool(self._poller.poll(math.ceil(min(max(timeout_s, 0.0) * 1000, MAX_POLL_MS))))
 
-    def recv(self, max_payload: int, into: Placement | None = None) -> M:
+    def recv(self, max_payload: int, into: PayloadPlacement | None = None) -> M:
         """Read, authenticate and decode the next frame.
 
         The header is authenticated before its length or fields are trusted: nothing is

@@ -33,7 +33,7 @@ E = TypeVar("E", bound=enum.IntEnum)
 
 #: Where a frame's payload is read to, by (kind, header fields, length): a writable view of
 #: exactly ``length`` bytes, or None for a fresh buffer. Called once the header verified.
-Placement = Callable[[int, Fields, int], "memoryview | None"]
+PayloadPlacement = Callable[[int, Fields, int], "memoryview | None"]
 
 #: The secret a HELLO must verify under, chosen by its (not yet authenticated) header fields;
 #: None refuses the connection. Lets one server hold a secret per resource it serves.

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
-from sparkdl.comm.hierarchy import Hierarchy
+from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
 from sparkdl.config import SparkDLConfig
@@ -184,7 +184,7 @@ class Bench:
     counts: list[int]
     where: Where
     groups: ProcessGroups
-    hierarchy: Hierarchy | None
+    hierarchy: HostGroups | None
     placement: Placement
     epoch: int = 2
     params: int = 0

@@ -22,7 +22,7 @@ from sparkdl.comm.ps_areas import WorkerAreas, attach
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.services.ps.protocol import BF16, FLOAT32, Frame, Kind, PsChannel, client_hello, error_of
-from sparkdl.wire.framing import Placement, ReusedBuffer
+from sparkdl.wire.framing import PayloadPlacement, ReusedBuffer
 
 T = TypeVar("T")
 
@@ -276,7 +276,7 @@ class PsClient:
     def _read_weights(self, shard: int, sent: int) -> tuple[int, int, int, torch.Tensor, int]:
         """The shard's WEIGHTS, read into its reused buffer (valid until its next pull)."""
         buffer = self._weights[shard]
-        into: Placement = lambda kind, _, n: buffer.view(n) if kind == Kind.WEIGHTS else None  # noqa: E731
+        into: PayloadPlacement = lambda kind, _, n: buffer.view(n) if kind == Kind.WEIGHTS else None  # noqa: E731
         reply = self._expect(self._channels[shard], Kind.WEIGHTS, into)
         if reply.dtype != self._pull_dtype:
             raise ParameterServerError(
@@ -314,7 +314,7 @@ class PsClient:
             weights = self._widened[shard].copy_(half)
         return sent, received, reply.version, weights, reply.staleness
 
-    def _expect(self, channel: PsChannel, kind: Kind, into: Placement | None = None) -> Frame:
+    def _expect(self, channel: PsChannel, kind: Kind, into: PayloadPlacement | None = None) -> Frame:
         """The server's answer of ``kind``; an ERROR frame raises the class its code names."""
         try:
             frame = channel.recv(self.endpoint.max_payload, into)

@@ -62,6 +62,11 @@ _WarmBuffers = WarmBuffers
 _all_finite = all_finite
 
 
+#: How long stopping waits for the requests being answered to finish (a pull that waited,
+#: woken by the stop, sends its worker the reason): a moment, whatever the stop's own bound.
+_ANSWER_DRAIN_S = 2.0
+
+
 class ParameterServer:
     """Serves ``stores`` on ``(host, port 0)`` until :meth:`stop`.
 
@@ -169,6 +174,8 @@ class ParameterServer:
         for shard, store in enumerate(self.stores):
             store.close()
             self._parked.answer(shard)  # the parked pulls are told, as waiting ones are
+        # the waiting pulls woke with their error: let them send it before the sockets close
+        self._sessions.wait_answered(min(timeout, _ANSWER_DRAIN_S))
         self._listener.stop(timeout)
         if self.areas is not None:
             self.areas.close()

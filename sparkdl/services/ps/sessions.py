@@ -21,6 +21,11 @@ request, and waits for the lock before it answers it: one thread at a time sends
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
 from sparkdl.comm.ps_areas import ServerAreas
 from sparkdl.errors import CheckpointError, ConnectionClosed, ProtocolError, PushRejected
 from sparkdl.services.ps.connection import WarmBuffers
@@ -55,6 +60,33 @@ class Sessions:
         self._areas = areas
         self._listener = listener
         self._frame_cap = frame_cap
+        self._answering = 0  # requests read and not yet answered, over every connection
+        self._answered = threading.Condition()
+
+    def wait_answered(self, timeout_s: float) -> bool:
+        """Wait until no request is being answered (at most ``timeout_s``): stopping the
+        server first wakes the pulls that wait, then lets them send the worker why, before
+        it closes their connections. False if one was still being answered."""
+        deadline = time.monotonic() + timeout_s
+        with self._answered:
+            while self._answering:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._answered.wait(remaining)
+        return True
+
+    @contextlib.contextmanager
+    def _answering_one(self) -> Iterator[None]:
+        with self._answered:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self._answered:
+                self._answering -= 1
+                if not self._answering:
+                    self._answered.notify_all()
 
     def serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         """Serve one authenticated connection until it ends or the server stops."""
@@ -87,6 +119,11 @@ class Sessions:
         both), once its parked pull, if any, was answered."""
         self._parked.await_answer(channel, warm)
         frame = self._next_frame(channel, hello, warm)
+        with self._answering_one():
+            self._answer(channel, hello, warm, frame)
+
+    def _answer(self, channel: PsChannel, hello: Frame, warm: WarmBuffers, frame: Frame) -> None:
+        """Answer ``frame`` (and the PULL right behind a PUSH, in one ``sendmsg``)."""
         self._parked.check_answered(warm)
         replies: list[Frame] = []
         if frame.kind is Kind.PUSH:
