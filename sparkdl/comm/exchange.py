@@ -177,9 +177,9 @@ class FlatExchange(Exchange):
             self._average.remember(named)
 
     def weighted_sum_(self, buckets: Sequence[NamedBucket], own_weight: float) -> None:
-        if self._average is None:
+        if self._average is None:  # uncompressed, or a single worker (nothing to compress)
             super().weighted_sum_(buckets, own_weight)
-        elif self.world_size > 1:
+        else:
             self.traffic.bytes_sent += self._average(buckets, own_weight)
 
     def count_gradient_step(self) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import cloudpickle
 import torch
@@ -97,7 +97,6 @@ class TorchModelWriter(MLWriter):
     def __init__(self, instance: SavedModel) -> None:
         super().__init__()
         self.instance = instance
-        self.params: Params = instance  # type: ignore[assignment]  # a SavedModel is a Params too
 
     def saveImpl(self, path: str) -> None:
         model = self.instance
@@ -108,7 +107,7 @@ class TorchModelWriter(MLWriter):
             "classifier": model.classifier,
             "transform_fn": model.transform_fn is not None,
         }
-        DefaultParamsWriter.saveMetadata(self.params, path, self.sparkSession, extraMetadata=extra)
+        DefaultParamsWriter.saveMetadata(cast(Params, model), path, self.sparkSession, extraMetadata=extra)
         assert model.module is not None
         state = cpu_state_dict(model.module)
         fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))

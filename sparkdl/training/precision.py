@@ -12,7 +12,7 @@ rest, so both sides agree by construction (Lightning Fabric's ``Precision`` plug
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,14 +41,12 @@ class Precision:
         if setting is PrecisionSetting.FP16:
             self.scaler = torch.amp.GradScaler(self._device_type)
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """The forward and the loss in the setting's dtype (nothing changes for fp32)."""
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward and the loss in the setting's dtype (nothing changes for fp32); entered
+        once per batch, so a plain context object rather than a generator."""
         if self._dtype is None:
-            yield
-            return
-        with torch.autocast(self._device_type, dtype=self._dtype):
-            yield
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self._dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled first under fp16)."""
