@@ -29,7 +29,7 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import Strategy
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
 from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
@@ -37,7 +37,7 @@ from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import HostedServer, host_parameter_server
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import PROBE_SCHEMA, probe_partition
-from sparkdl.strategies import REGISTRY, strategy_class
+from sparkdl.strategies import REGISTRY, check_settings, strategy_class
 from sparkdl.worker.assembly import TrainSpec
 from sparkdl.worker.probe import ProbeCandidate, ProbeSpec
 
@@ -234,7 +234,7 @@ def _candidates(
     try:
         for candidate in candidates:
             try:
-                config: SparkDLConfig = spec.config.replace(**candidate.settings)
+                config = check_settings(spec.config.replace(**candidate.settings))
             except SparkDLError as exc:
                 skipped[candidate.name] = str(exc)
                 continue

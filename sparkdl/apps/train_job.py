@@ -21,6 +21,7 @@ from typing import Any
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
 from sparkdl.config.loading import about, check_bounds
 from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.strategies import check_settings
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def load_job_sections(
     raw = load_toml(path, overrides)
     library = typing.get_type_hints(SparkDLConfig)
     built = config_from_tables(raw, str(path), {**own, "spark": SparkSection, **library})
-    sparkdl = SparkDLConfig(**{name: built.pop(name) for name in library})
+    sparkdl = check_settings(SparkDLConfig(**{name: built.pop(name) for name in library}))
     return built, sparkdl
 
 

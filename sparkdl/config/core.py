@@ -10,6 +10,11 @@ Each field carries its meaning and valid values (``metadata=about(...)``), from 
 ``TorchEstimator.explainParams()`` and docs/settings.md. A setting name belongs to exactly
 one section (checked when this module is imported), so keyword arguments need no section.
 
+A section checks its own values; a rule that involves one strategy (what weight averaging,
+the parameter server or fsdp cannot combine with) lives in that strategy's class, above this
+layer, and :func:`sparkdl.training.strategy.check_settings` applies it (TorchEstimator, the
+jobs' loaders, fit and the advisor call it before any worker starts).
+
 The sections live in :mod:`sparkdl.config.training_sections` (training, optimizer, data),
 :mod:`sparkdl.config.runtime_sections` (runtime, reliability, tracking) and
 :mod:`sparkdl.config.strategy_sections` (weight averaging, parameter server), their choices
@@ -103,41 +108,6 @@ class SparkDLConfig:
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
-    def __post_init__(self) -> None:
-        every, tau = self.reliability.checkpoint_every, self.weight_averaging.sync_every
-        if self.training.strategy is Strategy.WEIGHT_AVERAGING and every and every % tau:
-            raise ConfigError(
-                f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
-                "checkpoints right after an average, when every worker holds the same weights"
-            )
-        if self.training.strategy is Strategy.WEIGHT_AVERAGING:
-            _check_weight_averaging(self)
-        if self.training.strategy is Strategy.FSDP:
-            _check_fsdp(self)
-        backups, workers = self.parameter_server.backup_workers, self.training.num_workers
-        if self.training.strategy is Strategy.PARAMETER_SERVER and backups >= workers:
-            raise ConfigError(
-                f"backup_workers = {backups} must be < num_workers = {workers}: each step is made by "
-                f"the first num_workers - backup_workers pushes, so at least one; set backup_workers to "
-                f"at most {workers - 1} (0 waits for every worker), or raise num_workers"
-            )
-        if self.training.strategy is Strategy.PARAMETER_SERVER and self.training.precision is Precision.FP16:
-            raise ConfigError(
-                "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "
-                "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
-            )
-        if (
-            self.runtime.compression is Compression.POWERSGD
-            and self.training.strategy is not Strategy.ALLREDUCE
-        ):
-            raise ConfigError(
-                f"compression = 'powersgd' is PyTorch's DDP hook of strategy 'allreduce'; with strategy = "
-                f"{self.training.strategy.value!r} use '1bit', 'topk', 'fp16' or 'bf16'"
-            )
-
-        if self.runtime.hierarchy is not Hierarchy.NONE:
-            _check_hierarchy(self)
-
     def replace(self, **flat: Any) -> SparkDLConfig:
         """Return a copy with settings given by their field name (``batch_size=32``).
 
@@ -196,56 +166,3 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> SparkDLConfi
             "the library's sections only: use load_job_config(path).sparkdl"
         )
     return SparkDLConfig(**config_from_tables(raw, str(path), SECTIONS))
-
-
-def _check_hierarchy(config: SparkDLConfig) -> None:
-    """What hierarchical aggregation cannot be combined with, refused with the fix."""
-    strategy, compression = config.training.strategy, config.runtime.compression
-    level = config.runtime.hierarchy.value
-    if strategy is Strategy.FSDP:
-        raise ConfigError(
-            f"hierarchy = {level!r} is not available with strategy = 'fsdp' (its collectives are FSDP's "
-            "own); set hierarchy = 'none'"
-        )
-    if strategy is not Strategy.PARAMETER_SERVER and compression is not Compression.NONE:
-        raise ConfigError(
-            f"hierarchy = {level!r} and compression = {compression.value!r} do not combine with strategy "
-            f"{strategy.value!r} (the leaders exchange float32); choose one of them"
-        )
-    if strategy is Strategy.WEIGHT_AVERAGING and config.weight_averaging.wa_backup_workers:
-        raise ConfigError(
-            f"hierarchy = {level!r} with wa_backup_workers = {config.weight_averaging.wa_backup_workers}: "
-            "backup workers are not available with two-level averaging yet; set wa_backup_workers = 0 "
-            "or hierarchy = 'none'"
-        )
-    if strategy is Strategy.PARAMETER_SERVER and config.parameter_server.backup_workers:
-        raise ConfigError(
-            f"hierarchy = {level!r} with backup_workers = {config.parameter_server.backup_workers}: with "
-            "a hierarchy the hosts' leaders push, not the workers; set backup_workers = 0"
-        )
-
-
-def _check_weight_averaging(config: SparkDLConfig) -> None:
-    """What weight averaging's settings must agree with, refused with the fix."""
-    backups, workers = config.weight_averaging.wa_backup_workers, config.training.num_workers
-    if backups >= workers:
-        raise ConfigError(
-            f"wa_backup_workers = {backups} must be < num_workers = {workers}: each period ends once "
-            f"num_workers - wa_backup_workers workers finished it, so at least one must; set "
-            f"wa_backup_workers to at most {workers - 1} (0 waits for every worker), or raise num_workers"
-        )
-
-
-def _check_fsdp(config: SparkDLConfig) -> None:
-    """What strategy "fsdp" cannot do yet, refused with the fix."""
-    if config.training.precision is Precision.FP16:
-        raise ConfigError(
-            "precision = 'fp16' is not available with strategy = 'fsdp' (its gradient scaler would "
-            "have to agree on overflows across the gradient shards); use precision = 'bf16', or "
-            "strategy = 'allreduce'"
-        )
-    if config.runtime.compression is not Compression.NONE:
-        raise ConfigError(
-            f"compression = {config.runtime.compression.value!r} is not available with strategy = 'fsdp' "
-            "(its gathers and reduce-scatters have no compression hook); set compression = 'none'"
-        )

@@ -3,9 +3,9 @@
 Each is read only when ``training.strategy`` names its strategy (local SGD, or a parameter
 server on the driver), so they sit apart from the sections every fit uses. Each is one frozen
 dataclass whose fields carry their meaning and valid values (``metadata=about(...)``); rules
-within a section live in its ``__post_init__``, rules that involve ``[training]`` or
-``[runtime]`` (backup workers against num_workers, a hierarchy) in
-:class:`sparkdl.config.SparkDLConfig`.
+within a section live in its ``__post_init__``; rules that involve ``[training]`` or
+``[runtime]`` (backup workers against num_workers, a hierarchy) live with the strategy
+(``check_settings`` of its class in :mod:`sparkdl.strategies`).
 """
 
 from __future__ import annotations

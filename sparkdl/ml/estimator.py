@@ -56,7 +56,7 @@ from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.training.factory import ModelFn, OptimizerFn, module_with_state
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
-from sparkdl.training.strategy import SchedulerFn
+from sparkdl.training.strategy import SchedulerFn, check_settings
 from sparkdl.worker.assembly import TrainSpec
 
 _DEFAULTS = SparkDLConfig().flat()
@@ -127,11 +127,19 @@ class _SparkDLParams(Params):
             loaded = config if isinstance(config, SparkDLConfig) else load_config(config)
             self._set(**{k: list(v) if isinstance(v, tuple) else v for k, v in loaded.flat().items()})
         check_setting_names(settings)
-        self.get_config().replace(**settings)  # validate values and cross-field rules now
+        check_settings(self._settings().replace(**settings))  # values and the strategy's rules, now
         self._set(**{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()})
 
     def get_config(self) -> SparkDLConfig:
-        """The settings of this stage as a validated :class:`SparkDLConfig`."""
+        """The settings of this stage as a validated :class:`SparkDLConfig`.
+
+        Raises:
+            ConfigError: a value, or a combination the chosen strategy cannot run with
+                (after ``set`` or ``copy(extra)``, which Spark's Params do not validate).
+        """
+        return check_settings(self._settings())
+
+    def _settings(self) -> SparkDLConfig:
         values = {name: self.getOrDefault(name) for name in flat_field_owners()}
         return SparkDLConfig().replace(**values)
 

@@ -37,6 +37,7 @@ from sparkdl.spark.ps_host import start_parameter_server
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.strategies import check_settings
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
 
@@ -146,7 +147,7 @@ def arrow_schema(df: Any) -> pa.Schema:
 
 def run_training(df: Any, spec: TrainSpec) -> FitResult:
     """Train on ``df`` with one barrier task per worker; return rank 0's weights and history."""
-    config = spec.config
+    config = check_settings(spec.config)
     n = config.training.num_workers
     spark = df.sparkSession
     profile = None if is_connect(spark) else training_profile(spark, config.runtime.use_gpu)

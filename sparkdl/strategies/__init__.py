@@ -7,6 +7,7 @@ from sparkdl.training.strategy import (
     StrategyContext,
     SyncStats,
     SyncStrategy,
+    check_settings,
     create_strategy,
     strategy_class,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "StrategyContext",
     "SyncStats",
     "SyncStrategy",
+    "check_settings",
     "create_strategy",
     "strategy_class",
 ]

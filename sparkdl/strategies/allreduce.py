@@ -19,7 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Strategy
+from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.strategies.rules import refuse_compressed_hierarchy
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -52,6 +53,10 @@ class AllReduceStrategy(SyncStrategy):
             gradient_as_bucket_view=True,
         )
         ctx.exchange.attach_gradient_hook(self._ddp, parameter_bytes(ctx.module))
+
+    @classmethod
+    def check_settings(cls, config: SparkDLConfig) -> None:
+        refuse_compressed_hierarchy(config)
 
     @property
     def model(self) -> nn.Module:

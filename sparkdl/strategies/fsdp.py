@@ -59,7 +59,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
+from sparkdl.errors import ConfigError
 from sparkdl.training.factory import build_model
 from sparkdl.training.strategy import (
     CollectiveForward,
@@ -91,6 +92,25 @@ class FsdpStrategy(SyncStrategy, CollectiveForward):
         payload = parameter_bytes(ctx.module)
         world = ctx.world_size
         self._step_bytes = 0 if world <= 1 else 3 * (world - 1) * payload // world
+
+    @classmethod
+    def check_settings(cls, config: SparkDLConfig) -> None:
+        if config.training.precision is Precision.FP16:
+            raise ConfigError(
+                "precision = 'fp16' is not available with strategy = 'fsdp' (its gradient scaler would "
+                "have to agree on overflows across the gradient shards); use precision = 'bf16', or "
+                "strategy = 'allreduce'"
+            )
+        if config.runtime.compression is not Compression.NONE:
+            raise ConfigError(
+                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
+                "'fsdp' (its gathers and reduce-scatters have no compression hook); set compression = 'none'"
+            )
+        if config.runtime.hierarchy is not Hierarchy.NONE:
+            raise ConfigError(
+                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = 'fsdp' "
+                "(its collectives are FSDP's own); set hierarchy = 'none'"
+            )
 
     @classmethod
     def build_module(

@@ -191,6 +191,15 @@ class SyncStrategy(abc.ABC):
         self._scheduler = ctx.scheduler_fn(ctx.optimizer) if ctx.scheduler_fn is not None else None
         self._clip_norm = ctx.config.optimizer.grad_clip_norm
 
+    @classmethod  # noqa: B027 (an optional hook: no rules by default)
+    def check_settings(cls, config: SparkDLConfig) -> None:
+        """Refuse, with the fix, settings this strategy cannot run with (on the driver,
+        before any worker starts; :func:`check_settings` calls it). By default: none.
+
+        Raises:
+            ConfigError: naming the settings that clash and what to set instead.
+        """
+
     @classmethod
     def build_module(
         cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
@@ -371,6 +380,18 @@ def strategy_class(name: Strategy) -> type[SyncStrategy]:
         raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
     found: type[SyncStrategy] = getattr(importlib.import_module(module), cls)
     return found
+
+
+def check_settings(config: SparkDLConfig) -> SparkDLConfig:
+    """``config``, once its strategy accepted it: the rules that involve one strategy
+    (what it cannot combine with) live in that strategy's class, not in the config layer
+    below it. TorchEstimator, the jobs' loaders, fit and the advisor call this.
+
+    Raises:
+        ConfigError: the strategy cannot run with these settings; the message says the fix.
+    """
+    strategy_class(config.training.strategy).check_settings(config)
+    return config
 
 
 def create_strategy(ctx: StrategyContext) -> SyncStrategy:

@@ -17,6 +17,7 @@ from sparkdl.config import (
     parse_override,
 )
 from sparkdl.config.loading import section_owners
+from sparkdl.strategies import check_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -236,14 +237,44 @@ def test_weight_averaging_backups_must_leave_a_worker_to_end_each_period():
         match=r"^wa_backup_workers = 2 must be < num_workers = 2: .* set wa_backup_workers to at most 1 "
         r"\(0 waits for every worker\), or raise num_workers$",
     ):
-        SparkDLConfig().replace(strategy="weight_averaging", num_workers=2, wa_backup_workers=2)
+        check_settings(
+            SparkDLConfig().replace(strategy="weight_averaging", num_workers=2, wa_backup_workers=2)
+        )
     with pytest.raises(ConfigError, match=r"weight_averaging\.wa_backup_workers = -1 must be >= 0"):
         SparkDLConfig().replace(wa_backup_workers=-1)
-    config = SparkDLConfig().replace(
-        strategy="weight_averaging", num_workers=3, wa_backup_workers=2, compression="1bit"
+    config = check_settings(
+        SparkDLConfig().replace(
+            strategy="weight_averaging", num_workers=3, wa_backup_workers=2, compression="1bit"
+        )
     )
     assert config.weight_averaging.wa_backup_workers == 2  # every worker still joins each average
-    assert SparkDLConfig().replace(num_workers=1, wa_backup_workers=1).training.num_workers == 1  # unused
+    unused = check_settings(SparkDLConfig().replace(num_workers=1, wa_backup_workers=1))
+    assert unused.training.num_workers == 1
+
+
+def test_a_strategys_rules_stop_the_estimator_and_the_job_before_any_worker_starts(tmp_path):
+    # The config layer checks each section's values; what a strategy cannot combine with
+    # is that strategy's rule (sparkdl.strategies), applied wherever a fit's settings are made.
+    combination = {
+        "strategy": "weight_averaging",
+        "sync_every": 4,
+        "checkpoint_every": 6,
+        "checkpoint_dir": str(tmp_path),
+    }
+    assert SparkDLConfig().replace(**combination).reliability.checkpoint_every == 6
+    refusal = r"^checkpoint_every = 6 is not a multiple of sync_every = 4; weight averaging checkpoints"
+    with pytest.raises(ConfigError, match=refusal):
+        check_settings(SparkDLConfig().replace(**combination))
+    with pytest.raises(ConfigError, match=refusal):
+        TorchEstimator(model_fn=lambda: None, **combination)
+    estimator = TorchEstimator(
+        model_fn=lambda: None, strategy="weight_averaging", sync_every=4, checkpoint_dir=str(tmp_path)
+    )
+    with pytest.raises(ConfigError, match=refusal):
+        estimator.copy({estimator.checkpoint_every: 6}).get_config()  # Spark's Params do not check
+    path = write(tmp_path, '[training]\nstrategy = "fsdp"\n[runtime]\ncompression = "fp16"\n')
+    with pytest.raises(ConfigError, match=r"compression = 'fp16' is not available with strategy = 'fsdp'"):
+        load_job_config(path)
 
 
 def test_estimator_kwargs_and_config_describe_the_same_settings(tmp_path):
@@ -277,10 +308,10 @@ def test_the_parameter_server_refuses_fp16_before_any_worker_starts():
     with pytest.raises(
         ConfigError, match=r"precision = 'fp16' needs a gradient scaler .* use precision = 'bf16'"
     ):
-        SparkDLConfig().replace(strategy="parameter_server", precision="fp16")
+        check_settings(SparkDLConfig().replace(strategy="parameter_server", precision="fp16"))
 
 
 def test_the_parameter_servers_backups_must_leave_a_pusher_to_make_each_step():
     with pytest.raises(ConfigError, match=r"^backup_workers = 2 must be < num_workers = 2: .* at most 1 "):
-        SparkDLConfig().replace(strategy="parameter_server", num_workers=2, backup_workers=2)
-    SparkDLConfig().replace(strategy="allreduce", num_workers=2, backup_workers=2)  # not used there
+        check_settings(SparkDLConfig().replace(strategy="parameter_server", num_workers=2, backup_workers=2))
+    check_settings(SparkDLConfig().replace(strategy="allreduce", num_workers=2, backup_workers=2))  # unused

@@ -25,6 +25,7 @@ from sparkdl.data.inputs import plan_data
 from sparkdl.data.tensors import to_batch
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies import check_settings
 from sparkdl.strategies.fsdp import shard_units
 from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
 from tests.reference import (
@@ -334,9 +335,9 @@ def test_validation_with_unequal_held_out_rows_gives_all_reduces_figures(tmp_pat
 
 def test_fsdp_refuses_fp16_and_compression_naming_the_fix():
     with pytest.raises(ConfigError, match="precision = 'bf16'"):
-        SparkDLConfig().replace(strategy="fsdp", precision="fp16")
+        check_settings(SparkDLConfig().replace(strategy="fsdp", precision="fp16"))
     with pytest.raises(ConfigError, match="compression = 'none'"):
-        SparkDLConfig().replace(strategy="fsdp", compression="fp16")
+        check_settings(SparkDLConfig().replace(strategy="fsdp", compression="fp16"))
 
 
 def test_each_large_enough_submodule_is_its_own_unit_innermost_first():

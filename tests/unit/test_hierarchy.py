@@ -8,6 +8,7 @@ import torch
 from sparkdl.comm.hierarchy import HierarchicalAllReduce, group_ranks, host_key
 from sparkdl.config import Hierarchy, SparkDLConfig
 from sparkdl.errors import ConfigError
+from sparkdl.strategies import check_settings
 
 ADDRESSES = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7002", "10.0.0.1:7001"]
 
@@ -32,11 +33,13 @@ def test_tasks_group_by_address_or_by_executor_in_order_of_their_first_rank():
 )
 def test_a_hierarchy_refuses_what_it_cannot_combine_with(settings, refusal):
     with pytest.raises(ConfigError, match=refusal):
-        SparkDLConfig().replace(hierarchy="host", **settings)
+        check_settings(SparkDLConfig().replace(hierarchy="host", **settings))
 
 
 def test_the_parameter_server_compresses_the_hosts_pushes():
-    config = SparkDLConfig().replace(hierarchy="executor", strategy="parameter_server", compression="1bit")
+    config = check_settings(
+        SparkDLConfig().replace(hierarchy="executor", strategy="parameter_server", compression="1bit")
+    )
     assert config.runtime.hierarchy is Hierarchy.EXECUTOR
 
 

@@ -1,0 +1,30 @@
+"""Refusals that more than one strategy shares, each with the fix.
+
+A strategy's own rules live in its class (:meth:`SyncStrategy.check_settings`); the ones
+here are called by several of them, so that the message is written once.
+"""
+
+from __future__ import annotations
+
+from sparkdl.config import Compression, Hierarchy, SparkDLConfig
+from sparkdl.errors import ConfigError
+
+
+def refuse_powersgd(config: SparkDLConfig) -> None:
+    """PowerSGD is DDP's communication hook: only strategy "allreduce" has one."""
+    if config.runtime.compression is Compression.POWERSGD:
+        raise ConfigError(
+            f"compression = 'powersgd' is PyTorch's DDP hook of strategy 'allreduce'; with strategy = "
+            f"{config.training.strategy.value!r} use '1bit', 'topk', 'fp16' or 'bf16'"
+        )
+
+
+def refuse_compressed_hierarchy(config: SparkDLConfig) -> None:
+    """Two-level sums exchange float32 between the hosts' leaders: no codec there yet."""
+    compression, level = config.runtime.compression, config.runtime.hierarchy
+    if level is not Hierarchy.NONE and compression is not Compression.NONE:
+        raise ConfigError(
+            f"hierarchy = {level.value!r} and compression = {compression.value!r} do not combine with "
+            f"strategy {config.training.strategy.value!r} (the leaders exchange float32); choose one "
+            "of them"
+        )
