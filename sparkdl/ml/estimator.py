@@ -42,7 +42,7 @@ from sparkdl.ml.persistence import (
     TorchModelReader,
     TorchModelWriter,
 )
-from sparkdl.ml.tracking import log_fit
+from sparkdl.ml.tracking import check_tracking, log_fit
 from sparkdl.spark.driver import plan_inputs, run_training, vectors_as_arrays, with_validation
 from sparkdl.spark.inference import (
     OutputCols,
@@ -248,6 +248,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         dataset, spec = self.training_spec(dataset)
         config, loss = spec.config, spec.loss
         assert self.model_fn is not None  # training_spec refuses an estimator without one
+        check_tracking(config)  # a store MLflow refuses fails now, not after training
         started = time.perf_counter()
         result = run_training(dataset, spec)
         module = module_with_state(self.model_fn, result.state_dict)

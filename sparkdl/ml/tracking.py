@@ -11,6 +11,10 @@ an active run (a notebook's, or a pipeline's) the fit becomes a nested run.
 Nothing is logged unless a tracking URI was chosen (``MLFLOW_TRACKING_URI``,
 ``mlflow.set_tracking_uri``, Databricks' own) or a run is active: sparkdl never
 creates an ``mlruns`` directory a user did not ask for.
+
+Logging never costs the trained model: :func:`check_tracking` opens the store before
+training (a store MLflow refuses fails the fit at once, naming the URI and the fix), and
+:func:`log_fit` turns a failure while logging into a warning.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import logging
 import os
 import tempfile
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 import torch
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
 from sparkdl.training.factory import cpu_state_dict
 
 log = logging.getLogger(__name__)
@@ -80,11 +86,72 @@ def _uri_was_set() -> bool:
     return bool(is_tracking_uri_set())
 
 
+#: Stores whose check would wait on the network (MLflow retries a request for minutes):
+#: only opened before training, and a failure to log there warns after it.
+_REMOTE_SCHEMES = frozenset({"http", "https", "databricks", "databricks-uc", "uc"})
+
+
+def check_tracking(config: SparkDLConfig) -> None:
+    """Open the tracking store fit will log to, before any worker starts.
+
+    Raises:
+        ConfigError: MLflow refuses the store; the message names the URI and the fix.
+    """
+    mlflow = mlflow_if_configured(config)
+    if mlflow is None:
+        return
+    uri = mlflow.get_tracking_uri()
+    try:
+        client = mlflow.MlflowClient()
+        if urlparse(uri).scheme not in _REMOTE_SCHEMES:
+            client.search_experiments(max_results=1)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"MLflow cannot log this fit to tracking URI {uri!r}: {reason[:300]}. {_fix(uri, str(exc))}; "
+            "or set mlflow = false to train without logging"
+        ) from exc
+
+
+def _fix(uri: str, message: str) -> str:
+    """What makes ``uri`` work, for the store errors users meet."""
+    scheme = urlparse(uri).scheme
+    if "MLFLOW_ALLOW_FILE_STORE" in message or scheme in ("", "file"):
+        return (
+            "MLflow 3 keeps file stores in maintenance mode: set the environment variable "
+            "MLFLOW_ALLOW_FILE_STORE=true before the driver starts, or log to a tracking server "
+            "(http://...)"
+        )
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        return (
+            f"a {scheme}: store needs the full MLflow package (pip install mlflow; the sparkdl-torch "
+            "[mlflow] extra installs mlflow-skinny, which talks to tracking servers and file stores)"
+        )
+    return "check that the URI is reachable from the driver"
+
+
 def log_fit(config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str | None:
-    """Log ``model``'s fit to MLflow if configured; return the run id."""
+    """Log ``model``'s fit to MLflow if configured; return the run id (None: not logged).
+
+    A failure while logging is a warning: the model is trained, and the caller keeps it.
+    """
     mlflow = mlflow_if_configured(config)
     if mlflow is None:
         return None
+    try:
+        return _log(mlflow, config, model, fit_seconds)
+    except Exception as exc:  # the store, the network, an export: never worth the model
+        log.warning(
+            "MLflow: the fit was trained but logging it to %s failed (%s: %s); the model is returned "
+            "unlogged: save it with model.save(path), or log it yourself with mlflow.pytorch.log_model",
+            mlflow.get_tracking_uri(),
+            type(exc).__name__,
+            str(exc)[:500],
+        )
+        return None
+
+
+def _log(mlflow: Any, config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str:
     tracking = config.tracking
     nested = mlflow.active_run() is not None
     # The experiment is chosen for this run only: mlflow.set_experiment would change the

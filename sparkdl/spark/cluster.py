@@ -64,12 +64,20 @@ def wait_for_slots(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """Poll ``probe`` until it reports ``required`` slots or ``wait_s`` passes."""
+    """Poll ``probe`` until it reports ``required`` slots or ``wait_s`` passes (local
+    mode at once: its slots are fixed when the session starts)."""
     deadline = clock() + wait_s
     while True:
         available = probe()
         if available >= required:
             return available
+        if is_local_mode(master):
+            raise ClusterConfigError(
+                f"num_workers = {required} but local mode ({master}) has only {available} free task "
+                f"slot(s), and its slots never grow; barrier mode needs all workers at once. Lower "
+                f"num_workers to {max(available, 1)}, or start the session with local[{required}] "
+                f"(or more)"
+            )
         if clock() >= deadline:
             raise ClusterConfigError(
                 f"num_workers = {required} but the cluster ({master}) has only {available} free "
@@ -79,6 +87,12 @@ def wait_for_slots(
                 "still starting"
             )
         sleep(min(0.5, max(deadline - clock(), 0.0)))
+
+
+def is_local_mode(master: str) -> bool:
+    """``local``, ``local[N]``, ``local[*]``, ``local[N,F]``: one JVM whose slots are fixed
+    (``local-cluster`` starts executors that come up over time)."""
+    return master == "local" or master.startswith("local[")
 
 
 def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:

@@ -32,7 +32,7 @@ from sparkdl.services.weights.server import weight_server
 from sparkdl.spark.attempts import attempt_gate
 from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
 from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
-from sparkdl.spark.preflight import check_model, sample_batch
+from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
@@ -210,12 +210,14 @@ def _preflight(df: Any, spec: TrainSpec) -> Batch | None:
     if not runtime.preflight:
         return sample_batch(df, spec.plan)
     sample = sample_batch(df, spec.plan)  # first: the check's tasks would hold every slot
-    with ThreadPoolExecutor(1, thread_name_prefix="sparkdl-preflight") as pool:
+    with ThreadPoolExecutor(2, thread_name_prefix="sparkdl-preflight") as pool:
         wait_s = max(runtime.executor_wait_timeout_s, 60.0)
         workers = spec.config.training.num_workers
         environment = pool.submit(check_executor_environment, df.sparkSession, wait_s, workers)
+        labels = pool.submit(label_range, df, spec.plan)
         try:
-            check_model(df, spec, sample)
+            report = check_model(df, spec, sample)
+            check_label_range(labels.result(), report, spec.plan.label.name if spec.plan.label else "")
         finally:
             environment.result()  # a wrong environment is the first thing to fix: its error wins
     return sample

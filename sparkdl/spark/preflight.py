@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import torch
+from pyspark.sql import functions as F
 
 from sparkdl.config import UseGpu
+from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
+from sparkdl.errors import ModelMismatchError
 from sparkdl.spark.cluster import is_connect
 from sparkdl.training.trial import PreflightReport, preflight
 
@@ -78,6 +81,53 @@ def check_model(
         gc.collect()
     log.info("%s", report.summary())
     return report
+
+
+def label_range(df: Any, plan: DataPlan) -> tuple[float, float] | None:
+    """The smallest and largest class id over every row of ``df``: one aggregate over the
+    label column alone (columnar sources read nothing else). None when the labels are not
+    class ids in a numeric column of ``df`` (a regression, or labels ``transform_fn`` makes)."""
+    label = plan.label
+    if label is None or plan.label_kind is not LabelKind.CLASS_INDEX or plan.transform_fn is not None:
+        return None
+    field = df.select(label.name).schema.fields[0]
+    if field.dataType.typeName() not in ("byte", "short", "integer", "long", "float", "double", "boolean"):
+        return None
+    column = F.col(label.name).cast("double")
+    sc = None if is_connect(df.sparkSession) else df.sparkSession.sparkContext
+    previous = sc.getLocalProperty("spark.job.description") if sc is not None else None
+    if sc is not None:
+        sc.setJobDescription("sparkdl fit: preflight, the label column's range")
+    try:
+        row = df.agg(F.min(column), F.max(column)).collect()[0]
+    finally:
+        if sc is not None:
+            sc.setJobDescription(previous)
+    return None if row[0] is None else (float(row[0]), float(row[1]))
+
+
+def check_label_range(found: tuple[float, float] | None, report: PreflightReport | None, column: str) -> None:
+    """Refuse class ids the model has no output for, from ``found`` (:func:`label_range`)
+    and the model's output width (``report``), before any worker starts.
+
+    Raises:
+        ModelMismatchError: the largest label is >= the model's outputs, or a label is negative.
+    """
+    if found is None or report is None or report.skipped or len(report.output_shape) != 1:
+        return
+    smallest, largest = found
+    classes = report.output_shape[0]
+    if largest >= classes:
+        raise ModelMismatchError(
+            f"the label column {column!r} holds class ids up to {largest:g} (over every row), but the "
+            f"model outputs {classes} scores per row (classes 0..{classes - 1}); make its last layer "
+            f"output {int(largest) + 1} values, or re-index the labels from 0"
+        )
+    if smallest < 0:
+        raise ModelMismatchError(
+            f"the label column {column!r} holds a negative class id ({smallest:g}); cross_entropy needs "
+            f"class ids 0..{classes - 1}: re-index the labels from 0"
+        )
 
 
 def sample_batch(df: Any, plan: DataPlan, rows: int = PREFLIGHT_ROWS) -> Batch | None:

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,11 +223,48 @@ def _loss_and_backward(
             f"loss {name} does not depend on the model's trainable parameters (it has no gradient); "
             "forward must not detach its output or end in argmax, round or .item()"
         )
+    _refuse_broadcast(loss_fn, name, output, sample, value)
     try:
         value.backward()
     except Exception as exc:
         raise _Unrecognised(f"backward failed: {_error_text(exc)} (loss {name} on {shapes})") from exc
     return value
+
+
+def _refuse_broadcast(
+    loss_fn: LossFn, name: str, output: torch.Tensor, sample: Sample, value: torch.Tensor
+) -> None:
+    """An output of (N, 1) against a label of (N,) (or the other way round) broadcasts to
+    (N, N) in ``output - target``: the loss is then of every output against every label,
+    silently. The named losses view the label like the output; a callable must give the
+    same value when handed the label so viewed, or it broadcast."""
+    y = sample.y
+    if y.shape == output.shape or y.numel() != output.numel() or len(sample.batch) < 2:
+        return
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own broadcasting warning: we say it better
+            viewed = loss_fn(output, y.view_as(output), sample.batch.weight)
+    except Exception:
+        return  # it does not take the label in the output's shape: it reshapes it itself
+    if (
+        isinstance(viewed, torch.Tensor)
+        and viewed.numel() == 1
+        and torch.isclose(
+            viewed.detach().float(), value.detach().float(), rtol=1e-4, atol=1e-6, equal_nan=True
+        )
+    ):
+        return
+    try:
+        broadcast = f"it broadcasts them to {tuple(torch.broadcast_shapes(output.shape, y.shape))}"
+    except RuntimeError:
+        broadcast = "it pairs them differently"
+    raise ModelMismatchError(
+        f"loss {name} gives a different value for the model's output {describe(output)} and "
+        f"the target {describe(y)} from {sample.label} than for the same target shaped like the "
+        f"output: {broadcast}, so outputs are compared with other rows' labels; in the loss, view "
+        "the target like the output (target.view_as(output)), or squeeze the model's last dimension"
+    )
 
 
 # --------------------------------------------------------------------------- the model's layers

@@ -14,6 +14,7 @@ from sparkdl import (
     BadDataError,
     ClusterConfigError,
     ConfigError,
+    ModelMismatchError,
     SchemaError,
     TorchEstimator,
     TorchModel,
@@ -229,14 +230,25 @@ def test_nulls_in_a_feature_fail_with_column_and_count(spark):
     assert raised.value.rank in (0, 1) and raised.value.agreed_by_all_ranks
 
 
-def test_more_workers_than_slots_fails_in_seconds_with_the_fix(spark):
+def test_more_workers_than_local_slots_fails_at_once_with_the_fix(spark):
     shards = make_shards([10, 10])
     started = time.monotonic()
     with pytest.raises(
-        ClusterConfigError, match=r"num_workers = 3 but .* only 2 free task slot.*Lower num_workers to 2"
+        ClusterConfigError,
+        match=r"num_workers = 3 but local mode .* only 2 free task slot.*Lower num_workers to 2",
     ):
-        estimator(num_workers=3, executor_wait_timeout_s=1.0).fit(shards_dataframe(spark, shards))
-    assert time.monotonic() - started < 15
+        estimator(num_workers=3, executor_wait_timeout_s=60.0).fit(shards_dataframe(spark, shards))
+    assert time.monotonic() - started < 15  # local mode's slots are fixed: no waiting for more
+
+
+def test_a_model_with_too_few_outputs_for_a_later_rows_label_fails_before_training(spark):
+    shards = make_shards([24, 24])
+    x, y = shards[1]
+    shards[1] = (x, np.full_like(y, 5))  # rank 1's rows (after the preflight's first 8): class 5
+    started = time.monotonic()
+    with pytest.raises(ModelMismatchError, match=r"holds class ids up to 5 .* make its last layer output 6"):
+        estimator(model_fn=make_tiny_net).fit(shards_dataframe(spark, shards))
+    assert time.monotonic() - started < 30  # no worker started: the cold one failed after 30 s
 
 
 def test_an_empty_dataframe_fails_with_a_clear_error(spark):

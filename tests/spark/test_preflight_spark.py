@@ -20,7 +20,7 @@ from sparkdl.data.columns import LabelKind
 from sparkdl.errors import ModelMismatchError
 from sparkdl.spark.driver import plan_inputs
 from sparkdl.spark.environment import check_executor_environment, environment_job_group
-from sparkdl.spark.preflight import check_model, sample_batch
+from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.worker.assembly import TrainSpec
 from tests.spark.processes import ROOT, spark_env, wait_for
 
@@ -157,3 +157,27 @@ def test_executors_without_sparkdl_fail_the_check_once_naming_pyspark_python(tmp
     # One job, one stage attempt, one task that succeeded: the import errors came back as
     # data, so Spark had nothing to retry.
     assert result["jobs"] == ["SUCCEEDED"] and result["stages"] == [[1, 1, 0, 0]]
+
+
+def test_class_ids_the_first_rows_hide_fail_before_training_from_one_aggregate(spark):
+    # The first 8 rows hold labels 0..4, which a 5-output model fits; a later row holds 7.
+    rows = [([float(i), 1.0], i % 5) for i in range(40)] + [([0.5, 0.5], 7)]
+    df = spark.createDataFrame(rows, "features array<float>, label long").coalesce(1)
+    config = SparkDLConfig().replace(feature_cols=("features",), label_col="label")
+    plan = plan_inputs(df, config.data, LabelKind.CLASS_INDEX)
+    spec = TrainSpec(config, lambda: nn.Linear(2, 5), None, "cross_entropy", plan)
+    sample = sample_batch(df, plan)
+    assert sample is not None and int(sample.label.max()) == 4  # the first rows fit
+    report = check_model(df, spec, sample)
+
+    found = label_range(df, plan)
+    assert found == (0.0, 7.0)
+    with pytest.raises(ModelMismatchError) as caught:
+        check_label_range(found, report, "label")
+    assert str(caught.value) == (
+        "the label column 'label' holds class ids up to 7 (over every row), but the model outputs 5 "
+        "scores per row (classes 0..4); make its last layer output 8 values, or re-index the labels from 0"
+    )
+    check_label_range(label_range(df.filter("label < 5"), plan), report, "label")  # they fit
+    regression = plan_inputs(df, config.data, LabelKind.REAL)
+    assert label_range(df, regression) is None  # any value is a label: nothing to count

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -70,8 +72,22 @@ def test_slot_check_fails_at_its_deadline_with_the_fix():
         ClusterConfigError,
         match=r"num_workers = 3 .* only 2 free task slot.*after waiting 5s.*Lower num_workers to 2",
     ):
-        wait_for_slots(lambda: 2, 3, 5, "local[2]", clock, clock.sleep)
+        wait_for_slots(lambda: 2, 3, 5, "spark://x", clock, clock.sleep)
     assert clock.now == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("master", ["local[2]", "local", "local[*]", "local[2,3]"])
+def test_local_mode_fails_at_once_its_slots_never_grow(master):
+    clock = FakeClock()
+    with pytest.raises(
+        ClusterConfigError,
+        match=rf"num_workers = 3 but local mode \({re.escape(master)}\) has only 2 free task slot\(s\), and "
+        r"its slots never grow; .* Lower num_workers to 2, or start the session with local\[3\]",
+    ):
+        wait_for_slots(lambda: 2, 3, 30, master, clock, clock.sleep)
+    assert clock.now == 0.0  # no wait at all
+    answers = iter([0, 4])  # local-cluster's executors register over time: it waits
+    assert wait_for_slots(lambda: next(answers), 3, 30, "local-cluster[2,2,1024]", clock, clock.sleep) == 4
 
 
 def test_spark_durations_parse():

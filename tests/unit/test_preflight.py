@@ -141,6 +141,28 @@ def test_class_labels_beyond_the_model_outputs_are_left_to_the_training_loop():
     assert report.output_shape == (2,) and not report.skipped
 
 
+def mse_broadcasting(output, target, weight=None):
+    """A hand-written regression loss: (N, 1) - (N,) is (N, N), every output against every label."""
+    return ((output - target) ** 2).mean()
+
+
+def mse_viewed(output, target, weight=None):
+    return ((output - target.view_as(output)) ** 2).mean()
+
+
+def test_a_callable_loss_that_broadcasts_a_one_column_output_against_the_label_is_refused():
+    message = mismatch(lambda: nn.Linear(6, 1), mse_broadcasting, batch())
+    assert message.startswith(
+        "loss mse_broadcasting gives a different value for the model's output (8, 1) float32 and the "
+        "target (8,) float32 from the label column 'y' than for the same target shaped like the output: "
+        "it broadcasts them to (8, 8)"
+    ), message
+    assert "view the target like the output (target.view_as(output))" in message
+    # the same model with a loss that views the target, or the named loss (which views it itself)
+    assert preflight(lambda: nn.Linear(6, 1), None, mse_viewed, batch(), FEATURES, LABEL).output_shape == (1,)
+    assert preflight(lambda: nn.Linear(6, 1), None, "mse", batch(), FEATURES, LABEL).output_shape == (1,)
+
+
 def test_a_model_returning_a_tuple_is_told_to_return_one_tensor():
     class TwoHeads(nn.Module):
         def __init__(self) -> None:

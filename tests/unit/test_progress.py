@@ -53,6 +53,22 @@ def board(**kwargs):
     return ProgressBoard(2, 3, bar_factory=factory, **kwargs), bars
 
 
+def test_without_a_terminal_each_epoch_is_one_line_written_when_it_ends(capsys):
+    b = ProgressBoard(2, 2)  # capsys: stderr is no terminal, and no notebook kernel runs
+    for steps in (1, 2, 3):
+        for rank in (0, 1):
+            b.update(Report(rank, 1, 0, steps, total_steps=-1, samples=10 * steps, loss_sum=5.0, seconds=1.0))
+    assert capsys.readouterr().err == ""  # nothing while the epoch runs
+    b.update(Report(0, 2, 0, steps=1, total_steps=3, samples=10, loss_sum=1.0, seconds=1.0))
+    (line,) = capsys.readouterr().err.splitlines()  # epoch 1 ended when epoch 2 began
+    assert line.startswith("epoch 1/2: 3 steps, ") and line.endswith(", loss=0.1667, samples_s=60"), line
+    b.update(Report(0, 2, 0, steps=3, total_steps=3, samples=30, loss_sum=3.0, seconds=1.0))
+    b.update(Report(1, 2, 0, steps=3, total_steps=3, samples=30, loss_sum=3.0, seconds=1.0))
+    b.close()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("epoch 2/2: 3/3 steps, ") and line.endswith(", loss=0.1000, samples_s=60"), line
+
+
 def test_the_bar_shows_the_loss_over_every_row_and_the_samples_per_second_of_the_job():
     b, bars = board()
     b.update(Report(0, 1, 0, steps=4, total_steps=-1, samples=40, loss_sum=20.0, seconds=2.0))

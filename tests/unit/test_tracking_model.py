@@ -1,13 +1,19 @@
-"""MLflow logs a model that does not export as pt2 without pickling it, unless asked."""
+"""MLflow: a model that does not export as pt2 is logged without pickling it unless asked, a store
+MLflow refuses fails before training, and a failure while logging keeps the trained model."""
 
 from __future__ import annotations
+
+import logging
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
 from sparkdl.ml.estimator import TorchModel
-from sparkdl.ml.tracking import _log_model
+from sparkdl.ml.tracking import _log_model, check_tracking, log_fit
 
 
 class DataDependent(nn.Module):
@@ -46,3 +52,49 @@ def test_a_model_that_does_not_export_is_logged_pickled_only_when_asked(tmp_path
         local = client.download_artifacts(run.info.run_id, "model_weights/weights.pt", str(tmp_path))
         state = torch.load(local, weights_only=True)
         assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
+
+
+def test_a_file_store_mlflow_refuses_fails_before_training_naming_the_uri_and_the_fix(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        check_tracking(SparkDLConfig())
+    message = str(refused.value)
+    assert f"tracking URI {uri!r}" in message
+    assert "set the environment variable MLFLOW_ALLOW_FILE_STORE=true" in message
+    assert "or set mlflow = false" in message
+    check_tracking(SparkDLConfig().replace(mlflow=False))  # not logging: nothing to check
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking(SparkDLConfig())  # the same store, opted in
+    assert mlflow.MlflowClient().search_experiments(max_results=1)  # it opened the real store
+
+
+def test_a_database_store_without_the_full_mlflow_package_says_which_package(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        mlflow.MlflowClient().search_experiments(max_results=1)
+    except Exception:
+        with pytest.raises(ConfigError, match=r"a sqlite: store needs the full MLflow package \(pip install"):
+            check_tracking(SparkDLConfig())
+    else:  # the full package is installed: sqlite works, and so does the check
+        check_tracking(SparkDLConfig())
+
+
+def test_a_failure_while_logging_a_trained_model_warns_and_keeps_it(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking(SparkDLConfig())  # passed before training ...
+    store = tmp_path / "mlruns"
+    shutil.rmtree(store)
+    store.write_text("a file where the store's directory was")  # ... and is broken after it
+    model = TorchModel(module=nn.Linear(4, 3), model_fn=lambda: nn.Linear(4, 3))
+    with caplog.at_level(logging.WARNING, logger="sparkdl.ml.tracking"):
+        assert log_fit(SparkDLConfig(), model, fit_seconds=1.0) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sparkdl.ml.tracking"]
+    assert f"the fit was trained but logging it to {uri} failed (" in warning
+    assert "save it with model.save(path)" in warning

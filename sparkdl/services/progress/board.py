@@ -4,13 +4,16 @@ Pure: no sockets. Each worker reports its own figures for the running epoch (ste
 done, rows, loss sum, seconds); the board adds them up across workers, so the bar
 shows the loss over every row trained so far in the epoch and the samples/s of the
 whole job. Bars come from ``tqdm.auto``: a text bar in a terminal, a widget in
-Jupyter or Databricks when ipywidgets is installed.
+Jupyter or Databricks when ipywidgets is installed. Where nothing redraws a line (a log
+file, spark-submit's captured output, CI), each epoch is one line, written when it ends.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +49,7 @@ class ProgressBoard:
         self.num_workers = num_workers
         self.epochs = epochs
         self.show = show
-        self._bar_factory = bar_factory or _tqdm_bar
+        self._bar_factory = bar_factory or (_tqdm_bar if _redraws() else _LineBar)
         self._lock = threading.Lock()
         self._reports: dict[int, dict[int, Report]] = {}  # epoch -> rank -> latest
         self._bar: Any = None
@@ -116,3 +119,36 @@ def _tqdm_bar(title: str) -> Any:
     return tqdm(
         total=None, desc=title, unit="step", dynamic_ncols=True, leave=True, bar_format=_UNKNOWN_LENGTH
     )
+
+
+def _redraws() -> bool:
+    """Whether a bar can be redrawn in place: a terminal, or a notebook's widget."""
+    if bool(getattr(sys.stderr, "isatty", lambda: False)()):
+        return True
+    ipython = sys.modules.get("IPython")  # a kernel running this process: as tqdm.auto decides
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+class _LineBar:
+    """A bar for output nothing redraws: one line per epoch, when it closes, with the
+    figures the bar last showed (the attributes are tqdm's, as :class:`ProgressBoard` sets them)."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.total: int | None = None
+        self.bar_format = _UNKNOWN_LENGTH
+        self.n = 0
+        self._postfix: dict[str, str] = {}
+        self._started = time.monotonic()
+
+    def set_postfix(self, refresh: bool = True, **postfix: str) -> None:
+        self._postfix = postfix
+
+    def refresh(self) -> None:
+        """Nothing: the line is written once, at :meth:`close`."""
+
+    def close(self) -> None:
+        steps = f"{self.n}/{self.total} steps" if self.total else f"{self.n} steps"
+        figures = "".join(f", {name}={value}" for name, value in self._postfix.items())
+        print(f"{self.title}: {steps}, {time.monotonic() - self._started:.1f}s{figures}", file=sys.stderr)
