@@ -236,8 +236,11 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
     started = time.perf_counter()
     model = inputs.estimator.fit(inputs.train_df)
     fit_seconds = time.perf_counter() - started
+    # the progress lines already showed each epoch: then these go to the debug log only
+    level = logging.DEBUG if config.sparkdl.runtime.progress else logging.INFO
     for record in model.history:
-        log.info(
+        log.log(
+            level,
             "epoch %d: loss %.4f, %d samples, %.0f samples/s (%s)",
             record["epoch"],
             record["loss"],

@@ -2,8 +2,10 @@
 
 An executor whose interpreter lacks sparkdl or torch fails every training task with an
 import error, and Spark re-runs the stage several times before giving up. One tiny
-non-barrier task asks an executor which interpreter it runs and whether torch and sparkdl
-import there; a mismatch with the driver is reported once, naming ``PYSPARK_PYTHON``.
+non-barrier task per worker asks an executor which interpreter it runs and whether torch
+and sparkdl import there; a mismatch with the driver is reported once, naming
+``PYSPARK_PYTHON``. On a fresh session those tasks also start the Python workers the
+training stage runs in, and import what it imports there, while the driver checks the model.
 
 The function shipped to the executor uses the standard library only and travels by value
 (its code, not a reference to this module), so it runs where sparkdl cannot be imported;
@@ -19,7 +21,7 @@ import logging
 import re
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +99,12 @@ def _interpreter_facts() -> str:
     return json.dumps(facts)
 
 
-def _probe_partition(_rows: Iterable[Any]) -> Iterator[str]:
-    """The check's task: the facts of its interpreter. A plain RDD task, not Arrow: it must
-    answer where pyarrow is missing too."""
-    yield _interpreter_facts()
+def _probe_row(_row: Any) -> str:
+    """The check's task, one row per worker: the facts of its interpreter. A SQL Python UDF
+    (pickled rows, not Arrow: it must answer where pyarrow is missing too), so that it
+    starts the Python workers of SQL stages, which the training stage (``mapInArrow``)
+    then reuses; an RDD task would start another pool of workers, which it never uses."""
+    return _interpreter_facts()
 
 
 def _by_value(fn: Callable[..., Any], **shipped: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,7 +119,7 @@ def _by_value(fn: Callable[..., Any], **shipped: Callable[..., Any]) -> Callable
     return clone
 
 
-SHIPPED_PROBE = _by_value(_probe_partition, _interpreter_facts=_by_value(_interpreter_facts))
+SHIPPED_PROBE = _by_value(_probe_row, _interpreter_facts=_by_value(_interpreter_facts))
 
 
 def driver_interpreter() -> Interpreter:
@@ -186,7 +190,7 @@ def check_executor_environment(spark: Any, timeout_s: float, workers: int = 1) -
         if sc.applicationId in _passed:
             return _passed[sc.applicationId]
         driver = driver_interpreter()
-        executor = _run_probe(sc, timeout_s, driver, workers)
+        executor = _run_probe(spark, timeout_s, driver, workers)
         if executor is None:
             return None
         problems = environment_problems(driver, executor)
@@ -198,9 +202,13 @@ def check_executor_environment(spark: Any, timeout_s: float, workers: int = 1) -
         return executor
 
 
-def _run_probe(sc: Any, timeout_s: float, driver: Interpreter, tasks: int = 1) -> Interpreter | None:
+def _run_probe(spark: Any, timeout_s: float, driver: Interpreter, tasks: int = 1) -> Interpreter | None:
     """The executor's answer; None when none came within ``timeout_s`` (job cancelled)."""
     from pyspark import InheritableThread
+    from pyspark.sql.functions import udf
+
+    sc = spark.sparkContext
+    probe = udf(SHIPPED_PROBE, "string", useArrow=False)
 
     group = environment_job_group(sc)
     outcome: dict[str, Any] = {}
@@ -209,7 +217,8 @@ def _run_probe(sc: Any, timeout_s: float, driver: Interpreter, tasks: int = 1) -
         try:
             sc.setJobGroup(group, "sparkdl fit: check the executors' Python", interruptOnCancel=True)
             sc.setLocalProperty("callSite.short", "sparkdl environment check")  # the stage's name
-            outcome["rows"] = sc.parallelize(range(tasks), tasks).mapPartitions(SHIPPED_PROBE).collect()
+            rows = spark.range(tasks, numPartitions=tasks).select(probe("id")).collect()
+            outcome["rows"] = [row[0] for row in rows]
         except Exception as exc:  # handed to the caller's thread below
             outcome["error"] = exc
 

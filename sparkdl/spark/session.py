@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -54,7 +55,8 @@ def build_session(
     """
     from pyspark.sql import SparkSession
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if not os.environ.get("PYSPARK_PYTHON"):  # unset, or set to nothing
+        os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
@@ -76,8 +78,8 @@ def session(
     executors on this interpreter (``PYSPARK_PYTHON``), plus more Spark settings by their
     full names (``**{"spark.driver.memory": "4g"}``).
 
-    The session starts warming up at once, in the background (:func:`warm_up`), so that
-    the first fit starts about as fast as the later ones.
+    Where the machine has cores to spare, the session starts warming up at once, in the
+    background (:func:`warm_up`), so that the first fit starts about as fast as the later ones.
 
     Example::
 
@@ -101,30 +103,76 @@ def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
     yield from batches
 
 
-def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread:
-    """Do, in the background, what a fresh session's first fit would otherwise wait for.
+#: The job group of the warm-up's Arrow stage (the check has its own), cancelled at exit.
+WARM_UP_GROUP = "sparkdl-warm-up"
+_STOP_WAIT_S = 30.0
 
-    On a fresh session the first fit paid about 5 s before training (measured in
-    ``benchmarks/bench_first_fit.py``): the executors' Python check, which starts the
-    Python worker daemon (torch imported) and the workers; the JVM's first Arrow stage
-    (about 2.5 s); and on the driver the first optimizer (torch imports its compiler
-    stack then). Started when the
-    session is built, this overlaps with the caller's own work (reading data); a fit that
-    starts sooner waits for the check already under way instead of running its own.
-    A failure here is left for the fit's own check to report.
+
+def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread | None:
+    """Do, in the background, what a fresh session's first fit would otherwise wait for,
+    where the machine has cores to spare for it (:func:`has_spare_cores`); else nothing.
+
+    A fresh session's first fit pays for the executors' Python check, which starts the
+    Python workers of SQL stages and imports torch and sparkdl there; the JVM's first Arrow
+    stage; and on the driver the first optimizer (torch imports its compiler stack then).
+    Started when the session is built, this overlaps with the caller's own work (reading
+    data); a fit that starts sooner waits for the check already under way instead of
+    running its own. On a machine without spare cores the same work competes with the
+    caller's instead: measured on 2 cores (``benchmarks/bench_first_fit.py``), the warm-up
+    made the user's first ``count`` 3.3x slower and the first model no sooner, so it is
+    skipped there (the fit's own check then warms the workers it trains in). A failure
+    here is left for the fit's own check to report. An interpreter that exits while the
+    warm-up runs waits for it (at most 30 s), so that no task is killed under Spark.
+
+    Returns:
+        the warm-up's thread, or None when it was skipped.
     """
-    from sparkdl.spark.environment import check_executor_environment
+    from sparkdl.spark.environment import check_executor_environment, environment_job_group
+
+    sc = spark.sparkContext
+    if not has_spare_cores(sc.master, int(sc.defaultParallelism)):
+        log.debug("no warm-up: %s leaves no core of this machine to spare", sc.master)
+        return None
 
     def run() -> None:
         try:
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-            workers = max(int(spark.sparkContext.defaultParallelism), 1)
+            workers = max(int(sc.defaultParallelism), 1)
             wait_s = max(config.runtime.executor_wait_timeout_s, 60.0)
             if check_executor_environment(spark, wait_s, workers) is not None:  # sparkdl runs there
+                sc.setJobGroup(
+                    WARM_UP_GROUP, "sparkdl: warm up the JVM's Arrow stages", interruptOnCancel=True
+                )
                 spark.range(workers, numPartitions=workers).mapInArrow(_pass_through, "id long").collect()
         except Exception as exc:  # the fit checks again and reports it
             log.debug("warm-up of the new session failed: %s", exc)
 
     thread = threading.Thread(target=run, name="sparkdl-warm-up", daemon=True)
     thread.start()
+
+    def stop() -> None:  # registered after PySpark's own exit hook, so it runs before it
+        # Let it finish (seconds): a cancelled task reports to the driver after its job
+        # ended, when the interpreter may be gone, and Spark logs that as an error.
+        thread.join(_STOP_WAIT_S)
+        if thread.is_alive():  # an executor that does not answer: cancel, and go
+            for group in (environment_job_group(sc), WARM_UP_GROUP):
+                sc.cancelJobGroup(group)
+
+    atexit.register(stop)
     return thread
+
+
+def has_spare_cores(master: str, slots: int, cores: int | None = None) -> bool:
+    """Whether warming up leaves the caller's own work its CPUs: a cluster's executors run
+    on other machines; local mode (and ``local-cluster``) shares this one, where warming up
+    pays only with a core beyond the executors' slots and one for the driver.
+
+    Args:
+        master: the Spark master URL; slots: its task slots (``defaultParallelism``);
+        cores: this machine's usable cores (default: the process's CPU affinity).
+    """
+    if not master.startswith("local"):
+        return True
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= slots + 2

@@ -9,6 +9,7 @@ import enum
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from sparkdl.config import DrillKind, FaultDrillSpec, OnError
 from sparkdl.data.tensors import Batch, call_model
@@ -211,7 +211,7 @@ def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
         total = largest_abs(local, device)
     else:
         total = torch.stack([g.float().sum() for g in local]).sum().to(torch.float64)
-    mesh = next((g.device_mesh for g in grads if isinstance(g, DTensor)), None)
+    mesh = next((g.device_mesh for g in grads if _is_dtensor(g)), None)
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
     return total
@@ -231,7 +231,14 @@ def largest_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tens
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (its shard, for a DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing DTensor's module (0.4 s of every
+    worker's start): no tensor can be one before something else imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def grads_finite(module: nn.Module) -> bool:

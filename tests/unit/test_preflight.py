@@ -316,7 +316,7 @@ def test_the_shipped_probe_runs_where_sparkdl_cannot_be_imported():
 
     code = (
         "import pickle, sys; sys.modules['sparkdl'] = None; "
-        "probe = pickle.loads(sys.stdin.buffer.read()); print(next(probe(iter([0]))))"
+        "probe = pickle.loads(sys.stdin.buffer.read()); print(probe(0))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
