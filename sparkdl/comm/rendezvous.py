@@ -2,14 +2,15 @@
 
 Rank 0 binds a listening socket on its own host with port 0 (the OS picks a free
 port; no "find a free port, close it, rebind" race) and hands that socket to a
-``TCPStore``. It publishes ``host:port`` through the barrier's ``allGather``; the
-other ranks connect to it. Every wait has a deadline.
+``TCPStore``. It publishes ``host:port`` through an all-gather; the other ranks
+connect to it. Every wait has a deadline.
 
-The barrier's ``allGather`` is called exactly once per worker: Spark answers it by
-polling every second (measured: 1.0 s per call, whatever the payload), so everything
-the ranks must tell each other before the process group exists travels in that one
-call (the store's address, and each task's attempt id, which names the stage attempt);
-anything later goes over the process group.
+The all-gather is called exactly once per worker, and everything the ranks must tell
+each other before the process group exists travels in that one call (the store's
+address, and each task's attempt id, which names the stage attempt); anything later
+goes over the process group. It is the driver's meeting point
+(:mod:`sparkdl.comm.meeting_point`), or Spark's barrier ``allGather``, which answers by
+polling every second (measured: 1.0 s per call, whatever the payload).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ behind the tasks, so a claim is re-checked for up to ``wait_s`` before it is ref
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_FAST_POLL_S = 0.05
+_SETTLED_POLL_S = 0.25
+_JOIN_S = 5.0
 _MAX_TASKS = 1 << 20
 
 
@@ -45,9 +49,15 @@ def attempt_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int], b
 
 def running_attempts(sc: Any, group: str) -> set[int]:
     """The names (smallest task id) of the newest attempt of each stage of ``group``'s jobs."""
+    return set(newest_attempts(sc, group))
+
+
+def newest_attempts(sc: Any, group: str) -> dict[int, list[int]]:
+    """The task ids of the newest attempt of each stage of ``group``'s jobs that has
+    started tasks, by the attempt's name (its smallest task id)."""
     tracker = sc.statusTracker()
     store = sc._jsc.sc().statusStore()
-    names: set[int] = set()
+    attempts: dict[int, list[int]] = {}
     for job in tracker.getJobIdsForGroup(group):
         info = tracker.getJobInfo(job)
         for stage in info.stageIds if info is not None else ():
@@ -57,5 +67,47 @@ def running_attempts(sc: Any, group: str) -> set[int]:
             tasks = store.taskList(stage, stage_info.currentAttemptId, _MAX_TASKS)
             ids = [tasks.apply(i).taskId() for i in range(tasks.size())]
             if ids:
-                names.add(min(ids))
-    return names
+                attempts[min(ids)] = ids
+    return attempts
+
+
+class AttemptPublisher:
+    """Tells a fit's workers, through the driver's meeting point, which stage attempt each
+    of their tasks belongs to: a task cannot see its stage attempt (PySpark's TaskContext
+    has no such field, and a re-run stage's tasks start again at attempt number 0), and
+    ranks that met under the wrong attempt would join a process group that no longer exists.
+
+    A thread reads the attempts from Spark's status store (:func:`newest_attempts`) and
+    publishes each new task's attempt name: every 50 ms while tasks are still coming,
+    every 250 ms once a look found none new (a re-run's tasks wait that much longer).
+
+    Args:
+        sc: the SparkContext; group: the fit's job group.
+        publish: ``(task_id, attempt_name) -> None``, the meeting point's.
+    """
+
+    def __init__(self, sc: Any, group: str, publish: Callable[[int, int], None]) -> None:
+        self._sc, self._group, self._publish = sc, group, publish
+        self._published: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sparkdl-attempts", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            settled = False  # no attempt yet, or tasks still coming
+            try:
+                attempts = newest_attempts(self._sc, self._group)
+                new = [(task, name) for name, ids in attempts.items() for task in ids]
+                new = [(task, name) for task, name in new if task not in self._published]
+                for task, name in new:
+                    self._publish(task, name)
+                    self._published.add(task)
+                settled = bool(attempts) and not new
+            except Exception as exc:  # the context is stopping, or the status store changed shape
+                log.debug("cannot read the stage attempts from Spark's status store: %s", exc)
+            self._stop.wait(_SETTLED_POLL_S if settled else _FAST_POLL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(_JOIN_S)

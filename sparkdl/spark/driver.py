@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from sparkdl.comm.meeting_point import MeetingPointServer
 from sparkdl.config import DataConfig, SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
@@ -29,7 +30,7 @@ from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledE
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressServer
 from sparkdl.services.weights.server import weight_server
-from sparkdl.spark.attempts import attempt_gate
+from sparkdl.spark.attempts import AttemptPublisher, attempt_gate
 from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
 from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
@@ -158,7 +159,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     spec = dataclasses.replace(
         spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
     )
-    hosted = progress = inbox = None
+    hosted = progress = inbox = meeting = attempts = None
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     if config.training.strategy is Strategy.PARAMETER_SERVER:
@@ -167,7 +168,9 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     try:
         if not is_connect(spark):
             inbox = weight_server(driver_host(spark), config.runtime.encrypt).expect_upload()
-            spec = dataclasses.replace(spec, weights=inbox.endpoint)
+            meeting = MeetingPointServer(driver_host(spark), config.runtime.collective_timeout_s)
+            attempts = AttemptPublisher(spark.sparkContext, group, meeting.publish)
+            spec = dataclasses.replace(spec, weights=inbox.endpoint, meeting=meeting.endpoint)
         progress = start_progress_channel(spark, config, attempt_started)
         if progress is not None:
             spec = dataclasses.replace(spec, progress=progress.endpoint())
@@ -194,6 +197,10 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             result.state_dict.update(hosted.parameter_state())
         return result
     finally:
+        if attempts is not None:
+            attempts.close()
+        if meeting is not None:
+            meeting.close()
         if inbox is not None:
             inbox.close()
         if progress is not None:

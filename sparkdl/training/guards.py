@@ -13,10 +13,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from sparkdl.config import DrillKind, FaultDrillSpec, OnError
 from sparkdl.data.tensors import Batch, call_model
@@ -234,7 +238,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor, without importing DTensor's module (0.4 s of every
     worker's start): no tensor can be one before something else imported it."""
     module = sys.modules.get("torch.distributed.tensor")

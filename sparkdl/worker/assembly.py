@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
+from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
 from sparkdl.config import OnError, SparkDLConfig
@@ -93,6 +94,7 @@ class TrainSpec:
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
     weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
+    meeting: MeetingPoint | None = None  # the driver's store the ranks gather at (else: Spark's allGather)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""The driver's meeting point: ranks gather through a real TCPStore on loopback, under the
+stage attempt the driver published for their tasks, and refuse what the fit did not sign."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sparkdl.comm.meeting_point import MeetingPointServer, gather_at
+from sparkdl.errors import RendezvousError, RendezvousTimeout
+
+HOST = "127.0.0.1"
+
+
+def meet(server: MeetingPointServer, tasks: list[int], messages: list[str], timeout_s: float = 20.0):
+    """Every rank's gather, each in its own thread, as the tasks of one attempt run."""
+    world = len(tasks)
+    with ThreadPoolExecutor(world) as pool:
+        futures = [
+            pool.submit(gather_at(server.endpoint, task, rank, world, timeout_s), messages[rank])
+            for rank, task in enumerate(tasks)
+        ]
+        return [f.result(timeout=timeout_s + 10) for f in futures]
+
+
+def test_every_rank_gets_every_ranks_message_in_rank_order():
+    with MeetingPointServer(HOST, 30.0) as server:
+        for task in (10, 11, 12):
+            server.publish(task, 10)
+        answers = meet(server, [12, 10, 11], ['{"r": 0}', '{"r": 1}', '{"r": 2}'])
+    assert answers == [['{"r": 0}', '{"r": 1}', '{"r": 2}']] * 3
+
+
+def test_a_re_run_attempt_never_reads_the_failed_attempts_messages():
+    with MeetingPointServer(HOST, 30.0) as server:
+        server.publish(0, 0)
+        server.publish(1, 0)
+        # attempt 0: rank 0 put its message, rank 1 died before it met (its wait times out)
+        with pytest.raises(RendezvousTimeout):
+            gather_at(server.endpoint, 0, 0, 2, 1.0)("attempt 0, rank 0")
+        server.publish(2, 2)  # the re-run's tasks, published as the driver sees them start
+        server.publish(3, 2)
+        answers = meet(server, [2, 3], ["attempt 1, rank 0", "attempt 1, rank 1"])
+    assert answers == [["attempt 1, rank 0", "attempt 1, rank 1"]] * 2
+
+
+def test_a_task_waits_for_the_driver_to_publish_its_attempt():
+    with MeetingPointServer(HOST, 30.0) as server:
+        timer = threading.Timer(0.5, lambda: (server.publish(5, 5), server.publish(6, 5)))
+        timer.start()
+        started = time.monotonic()
+        answers = meet(server, [5, 6], ["a", "b"])
+        timer.join()
+    assert answers == [["a", "b"]] * 2
+    assert time.monotonic() - started >= 0.5
+
+
+def test_a_message_the_fit_did_not_sign_is_refused_by_every_reader():
+    with MeetingPointServer(HOST, 30.0) as server:
+        server.publish(7, 7)
+        server.publish(8, 7)
+        point = server.endpoint
+        # anyone who reaches the driver reaches the store: put rank 1's message first
+        intruder = dist.TCPStore(point.host, point.port, None, is_master=False, timeout=timedelta(seconds=5))
+        forged = "0" * 64 + '{"host": "10.0.0.66", "port": 1}'
+        intruder.set("attempt-7/1", forged)
+        with pytest.raises(RendezvousError, match=r"the message of rank 1 .* is not signed by this fit"):
+            gather_at(point, 7, 0, 2, 5.0)('{"host": "127.0.0.1", "port": 2}')
+        # nor can it tell a task another attempt: the task key is signed too
+        intruder.set("task/9", "9")
+        with pytest.raises(RendezvousError, match=r"the message of rank 9 .* is not signed by this fit"):
+            gather_at(point, 9, 0, 1, 5.0)("x")
+
+
+def test_a_rank_that_never_comes_fails_the_others_within_the_bound_naming_the_setting():
+    with MeetingPointServer(HOST, 30.0) as server:
+        server.publish(1, 1)
+        server.publish(2, 1)
+        started = time.monotonic()
+        with pytest.raises(RendezvousTimeout) as raised:
+            gather_at(server.endpoint, 1, 0, 2, 1.0)("alone")
+        assert time.monotonic() - started < 10
+    assert raised.value.setting == "runtime.collective_timeout_s" and raised.value.limit_s == 1.0
+    assert "did not all meet at the driver's store 127.0.0.1:" in str(raised.value)
+
+
+def test_the_store_listens_on_the_drivers_address_only_and_its_endpoint_hides_the_secret():
+    with MeetingPointServer(HOST, 30.0) as server:
+        assert server.endpoint.host == HOST and server.endpoint.secret not in repr(server.endpoint).encode()
+        assert repr(server.endpoint) == f"MeetingPoint({HOST}:{server.endpoint.port})"
+        with pytest.raises(ConnectionRefusedError):  # bound to 127.0.0.1, not to every address
+            socket.create_connection(("127.0.0.2", server.endpoint.port), timeout=5).close()
+        socket.create_connection((HOST, server.endpoint.port), timeout=5).close()
