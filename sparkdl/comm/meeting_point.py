@@ -133,7 +133,10 @@ def _meet(
     read them: the attempt's name and the raw values (one connection, closed after)."""
     store = dist.TCPStore(point.host, point.port, None, is_master=False, timeout=timeout)
     store.wait([_task_key(task_id)], timeout)
-    stage = "attempt-" + _verified(point.secret, "task", task_id, store.get(_task_key(task_id)))
+    attempt = _verified(
+        point.secret, "task", task_id, store.get(_task_key(task_id)), f"task {task_id}'s attempt"
+    )
+    stage = f"attempt-{attempt}"
     keys = [f"{stage}/{r}" for r in range(world_size)]
     store.set(keys[rank], _signed(point.secret, stage, rank, message))
     store.wait(keys, timeout)
@@ -149,12 +152,12 @@ def _signed(secret: bytes, stage: str, rank: int, body: str) -> str:
     return _tag(secret, stage, rank, body.encode()) + body
 
 
-def _verified(secret: bytes, stage: str, rank: int, value: bytes) -> str:
+def _verified(secret: bytes, stage: str, rank: int, value: bytes, what: str = "") -> str:
     tag, body = value[:_TAG_CHARS], value[_TAG_CHARS:]
     if len(value) < _TAG_CHARS or not hmac.compare_digest(tag, _tag(secret, stage, rank, body).encode()):
         raise RendezvousError(
-            f"the message of rank {rank} at the driver's meeting point ({len(value)} bytes under key "
-            f"{stage}/{rank}) is not signed by this fit: another process on the network wrote it. "
+            f"{what or f'the message of rank {rank}'} at the driver's meeting point ({len(value)} bytes) "
+            "is not signed by this fit: another process on the network wrote it. "
             "The fit stops rather than trust it; keep the driver's ports reachable from the "
             "executors only"
         )

@@ -74,7 +74,10 @@ def test_a_message_the_fit_did_not_sign_is_refused_by_every_reader():
             gather_at(point, 7, 0, 2, 5.0)('{"host": "127.0.0.1", "port": 2}')
         # nor can it tell a task another attempt: the task key is signed too
         intruder.set("task/9", "9")
-        with pytest.raises(RendezvousError, match=r"the message of rank 9 .* is not signed by this fit"):
+        with pytest.raises(
+            RendezvousError,
+            match=r"^task 9's attempt at the driver's meeting point \(1 bytes\) is not signed by this fit",
+        ):
             gather_at(point, 9, 0, 1, 5.0)("x")
 
 
