@@ -6,8 +6,9 @@ Each session is a fresh Python process (a new driver, JVM and executors, as a ne
 notebook is): it builds a ``local[2]`` session, then runs
 ``--fits`` small fits (2,000 rows, 2 workers, 1 epoch, the benchmark MLP). Recorded per fit:
 its wall time. Four variants, interleaved: ``plain`` (``SparkSession.builder`` with
-``PYSPARK_PYTHON`` set, as a notebook's ``spark`` or spark-submit's session), ``sparkdl`` (``sparkdl.session``: the
-background warm-up, workers forked from sparkdl's daemon with torch imported),
+``PYSPARK_PYTHON`` set, as a notebook's ``spark`` or spark-submit's session),
+``sparkdl`` (``sparkdl.session``: workers forked from sparkdl's daemon with torch
+imported, and the background warm-up where the machine has cores to spare),
 ``no_warm_up`` (the same session without the warm-up) and ``pyspark_daemon`` (with the
 warm-up, but PySpark's own worker daemon). ``to_first_model_s`` adds the session and data
 preparation, which the warm-up overlaps with.

@@ -119,7 +119,7 @@ def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread | None:
     data); a fit that starts sooner waits for the check already under way instead of
     running its own. On a machine without spare cores the same work competes with the
     caller's instead: measured on 2 cores (``benchmarks/bench_first_fit.py``), the warm-up
-    made the user's first ``count`` 3.3x slower and the first model no sooner, so it is
+    made the user's first ``count`` 4.5x slower and the first model no sooner, so it is
     skipped there (the fit's own check then warms the workers it trains in). A failure
     here is left for the fit's own check to report. An interpreter that exits while the
     warm-up runs waits for it (at most 30 s), so that no task is killed under Spark.
