@@ -59,7 +59,8 @@ class RuntimeConfig:
         default="",
         metadata=about(
             "Network interface of the process group (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); "
-            '"" lets torch choose.',
+            '"" takes the one holding the address Spark gives the executor (unless the '
+            "environment names one), not the host name's, which often resolves to loopback.",
             valid='an interface name such as "eth0", or ""',
         ),
     )

@@ -121,8 +121,9 @@ class WorkerResult:
     state: bytes
     output_shape: tuple[int, ...]
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # one row of each input
-    # {"device": "cuda:0", "gpus": ["0"], "exchange": "nccl"}: exchange is the process group's
-    # backend, or "shared_memory" where the workers of one host exchange through it (see _exchange)
+    # {"device": "cuda:0", "gpus": ["0"], "exchange": "nccl", "host": "10.0.0.5"}: exchange is the
+    # process group's backend, or "shared_memory" where the workers of one host exchange through it
+    # (see _exchange); host is the executor's address, the one the process group binds
     device: dict[str, Any] = field(default_factory=dict)
 
 
@@ -136,7 +137,7 @@ def run_worker(
         held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
-        stack.enter_context(socket_interface(config.runtime.network_interface))
+        stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
         device, groups = join(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
         where = Where(rank, placement.world_size, placement.peers, device)
@@ -177,7 +178,12 @@ def run_worker(
             _deliver_weights(spec, state) if rank == 0 else b"",
             trainer.output_shape,
             trainer.input_shapes,
-            {"device": str(device), "gpus": list(placement.gpu_addresses), "exchange": exchange.name},
+            {
+                "device": str(device),
+                "gpus": list(placement.gpu_addresses),
+                "exchange": exchange.name,
+                "host": placement.host,
+            },
         )
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 

@@ -123,7 +123,7 @@ def run_probe(
     with contextlib.ExitStack() as stack:
         watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
         stack.callback(watchdog.disarm)
-        stack.enter_context(socket_interface(config.runtime.network_interface))
+        stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
         device, groups = join(config, placement, all_gather, stack)
         where = Where(rank, placement.world_size, placement.peers, device)
         hierarchy = form_hierarchy(config.runtime, where)

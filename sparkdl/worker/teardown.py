@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from sparkdl.comm.interfaces import interface_of
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.training.strategy import SyncStrategy
 
@@ -65,10 +66,20 @@ class TeardownWatchdog:
 
 
 @contextlib.contextmanager
-def socket_interface(interface: str) -> Iterator[None]:
-    """Point gloo and NCCL at ``interface`` for this worker only; restore the environment."""
+def socket_interface(setting: str, host: str) -> Iterator[None]:
+    """Point gloo and NCCL at an interface for this worker only; restore the environment.
+
+    The interface: ``setting`` (``runtime.network_interface``) when given; else none when
+    the environment already names one (``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME``);
+    else the one holding ``host``, the address Spark gave this executor (left to torch
+    where no interface holds it): torch's own choice follows the host name, which many
+    hosts resolve to loopback, where ranks on other hosts cannot connect.
+    """
     names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     saved = {name: os.environ.get(name) for name in names}
+    interface = setting
+    if not interface and not any(saved.values()):
+        interface = interface_of(host) or ""
     if interface:
         for name in names:
             os.environ[name] = interface

@@ -1,0 +1,121 @@
+"""Training across separate hosts: a Spark standalone cluster on a netlab network.
+
+Run inside ``../shared/tools/netlab --hosts 3 --isolate``, on host 0 (the driver's and the
+master's): a worker with 2 slots starts on each of hosts 1 and 2, each with its own
+address, PID space and /dev/shm, so 4 barrier tasks run on two "machines" joined by a
+rate-limited switch. Nothing names a network interface: the process group must bind the
+executors' real addresses by itself (a host name resolves to loopback here).
+
+    python tests/multihost/netlab_drill.py OUT_DIR     # writes OUT_DIR/result.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import pyspark  # noqa: E402
+
+from sparkdl.config import SparkDLConfig  # noqa: E402
+from sparkdl.spark.session import build_session  # noqa: E402
+from tests.reference import make_shards, max_abs_diff, reference_sgd  # noqa: E402
+from tests.spark.test_fit import LR, MOMENTUM, estimator, shards_dataframe  # noqa: E402
+
+HOSTS = os.environ["NETLAB_HOSTS"].split()
+SPARK = Path(pyspark.__file__).parent
+MASTER = f"spark://{HOSTS[0]}:7077"
+RUNS = {
+    "allreduce host": {"strategy": "allreduce", "hierarchy": "host"},
+    "allreduce flat": {"strategy": "allreduce"},
+    "parameter_server sync": {"strategy": "parameter_server", "ps_mode": "sync"},
+}
+
+
+def spark_class(cls: str, address: str, *args: str) -> list[str]:
+    return [str(SPARK / "bin/spark-class"), cls, "--host", address, "--webui-port", "0", *args]
+
+
+def start_cluster(out: Path) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARK_HOME": str(SPARK)}
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    processes = [
+        subprocess.Popen(
+            spark_class("org.apache.spark.deploy.master.Master", HOSTS[0], "--port", "7077"),
+            env={**env, "SPARK_LOCAL_IP": HOSTS[0]},
+            stdout=open(logs / "master.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+    ]
+    for host in (1, 2):
+        command = spark_class(
+            "org.apache.spark.deploy.worker.Worker", HOSTS[host], "--cores", "2", "--memory", "2g", MASTER
+        )
+        processes.append(
+            subprocess.Popen(
+                ["netlab", "exec", str(host), "--", "env", f"SPARK_LOCAL_IP={HOSTS[host]}",
+                 f"SPARK_WORKER_DIR={out / f'work{host}'}", *command],
+                env=env,
+                stdout=open(logs / f"worker{host}.log", "wb"),
+                stderr=subprocess.STDOUT,
+            )
+        )  # fmt: skip
+    return processes
+
+
+def main(out: Path) -> None:
+    os.environ["SPARK_LOCAL_IP"] = HOSTS[0]
+    cluster = start_cluster(out)
+    result: dict[str, object] = {"hosts": HOSTS}
+    try:
+        spark = build_session(
+            MASTER,
+            "sparkdl-netlab",
+            SparkDLConfig().replace(collective_timeout_s=60.0),
+            {
+                "spark.ui.enabled": "false",
+                "spark.driver.host": HOSTS[0],
+                "spark.executor.cores": "2",
+                "spark.cores.max": "4",
+                "spark.executor.memory": "1g",
+                "spark.executorEnv.PYTHONPATH": str(ROOT),
+            },
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        shards = make_shards([48, 40, 56, 32])
+        df = shards_dataframe(spark, shards).cache()
+        df.count()
+        expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+        for name, settings in RUNS.items():
+            started = time.monotonic()
+            model = estimator(num_workers=4, epochs=2, executor_wait_timeout_s=120.0, **settings).fit(df)
+            result[name] = {
+                "seconds": time.monotonic() - started,
+                "max_abs_diff": max_abs_diff(model.module.state_dict(), expected),
+                "devices": model.worker_devices,
+                "across": [
+                    sum(h.get("worker_bytes_across_hosts", [0] * 4)[r] for h in model.history)
+                    for r in range(4)
+                ],
+            }
+        spark.stop()
+    finally:
+        for process in cluster:
+            process.terminate()
+        for process in cluster:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,59 @@
+"""The interface the process group binds: the setting, the environment's, else the one that
+holds the executor's address (read from this machine's real interfaces)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from sparkdl.comm.interfaces import interface_addresses, interface_of
+from sparkdl.worker.teardown import socket_interface
+
+NAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def test_each_address_of_this_machine_maps_to_the_interface_that_holds_it():
+    addresses = interface_addresses()
+    assert str(addresses["lo"]) == "127.0.0.1"
+    for name, address in addresses.items():
+        assert interface_of(str(address)) == name
+    assert interface_of("localhost") == "lo"
+    assert interface_of("192.0.2.254") is None or "192.0.2.254" in map(str, addresses.values())
+    assert interface_of("::1") is None  # IPv4 only: gloo is then left to choose
+    assert interface_of("no-such-host.invalid") is None
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_executors_address_chooses_the_interface_and_the_environment_comes_back(clean_environment):
+    with socket_interface("", "127.0.0.1"):
+        assert [os.environ.get(n) for n in NAMES] == ["lo", "lo"]
+    assert [os.environ.get(n) for n in NAMES] == [None, None]
+    # the host name resolves to loopback on many hosts: the executor's address decides, not it
+    other = next((n for n, a in interface_addresses().items() if n != "lo"), None)
+    if other is not None:
+        with socket_interface("", str(interface_addresses()[other])):
+            assert os.environ["GLOO_SOCKET_IFNAME"] == other
+
+
+def test_the_setting_wins_then_the_environments_choice(clean_environment, monkeypatch):
+    with socket_interface("eth7", "127.0.0.1"):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    with socket_interface("", "127.0.0.1"):  # the user's environment names one: kept
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0" and "NCCL_SOCKET_IFNAME" not in os.environ
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_an_address_no_interface_holds_leaves_torch_to_choose(clean_environment):
+    unused = "203.0.113.77"  # TEST-NET-3: held by no interface here
+    assert unused not in {str(a) for a in interface_addresses().values()}
+    with socket_interface("", unused):
+        assert [os.environ.get(n) for n in NAMES] == [None, None]
+    assert socket.gethostbyname("localhost").startswith("127.")
