@@ -21,14 +21,18 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from sparkdl.errors import RendezvousTimeout
+from sparkdl.errors import RendezvousError, RendezvousTimeout
 
 log = logging.getLogger(__name__)
 
 AllGather = Callable[[str], list[str]]
+
+#: The longest one probe of a peer may wait (a dropped SYN; a refusal is at once).
+_PROBE_S = 10.0
 
 
 @dataclass
@@ -68,15 +72,39 @@ def form_process_group(
         task_attempt: this task's attempt id (Spark's ``taskAttemptId``), unique per task.
 
     Raises:
+        RendezvousError: a rank cannot reach another (:func:`probe_peers`), in seconds.
         RendezvousTimeout: the store could not be created or reached in time.
     """
     timeout = timedelta(seconds=timeout_s)
     listener = None
-    said: dict[str, object] = {"attempt": task_attempt}
+    # every rank listens for the others' probes until its process group exists (every
+    # rank has probed by then: forming it waits for all of them)
+    probe = socket.create_server((host, 0), backlog=max(world_size, 16))
+    said: dict[str, object] = {"attempt": task_attempt, "probe": [host, probe.getsockname()[1]]}
     if rank == 0:
         listener = socket.create_server((host, 0), backlog=max(world_size, 16))
         said.update(host=host, port=listener.getsockname()[1])
-    messages = [json.loads(m) for m in all_gather(json.dumps(said))]
+    try:
+        with probe:
+            messages = [json.loads(m) for m in all_gather(json.dumps(said))]
+            probe_peers(rank, host, [tuple(m["probe"]) for m in messages], min(timeout_s, _PROBE_S))
+            return _formed(rank, world_size, backend, messages, listener, timeout, timeout_s)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+
+
+def _formed(
+    rank: int,
+    world_size: int,
+    backend: str,
+    messages: list[dict[str, Any]],
+    listener: socket.socket | None,
+    timeout: timedelta,
+    timeout_s: float,
+) -> ProcessGroups:
+    """The process group, formed through rank 0's store (its address in ``messages[0]``)."""
     address = messages[0]
     attempt = min(int(m["attempt"]) for m in messages)
     try:
@@ -104,3 +132,25 @@ def form_process_group(
         ) from exc
     log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
     return ProcessGroups(store=store, control=control, listener=listener, attempt=attempt)
+
+
+def probe_peers(rank: int, host: str, peers: list[tuple[str, int]], timeout_s: float) -> None:
+    """Connect once to every other rank's probe socket: a rank another cannot reach (a
+    firewall, a wrong address or interface) fails here in seconds, naming both ends,
+    instead of in the process group after the collective timeout.
+
+    Raises:
+        RendezvousError: ``peers[r]`` refused or did not answer within ``timeout_s``.
+    """
+    for peer, (address, port) in enumerate(peers):
+        if peer == rank:
+            continue
+        try:
+            socket.create_connection((address, port), timeout=timeout_s).close()
+        except OSError as exc:
+            raise RendezvousError(
+                f"rank {rank} at {host} cannot reach rank {peer} at {address}:{port} ({exc}); the "
+                f"process group would fail after runtime.collective_timeout_s. Check that the "
+                "executors can reach each other on these addresses (firewalls, routes), or set "
+                "runtime.network_interface to the interface they share"
+            ) from exc

@@ -18,7 +18,8 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
     # use_gpu = "auto": each training task got its executor's GPU through the stage's
     # profile; this torch has no CUDA, so it trained on CPU (and warned)
     # both executors on this host: the workers exchanged through shared memory
-    cpu_with_gpu = {"device": "cpu", "gpus": ["0"], "exchange": "shared_memory"}
+    # (the executors' address, where each process group bound: loopback here)
+    cpu_with_gpu = {"device": "cpu", "gpus": ["0"], "exchange": "shared_memory", "host": "127.0.0.1"}
     assert result["auto"] == [cpu_with_gpu, cpu_with_gpu]
     for rank in (0, 1):  # the executors' warning reached the driver, with the rank
         assert any(
@@ -26,7 +27,10 @@ def test_only_the_training_stage_holds_a_gpu_on_a_cluster_with_fake_gpus(tmp_pat
             for w in result["worker_warnings"]
         ), result["worker_warnings"]
     # use_gpu = false: no profile, no GPU
-    assert result["false"] == [{"device": "cpu", "gpus": [], "exchange": "shared_memory"}] * 2
+    assert (
+        result["false"]
+        == [{"device": "cpu", "gpus": [], "exchange": "shared_memory", "host": "127.0.0.1"}] * 2
+    )
 
 
 @pytest.mark.gpu
@@ -35,7 +39,8 @@ def test_on_real_gpus_each_task_trains_on_its_own_gpu_and_matches_the_cpu_run(tm
     result = run_drill("gpu_profile_drill.py", tmp_path, "real")
     gpus = min(torch.cuda.device_count(), 2)
     expected = [{"device": f"cuda:{i}", "gpus": [str(i)], "exchange": "nccl"} for i in range(gpus)]
-    assert result["auto"] == expected
+    assert [{k: v for k, v in d.items() if k != "host"} for d in result["auto"]] == expected
+    assert all(d["host"] for d in result["auto"])
     assert result["etl_stage_gpus"] == [[], []]
     for name, cpu_value in result["false_state"].items():  # same data and seed on CPU
         gpu_value = torch.tensor(result["auto_state"][name])

@@ -1,5 +1,6 @@
 """The driver's meeting point: ranks gather through a real TCPStore on loopback, under the
-stage attempt the driver published for their tasks, and refuse what the fit did not sign."""
+stage attempt the driver published for their tasks, and refuse what the fit did not sign;
+then each rank probes the others before forming the process group."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from sparkdl.comm.meeting_point import MeetingPointServer, gather_at
+from sparkdl.comm.rendezvous import probe_peers
 from sparkdl.errors import RendezvousError, RendezvousTimeout
 
 HOST = "127.0.0.1"
@@ -100,3 +102,19 @@ def test_the_store_listens_on_the_drivers_address_only_and_its_endpoint_hides_th
         with pytest.raises(ConnectionRefusedError):  # bound to 127.0.0.1, not to every address
             socket.create_connection(("127.0.0.2", server.endpoint.port), timeout=5).close()
         socket.create_connection((HOST, server.endpoint.port), timeout=5).close()
+
+
+def test_a_rank_that_cannot_reach_another_fails_in_seconds_naming_both_ends():
+    with socket.create_server((HOST, 0)) as mine, socket.create_server((HOST, 0)) as theirs:
+        closed = socket.create_server((HOST, 0))
+        closed_port = closed.getsockname()[1]
+        closed.close()  # nothing listens there now: refused, as behind a firewall or a wrong address
+        peers = [(HOST, mine.getsockname()[1]), (HOST, theirs.getsockname()[1])]
+        probe_peers(0, HOST, peers, 5.0)  # every other rank answers
+        started = time.monotonic()
+        with pytest.raises(RendezvousError) as raised:
+            probe_peers(0, HOST, [*peers, (HOST, closed_port)], 5.0)
+        assert time.monotonic() - started < 5
+    message = str(raised.value)
+    assert message.startswith(f"rank 0 at {HOST} cannot reach rank 2 at {HOST}:{closed_port} (")
+    assert "set runtime.network_interface to the interface they share" in message
