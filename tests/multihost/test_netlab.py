@@ -9,19 +9,27 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.spark.processes import ROOT
 
-NETLAB = ROOT.parent / "shared" / "tools" / "netlab"
+
+def find_netlab() -> Path:
+    """``$NETLAB``, else ``netlab`` on the PATH, else the workplace's ``../shared/tools/netlab``."""
+    named = os.environ.get("NETLAB") or shutil.which("netlab")
+    return Path(named) if named else ROOT.parent / "shared" / "tools" / "netlab"
+
+
+NETLAB = find_netlab()
 
 pytestmark = pytest.mark.spark
 
 
 def netlab_missing() -> str:
     if not NETLAB.exists():
-        return f"needs {NETLAB} (the workplace's network lab)"
+        return f"needs netlab (the workplace's network lab): not at {NETLAB}; set NETLAB to its path"
     if os.geteuid() != 0:
         return "needs root, for network namespaces"
     if shutil.which("ip") is None or shutil.which("unshare") is None:
