@@ -43,10 +43,10 @@ from torch import nn
 
 from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Hierarchy, Precision, PsMode, SparkDLConfig, Strategy
+from sparkdl.config import Precision, PsMode, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
-from sparkdl.strategies.rules import refuse_powersgd
+from sparkdl.strategies.rules import refuse_backups_without_a_worker, refuse_powersgd
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -65,25 +65,19 @@ class ParameterServerStrategy(SyncStrategy):
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
-        backups, workers = config.parameter_server.backup_workers, config.training.num_workers
-        if backups >= workers:
-            raise ConfigError(
-                f"backup_workers = {backups} must be < num_workers = {workers}: each step is made by "
-                f"the first num_workers - backup_workers pushes, so at least one; set backup_workers to "
-                f"at most {workers - 1} (0 waits for every worker), or raise num_workers"
-            )
+        refuse_backups_without_a_worker(
+            config,
+            "backup_workers",
+            config.parameter_server.backup_workers,
+            "each step is made by the first num_workers - backup_workers pushes, so at least one",
+            "with a hierarchy the hosts' leaders push, not the workers; set backup_workers = 0",
+        )
         if config.training.precision is Precision.FP16:
             raise ConfigError(
                 "precision = 'fp16' needs a gradient scaler next to the optimizer, and the parameter "
                 "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
             )
         refuse_powersgd(config)
-        level = config.runtime.hierarchy
-        if level is not Hierarchy.NONE and backups:
-            raise ConfigError(
-                f"hierarchy = {level.value!r} with backup_workers = {backups}: with a hierarchy the "
-                "hosts' leaders push, not the workers; set backup_workers = 0"
-            )
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -19,6 +19,22 @@ def refuse_powersgd(config: SparkDLConfig) -> None:
         )
 
 
+def refuse_backups_without_a_worker(
+    config: SparkDLConfig, setting: str, backups: int, why: str, hierarchy_why: str
+) -> None:
+    """Backup workers (``setting`` = ``backups``) must leave at least one worker to make
+    each step (``why`` says how it is made), and two levels have none (``hierarchy_why``)."""
+    workers = config.training.num_workers
+    if backups >= workers:
+        raise ConfigError(
+            f"{setting} = {backups} must be < num_workers = {workers}: {why}; set {setting} to at "
+            f"most {workers - 1} (0 waits for every worker), or raise num_workers"
+        )
+    level = config.runtime.hierarchy
+    if level is not Hierarchy.NONE and backups:
+        raise ConfigError(f"hierarchy = {level.value!r} with {setting} = {backups}: {hierarchy_why}")
+
+
 def refuse_compressed_hierarchy(config: SparkDLConfig) -> None:
     """Two-level sums exchange float32 between the hosts' leaders: no codec there yet."""
     compression, level = config.runtime.compression, config.runtime.hierarchy

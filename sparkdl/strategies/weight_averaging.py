@@ -54,9 +54,13 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Hierarchy, SparkDLConfig, Strategy
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
-from sparkdl.strategies.rules import refuse_compressed_hierarchy, refuse_powersgd
+from sparkdl.strategies.rules import (
+    refuse_backups_without_a_worker,
+    refuse_compressed_hierarchy,
+    refuse_powersgd,
+)
 from sparkdl.training.strategy import StepInput, StepOutcome, StrategyContext, SyncStrategy, Verdict
 
 Named = tuple[str, torch.Tensor]
@@ -93,22 +97,16 @@ class WeightAveragingStrategy(SyncStrategy):
                 f"checkpoint_every = {every} is not a multiple of sync_every = {tau}; weight averaging "
                 "checkpoints right after an average, when every worker holds the same weights"
             )
-        backups, workers = config.weight_averaging.wa_backup_workers, config.training.num_workers
-        if backups >= workers:
-            raise ConfigError(
-                f"wa_backup_workers = {backups} must be < num_workers = {workers}: each period ends once "
-                f"num_workers - wa_backup_workers workers finished it, so at least one must; set "
-                f"wa_backup_workers to at most {workers - 1} (0 waits for every worker), or raise "
-                "num_workers"
-            )
+        refuse_backups_without_a_worker(
+            config,
+            "wa_backup_workers",
+            config.weight_averaging.wa_backup_workers,
+            "each period ends once num_workers - wa_backup_workers workers finished it, so at least one must",
+            "backup workers are not available with two-level averaging yet; set wa_backup_workers = 0 "
+            "or hierarchy = 'none'",
+        )
         refuse_powersgd(config)
         refuse_compressed_hierarchy(config)
-        level = config.runtime.hierarchy
-        if level is not Hierarchy.NONE and backups:
-            raise ConfigError(
-                f"hierarchy = {level.value!r} with wa_backup_workers = {backups}: backup workers are not "
-                "available with two-level averaging yet; set wa_backup_workers = 0 or hierarchy = 'none'"
-            )
 
     @property
     def checkpoint_multiple(self) -> int:
