@@ -10,12 +10,11 @@ over all of ``df``'s rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from sparkdl.advisor.predict import (
@@ -31,7 +30,7 @@ from sparkdl.advisor.predict import (
 )
 from sparkdl.config import Strategy
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
-from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
+from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
 from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import HostedServer, host_parameter_server
@@ -190,7 +189,7 @@ def probe(
             functools.partial(probe_partition, task), PROBE_SCHEMA, barrier=True, profile=profile
         )
         try:
-            with _described(spark, f"sparkdl advise: {len(chosen)} candidates on {n} workers"):
+            with described(spark, f"sparkdl advise: {len(chosen)} candidates on {n} workers"):
                 results = stage.collect()
         except Exception as exc:
             raise translate_failure(exc) from exc
@@ -207,21 +206,6 @@ def probe(
         skipped=skipped,
         link=LinkEstimate.from_all_reduce(n, link["tiny_s"], link["model_s"], 4.0 * link["floats"]),
     )
-
-
-@contextlib.contextmanager
-def _described(spark: Any, text: str) -> Iterator[None]:
-    """The Spark UI's description of the jobs started inside; the caller's restored after."""
-    if is_connect(spark):
-        yield
-        return
-    sc = spark.sparkContext
-    previous = sc.getLocalProperty("spark.job.description")
-    sc.setJobDescription(text)
-    try:
-        yield
-    finally:
-        sc.setLocalProperty("spark.job.description", previous)
 
 
 def _candidates(

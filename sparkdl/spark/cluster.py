@@ -7,9 +7,10 @@ seconds with an error that says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sparkdl.errors import ClusterConfigError
@@ -116,6 +117,22 @@ def _parse_seconds(text: str) -> float:
         return float(text)
     except ValueError:
         return _YEAR_S
+
+
+@contextlib.contextmanager
+def described(spark: Any, text: str) -> Iterator[None]:
+    """The Spark UI's description of the jobs started inside; the caller's restored after
+    (nothing over Spark Connect, whose client has no SparkContext)."""
+    if is_connect(spark):
+        yield
+        return
+    sc = spark.sparkContext
+    previous = sc.getLocalProperty("spark.job.description")
+    sc.setJobDescription(text)
+    try:
+        yield
+    finally:
+        sc.setLocalProperty("spark.job.description", previous)
 
 
 def driver_host(spark: Any) -> str:

@@ -23,7 +23,7 @@ from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ModelMismatchError
-from sparkdl.spark.cluster import is_connect
+from sparkdl.spark.cluster import described
 from sparkdl.training.trial import PreflightReport, preflight
 
 if TYPE_CHECKING:
@@ -94,15 +94,8 @@ def label_range(df: Any, plan: DataPlan) -> tuple[float, float] | None:
     if field.dataType.typeName() not in ("byte", "short", "integer", "long", "float", "double", "boolean"):
         return None
     column = F.col(label.name).cast("double")
-    sc = None if is_connect(df.sparkSession) else df.sparkSession.sparkContext
-    previous = sc.getLocalProperty("spark.job.description") if sc is not None else None
-    if sc is not None:
-        sc.setJobDescription("sparkdl fit: preflight, the label column's range")
-    try:
+    with described(df.sparkSession, "sparkdl fit: preflight, the label column's range"):
         row = df.agg(F.min(column), F.max(column)).collect()[0]
-    finally:
-        if sc is not None:
-            sc.setJobDescription(previous)
     return None if row[0] is None else (float(row[0]), float(row[1]))
 
 
@@ -139,16 +132,8 @@ def sample_batch(df: Any, plan: DataPlan, rows: int = PREFLIGHT_ROWS) -> Batch |
 
 def fetch_rows(df: Any, plan: DataPlan, rows: int) -> pa.Table:
     """The first ``rows`` rows of the planned columns, as Arrow (classic and Connect alike)."""
-    query = df.select(*plan.column_names).limit(rows)
-    if is_connect(df.sparkSession):
-        return query.toArrow()
-    sc = df.sparkSession.sparkContext
-    previous = sc.getLocalProperty("spark.job.description")
-    sc.setJobDescription(f"sparkdl fit: preflight on {rows} rows")
-    try:
-        return query.toArrow()
-    finally:
-        sc.setJobDescription(previous)  # None clears it
+    with described(df.sparkSession, f"sparkdl fit: preflight on {rows} rows"):
+        return df.select(*plan.column_names).limit(rows).toArrow()
 
 
 def batch_from_arrow(table: pa.Table, plan: DataPlan, skip_bad_rows: bool = False) -> Batch | None:
