@@ -120,9 +120,7 @@ def _formed(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     except RuntimeError as exc:  # DistStoreError and DistBackendError derive from it
-        if listener is not None:
-            listener.close()
-        raise RendezvousTimeout(
+        raise RendezvousTimeout(  # form_process_group closes the listener
             f"rank {rank}/{world_size}: could not form the {backend} process group through "
             f"{address['host']}:{address['port']} within {timeout_s:.0f}s ({exc}); check that "
             "executors can reach each other on that address, set runtime.network_interface, "

@@ -98,8 +98,7 @@ class AttemptPublisher:
             settled = False  # no attempt yet, or tasks still coming
             try:
                 attempts = newest_attempts(self._sc, self._group)
-                new = [(task, name) for name, ids in attempts.items() for task in ids]
-                new = [(task, name) for task, name in new if task not in self._published]
+                new = [(t, name) for name, ids in attempts.items() for t in ids if t not in self._published]
                 for task, name in new:
                     self._publish(task, name)
                     self._published.add(task)

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -210,12 +210,13 @@ def _grad_total(module: nn.Module, device: torch.device) -> torch.Tensor:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    local = [_local(g).detach() for g in grads]
+    dtensor = _dtensor_class()  # looked up once per call, not per gradient
+    local = [_local(g, dtensor).detach() for g in grads]
     if local[0].is_cuda:
         total = largest_abs(local, device)
     else:
         total = torch.stack([g.float().sum() for g in local]).sum().to(torch.float64)
-    mesh = next((g.device_mesh for g in grads if _is_dtensor(g)), None)
+    mesh = None if dtensor is None else next((g.device_mesh for g in grads if isinstance(g, dtensor)), None)
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
     return total
@@ -233,16 +234,16 @@ def largest_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tens
     return torch.nn.utils.get_total_norm(values, norm_type=math.inf).to(torch.float64)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _local(tensor: torch.Tensor, dtensor: type[DTensor] | None) -> torch.Tensor:
     """This rank's part of ``tensor`` (its shard, for a DTensor)."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
-def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
-    """Whether ``tensor`` is a DTensor, without importing DTensor's module (0.4 s of every
-    worker's start): no tensor can be one before something else imported it."""
+def _dtensor_class() -> type[DTensor] | None:
+    """DTensor's class, without importing its module (0.4 s of every worker's start): no
+    tensor can be one before something else (FSDP) imported it."""
     module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    return None if module is None else module.DTensor
 
 
 def grads_finite(module: nn.Module) -> bool:
