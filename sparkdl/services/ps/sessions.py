@@ -21,10 +21,8 @@ request, and waits for the lock before it answers it: one thread at a time sends
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 
 from sparkdl.comm.ps_areas import ServerAreas
 from sparkdl.errors import CheckpointError, ConnectionClosed, ProtocolError, PushRejected
@@ -76,18 +74,6 @@ class Sessions:
                 self._answered.wait(remaining)
         return True
 
-    @contextlib.contextmanager
-    def _answering_one(self) -> Iterator[None]:
-        with self._answered:
-            self._answering += 1
-        try:
-            yield
-        finally:
-            with self._answered:
-                self._answering -= 1
-                if not self._answering:
-                    self._answered.notify_all()
-
     def serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         """Serve one authenticated connection until it ends or the server stops."""
         warm = WarmBuffers()  # this connection's pushes and pulled weights, reused
@@ -119,8 +105,16 @@ class Sessions:
         both), once its parked pull, if any, was answered."""
         self._parked.await_answer(channel, warm)
         frame = self._next_frame(channel, hello, warm)
-        with self._answering_one():
+        # counted while answered (every request of every step: plain code, no generator)
+        with self._answered:
+            self._answering += 1
+        try:
             self._answer(channel, hello, warm, frame)
+        finally:
+            with self._answered:
+                self._answering -= 1
+                if not self._answering:
+                    self._answered.notify_all()
 
     def _answer(self, channel: PsChannel, hello: Frame, warm: WarmBuffers, frame: Frame) -> None:
         """Answer ``frame`` (and the PULL right behind a PUSH, in one ``sendmsg``)."""
