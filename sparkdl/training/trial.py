@@ -153,6 +153,8 @@ def _run(
         known = (sample.y >= 0) & (sample.y < output.shape[-1])
         sample = dataclasses.replace(sample, y=torch.where(known, sample.y, 0))
     value = _loss_and_backward(module, loss_fn, _loss_name(loss), output, sample)
+    if not isinstance(loss, str):  # the named losses view the label like the output themselves
+        _refuse_broadcast(loss_fn, _loss_name(loss), output, sample, value)
     if optimizer_fn is not None:
         build_optimizer(module.parameters(), optimizer_fn, OptimizerConfig())
     module.zero_grad(set_to_none=True)  # the gradients are as large as the model: free them now
@@ -223,7 +225,6 @@ def _loss_and_backward(
             f"loss {name} does not depend on the model's trainable parameters (it has no gradient); "
             "forward must not detach its output or end in argmax, round or .item()"
         )
-    _refuse_broadcast(loss_fn, name, output, sample, value)
     try:
         value.backward()
     except Exception as exc:
@@ -236,8 +237,8 @@ def _refuse_broadcast(
 ) -> None:
     """An output of (N, 1) against a label of (N,) (or the other way round) broadcasts to
     (N, N) in ``output - target``: the loss is then of every output against every label,
-    silently. The named losses view the label like the output; a callable must give the
-    same value when handed the label so viewed, or it broadcast."""
+    silently. A callable loss must give the same value (``value``, already computed) when
+    handed the label shaped like the output, or it broadcast."""
     y = sample.y
     if y.shape == output.shape or y.numel() != output.numel() or len(sample.batch) < 2:
         return
