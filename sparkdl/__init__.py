@@ -31,6 +31,9 @@ _PUBLIC = {
     "advise": "sparkdl.advisor.advise",
     "loading": "sparkdl.ml.persistence",
     "session": "sparkdl.spark.session",
+    "TorchDistributor": "sparkdl.run.distributor",
+    "TrainFunctionError": "sparkdl.errors",
+    "RunTimeout": "sparkdl.errors",
 }
 
 __all__ = [
@@ -41,12 +44,15 @@ __all__ = [
     "ExecutorEnvironmentError",
     "ModelMismatchError",
     "RendezvousError",
+    "RunTimeout",
     "SchemaError",
     "SparkDLConfig",
     "SparkDLError",
     "StageStalledError",
+    "TorchDistributor",
     "TorchEstimator",
     "TorchModel",
+    "TrainFunctionError",
     "TrainingFailedError",
     "advise",
     "load_config",
@@ -65,13 +71,16 @@ if TYPE_CHECKING:
         ExecutorEnvironmentError,
         ModelMismatchError,
         RendezvousError,
+        RunTimeout,
         SchemaError,
         SparkDLError,
         StageStalledError,
+        TrainFunctionError,
         TrainingFailedError,
     )
     from sparkdl.ml.estimator import TorchEstimator, TorchModel
     from sparkdl.ml.persistence import loading
+    from sparkdl.run.distributor import TorchDistributor
     from sparkdl.spark.session import session
 
 

@@ -193,6 +193,26 @@ class TrainingFailedError(SparkDLError):
         self.causes = {int(rank): str(text) for rank, text in (causes or {}).items()}
 
 
+class TrainFunctionError(SparkDLError):
+    """The user's own training code failed on a worker (``TorchDistributor.run``,
+    ``sparkdl.run``): the exception it raised, or a script's exit status, with the last
+    lines it wrote to stderr."""
+
+    fields = ("python_type", "exit_code", "output_tail")
+
+    def __init__(
+        self, message: str, python_type: str = "", exit_code: int = 1, output_tail: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.python_type = python_type
+        self.exit_code = int(exit_code)
+        self.output_tail = output_tail
+
+
+class RunTimeout(WaitTimeout):
+    """A run of the user's own code went past the time limit it was given."""
+
+
 # --------------------------------------------------------------------------- the record
 
 _RECORD_MARK = "sparkdl-error-record"

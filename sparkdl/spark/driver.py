@@ -8,6 +8,7 @@ aborting the job as it does for a failed barrier ResultStage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -21,7 +22,6 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from sparkdl.comm.meeting_point import MeetingPointServer
 from sparkdl.config import DataConfig, SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
@@ -29,13 +29,13 @@ from sparkdl.data.tensors import Batch
 from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressServer
-from sparkdl.services.weights.server import weight_server
-from sparkdl.spark.attempts import AttemptPublisher, attempt_gate
+from sparkdl.spark.attempts import attempt_gate
 from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
 from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
 from sparkdl.spark.resources import training_profile
+from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
 from sparkdl.strategies import check_settings
@@ -159,20 +159,22 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     spec = dataclasses.replace(
         spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
     )
-    hosted = progress = inbox = meeting = attempts = None
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
-    if config.training.strategy is Strategy.PARAMETER_SERVER:
-        hosted = start_parameter_server(spark, spec, attempt_started)
-        spec = hosted.spec
-    try:
-        if not is_connect(spark):
-            inbox = weight_server(driver_host(spark), config.runtime.encrypt).expect_upload()
-            meeting = MeetingPointServer(driver_host(spark), config.runtime.collective_timeout_s)
-            attempts = AttemptPublisher(spark.sparkContext, group, meeting.publish)
-            spec = dataclasses.replace(spec, weights=inbox.endpoint, meeting=meeting.endpoint)
+    runtime = config.runtime
+    hosted = None
+    with contextlib.ExitStack() as stack:
+        if config.training.strategy is Strategy.PARAMETER_SERVER:
+            hosted = start_parameter_server(spark, spec, attempt_started)
+            stack.callback(hosted.stop)
+            spec = hosted.spec
+        servers = stack.enter_context(
+            stage_servers(spark, group, runtime.collective_timeout_s, runtime.encrypt)
+        )
+        spec = dataclasses.replace(spec, weights=servers.weights, meeting=servers.meeting)
         progress = start_progress_channel(spark, config, attempt_started)
         if progress is not None:
+            stack.callback(progress.stop)
             spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = df.select(*spec.plan.column_names)
         if needs_repartition(data, n, spark):
@@ -181,7 +183,6 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
         )
         _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
-        runtime = config.runtime
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
         try:
@@ -190,23 +191,14 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             raise
         except Exception as exc:
             raise translate_failure(exc) from exc
-        result = _fit_result(rows, n, inbox.take() if inbox is not None else None)
+        upload = servers.upload
+        result = _fit_result(rows, n, upload.take() if upload is not None else None)
         if hosted is not None and "restored_epoch" not in result.history[-1]:
             # the server's weights are the newest (async pushes land after a worker's last pull);
             # after an early stop rank 0's copy of the best epoch wins
             result.state_dict.update(hosted.parameter_state())
         return result
-    finally:
-        if attempts is not None:
-            attempts.close()
-        if meeting is not None:
-            meeting.close()
-        if inbox is not None:
-            inbox.close()
-        if progress is not None:
-            progress.stop()
-        if hosted is not None:
-            hosted.stop()
+    raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
 
 def _preflight(df: Any, spec: TrainSpec) -> Batch | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from sparkdl.comm.meeting_point import gather_at
+from sparkdl.comm.meeting_point import MeetingPoint, gather_at
 from sparkdl.comm.rendezvous import AllGather
 from sparkdl.errors import ErrorRecord, WorkerFailed
 from sparkdl.worker.assembly import Placement, TrainSpec, WorkerResult, run_worker
@@ -105,13 +105,14 @@ def probe_partition(spec: ProbeSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     yield pa.RecordBatch.from_pydict({"probe": [json.dumps(figures)]}, schema=PROBE_ARROW_SCHEMA)
 
 
-def _all_gather(ctx: Any, spec: TrainSpec, placement: Placement) -> AllGather:
-    """How the ranks meet: at the driver's store when the fit opened one, else through
-    Spark's barrier ``allGather`` (which polls every second: 1 s more per fit)."""
-    if spec.meeting is None:
-        return ctx.allGather
-    timeout_s = spec.config.runtime.collective_timeout_s
-    return gather_at(spec.meeting, placement.task_attempt, placement.rank, placement.world_size, timeout_s)
+def gather_for(
+    ctx: Any, meeting: MeetingPoint | None, task_attempt: int, rank: int, world_size: int, timeout_s: float
+) -> AllGather:
+    """How the ranks meet: at the driver's store when the stage opened one (``meeting``),
+    else through Spark's barrier ``allGather`` (which polls every second: 1 s more per stage)."""
+    if meeting is None:
+        return ctx.allGather  # type: ignore[no-any-return]
+    return gather_at(meeting, task_attempt, rank, world_size, timeout_s)
 
 
 def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -122,7 +123,19 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     placement = placement_of(ctx, spec.config.runtime.torch_threads)
     rank = placement.rank
     try:
-        result = run_worker(spec, batches, placement, _all_gather(ctx, spec, placement))
+        result = run_worker(
+            spec,
+            batches,
+            placement,
+            gather_for(
+                ctx,
+                spec.meeting,
+                placement.task_attempt,
+                rank,
+                placement.world_size,
+                spec.config.runtime.collective_timeout_s,
+            ),
+        )
     except Exception as exc:
         record = ErrorRecord.of(exc, rank=rank, partition=rank, attempt=ctx.attemptNumber())
         if record.agreed:

@@ -1,0 +1,285 @@
+"""``sparkdl.TorchDistributor``: PySpark's ``TorchDistributor``, drop-in, with sparkdl's
+guarantees.
+
+Code written for ``pyspark.ml.torch.distributor.TorchDistributor`` runs unchanged: the
+same constructor (``num_processes``, ``local_mode``, ``use_gpu``), the same ``run(train_object,
+*args, **kwargs)`` for a function or a script path with its arguments, the same
+environment in the training processes (torchrun's: ``MASTER_ADDR``, ``MASTER_PORT``,
+``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_*``, the
+task's GPU as ``CUDA_VISIBLE_DEVICES``), and rank 0's return value back. What differs is
+listed in docs/guide/own-loop.md; in short: no port race, every wait bounded, the first
+failure stops every rank within a second and comes back typed with its rank and its
+traceback, a killed worker makes Spark re-run the stage, the processes' output reaches the
+driver, and a returned state dict travels without pickle or the JVM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from sparkdl.config import UseGpu
+from sparkdl.errors import ClusterConfigError, ConfigError, ErrorRecord, StageStalledError
+from sparkdl.services.progress.board import ProgressBoard
+from sparkdl.services.progress.channel import ProgressServer
+from sparkdl.spark.attempts import attempt_gate
+from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
+from sparkdl.spark.driver import located, translate_failure
+from sparkdl.spark.launch_task import LAUNCH_SCHEMA, launch_partition
+from sparkdl.spark.resources import training_profile
+from sparkdl.spark.stage_servers import stage_servers
+from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+
+log = logging.getLogger(__name__)
+
+
+class TorchDistributor:
+    """Runs a PyTorch training function or script on Spark, as torchrun would.
+
+    Args:
+        num_processes: the training processes (one barrier task each, or, in local mode,
+            processes on the driver).
+        local_mode: run every process on the driver (as PySpark's default), else one per
+            barrier task on the executors.
+        use_gpu: give each process a GPU (the task's, from Spark's resource scheduling; in
+            local mode the driver's); else ``CUDA_VISIBLE_DEVICES`` is empty.
+        timeout_s: stop the run after this long (sparkdl only; None: no limit).
+        rendezvous_timeout_s: how long the processes may take to meet, and rank 0's task
+            waits for the others at the end (sparkdl only).
+        spark: the session (default: the active one).
+
+    Raises:
+        ConfigError: a setting out of range.
+        RuntimeError: no active SparkSession (as PySpark's).
+    """
+
+    def __init__(
+        self,
+        num_processes: int = 1,
+        local_mode: bool = True,
+        use_gpu: bool = True,
+        *,
+        timeout_s: float | None = None,
+        rendezvous_timeout_s: float = 300.0,
+        spark: Any = None,
+    ) -> None:
+        if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
+            raise ConfigError(f"num_processes must be a positive int, got {num_processes!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+        if not rendezvous_timeout_s > 0:
+            raise ConfigError(f"rendezvous_timeout_s must be positive, got {rendezvous_timeout_s!r}")
+        if spark is None:
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.active()  # RuntimeError without one, as PySpark's
+        self.num_processes = num_processes
+        self.local_mode = local_mode
+        self.use_gpu = use_gpu
+        self.timeout_s = timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.spark = spark
+
+    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``train_object`` in every process; return rank 0's return value.
+
+        Args:
+            train_object: a function (called with ``*args, **kwargs``), or the path of a
+                Python script (run with ``args`` as its command-line arguments; no kwargs).
+
+        Returns:
+            what the function returned on rank 0 (None for a script). A dict of tensors
+            comes back through the driver's weights server (``weights_only``), anything else
+            cloudpickled, as PySpark's does.
+
+        Raises:
+            TrainFunctionError: the code raised (its type, message and traceback, the rank)
+                or a script exited non-zero (its last lines of stderr).
+            RunTimeout: ``timeout_s`` ran out.
+            ConfigError: the function cannot be pickled (named), kwargs given to a script.
+            ClusterConfigError: not enough slots or GPUs for ``num_processes``.
+        """
+        program = make_program(train_object, args, kwargs)
+        with showing_worker_output():
+            if self.local_mode:
+                return self._run_local(program)
+            return self._run_distributed(program)
+
+    def _spec(self, program: Program, **endpoints: Any) -> LaunchSpec:
+        return LaunchSpec(
+            program,
+            self.num_processes,
+            self.use_gpu,
+            self.timeout_s,
+            self.rendezvous_timeout_s,
+            **endpoints,
+        )
+
+    def _run_local(self, program: Program) -> Any:
+        gpus = local_gpus(self.spark, self.num_processes) if self.use_gpu else ()
+        log.info("TorchDistributor: %d processes on the driver", self.num_processes)
+        returned = run_local(self._spec(program), gpus)
+        if returned.state_dict is not None:
+            return returned.state_dict
+        return _unpickled(returned.pickled)
+
+    def _run_distributed(self, program: Program) -> Any:
+        spark, n = self.spark, self.num_processes
+        connect = is_connect(spark)
+        profile = None
+        if not connect:
+            profile = training_profile(spark, UseGpu.YES if self.use_gpu else UseGpu.NO)
+            check_cluster(spark, n, 60.0, self.rendezvous_timeout_s, profile)
+        group = "" if connect else fit_job_group(spark)
+        attempt_started = attempt_gate(spark.sparkContext, group) if group else None
+        with contextlib.ExitStack() as stack:
+            servers = stack.enter_context(stage_servers(spark, group, self.rendezvous_timeout_s, False))
+            progress = None
+            if not connect:
+                board = ProgressBoard(n, 1, show=False)
+                progress = ProgressServer(
+                    board, driver_host(spark), secrets.token_bytes(32), 1.0, attempt_started=attempt_started
+                )
+                stack.callback(progress.stop)
+            spec = self._spec(
+                program,
+                progress=progress.endpoint() if progress is not None else None,
+                weights=servers.weights,
+                meeting=servers.meeting,
+            )
+            tasks = spark.range(0, n, 1, n)
+            kwargs = {"profile": profile} if profile is not None else {}
+            stage = tasks.mapInArrow(
+                functools.partial(launch_partition, spec), LAUNCH_SCHEMA, barrier=True, **kwargs
+            )
+            bound_s = self.rendezvous_timeout_s + MARGIN_S
+            silence = progress.silence if progress is not None else None
+            with described(spark, f"sparkdl TorchDistributor: {program.name} on {n} processes"):
+                try:
+                    rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
+                except StageStalledError:
+                    raise
+                except Exception as exc:
+                    raise translate_failure(exc) from exc
+            return rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def make_program(
+    train_object: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Program:
+    """What every process runs, checked on the driver.
+
+    Raises:
+        ConfigError: kwargs for a script; a script that is not there; a function that
+            cannot be pickled (named, with the reason).
+    """
+    if isinstance(train_object, (str, os.PathLike)):
+        path = os.fspath(train_object)
+        if kwargs:
+            raise ConfigError(
+                f"TorchDistributor.run({path!r}) got keyword arguments {sorted(kwargs)}; a script takes "
+                "command-line arguments only: pass them as strings, e.g. run(path, '--lr=0.1')"
+            )
+        return Program(script=path, arguments=tuple(str(a) for a in args), name=path)
+    if not callable(train_object):
+        raise ConfigError(
+            f"TorchDistributor.run takes a function or a script path, got {type(train_object).__name__}"
+        )
+    import cloudpickle
+
+    name = getattr(train_object, "__qualname__", repr(train_object))
+    try:
+        payload = cloudpickle.dumps((train_object, tuple(args), dict(kwargs)))
+    except Exception as exc:
+        raise ConfigError(
+            f"TorchDistributor.run cannot send {name} to the training processes: pickling it (with its "
+            f"arguments) failed with {type(exc).__name__}: {exc}. Create what it uses (sessions, locks, "
+            "open files, models on a GPU) inside the function, or pass it as a plain value"
+        ) from exc
+    return Program(function=payload, name=name)
+
+
+def local_gpus(spark: Any, num_processes: int) -> tuple[str, ...]:
+    """The GPUs the processes of local mode share: the driver's from Spark's resources,
+    else those CUDA shows this process.
+
+    Raises:
+        ClusterConfigError: fewer GPUs than processes.
+    """
+    addresses: list[str] = []
+    if not is_connect(spark):
+        resources = spark.sparkContext.resources
+        if "gpu" in resources:
+            addresses = list(resources["gpu"].addresses)
+    if not addresses:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        count = torch.cuda.device_count()
+        addresses = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
+    if len(addresses) < num_processes:
+        raise ClusterConfigError(
+            f"TorchDistributor(use_gpu=True, local_mode=True) runs {num_processes} processes, one GPU each, "
+            f"but the driver has {len(addresses)} GPU(s) ({addresses}); lower num_processes, give the driver "
+            "GPUs (spark.driver.resource.gpu.amount), or set use_gpu=False"
+        )
+    return tuple(addresses[:num_processes])
+
+
+def rank0_value(rows: list[Any], uploaded: dict[str, torch.Tensor] | None) -> Any:
+    """Rank 0's return value from the stage's rows (and the weights server's upload).
+
+    Raises:
+        SparkDLError: the error the ranks agreed on (the failing rank's, not its peers').
+    """
+    records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
+    if records:
+        records.sort(key=lambda r: r.error_type == "PeerStopped")
+        raise located(records[0].to_error())
+    lead = sorted((row for row in rows if row["rank"] == 0), key=lambda row: row["seq"])
+    kind = lead[0]["kind"] if lead else "none"
+    data = b"".join(bytes(row["chunk"]) for row in lead)
+    if kind == "uploaded":
+        return uploaded
+    if kind == "tensors":
+        return torch.load(io.BytesIO(data), weights_only=True)
+    if kind == "pickle":
+        return _unpickled(data)
+    return None
+
+
+def _unpickled(data: bytes) -> Any:
+    if not data:
+        return None
+    import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+@contextlib.contextmanager
+def showing_worker_output() -> Iterator[None]:
+    """The processes' output on the driver's stdout for the run, where nothing else shows
+    ``sparkdl.worker``'s INFO records (no logging configured: a notebook, a plain script)."""
+    worker_log = logging.getLogger("sparkdl.worker")
+    if logging.getLogger().handlers or worker_log.handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = worker_log.level
+    worker_log.addHandler(handler)
+    worker_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        worker_log.removeHandler(handler)
+        worker_log.setLevel(level)

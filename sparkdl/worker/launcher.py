@@ -1,0 +1,364 @@
+"""Launching a user's training code as torchrun would: the processes, their environment,
+the store they meet at, and what happens when one of them fails.
+
+This is the executor (and local-mode driver) side of :class:`sparkdl.TorchDistributor`.
+No Spark here: the caller says which ranks run where and how the agents meet.
+
+How it differs from torchrun, on purpose:
+
+- The store the user's ``init_process_group`` meets at is hosted by the *agent* (the
+  barrier task, or the driver in local mode) on a socket bound with port 0 before any
+  child starts, and the children join it as clients (``TORCHELASTIC_USE_AGENT_STORE``):
+  there is no "pick a free port, close it, let rank 0 rebind it" race.
+- A child that fails stops every other child of the run within a second: the failing
+  agent marks the run failed in the store, every agent polls for that mark
+  (:class:`FailureBoard`) and terminates its own child (its whole process group).
+- Every child runs in its own session, dies with its agent (``PR_SET_PDEATHSIG``), and
+  its output is relayed line by line (to the agent's log and the driver); the last lines
+  of its stderr go into the error when it fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: How often an agent looks at its child and at the failure mark.
+POLL_S = 0.2
+#: How long a child has to exit after SIGTERM before it is killed.
+TERMINATE_GRACE_S = 10.0
+#: Lines of a failed child's stderr kept for its error.
+TAIL_LINES = 20
+#: Characters of one relayed output line (a progress bar can write very long ones).
+MAX_LINE_CHARS = 2000
+
+_FAILED_KEY = "sparkdl/launch/failed"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the children of one run meet (torchrun's ``MASTER_ADDR:MASTER_PORT``).
+
+    Attributes:
+        host, port: the agent store's address.
+        run_id: names the run (``TORCHELASTIC_RUN_ID``), the same on every rank.
+        attempt: the Spark stage attempt (``TORCHELASTIC_RESTART_COUNT``).
+    """
+
+    host: str
+    port: int
+    run_id: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One child's place in the run.
+
+    Attributes:
+        rank, world_size: its global rank and the number of processes.
+        local_rank, local_world_size: its rank among the processes of its host, and their number.
+        group_rank, group_world_size: its agent's rank and the number of agents (torchrun's nodes).
+        gpus: ``CUDA_VISIBLE_DEVICES`` for it (``()``: no GPU, ``None``: leave it as it is).
+        threads: ``OMP_NUM_THREADS`` (the CPU cores Spark gave its task).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    group_world_size: int = 1
+    gpus: tuple[str, ...] | None = ()
+    threads: int = 1
+
+
+def torchrun_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
+    """The environment torchrun gives a worker, for ``slot`` meeting at ``rendezvous``
+    (pure): code written for torchrun or PySpark's TorchDistributor finds what it reads."""
+    env = {
+        "MASTER_ADDR": rendezvous.host,
+        "MASTER_PORT": str(rendezvous.port),
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.world_size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+        "GROUP_RANK": str(slot.group_rank),
+        "GROUP_WORLD_SIZE": str(slot.group_world_size),
+        "NODE_RANK": str(slot.group_rank),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(slot.rank),
+        "ROLE_WORLD_SIZE": str(slot.world_size),
+        "TORCHELASTIC_RUN_ID": rendezvous.run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(rendezvous.attempt),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": str(max(1, slot.threads)),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if slot.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
+    return env
+
+
+class AgentStore:
+    """The run's store, hosted by the agent of rank 0 on ``host`` with port 0: the socket is
+    bound before its port is published, and held until the run ends.
+
+    Args:
+        host: the address the other agents and every child reach.
+        world_size: the children (their clients each join it).
+        timeout_s: how long a store operation waits.
+    """
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        import socket
+
+        listener = socket.create_server((host, 0), backlog=128)
+        self.host, self.port = host, listener.getsockname()[1]
+        fd = listener.detach()
+        try:
+            self.store = dist.TCPStore(
+                host,
+                self.port,
+                None,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the agent store at ``host:port`` (the other agents' view of the run)."""
+    return dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class FailureBoard:
+    """Where the agents of one run say that a child failed, and look for it.
+
+    Args:
+        store: the agent store (a client or the server), or None for a run whose every
+            child this agent supervises itself (local mode).
+    """
+
+    def __init__(self, store: dist.Store | None) -> None:
+        self._store = store
+
+    def mark(self, rank: int) -> None:
+        """Rank ``rank``'s child failed: stop the others (the first mark wins)."""
+        if self._store is None:
+            return
+        try:
+            self._store.compare_set(_FAILED_KEY, "", str(rank))
+        except RuntimeError as exc:  # the store's host is gone: the others find out alike
+            log.debug("could not mark rank %d failed in the store: %s", rank, exc)
+
+    def failed(self) -> int | None:
+        """The rank another agent marked failed, or None; -1 when the store is gone (its
+        agent, rank 0's task, was lost)."""
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([_FAILED_KEY]):
+                return None
+            return int(self._store.get(_FAILED_KEY).decode() or -1)
+        except (RuntimeError, ValueError):
+            return -1
+
+
+@dataclass
+class Outcome:
+    """How one child ended.
+
+    Attributes:
+        rank: its rank.
+        exit_code: its exit status (negative: the signal that ended it).
+        stopped_for: the rank whose failure made the agent stop this child (None: it ended
+            by itself); -1: the run's store was lost.
+        stderr_tail: the last lines it wrote to stderr.
+        seconds: how long it ran.
+    """
+
+    rank: int
+    exit_code: int
+    stopped_for: int | None = None
+    stderr_tail: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.stopped_for is None
+
+
+#: Called for every line a child writes: ``(rank, stream name, line)``.
+LineSink = Callable[[int, str, str], None]
+
+
+class Child:
+    """One launched process, its output relayed line by line.
+
+    Args:
+        rank: its rank (names its lines).
+        argv: the command.
+        env: its whole environment.
+        sink: called for each line it writes.
+        cwd: its working directory.
+    """
+
+    def __init__(
+        self, rank: int, argv: Sequence[str], env: Mapping[str, str], sink: LineSink, cwd: str | None = None
+    ) -> None:
+        self.rank = rank
+        self.started = time.monotonic()
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.process = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: stopping it stops its children too
+            preexec_fn=_die_with_parent,
+        )
+        assert self.process.stdout is not None and self.process.stderr is not None
+        self._relays = [
+            threading.Thread(
+                target=self._relay,
+                args=(stream, name, sink),
+                name=f"sparkdl-relay-{rank}-{name}",
+                daemon=True,
+            )
+            for stream, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr"))
+        ]
+        for relay in self._relays:
+            relay.start()
+
+    def _relay(self, stream: IO[bytes], name: str, sink: LineSink) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n")[:MAX_LINE_CHARS]
+            if name == "stderr":
+                self._tail.append(line)
+            try:
+                sink(self.rank, name, line)
+            except Exception:  # a relay never stops reading: a full pipe would block the child
+                pass
+        stream.close()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, grace_s: float = TERMINATE_GRACE_S) -> int:
+        """SIGTERM to its process group, SIGKILL after ``grace_s``; its exit status."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+            if self.process.poll() is not None:
+                break
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.process.wait(grace_s)
+
+    def outcome(self, stopped_for: int | None = None) -> Outcome:
+        """Its outcome, once it exited (the relays drain what it wrote last)."""
+        code = self.process.wait(TERMINATE_GRACE_S)
+        for relay in self._relays:
+            relay.join(2.0)
+        return Outcome(self.rank, code, stopped_for, list(self._tail), time.monotonic() - self.started)
+
+
+def supervise(
+    children: Sequence[Child], board: FailureBoard, timeout_s: float | None = None
+) -> list[Outcome]:
+    """Wait for every child; on the first failure (here or, through ``board``, at another
+    agent) stop the rest. Bounded by ``timeout_s`` when given (then every child is
+    stopped and marked ``stopped_for = rank`` of none: -2).
+
+    Returns:
+        one outcome per child, in the order given.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    outcomes: dict[int, Outcome] = {}
+    running = {child.rank: child for child in children}
+    while running:
+        for rank, child in list(running.items()):
+            code = child.poll()
+            if code is None:
+                continue
+            outcomes[rank] = child.outcome()
+            del running[rank]
+            if code != 0:
+                board.mark(rank)
+                _stop_all(running, outcomes, rank)
+        if not running:
+            break
+        other = board.failed()
+        if other is not None:
+            _stop_all(running, outcomes, other)
+        elif deadline is not None and time.monotonic() > deadline:
+            _stop_all(running, outcomes, TIMED_OUT)
+        else:
+            time.sleep(POLL_S)
+    return [outcomes[child.rank] for child in children]
+
+
+#: ``Outcome.stopped_for`` of a child stopped at the run's time limit.
+TIMED_OUT = -2
+
+
+def _stop_all(running: dict[int, Child], outcomes: dict[int, Outcome], cause: int) -> None:
+    stoppers = [threading.Thread(target=child.stop, daemon=True) for child in running.values()]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join(2 * TERMINATE_GRACE_S + 1)
+    for rank, child in list(running.items()):
+        outcomes[rank] = child.outcome(stopped_for=cause)
+        del running[rank]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGKILL the child when the agent that launched it dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def child_environment(slot: Slot, rendezvous: Rendezvous, extra: Mapping[str, str] = ()) -> dict[str, str]:  # type: ignore[assignment]
+    """The agent's own environment with torchrun's for ``slot`` on top (and ``extra``), with
+    the interpreter's directory first on ``PATH`` and this process's ``sys.path`` as
+    ``PYTHONPATH``, so the child imports what the agent imports."""
+    env = dict(os.environ)
+    env.update(torchrun_env(slot, rendezvous))
+    env.update(dict(extra))
+    paths = [p for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env

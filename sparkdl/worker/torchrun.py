@@ -1,0 +1,398 @@
+"""The agent of :class:`sparkdl.TorchDistributor`: what one barrier task (or, in local
+mode, the driver) does to run the user's function or script as torchrun would.
+
+One agent per barrier task, one child process per agent (``local_mode = False``), or one
+agent on the driver for every child (``local_mode = True``). An agent:
+
+1. meets the others (rank 0's agent hosts the store first: :class:`~sparkdl.worker.launcher.AgentStore`),
+   and probes every peer's address, so a rank that cannot reach another fails in seconds;
+2. launches its child with torchrun's environment and relays its output;
+3. supervises it: the first child to fail stops every other within a second;
+4. brings back rank 0's return value, or the failure as an error record.
+
+What a failure means for Spark. An exception the user's code raised, or a script's
+non-zero exit, is the code's own: every agent ends its task normally with the error in
+its result row (re-running would fail alike). A child killed by a signal, or a lost
+agent, fails the task, so Spark re-runs the barrier stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparkdl.comm.meeting_point import MeetingPoint
+from sparkdl.comm.rendezvous import AllGather, probe_peers
+from sparkdl.errors import PeerStopped, RunTimeout, SparkDLError, TrainFunctionError, agreed
+from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
+from sparkdl.services.weights.client import upload
+from sparkdl.services.weights.endpoint import WeightsEndpoint
+from sparkdl.worker import child as child_files
+from sparkdl.worker.launcher import (
+    TIMED_OUT,
+    AgentStore,
+    Child,
+    FailureBoard,
+    LineSink,
+    Outcome,
+    Rendezvous,
+    Slot,
+    child_environment,
+    join_store,
+    supervise,
+)
+
+log = logging.getLogger(__name__)
+child_log = logging.getLogger("sparkdl.worker.output")
+
+_HEARTBEAT_S = 5.0
+_DONE_KEY = "sparkdl/launch/done"
+
+
+@dataclass(frozen=True)
+class Program:
+    """What each child runs: a cloudpickled ``(function, args, kwargs)``, or a script.
+
+    Attributes:
+        function: the pickled call (b"" for a script).
+        script: the script's path (for a function: "").
+        arguments: the script's command-line arguments.
+        name: how errors name it (the function's qualified name, or the path).
+    """
+
+    function: bytes = b""
+    script: str = ""
+    arguments: tuple[str, ...] = ()
+    name: str = ""
+
+    def argv(self, directory: str) -> list[str]:
+        """The child's command line (``directory`` holds a function's files)."""
+        if self.script:
+            return [sys.executable, self.script, *self.arguments]
+        return [sys.executable, "-m", "sparkdl.worker.child", directory]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One run, as every agent needs it (shipped to the tasks with the stage).
+
+    Attributes:
+        program: what the children run.
+        num_processes: the children of the run.
+        use_gpu: give each child the GPUs of its task (else ``CUDA_VISIBLE_DEVICES=""``).
+        timeout_s: the run's time limit (None: none).
+        rendezvous_timeout_s: how long the agents wait for each other, and the store waits.
+        progress: the driver's channel for output and heartbeats (None: none).
+        weights: where rank 0 sends a returned state dict (None: in the result rows).
+        meeting: the driver's meeting point (None: Spark's allGather).
+    """
+
+    program: Program
+    num_processes: int
+    use_gpu: bool = False
+    timeout_s: float | None = None
+    rendezvous_timeout_s: float = 300.0
+    progress: ProgressEndpoint | None = None
+    weights: WeightsEndpoint | None = None
+    meeting: MeetingPoint | None = None
+
+
+@dataclass
+class Returned:
+    """What a run brought back: rank 0's value, in one of two forms.
+
+    Attributes:
+        pickled: cloudpickle bytes of the value (b"": a state dict, or a script's None).
+        state_dict: the value, when it was a dict of tensors (None otherwise).
+        uploaded: rank 0 sent its state dict to the driver's weights server.
+    """
+
+    pickled: bytes = b""
+    state_dict: dict[str, torch.Tensor] | None = None
+    uploaded: bool = False
+
+
+@dataclass(frozen=True)
+class AgentPlace:
+    """Where one agent runs, as its barrier task sees it."""
+
+    rank: int
+    world_size: int
+    host: str
+    gpu_addresses: tuple[str, ...] = ()
+    threads: int = 1
+    task_attempt: int = 0
+
+
+# --------------------------------------------------------------------------- one task's agent
+
+
+def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Returned:
+    """Meet the other agents, run this task's child, and return rank 0's value.
+
+    Raises:
+        TrainFunctionError: the user's code failed (here, or on another rank: then
+            :class:`~sparkdl.errors.PeerStopped`); marked agreed, so Spark does not re-run it.
+        RendezvousError, RendezvousTimeout: the agents could not meet or reach each other.
+        SparkDLError: the child was killed, or rank 0's agent was lost (not agreed: re-run).
+    """
+    with contextlib.ExitStack() as stack:
+        hosted, rendezvous = _meet(spec, place, all_gather, stack)
+        store = (
+            hosted.store
+            if hosted is not None
+            else join_store(rendezvous.host, rendezvous.port, spec.rendezvous_timeout_s)
+        )
+        reporter = stack.enter_context(
+            reporting_to_driver(spec.progress, place.rank, rendezvous.attempt, heartbeat_s=_HEARTBEAT_S)
+        )
+        directory = stack.enter_context(_workdir())
+        gpus = place.gpu_addresses if spec.use_gpu else ()
+        slot = Slot(place.rank, place.world_size, 0, 1, place.rank, place.world_size, gpus, place.threads)
+        env = child_environment(slot, rendezvous)
+        child = _launch(spec.program, place.rank, env, directory, _relay_to(reporter))
+        board = FailureBoard(store)
+        (outcome,) = supervise([child], board, spec.timeout_s)
+        _say_done(store)
+        if hosted is not None:  # the others may still use the store, or must see a failure mark
+            _await_everyone(store, place.world_size, spec.rendezvous_timeout_s)
+        raise_failure(outcome, spec, directory)
+        if place.rank != 0 or spec.program.script:
+            return Returned()
+        return _returned(directory, spec.weights)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _meet(
+    spec: LaunchSpec, place: AgentPlace, all_gather: AllGather, stack: contextlib.ExitStack
+) -> tuple[AgentStore | None, Rendezvous]:
+    """Rank 0 hosts the run's store; every agent learns its address, probes every other
+    agent's host, and agrees on the stage attempt and the run's id."""
+    hosted = AgentStore(place.host, spec.rendezvous_timeout_s) if place.rank == 0 else None
+    probe = stack.enter_context(socket.create_server((place.host, 0), backlog=max(place.world_size, 16)))
+    said: dict[str, Any] = {"attempt": place.task_attempt, "probe": [place.host, probe.getsockname()[1]]}
+    if hosted is not None:
+        said.update(store=[hosted.host, hosted.port], run_id=secrets.token_hex(8))
+    messages = [json.loads(m) for m in all_gather(json.dumps(said))]
+    probe_peers(
+        place.rank, place.host, [tuple(m["probe"]) for m in messages], min(spec.rendezvous_timeout_s, 10.0)
+    )
+    lead = messages[0]
+    attempt = min(int(m["attempt"]) for m in messages)
+    host, port = lead["store"]
+    return hosted, Rendezvous(host, int(port), lead["run_id"], attempt)
+
+
+def _say_done(store: Any) -> None:
+    """This agent's child has ended (and, after a failure, its mark is in the store)."""
+    try:
+        store.add(_DONE_KEY, 1)
+    except RuntimeError as exc:  # rank 0's task is gone: nothing waits for this any more
+        log.debug("could not tell rank 0 that this child ended: %s", exc)
+
+
+def _await_everyone(store: Any, world_size: int, timeout_s: float) -> None:
+    """Rank 0's agent holds the run's store until every agent's child has ended: the
+    others may still use it, and after a failure they must read its mark there (a store
+    that vanished would look like a lost rank 0, which Spark re-runs). Bounded by
+    ``timeout_s`` after rank 0's own child ended."""
+    deadline = time.monotonic() + timeout_s
+    while (done := int(store.add(_DONE_KEY, 0))) < world_size:
+        if time.monotonic() > deadline:
+            log.warning(
+                "rank 0's child ended %.0fs ago but %d other rank(s) still run; rank 0's task stops "
+                "holding the run's store (raise rendezvous_timeout_s if ranks end far apart)",
+                timeout_s,
+                world_size - done,
+            )
+            return
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[str]:
+    """A private directory for the child's files, on Spark's local disk where it has one."""
+    root = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0] or None
+    directory = tempfile.mkdtemp(prefix="sparkdl-run-", dir=root)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _launch(program: Program, rank: int, env: dict[str, str], directory: str, sink: LineSink) -> Child:
+    if program.function:
+        with open(os.path.join(directory, child_files.FUNCTION_FILE), "wb") as out:
+            out.write(program.function)
+    return Child(rank, program.argv(directory), env, sink)
+
+
+def _relay_to(reporter: ProgressReporter | None) -> LineSink:
+    """Each line a child writes: into this process's own stream (the executor's log), and
+    to the driver, where its progress channel listens."""
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        print(line, file=out, flush=True)
+        if reporter is not None:
+            reporter.log(logging.INFO, line)
+
+    return sink
+
+
+def _returned(directory: str, weights: WeightsEndpoint | None) -> Returned:
+    """Rank 0's return value as its child left it: a state dict goes to the driver's weights
+    server (no pickle, no JVM) when there is one; anything else comes back pickled."""
+    tensors = os.path.join(directory, child_files.TENSORS_FILE)
+    if os.path.exists(tensors):
+        state = torch.load(tensors, weights_only=True)
+        if weights is not None:
+            sent = upload(weights, state)
+            log.info("rank 0 sent its returned state dict (%.1f MB) to the driver", sent / 1e6)
+            return Returned(uploaded=True)
+        return Returned(state_dict=state)
+    pickled = os.path.join(directory, child_files.PICKLE_FILE)
+    if os.path.exists(pickled):
+        with open(pickled, "rb") as source:
+            return Returned(pickled=source.read())
+    return Returned()
+
+
+# --------------------------------------------------------------------------- outcomes as errors
+
+
+def raise_failure(outcome: Outcome, spec: LaunchSpec, directory: str) -> None:
+    """Raise the error ``outcome`` stands for (nothing when the child succeeded)."""
+    error = failure(outcome, spec, directory)
+    if error is not None:
+        error.rank = outcome.rank
+        raise error
+
+
+def failure(outcome: Outcome, spec: LaunchSpec, directory: str) -> SparkDLError | None:
+    """The error of a child's ``outcome`` (pure but for reading its error file), or None.
+
+    Agreed (no re-run): the code's own exception or exit status, a peer's failure, the
+    time limit. Not agreed (Spark re-runs the stage): a signal, a lost store."""
+    name, rank = spec.program.name, outcome.rank
+    if outcome.stopped_for == TIMED_OUT:
+        return agreed(
+            RunTimeout(
+                f"rank {rank}: {name} ran past timeout_s = {spec.timeout_s:.0f}s and was stopped; "
+                "raise timeout_s, or leave it unset for no limit",
+                setting="timeout_s",
+                limit_s=spec.timeout_s,
+            )
+        )
+    if outcome.stopped_for == -1:
+        return SparkDLError(
+            f"rank {rank}: the run's store on rank 0's task was lost (its executor failed?); "
+            "the child was stopped so that Spark re-runs the stage"
+        )
+    if outcome.stopped_for is not None:
+        return agreed(PeerStopped(f"rank {rank} stopped because rank {outcome.stopped_for} failed"))
+    if outcome.exit_code == 0:
+        return None
+    tail = "\n".join(outcome.stderr_tail)
+    if outcome.exit_code < 0:
+        return SparkDLError(
+            f"rank {rank}: {name} was killed by signal {-outcome.exit_code} after {outcome.seconds:.1f}s "
+            f"(out of memory? the executor's log has more); Spark re-runs the stage. Its last lines:\n{tail}"
+        )
+    recorded = _error_file(directory)
+    if recorded is not None:
+        return agreed(
+            TrainFunctionError(
+                f"rank {rank}: {name} raised {recorded['python_type']}: {recorded['message']}\n"
+                f"{recorded['traceback']}",
+                recorded["python_type"],
+                outcome.exit_code,
+                tail,
+            )
+        )
+    return agreed(
+        TrainFunctionError(
+            f"rank {rank}: {name} exited with status {outcome.exit_code}; "
+            f"the last lines of its stderr:\n{tail}",
+            "",
+            outcome.exit_code,
+            tail,
+        )
+    )
+
+
+def _error_file(directory: str) -> dict[str, str] | None:
+    path = os.path.join(directory, child_files.ERROR_FILE)
+    try:
+        with open(path, encoding="utf-8") as source:
+            return dict(json.load(source))
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- local mode
+
+
+def run_local(spec: LaunchSpec, gpus: Sequence[str] | None, host: str = "127.0.0.1") -> Returned:
+    """Every child on this machine (PySpark's ``local_mode = True``): this process is the
+    agent of all of them, as torchrun's ``--standalone`` is.
+
+    Args:
+        spec: the run.
+        gpus: the GPUs every child sees (``LOCAL_RANK`` picks one), ``()`` for none.
+        host: where the store listens.
+
+    Raises:
+        TrainFunctionError, RunTimeout, SparkDLError: the first child's failure.
+    """
+    n = spec.num_processes
+    hosted = AgentStore(host, spec.rendezvous_timeout_s)
+    rendezvous = Rendezvous(hosted.host, hosted.port, secrets.token_hex(8))
+    threads = max(1, (os.cpu_count() or 1) // n)
+    with contextlib.ExitStack() as stack:
+        directories = [stack.enter_context(_workdir()) for _ in range(n)]
+        children: list[Child] = []
+        try:
+            for rank in range(n):
+                slot = Slot(rank, n, rank, n, 0, 1, tuple(gpus) if gpus is not None else None, threads)
+                env = child_environment(slot, rendezvous)
+                children.append(_launch(spec.program, rank, env, directories[rank], _print_prefixed))
+        except BaseException:
+            for started in children:
+                started.stop()
+            raise
+        outcomes = supervise(children, FailureBoard(None), spec.timeout_s)
+        errors = [failure(o, spec, directories[o.rank]) for o in outcomes]
+        first = _first_failure(outcomes, errors)
+        if first is not None:
+            raise first
+        return Returned() if spec.program.script else _returned(directories[0], None)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _first_failure(outcomes: list[Outcome], errors: list[SparkDLError | None]) -> SparkDLError | None:
+    """The error of the rank that failed first (a stopped peer's only when no other)."""
+    failed = [(o, e) for o, e in zip(outcomes, errors, strict=True) if e is not None]
+    if not failed:
+        return None
+    failed.sort(key=lambda pair: (isinstance(pair[1], PeerStopped), pair[0].seconds))
+    outcome, error = failed[0]
+    error.rank = outcome.rank
+    return error
+
+
+def _print_prefixed(rank: int, stream: str, line: str) -> None:
+    print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
