@@ -4,7 +4,6 @@ come back typed, fast, with the rank; a killed process makes Spark re-run the st
 
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 import time
@@ -148,7 +147,9 @@ def test_a_script_that_exits_non_zero_shows_its_last_lines(spark: Any, tmp_path:
     from sparkdl import TorchDistributor, TrainFunctionError
 
     script = tmp_path / "broken.py"
-    script.write_text("import sys\nprint('loading data', file=sys.stderr)\nsys.exit('no such table: events')\n")
+    script.write_text(
+        "import sys\nprint('loading data', file=sys.stderr)\nsys.exit('no such table: events')\n"
+    )
     with pytest.raises(TrainFunctionError) as caught:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(script))
     assert caught.value.exit_code == 1
