@@ -132,11 +132,17 @@ class WeightAveragingStrategy(SyncStrategy):
             self.ctx.optimizer.zero_grad(set_to_none=True)
         else:
             self._trained_throughout = False
+        self.local_step_done(step.step, rows)
+        return StepOutcome(loss, trained=not cut_short, nan_skipped=verdict is Verdict.NAN_SKIPPED)
+
+    def local_step_done(self, step: int, rows: int) -> None:
+        """Global step ``step`` trained ``rows`` rows on this worker (0: none, or the step was
+        skipped): average once ``tau`` steps are done. Every rank calls it at every step; a
+        user's own loop calls it after each optimizer step (:mod:`sparkdl.worker.prepare`)."""
         self._rows_since_sync += rows
         self._steps_since_sync += 1
-        if (step.step + 1) % self._tau == 0:
+        if (step + 1) % self._tau == 0:
             self._end_period()
-        return StepOutcome(loss, trained=not cut_short, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
     def finish(self) -> None:
         if self._steps_since_sync:

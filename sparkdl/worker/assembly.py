@@ -155,7 +155,7 @@ def run_worker(
         )
         stack.callback(exchange.close)
         optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
-        store = _checkpoint_store(config, stack)
+        store = checkpoint_store(config, stack)
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
         context = strategy_context(
@@ -344,7 +344,7 @@ def _sender(reporter: ProgressReporter) -> Callable[[ProgressUpdate], None]:
     return send
 
 
-def _checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> CheckpointStore | None:
+def checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> CheckpointStore | None:
     if not config.reliability.checkpoint_dir:
         return None
     store = CheckpointStore(config.reliability.checkpoint_dir)

@@ -1,0 +1,235 @@
+"""``ctx``: what ``sparkdl.run`` hands a user's own training function on every worker.
+
+The abilities of the Estimator's loop, opened up: this worker's partition as batches of
+tensors (the same typed inputs, decoders, bad-row checks, epoch cache and prefetch, every
+rank taking the same number of steps per epoch), :meth:`TrainContext.prepare` for any
+models and optimizers under the run's strategy, :meth:`TrainContext.report` for live
+progress and the history, checkpoints a re-run stage resumes from, and the rank, world,
+device and process group for anything else.
+
+Collectives are matched: every rank must call :meth:`~TrainContext.batches` for the same
+epochs and take every batch it yields (a worker whose rows ran out gets filler batches,
+with :attr:`~TrainContext.step_rows` 0, whose gradients count zero), and call
+:meth:`~TrainContext.save_checkpoint` and :meth:`~TrainContext.load_checkpoint` at the
+same points. A rank that does not join waits at most ``collective_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.feed import PartitionFeed
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import BadDataError, ConfigError, SchemaError, agreed
+from sparkdl.services.progress.board import Report
+from sparkdl.services.progress.channel import ProgressReporter
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
+from sparkdl.worker.prepare import Preparer, StepRows
+
+#: What a checkpoint file of a user's loop holds besides the user's state.
+_FORMAT = 1
+
+
+class TrainContext:
+    """One worker's view of a ``sparkdl.run`` (see the module docstring).
+
+    Attributes:
+        rank, world_size: this worker and the number of workers.
+        device: the worker's device (the GPU Spark gave its task, else the CPU).
+        config: the run's settings.
+        history: what :meth:`report` recorded on this worker.
+    """
+
+    def __init__(
+        self,
+        config: SparkDLConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        preparer: Preparer,
+        step: StepRows,
+        control: dist.ProcessGroup | None,
+        feed: PartitionFeed | None = None,
+        filler: Filler | None = None,
+        reporter: ProgressReporter | None = None,
+        checkpoints: CheckpointStore | None = None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.history: list[dict[str, Any]] = []
+        self._preparer, self._step, self._control = preparer, step, control
+        self._feed, self._filler = feed, filler or Filler(None)
+        self._reporter, self._checkpoints = reporter, checkpoints
+        self._counts: list[int] | None = None
+        self._epoch, self._epoch_steps, self._total_steps = 1, 0, -1
+        self._loss_sum, self._samples, self._started = 0.0, 0, time.perf_counter()
+        self.global_step = 0
+
+    # -- who and where ---------------------------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one whose return value and history come back."""
+        return self.rank == 0
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The run's default process group (gloo, or NCCL on GPUs), for your own collectives."""
+        return dist.group.WORLD  # type: ignore[return-value]
+
+    @property
+    def epochs(self) -> range:
+        """``range(1, training.epochs + 1)``: the epochs the run was configured with."""
+        return range(1, self.config.training.epochs + 1)
+
+    # -- data --------------------------------------------------------------------------------
+
+    @property
+    def step_rows(self) -> int:
+        """This worker's rows in the batch :meth:`batches` yielded last (0: a filler)."""
+        return self._step.rows
+
+    def batches(self, epoch: int | None = None) -> Iterator[Batch]:
+        """This worker's batches of one epoch (1-based; default: the one after the last), on
+        its device, ``training.batch_size`` rows each: ``batch.inputs`` (by name; one feature
+        matrix under its input name), ``batch.label``, ``batch.weight``.
+
+        Epoch 1 streams from Spark while it caches; later epochs replay the cache, shuffled
+        per epoch with ``training.seed``. Every rank yields as many batches.
+
+        Raises:
+            ConfigError: the run was given no DataFrame.
+            BadDataError, SchemaError: a bad row on any rank (every rank raises it together).
+        """
+        if self._feed is None:
+            raise ConfigError("ctx.batches: sparkdl.run was given no DataFrame (df=None); pass df=...")
+        epoch = self._epoch + (1 if self._epoch_steps else 0) if epoch is None else epoch
+        self._start_epoch(epoch)
+        batches, source = self._feed.epoch(epoch)
+        sum_ = self._sum
+        coordinator = coordinator_for(source == "spark", self._counts, self.config.training.batch_size, sum_)
+        self._total_steps = coordinator.total_steps
+        iterator = iter(batches)
+        while True:
+            batch, rejected = _next(iterator, coordinator.streaming)
+            rows = 0 if batch is None else len(batch)
+            try:
+                plan = coordinator.next_step(rows, rejected is not None)
+            except InputRejected:
+                raise agreed(rejected or BadDataError("another worker rejected its input")) from rejected
+            if plan is None:
+                break
+            if batch is not None:
+                self._filler.remember(batch)
+            self._step.rows = rows
+            self._step.scale = self.world_size * rows / plan.global_rows
+            self._epoch_steps += 1
+            self.global_step += 1
+            yield (batch if batch is not None else self._filler.batch()).to(self.device)
+        if coordinator.streaming:
+            self._counts = exchange_row_counts(self.rank, self.world_size, self._feed.cached_rows, sum_)
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self._control)
+
+    # -- the models ------------------------------------------------------------------------------
+
+    def prepare(self, *objects: Any) -> Any:
+        """Make models and optimizers ready for the run's strategy (see
+        :mod:`sparkdl.worker.prepare`); returns them in the order given (one object alone
+        when one is given). Call it once per model, on every rank."""
+        prepared = self._preparer.prepare(*objects)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    # -- progress ---------------------------------------------------------------------------------
+
+    def report(self, **metrics: float) -> None:
+        """Record figures of the running step or epoch (``loss=...`` drives the progress
+        bar): kept in the history (rank 0's comes back from the run), and sent to the
+        driver's progress channel at most every ``progress_interval_s``."""
+        record: dict[str, Any] = {"epoch": self._epoch, "step": self.global_step}
+        record.update({k: float(v) for k, v in metrics.items()})
+        self.history.append(record)
+        if "loss" in metrics:
+            self._loss_sum += float(metrics["loss"]) * max(self._step.rows, 1)
+            self._samples += self._step.rows
+        reporter = self._reporter
+        if reporter is not None and reporter.due() and self._epoch <= self.config.training.epochs:
+            reporter.send(
+                Report(
+                    rank=self.rank,
+                    epoch=self._epoch,
+                    attempt=reporter.attempt,
+                    steps=self._epoch_steps,
+                    total_steps=self._total_steps,
+                    samples=self._samples,
+                    loss_sum=self._loss_sum,
+                    seconds=time.perf_counter() - self._started,
+                )
+            )
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch, self._epoch_steps, self._total_steps = epoch, 0, -1
+        self._loss_sum, self._samples, self._started = 0.0, 0, time.perf_counter()
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def save_checkpoint(self, state: Mapping[str, Any], step: int | None = None) -> None:
+        """Save ``state`` (tensors, numbers, strings, lists and dicts of them: what loads with
+        ``weights_only``) as the checkpoint of ``step`` (default: the global step); rank 0
+        writes, every rank calls it. A re-run of the stage resumes from the newest.
+
+        Raises:
+            ConfigError: no ``checkpoint_dir`` was set.
+        """
+        store = self._store()
+        if self.rank == 0:
+            store.save(self.global_step if step is None else step, {"format": _FORMAT, "state": dict(state)})
+        if self.world_size > 1:
+            dist.barrier(group=self._control)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The newest checkpoint's state (the same one on every rank), or None on a fresh
+        start; every rank calls it. Sets :attr:`global_step` to the checkpoint's step.
+
+        Raises:
+            ConfigError: no ``checkpoint_dir`` was set.
+            CheckpointError: the file is not one sparkdl wrote.
+        """
+        store = self._store()
+        latest = store.latest() if self.rank == 0 else None
+        chosen = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.broadcast(chosen, src=0, group=self._control)
+        step = int(chosen.item())
+        if step < 0:
+            return None
+        self.global_step = step
+        return dict(store.load(step)["state"])
+
+    def _store(self) -> CheckpointStore:
+        if self._checkpoints is None:
+            raise ConfigError(
+                "ctx.save_checkpoint / ctx.load_checkpoint need a directory every worker reaches: "
+                "pass checkpoint_dir=... to sparkdl.run"
+            )
+        return self._checkpoints
+
+
+def _next(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, Exception | None]:
+    """The next batch; while streaming, a rejected input is reported (every rank raises it
+    together), not raised on this rank alone."""
+    try:
+        return next(iterator, None), None
+    except (BadDataError, SchemaError) as exc:
+        if not streaming:
+            raise
+        return None, exc

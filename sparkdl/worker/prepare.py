@@ -1,0 +1,239 @@
+"""``ctx.prepare(...)``: a user's own models and optimizers made ready for the run's strategy.
+
+The user's loop keeps calling ``loss.backward()`` and ``optimizer.step()`` as in plain
+PyTorch; the strategy chosen by one setting keeps the workers in sync through the same
+classes the Estimator's loop uses (:mod:`sparkdl.strategies`), each model with its own
+exchange (:func:`~sparkdl.comm.exchange.form_exchange`: compression, hierarchy and shared
+memory as the settings say):
+
+- ``allreduce``: the model comes back wrapped in DDP (its gradient hook the exchange's).
+  Each parameter's gradient is scaled by ``world * rows / global_rows`` of the running
+  step before DDP averages it, so uneven partitions give exactly the mean over every row
+  of the step, as single-process SGD on the union would, and a worker whose rows ran out
+  (stepping on a filler batch, ``rows = 0``) adds nothing.
+- ``weight_averaging``: the model comes back as it is; after every ``sync_every`` steps of
+  its optimizer (a step post-hook), the workers' weights, buffers and optimizer state are
+  averaged, each weighted by the rows it trained since the last average.
+
+A model given without an optimizer (a frozen teacher, an EMA copy) starts from rank 0's
+weights on every worker and is otherwise left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparkdl.comm.exchange import Where, form_exchange
+from sparkdl.comm.hierarchy import HostGroups
+from sparkdl.comm.rendezvous import ProcessGroups
+from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.errors import ConfigError
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
+from sparkdl.worker.teardown import close_strategy
+
+#: The strategies a user's own loop can run with today.
+OWN_LOOP_STRATEGIES = (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING)
+
+
+@dataclass
+class StepRows:
+    """What the feed says of the running step, read by the strategies' hooks.
+
+    Attributes:
+        rows: this worker's rows in the step (1 per step where there is no feed).
+        scale: ``world * rows / global_rows``: this worker's share of the step's gradient.
+    """
+
+    rows: int = 1
+    scale: float = 1.0
+
+
+def check_own_loop_settings(config: SparkDLConfig) -> None:
+    """Refuse, before any task starts, what a user's own loop cannot run with.
+
+    Raises:
+        ConfigError: naming the setting and what to use instead.
+    """
+    strategy = config.training.strategy
+    if strategy not in OWN_LOOP_STRATEGIES:
+        names = ", ".join(repr(s.value) for s in OWN_LOOP_STRATEGIES)
+        raise ConfigError(
+            f"strategy = {strategy.value!r} cannot serve your own training loop yet; use {names} "
+            f"with sparkdl.run, or train with TorchEstimator, which runs {strategy.value!r}"
+        )
+    if config.weight_averaging.wa_backup_workers:
+        raise ConfigError(
+            "wa_backup_workers cannot serve your own training loop (a worker cannot skip steps the "
+            "loop takes itself); set wa_backup_workers = 0"
+        )
+
+
+class Preparer:
+    """Prepares the models and optimizers of one worker's run, once each.
+
+    Args:
+        config: the run's settings.
+        where: this worker's place (rank, world, peers, device).
+        groups: the process groups the workers formed.
+        hierarchy: the two levels of ``runtime.hierarchy`` (None: flat).
+        step: the running step's rows, kept current by the feed.
+        stack: owns what is formed here (exchanges, strategies).
+    """
+
+    def __init__(
+        self,
+        config: SparkDLConfig,
+        where: Where,
+        groups: ProcessGroups,
+        hierarchy: HostGroups | None,
+        step: StepRows,
+        stack: contextlib.ExitStack,
+    ) -> None:
+        self._config, self._where, self._groups, self._hierarchy = config, where, groups, hierarchy
+        self._step = step
+        self._stack = stack
+        self._seen: set[int] = set()
+        self.strategies: list[SyncStrategy] = []
+
+    def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
+        """``objects`` (models and optimizers, in any order) ready for the strategy, returned in
+        the same order: each model on the worker's device (wrapped where the strategy wraps
+        it), each optimizer as it was.
+
+        Raises:
+            ConfigError: something that is neither; a model or optimizer prepared before; an
+                optimizer over none of the models given.
+        """
+        modules = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        self._check(objects, modules, optimizers)
+        owners = _owners(modules, optimizers)
+        wrapped: dict[int, nn.Module] = {}
+        for module in modules:
+            module.to(self._where.device)
+            wrapped[id(module)] = self._ready(module, owners.get(id(module), []))
+        return tuple(wrapped[id(o)] if isinstance(o, nn.Module) else o for o in objects)
+
+    def finish(self) -> None:
+        """The run is over: leave every worker with the same weights (a last average)."""
+        for strategy in self.strategies:
+            strategy.finish()
+
+    def _check(
+        self,
+        objects: Iterable[object],
+        modules: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+    ) -> None:
+        for thing in objects:
+            if not isinstance(thing, (nn.Module, torch.optim.Optimizer)):
+                raise ConfigError(
+                    f"ctx.prepare takes models (torch.nn.Module) and optimizers (torch.optim.Optimizer); "
+                    f"got a {type(thing).__name__}"
+                )
+            if id(thing) in self._seen:
+                raise ConfigError(
+                    f"ctx.prepare was called twice on the same {type(thing).__name__}; prepare each model "
+                    "and optimizer once, and use what it returned"
+                )
+        self._seen.update(id(thing) for thing in objects)
+
+    def _ready(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
+        where = self._where
+        if not optimizers:
+            _from_rank0(module, where.world_size)
+            return module
+        exchange = form_exchange(
+            self._config.runtime,
+            where,
+            self._groups,
+            sum(p.numel() * p.element_size() for p in module.parameters()),
+            True,
+            self._hierarchy,
+        )
+        self._stack.callback(exchange.close)
+        context = StrategyContext(
+            config=self._config,
+            rank=where.rank,
+            world_size=where.world_size,
+            device=where.device,
+            module=module,
+            optimizer=optimizers[0],
+            control_group=self._groups.control,
+            attempt=self._groups.attempt,
+            store=self._groups.store,
+            exchange=exchange,
+        )
+        strategy = create_strategy(context)
+        self._stack.callback(close_strategy, strategy)
+        self.strategies.append(strategy)
+        if isinstance(strategy, WeightAveragingStrategy):
+            _average_every_tau(strategy, optimizers[0], self._step)
+        elif where.world_size > 1:
+            _scale_gradients(module, self._step)
+        return strategy.model
+
+
+def _owners(
+    modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> dict[int, list[torch.optim.Optimizer]]:
+    """Each model's optimizers: those holding its parameters.
+
+    Raises:
+        ConfigError: an optimizer holds parameters of none of the models.
+    """
+    by_parameter = {id(p): id(m) for m in modules for p in m.parameters()}
+    owners: dict[int, list[torch.optim.Optimizer]] = {}
+    for optimizer in optimizers:
+        held = {by_parameter.get(id(p)) for g in optimizer.param_groups for p in g["params"]} - {None}
+        if not held:
+            raise ConfigError(
+                f"ctx.prepare got a {type(optimizer).__name__} over none of the models given with it; "
+                "pass each optimizer together with its model: ctx.prepare(model, optimizer)"
+            )
+        if len(held) > 1:
+            raise ConfigError(
+                f"ctx.prepare got a {type(optimizer).__name__} over the parameters of {len(held)} models; "
+                "give each model its own optimizer, or wrap the models in one nn.Module"
+            )
+        owners.setdefault(held.pop(), []).append(optimizer)  # type: ignore[arg-type]
+    return owners
+
+
+def _from_rank0(module: nn.Module, world_size: int) -> None:
+    """Every worker starts ``module`` from rank 0's weights (as DDP does)."""
+    if world_size > 1:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)
+
+
+def _scale_gradients(module: nn.Module, step: StepRows) -> None:
+    """Scale each parameter's gradient by the step's share before DDP averages it (a tensor
+    hook runs before the gradient is accumulated, so before DDP's hook reads it)."""
+
+    def scaled(grad: torch.Tensor) -> torch.Tensor | None:
+        return None if step.scale == 1.0 else grad * step.scale
+
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            parameter.register_hook(scaled)
+
+
+def _average_every_tau(
+    strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer, step: StepRows
+) -> None:
+    """After each step of ``optimizer``: count it (with the step's rows) toward the next average."""
+    steps = [0]
+
+    def after_step(*_: object) -> None:
+        strategy.local_step_done(steps[0], step.rows)
+        steps[0] += 1
+
+    optimizer.register_step_post_hook(after_step)

@@ -1,0 +1,180 @@
+"""sparkdl.run's worker side (``run_own_loop``) on real gloo process groups, without Spark:
+a user's own loop with ``ctx`` gives the reference answer (single-process SGD on the union
+of every step's rows) under all-reduce and weight averaging, on uneven and empty
+partitions; bad use fails clearly."""
+
+from __future__ import annotations
+
+import io
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.worker.assembly import Placement
+from sparkdl.worker.own_loop import LoopSpec, run_own_loop
+from tests.reference import (
+    make_shards,
+    make_tiny_net,
+    max_abs_diff,
+    reference_sgd,
+    shard_plan,
+    shard_to_batch,
+)
+from tests.unit.test_worker_gloo import _file_all_gather
+from tests.workers import worker_context
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+def plain_loop(ctx, lr: float, momentum: float):
+    """What a user writes: their model, their optimizer, their loss, plain backward and step."""
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, optimizer = ctx.prepare(model, optimizer)
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss=loss.item())
+    inner = getattr(model, "module", model)
+    return inner.state_dict()
+
+
+def _worker(rank, world, shards, spec, store_path, out):
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    x, y = shards[rank]
+    batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
+    try:
+        placement = Placement(rank, world, "127.0.0.1")
+        result = run_own_loop(spec, batches, placement, _file_all_gather(store_path, rank, world))
+        buffer = io.BytesIO()
+        torch.save(result.returned.state_dict or {}, buffer)
+        out.put((rank, buffer.getvalue(), result.history, None))
+    except Exception as exc:  # reported to the test process
+        out.put((rank, b"", [], exc))
+
+
+def run_loop(shards, tmp_path, function, *args, **settings):
+    config = SparkDLConfig().replace(num_workers=len(shards), collective_timeout_s=30.0, **settings)
+    plan, template = shard_plan(shards)
+    spec = LoopSpec(config, cloudpickle.dumps((function, args, {})), function.__name__, plan, template)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ctx = worker_context()
+    out = ctx.Queue()
+    world = len(shards)
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, shards, spec, str(tmp_path / "store"), out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, state, history, error = out.get(timeout=90)
+        results[rank] = (state, history, error)
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def _state(results) -> dict[str, torch.Tensor]:
+    errors = {r: e for r, (_, _, e) in results.items() if e}
+    assert not errors, errors
+    return torch.load(io.BytesIO(results[0][0]), weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "epochs", "shuffle"),
+    [
+        ([64, 64], 2, True),  # equal partitions, epoch 2 replayed and shuffled
+        ([50, 21], 2, False),  # uneven: the short worker steps on fillers that count zero
+        ([40, 0, 17], 2, True),  # a worker without any row
+    ],
+)
+def test_own_loop_with_allreduce_is_single_process_sgd(tmp_path, sizes, epochs, shuffle):
+    shards = make_shards(sizes)
+    results = run_loop(
+        shards, tmp_path, plain_loop, LR, MOMENTUM, batch_size=8, epochs=epochs, shuffle=shuffle
+    )
+    expected = reference_sgd(shards, 8, epochs, 0, LR, MOMENTUM, shuffle)
+    assert max_abs_diff(_state(results), expected) < 1e-5
+    history = results[0][1]
+    steps = max((s + 7) // 8 for s in sizes)
+    assert len(history) == steps * epochs and {h["epoch"] for h in history} == set(range(1, epochs + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[64, 64], [50, 21], [40, 0, 17]])
+def test_own_loop_with_weight_averaging_every_step_is_single_process_sgd(tmp_path, sizes):
+    shards = make_shards(sizes)
+    results = run_loop(
+        shards,
+        tmp_path,
+        plain_loop,
+        LR,
+        0.0,
+        strategy="weight_averaging",
+        sync_every=1,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, 0.0, False)
+    assert max_abs_diff(_state(results), expected) < 1e-5
+
+
+def orphan_optimizer(ctx):
+    return ctx.prepare(make_tiny_net(), torch.optim.SGD(make_tiny_net().parameters(), lr=0.1))
+
+
+def prepares_twice(ctx):
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.prepare(model, optimizer)
+    ctx.prepare(model)
+
+
+def first_failure_wins(ctx):
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in ctx.batches(1):
+        if ctx.rank == 1:
+            raise KeyError("label_map")
+        (x,) = batch.inputs.values()
+        loss = F.cross_entropy(model(x), batch.label)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _driver_error(results):
+    """What the driver raises: the first failure, not a peer's stop (spark/driver.py)."""
+    errors = [e for _, _, e in results.values() if e is not None]
+    assert len(errors) == len(results) and all(e.agreed_by_all_ranks for e in errors)
+    (first,) = [e for e in errors if type(e).__name__ != "PeerStopped"]
+    return first
+
+
+def test_bad_use_fails_clearly(tmp_path):
+    from sparkdl.errors import ConfigError, PeerStopped, TrainFunctionError
+
+    shards = make_shards([16, 16])
+    error = _driver_error(run_loop(shards, tmp_path / "orphan", orphan_optimizer))
+    assert isinstance(error, ConfigError) and "none of the models" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "twice", prepares_twice))
+    assert isinstance(error, ConfigError) and "called twice on the same TinyNet" in str(error)
+    results = run_loop(shards, tmp_path / "first", first_failure_wins, batch_size=4)
+    error_1, error_0 = results[1][2], results[0][2]
+    assert isinstance(error_1, TrainFunctionError) and error_1.python_type == "KeyError"
+    assert "label_map" in error_1.message and "first_failure_wins" in error_1.message
+    assert isinstance(error_0, PeerStopped) and "rank 1 failed first" in error_0.message
