@@ -144,7 +144,8 @@ def _call(spec: LoopSpec, ctx: TrainContext, store: Any) -> Any:
                 PeerStopped(f"rank {ctx.rank} stopped because rank {first} failed first ({exc})")
             ) from exc
         if isinstance(exc, SparkDLError):  # e.g. ctx.prepare's refusal, the same on every rank
-            raise agreed(exc)
+            agreed(exc)
+            raise
         trace = "".join(traceback.format_exception(exc))[-8000:]
         raise agreed(
             TrainFunctionError(
