@@ -31,7 +31,9 @@ _PUBLIC = {
     "advise": "sparkdl.advisor.advise",
     "loading": "sparkdl.ml.persistence",
     "session": "sparkdl.spark.session",
-    "TorchDistributor": "sparkdl.run.distributor",
+    "TorchDistributor": "sparkdl.launch.distributor",
+    "run": "sparkdl.launch.loop",
+    "RunResult": "sparkdl.launch.loop",
     "TrainFunctionError": "sparkdl.errors",
     "RunTimeout": "sparkdl.errors",
 }
@@ -44,6 +46,7 @@ __all__ = [
     "ExecutorEnvironmentError",
     "ModelMismatchError",
     "RendezvousError",
+    "RunResult",
     "RunTimeout",
     "SchemaError",
     "SparkDLConfig",
@@ -57,6 +60,7 @@ __all__ = [
     "advise",
     "load_config",
     "loading",
+    "run",
     "session",
 ]
 
@@ -78,9 +82,10 @@ if TYPE_CHECKING:
         TrainFunctionError,
         TrainingFailedError,
     )
+    from sparkdl.launch.distributor import TorchDistributor
+    from sparkdl.launch.loop import RunResult, run
     from sparkdl.ml.estimator import TorchEstimator, TorchModel
     from sparkdl.ml.persistence import loading
-    from sparkdl.run.distributor import TorchDistributor
     from sparkdl.spark.session import session
 
 

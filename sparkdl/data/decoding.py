@@ -40,6 +40,8 @@ def decode_block(batch: pa.RecordBatch, plan: DataPlan, training: bool = True) -
     label = weight = None
     if plan.transform_fn is not None:
         produced = run_transform(plan, batch, training)
+        for name in plan.not_inputs:  # the label of labelled rows at inference: never an input
+            produced.pop(name, None)
         if plan.label is not None and plan.label.name in produced:
             label = checked_label(produced.pop(plan.label.name), plan.label.name, plan.label_kind)
         if plan.weight is not None and plan.weight.name in produced:

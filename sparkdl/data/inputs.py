@@ -81,6 +81,8 @@ class DataPlan:
         max_sequence_length: sequences longer than this keep their first values (0: no cap).
         cache_transformed: cache transform_fn's output after epoch 1 instead of re-running it.
         validation_col: a boolean column whose true rows are held out to validate, or None.
+        not_inputs: names transform_fn may return that never reach the model (at inference:
+            the label and weight, which it returns when the rows have them, as in training).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -94,6 +96,7 @@ class DataPlan:
     cache_transformed: bool = False
     validation_col: str | None = None
     _takes_training: bool = field(default=False, repr=False)
+    not_inputs: tuple[str, ...] = ()
 
     @property
     def column_names(self) -> list[str]:
@@ -165,6 +168,7 @@ def plan_data(
     transform_fn: TransformFn | None = None,
     cache_transformed: bool = False,
     validation_col: str | None = None,
+    not_inputs: tuple[str, ...] = (),
 ) -> DataPlan:
     """Check the columns against ``schema`` and decide how each is decoded.
 
@@ -203,6 +207,7 @@ def plan_data(
         cache_transformed,
         validation_col or None,
         _takes_training=transform_fn is not None and _takes_training(transform_fn),
+        not_inputs=tuple(n for n in not_inputs if n),
     )
 
 

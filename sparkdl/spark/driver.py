@@ -81,6 +81,7 @@ def plan_inputs(
         transform_fn=transform_fn,
         cache_transformed=data.cache_transformed,
         validation_col=validation_col or None,
+        not_inputs=() if with_label else (data.label_col, data.weight_col),
     )
 
 

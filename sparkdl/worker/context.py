@@ -70,7 +70,8 @@ class TrainContext:
         self._counts: list[int] | None = None
         self._epoch, self._epoch_steps, self._total_steps = 1, 0, -1
         self._loss_sum, self._samples, self._started = 0.0, 0, time.perf_counter()
-        self.global_step = 0
+        self.global_step = 0  # batches yielded by batches(), over every epoch
+        self.resumed_from = 0  # the step of the checkpoint load_checkpoint returned
 
     # -- who and where ---------------------------------------------------------------------
 
@@ -198,7 +199,9 @@ class TrainContext:
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest checkpoint's state (the same one on every rank), or None on a fresh
-        start; every rank calls it. Sets :attr:`global_step` to the checkpoint's step.
+        start; every rank calls it. Sets :attr:`resumed_from` to the checkpoint's step: the
+        loop then consumes the batches of the steps before it without training on them
+        (:attr:`global_step` counts the batches :meth:`batches` yielded, skipped ones too).
 
         Raises:
             ConfigError: no ``checkpoint_dir`` was set.
@@ -212,7 +215,7 @@ class TrainContext:
         step = int(chosen.item())
         if step < 0:
             return None
-        self.global_step = step
+        self.resumed_from = step
         return dict(store.load(step)["state"])
 
     def _store(self) -> CheckpointStore:

@@ -119,9 +119,13 @@ def test_sequences_of_different_lengths_train_padded_with_a_mask_and_predict(spa
 
 
 def _decode_pixels(batch):
-    """transform_fn: raw bytes -> a [N, 1, 4, 4] float image, with noise while training."""
+    """transform_fn: raw bytes -> a [N, 1, 4, 4] float image; the label too, where the rows
+    have one (the docs allow it: the keys other than the label are inputs)."""
     raw = np.frombuffer(b"".join(batch.column("png").to_pylist()), dtype=np.uint8).reshape(-1, 1, 4, 4)
-    return {"image": raw.astype(np.float32) / 255.0}
+    decoded = {"image": raw.astype(np.float32) / 255.0}
+    if "label" in batch.schema.names:
+        decoded["label"] = batch.column("label").to_numpy()
+    return decoded
 
 
 def test_transform_fn_decodes_bytes_on_the_executors_in_fit_and_transform(spark):
@@ -144,6 +148,7 @@ def test_transform_fn_decodes_bytes_on_the_executors_in_fit_and_transform(spark)
     )
     model = est.fit(df)
     assert model.trained_input_shapes == {"image": (1, 4, 4)}
+    # held-out rows that still have their labels: transform leaves the label out, as fit does
     predicted = model.transform(df).select("label", "prediction").toPandas()
     assert float((predicted["label"] == predicted["prediction"]).mean()) > 0.95
 

@@ -181,8 +181,8 @@ def make_program(
     """What every process runs, checked on the driver.
 
     Raises:
-        ConfigError: kwargs for a script; a script that is not there; a function that
-            cannot be pickled (named, with the reason).
+        ConfigError: kwargs for a script; a function that cannot be pickled (named,
+            with the reason).
     """
     if isinstance(train_object, (str, os.PathLike)):
         path = os.fspath(train_object)
@@ -196,18 +196,29 @@ def make_program(
         raise ConfigError(
             f"TorchDistributor.run takes a function or a script path, got {type(train_object).__name__}"
         )
+    name, payload = pickled_call(train_object, args, kwargs, "TorchDistributor.run")
+    return Program(function=payload, name=name)
+
+
+def pickled_call(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], by: str
+) -> tuple[str, bytes]:
+    """``function``'s name, and ``(function, args, kwargs)`` cloudpickled for the workers.
+
+    Raises:
+        ConfigError: it cannot be pickled: named, with the reason and the usual fix.
+    """
     import cloudpickle
 
-    name = getattr(train_object, "__qualname__", repr(train_object))
+    name = getattr(function, "__qualname__", repr(function))
     try:
-        payload = cloudpickle.dumps((train_object, tuple(args), dict(kwargs)))
+        return name, cloudpickle.dumps((function, tuple(args), dict(kwargs)))
     except Exception as exc:
         raise ConfigError(
-            f"TorchDistributor.run cannot send {name} to the training processes: pickling it (with its "
-            f"arguments) failed with {type(exc).__name__}: {exc}. Create what it uses (sessions, locks, "
-            "open files, models on a GPU) inside the function, or pass it as a plain value"
+            f"{by} cannot send {name} to the workers: pickling it (with its arguments) failed with "
+            f"{type(exc).__name__}: {exc}. Create what it uses (sessions, locks, open files, models on a "
+            "GPU) inside the function, or pass it as a plain value"
         ) from exc
-    return Program(function=payload, name=name)
 
 
 def local_gpus(spark: Any, num_processes: int) -> tuple[str, ...]:
@@ -245,7 +256,7 @@ def rank0_value(rows: list[Any], uploaded: dict[str, torch.Tensor] | None) -> An
     if records:
         records.sort(key=lambda r: r.error_type == "PeerStopped")
         raise located(records[0].to_error())
-    lead = sorted((row for row in rows if row["rank"] == 0), key=lambda row: row["seq"])
+    lead = sorted((row for row in rows if row["rank"] == 0 and row["kind"] != "meta"), key=lambda r: r["seq"])
     kind = lead[0]["kind"] if lead else "none"
     data = b"".join(bytes(row["chunk"]) for row in lead)
     if kind == "uploaded":

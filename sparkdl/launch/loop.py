@@ -1,0 +1,163 @@
+"""``sparkdl.run``: your own training function on every worker, with ``ctx``: the
+DataFrame's partition as batches of tensors, ``ctx.prepare`` for any models and optimizers
+under the strategy one setting chooses, ``ctx.report``, checkpoints a re-run resumes from.
+
+The driver's side: check the settings and the DataFrame's columns (as ``fit`` does), open
+the stage's servers, run one barrier task per worker (:mod:`sparkdl.spark.own_loop_task`)
+followed by a shuffle (so that Spark re-runs the stage after a lost worker), and bring
+back rank 0's return value and history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import TransformFn
+from sparkdl.errors import StageStalledError
+from sparkdl.launch.distributor import pickled_call, rank0_value, showing_worker_output
+from sparkdl.spark.attempts import attempt_gate
+from sparkdl.spark.cluster import check_cluster, described, is_connect
+from sparkdl.spark.driver import needs_repartition, plan_inputs, start_progress_channel, translate_failure
+from sparkdl.spark.launch_task import LAUNCH_SCHEMA
+from sparkdl.spark.own_loop_task import META, own_loop_partition
+from sparkdl.spark.preflight import sample_batch
+from sparkdl.spark.resources import training_profile
+from sparkdl.spark.stage_servers import stage_servers
+from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.strategies import check_settings
+from sparkdl.worker.own_loop import LoopSpec
+from sparkdl.worker.prepare import check_own_loop_settings
+
+
+@dataclass
+class RunResult:
+    """What ``sparkdl.run`` brings back.
+
+    Attributes:
+        value: what ``train_fn`` returned on rank 0 (a dict of tensors comes back as tensors,
+            loaded ``weights_only``; anything else cloudpickled).
+        history: rank 0's ``ctx.report`` records, in order.
+        worker_devices: per rank, the device it ran on and its host.
+    """
+
+    value: Any
+    history: list[dict[str, Any]] = field(default_factory=list)
+    worker_devices: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run(
+    train_fn: Callable[..., Any],
+    *args: Any,
+    df: Any = None,
+    num_workers: int = 2,
+    strategy: str = "allreduce",
+    transform_fn: TransformFn | None = None,
+    config: SparkDLConfig | None = None,
+    spark: Any = None,
+    **settings: Any,
+) -> RunResult:
+    """Call ``train_fn(ctx, *args)`` on ``num_workers`` workers, each fed its partition of ``df``.
+
+    Args:
+        train_fn: your training function; its first argument is the worker's
+            :class:`~sparkdl.worker.context.TrainContext`.
+        df: the DataFrame to train on (None: no feed; bring your own data).
+        num_workers: the workers (one barrier task each).
+        strategy: how the prepared models stay in sync: ``"allreduce"`` or ``"weight_averaging"``.
+        transform_fn: decodes what no built-in decoder reads, as for ``TorchEstimator``.
+        config: settings to start from (default: the defaults).
+        spark: the session, where there is no ``df`` (default: the active one).
+        settings: any other setting by name (``batch_size=64``, ``epochs=3``, ``sync_every=8``,
+            ``compression="1bit"``, ``checkpoint_dir=...``, ``feature_cols=[...]``, ...).
+
+    Raises:
+        ConfigError: a setting the own loop cannot run with; a function that cannot be pickled.
+        SchemaError: the DataFrame's columns do not fit the data settings.
+        TrainFunctionError: ``train_fn`` raised (the first rank's error, with its traceback).
+    """
+    config = (config or SparkDLConfig()).replace(num_workers=num_workers, strategy=strategy, **settings)
+    check_own_loop_settings(config)
+    config = check_settings(config)
+    name, payload = pickled_call(train_fn, args, {}, "sparkdl.launch")
+    if spark is None:
+        if df is not None:
+            spark = df.sparkSession
+        else:
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.active()
+    spec = LoopSpec(config, payload, name)
+    if df is not None:
+        label = config.data.label_col if config.data.label_col in df.columns else ""
+        plan = plan_inputs(df, config.data, _label_kind(df, label), transform_fn, with_label=bool(label))
+        sample = sample_batch(df, plan)
+        spec = dataclasses.replace(spec, plan=plan, template=sample.head(2) if sample is not None else None)
+    with showing_worker_output():
+        return _run_stage(spark, df, spec)
+
+
+def _label_kind(df: Any, label: str) -> LabelKind:
+    """Integer labels are class ids (int64); anything else is a real target (float32)."""
+    if not label:
+        return LabelKind.REAL
+    from pyspark.sql.types import IntegralType
+
+    return LabelKind.CLASS_INDEX if isinstance(df.schema[label].dataType, IntegralType) else LabelKind.REAL
+
+
+def _run_stage(spark: Any, df: Any, spec: LoopSpec) -> RunResult:
+    config = spec.config
+    runtime, n = config.runtime, config.training.num_workers
+    connect = is_connect(spark)
+    profile = None if connect else training_profile(spark, runtime.use_gpu)
+    check_cluster(spark, n, runtime.executor_wait_timeout_s, runtime.collective_timeout_s, profile)
+    group = "" if connect else fit_job_group(spark)
+    attempt_started = attempt_gate(spark.sparkContext, group) if group else None
+    with contextlib.ExitStack() as stack:
+        servers = stack.enter_context(
+            stage_servers(spark, group, runtime.collective_timeout_s, runtime.encrypt)
+        )
+        progress = start_progress_channel(spark, config, attempt_started)
+        if progress is not None:
+            stack.callback(progress.stop)
+        spec = dataclasses.replace(
+            spec,
+            weights=servers.weights,
+            meeting=servers.meeting,
+            progress=progress.endpoint() if progress is not None else None,
+        )
+        if df is not None and spec.plan is not None:
+            data = df.select(*spec.plan.column_names)
+            if needs_repartition(data, n, spark):
+                data = data.repartition(n)
+        else:
+            data = spark.range(0, n, 1, n)
+        kwargs = {"profile": profile} if profile is not None else {}
+        stage = data.mapInArrow(
+            functools.partial(own_loop_partition, spec), LAUNCH_SCHEMA, barrier=True, **kwargs
+        )
+        bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
+        silence = progress.silence if progress is not None else None
+        with described(spark, f"sparkdl run: {spec.name} on {n} workers"):
+            try:
+                rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
+            except StageStalledError:
+                raise
+            except Exception as exc:
+                raise translate_failure(exc) from exc
+        value = rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
+        metas = {row["rank"]: json.loads(bytes(row["chunk"])) for row in rows if row["kind"] == META}
+        return RunResult(
+            value,
+            metas.get(0, {}).get("history", []),
+            [metas[r]["device"] for r in sorted(metas)],
+        )
+    raise AssertionError("unreachable")  # pragma: no cover
