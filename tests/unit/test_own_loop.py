@@ -178,3 +178,66 @@ def test_bad_use_fails_clearly(tmp_path):
     assert isinstance(error_1, TrainFunctionError) and error_1.python_type == "KeyError"
     assert "label_map" in error_1.message and "first_failure_wins" in error_1.message
     assert isinstance(error_0, PeerStopped) and "rank 1 failed first" in error_0.message
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def nccl_function(lr: float):
+    """A PySpark-style function: NCCL on the GPU torchrun's environment names."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(3):
+        loss = model(torch.ones(8, 4, device=device)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0" and total.item() == dist_world(), total
+    return model.state_dict()
+
+
+def dist_world() -> float:
+    import os
+
+    return float(os.environ["WORLD_SIZE"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_distributors_local_mode_runs_nccl_on_the_gpu_and_returns_a_state_dict():
+    from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+
+    program = Program(function=cloudpickle.dumps((nccl_function, (0.1,), {})), name="nccl_function")
+    returned = run_local(LaunchSpec(program, 1, use_gpu=True, rendezvous_timeout_s=60), ("0",))
+    assert sorted(returned.state_dict) == ["bias", "weight"]
+    assert returned.state_dict["weight"].device.type == "cpu"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_an_own_loop_on_the_gpu_is_single_process_sgd():
+    shards = make_shards([64])
+    config = SparkDLConfig().replace(
+        num_workers=1, batch_size=8, epochs=2, shuffle=False, use_gpu="true", collective_timeout_s=60.0
+    )
+    plan, template = shard_plan(shards)
+    spec = LoopSpec(config, cloudpickle.dumps((plain_loop, (LR, MOMENTUM), {})), "plain_loop", plan, template)
+    placement = Placement(0, 1, "127.0.0.1", ("0",))
+    result = run_own_loop(spec, iter([shard_to_batch(*shards[0])]), placement, lambda m: [m])
+    assert result.device["device"] == "cuda:0"
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(result.returned.state_dict, expected) < 1e-4
