@@ -77,8 +77,12 @@ def distributor(repeats: int) -> dict[str, Any]:
     spark.range(0, 2, 1, 2).count()  # the Python workers exist before either first call
     pyspark_cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ways = {
-        "sparkdl": lambda: TorchDistributor(2, local_mode=False, use_gpu=False).run(ddp_function, 50, str(ROOT)),
-        "pyspark": lambda: PySparkDistributor(2, local_mode=False, use_gpu=False).run(ddp_function, 50, str(ROOT)),
+        "sparkdl": lambda: TorchDistributor(2, local_mode=False, use_gpu=False).run(
+            ddp_function, 50, str(ROOT)
+        ),
+        "pyspark": lambda: PySparkDistributor(2, local_mode=False, use_gpu=False).run(
+            ddp_function, 50, str(ROOT)
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats + 1):
@@ -123,12 +127,20 @@ def loop(rows: int, epochs: int, repeats: int, device: str) -> dict[str, Any]:
     from sparkdl.worker.own_loop import LoopSpec, run_own_loop
 
     table = make_table(rows)
-    plan = plan_data(table.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX)
-    config = SparkDLConfig().replace(
-        num_workers=1, batch_size=BATCH, epochs=epochs, use_gpu="true" if device == "cuda" else "false",
-        progress=False, preflight=False,
+    plan = plan_data(
+        table.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
     )
-    placement = Placement(0, 1, "127.0.0.1", ("0",) if device == "cuda" else (), torch_threads=os.cpu_count() or 1)
+    config = SparkDLConfig().replace(
+        num_workers=1,
+        batch_size=BATCH,
+        epochs=epochs,
+        use_gpu="true" if device == "cuda" else "false",
+        progress=False,
+        preflight=False,
+    )
+    placement = Placement(
+        0, 1, "127.0.0.1", ("0",) if device == "cuda" else (), torch_threads=os.cpu_count() or 1
+    )
 
     def estimator() -> None:
         spec = TrainSpec(config, make_model, make_optimizer, "cross_entropy", plan)

@@ -69,7 +69,8 @@ class TrainContext:
         self._reporter, self._checkpoints = reporter, checkpoints
         self._counts: list[int] | None = None
         self._epoch, self._epoch_steps, self._total_steps = 1, 0, -1
-        self._loss_sum, self._samples, self._started = 0.0, 0, time.perf_counter()
+        self._loss_sum, self._loss_rows, self._samples = 0.0, 0, 0
+        self._started = time.perf_counter()
         self.global_step = 0  # batches yielded by batches(), over every epoch
         self.resumed_from = 0  # the step of the checkpoint load_checkpoint returned
 
@@ -132,6 +133,7 @@ class TrainContext:
             self._step.rows = rows
             self._step.scale = self.world_size * rows / plan.global_rows
             self._epoch_steps += 1
+            self._samples += rows
             self.global_step += 1
             yield (batch if batch is not None else self._filler.batch()).to(self.device)
         if coordinator.streaming:
@@ -159,9 +161,10 @@ class TrainContext:
         record: dict[str, Any] = {"epoch": self._epoch, "step": self.global_step}
         record.update({k: float(v) for k, v in metrics.items()})
         self.history.append(record)
-        if "loss" in metrics:
-            self._loss_sum += float(metrics["loss"]) * max(self._step.rows, 1)
-            self._samples += self._step.rows
+        if "loss" in metrics:  # the bar's loss: the mean of the reported losses, by their rows
+            rows = max(self._step.rows, 1)
+            self._loss_sum += float(metrics["loss"]) * rows
+            self._loss_rows += rows
         reporter = self._reporter
         if reporter is not None and reporter.due() and self._epoch <= self.config.training.epochs:
             reporter.send(
@@ -172,14 +175,15 @@ class TrainContext:
                     steps=self._epoch_steps,
                     total_steps=self._total_steps,
                     samples=self._samples,
-                    loss_sum=self._loss_sum,
+                    loss_sum=self._loss_sum / max(self._loss_rows, 1) * self._samples,
                     seconds=time.perf_counter() - self._started,
                 )
             )
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._epoch_steps, self._total_steps = epoch, 0, -1
-        self._loss_sum, self._samples, self._started = 0.0, 0, time.perf_counter()
+        self._loss_sum, self._loss_rows, self._samples = 0.0, 0, 0
+        self._started = time.perf_counter()
 
     # -- checkpoints --------------------------------------------------------------------------------
 

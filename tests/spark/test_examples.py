@@ -55,3 +55,10 @@ def test_the_sequence_classifier_learns_sentiment_from_padded_token_ids(spark):
     assert figures["train_rows"] + figures["test_rows"] == 1500
     assert figures["model_inputs"] == ["tokens", "tokens_mask"]
     assert figures["accuracy"] > 0.9, figures
+
+
+def test_the_gan_trains_two_models_from_a_dataframe_with_weight_averaging(spark):
+    figures = load_example("gan_digits").main(spark, epochs=12, progress=False)
+    assert figures["rows"] == 1797
+    # the generated digits' per-pixel mean and spread move toward the real ones'
+    assert figures["moment_distance_after"] < 0.5 * figures["moment_distance_before"], figures
