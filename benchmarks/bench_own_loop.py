@@ -1,7 +1,7 @@
 """Your own loop: what sparkdl's TorchDistributor and ``sparkdl.run`` cost.
 
-    .venv/bin/python benchmarks/bench_own_loop.py distributor [--repeats 4]
-    .venv/bin/python benchmarks/bench_own_loop.py loop [--rows 100000] [--epochs 3] [--repeats 3] [--device cuda]
+    .venv/bin/python benchmarks/bench_own_loop.py distributor [--repeats 3]
+    .venv/bin/python benchmarks/bench_own_loop.py loop [--rows 100000] [--epochs 3] [--device cuda]
 
 ``distributor``: one training function (PySpark's docstring example filled in: DDP on
 gloo, the benchmark MLP, 50 steps of batch 128 on generated data, rank 0 returns the
