@@ -182,3 +182,57 @@ def test_what_cannot_be_pickled_is_named_before_any_task(spark: Any) -> None:
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(holds_a_lock)
     with pytest.raises(ConfigError, match="command-line arguments"):
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run("train.py", lr=0.1)
+
+
+def lightning_train(epochs: int) -> dict[str, Any]:
+    """PySpark's docstring Lightning example on CPU: devices=1, num_nodes=num_processes, ddp."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 4)
+    data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]))
+    model = Regression()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy="ddp",
+        max_epochs=epochs,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    return {
+        "world_size": trainer.world_size,
+        "global_rank": trainer.global_rank,
+        "loss": float(trainer.callback_metrics["train_loss"]),
+        "weight": model.layer.weight.detach().clone(),
+    }
+
+
+def test_a_lightning_trainer_runs_unchanged_inside_run(spark: Any) -> None:
+    pytest.importorskip("lightning")
+    from sparkdl import TorchDistributor
+
+    result = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(lightning_train, 20)
+    assert result["world_size"] == 2 and result["global_rank"] == 0
+    assert result["loss"] < 0.05, result  # it learned y = x @ (1, -2, 0.5, 3)
+    torch.testing.assert_close(result["weight"], torch.tensor([[1.0, -2.0, 0.5, 3.0]]), atol=0.1, rtol=0)

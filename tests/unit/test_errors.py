@@ -35,6 +35,9 @@ def sample(cls: type[SparkDLError]) -> SparkDLError:
         "causes": {1: "RuntimeError: boom", 3: "x"},
         "setting": "runtime.collective_timeout_s",
         "limit_s": 60.0,
+        "python_type": "KeyError",
+        "exit_code": 3,
+        "output_tail": "Traceback ...\nKeyError: 'label_map'",
     }
     return cls(f"{cls.__name__} happened", *(values[name] for name in cls.fields))
 
@@ -136,6 +139,7 @@ def test_every_timeout_shares_one_base_that_names_the_setting_to_raise():
         "CollectiveTimeout",
         "PsTimeoutError",
         "StageStalledError",
+        "RunTimeout",
     }
     # each is also of its kind: a handler of RendezvousError or CollectiveError catches its timeout
     assert issubclass(errors.RendezvousTimeout, errors.RendezvousError)
