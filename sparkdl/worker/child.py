@@ -66,6 +66,29 @@ def save_error(directory: str, error: BaseException) -> None:
     _write(directory, ERROR_FILE, lambda out: out.write(json.dumps(record).encode()))
 
 
+def claim_failure() -> None:
+    """Claim the run's failure in the agents' store (``MASTER_ADDR:MASTER_PORT``) unless a
+    rank did first: the others' errors, which follow this process's exit, are then known as
+    echoes. Best effort, bounded: the agent claims it too when it sees this process exit."""
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from sparkdl.worker.launcher import FAILED_KEY
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            None,
+            is_master=False,
+            timeout=timedelta(seconds=5),
+        )
+        store.compare_set(FAILED_KEY, "", os.environ["RANK"])
+    except Exception:
+        pass
+
+
 def main(directory: str) -> int:
     import cloudpickle
 
@@ -77,6 +100,7 @@ def main(directory: str) -> int:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             value = None
         else:
+            claim_failure()  # first: before this process's sockets close and fail the others
             traceback.print_exc()
             save_error(directory, exc)
             return exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1

@@ -8,8 +8,9 @@ progress and the history, checkpoints a re-run stage resumes from, and the rank,
 device and process group for anything else.
 
 Collectives are matched: every rank must call :meth:`~TrainContext.batches` for the same
-epochs and take every batch it yields (a worker whose rows ran out gets filler batches,
-with :attr:`~TrainContext.step_rows` 0, whose gradients count zero), and call
+epochs and take every batch it yields (under all-reduce a worker whose rows ran out gets
+filler batches, with :attr:`~TrainContext.step_rows` 0, whose gradients count zero; under
+weight averaging it sits the rest of the epoch out), and call
 :meth:`~TrainContext.save_checkpoint` and :meth:`~TrainContext.load_checkpoint` at the
 same points. A rank that does not join waits at most ``collective_timeout_s``.
 """
@@ -71,7 +72,8 @@ class TrainContext:
         self._epoch, self._epoch_steps, self._total_steps = 1, 0, -1
         self._loss_sum, self._loss_rows, self._samples = 0.0, 0, 0
         self._started = time.perf_counter()
-        self.global_step = 0  # batches yielded by batches(), over every epoch
+        self.global_step = 0  # steps of batches(), over every epoch: the same count on every rank
+        self._open_epoch = 0  # the epoch whose batches() has not reached its end
         self.resumed_from = 0  # the step of the checkpoint load_checkpoint returned
 
     # -- who and where ---------------------------------------------------------------------
@@ -95,7 +97,9 @@ class TrainContext:
 
     @property
     def step_rows(self) -> int:
-        """This worker's rows in the batch :meth:`batches` yielded last (0: a filler)."""
+        """This worker's rows in the batch :meth:`batches` yielded last (0: a filler, which
+        only all-reduce yields: under weight averaging a worker whose rows ran out sits the
+        rest of the epoch out)."""
         return self._step.rows
 
     def batches(self, epoch: int | None = None) -> Iterator[Batch]:
@@ -112,32 +116,49 @@ class TrainContext:
         """
         if self._feed is None:
             raise ConfigError("ctx.batches: sparkdl.run was given no DataFrame (df=None); pass df=...")
+        if self._open_epoch:
+            raise agreed(
+                ConfigError(
+                    f"rank {self.rank}: ctx.batches({self._open_epoch}) was left before its last batch; "
+                    "every rank must take every batch of an epoch (the workers step together): do not "
+                    "break out of it, skip the rest of the loop body instead"
+                )
+            )
         epoch = self._epoch + (1 if self._epoch_steps else 0) if epoch is None else epoch
         self._start_epoch(epoch)
+        self._open_epoch = epoch
         batches, source = self._feed.epoch(epoch)
         sum_ = self._sum
         coordinator = coordinator_for(source == "spark", self._counts, self.config.training.batch_size, sum_)
         self._total_steps = coordinator.total_steps
         iterator = iter(batches)
-        while True:
-            batch, rejected = _next(iterator, coordinator.streaming)
-            rows = 0 if batch is None else len(batch)
-            try:
-                plan = coordinator.next_step(rows, rejected is not None)
-            except InputRejected:
-                raise agreed(rejected or BadDataError("another worker rejected its input")) from rejected
-            if plan is None:
-                break
-            if batch is not None:
-                self._filler.remember(batch)
-            self._step.rows = rows
-            self._step.scale = self.world_size * rows / plan.global_rows
-            self._epoch_steps += 1
-            self._samples += rows
-            self.global_step += 1
-            yield (batch if batch is not None else self._filler.batch()).to(self.device)
+        try:
+            while True:
+                batch, rejected = _next(iterator, coordinator.streaming)
+                rows = 0 if batch is None else len(batch)
+                try:
+                    plan = coordinator.next_step(rows, rejected is not None)
+                except InputRejected:
+                    raise agreed(rejected or BadDataError("another worker rejected its input")) from rejected
+                if plan is None:
+                    break
+                self.global_step += 1
+                if batch is not None:
+                    self._filler.remember(batch)
+                elif not self._preparer.needs_fillers:  # weight averaging: this worker sits the step out
+                    self._preparer.step_done(self.global_step - 1, 0)
+                    continue
+                self._step.rows = rows
+                self._step.scale = self.world_size * rows / plan.global_rows
+                self._epoch_steps += 1
+                self._samples += rows
+                yield (batch if batch is not None else self._filler.batch()).to(self.device)
+                self._preparer.step_done(self.global_step - 1, rows)
+        finally:  # a backward outside the feed (an evaluation) is not scaled
+            self._step.rows, self._step.scale = 1, 1.0
         if coordinator.streaming:
             self._counts = exchange_row_counts(self.rank, self.world_size, self._feed.cached_rows, sum_)
+        self._open_epoch = 0
 
     def _sum(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
@@ -205,7 +226,8 @@ class TrainContext:
         """The newest checkpoint's state (the same one on every rank), or None on a fresh
         start; every rank calls it. Sets :attr:`resumed_from` to the checkpoint's step: the
         loop then consumes the batches of the steps before it without training on them
-        (:attr:`global_step` counts the batches :meth:`batches` yielded, skipped ones too).
+        (:attr:`global_step` counts the steps of :meth:`batches`, skipped ones too: compare
+        it with :attr:`resumed_from` after each batch).
 
         Raises:
             ConfigError: no ``checkpoint_dir`` was set.

@@ -47,7 +47,11 @@ TAIL_LINES = 20
 #: Characters of one relayed output line (a progress bar can write very long ones).
 MAX_LINE_CHARS = 2000
 
-_FAILED_KEY = "sparkdl/launch/failed"
+#: The store key the first failing rank claims (its rank), written by the child itself where
+#: it can (:mod:`sparkdl.worker.child`), else by its agent.
+FAILED_KEY = "sparkdl/launch/failed"
+#: Set by rank 0's agent once its child succeeded: the store vanishing after it is no loss.
+_LEAD_DONE_KEY = "sparkdl/launch/lead-done"
 
 
 @dataclass(frozen=True)
@@ -156,34 +160,51 @@ def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class FailureBoard:
     """Where the agents of one run say that a child failed, and look for it.
 
+    The store is PyTorch's ``TCPStore``, which authenticates nothing: a value that is not
+    a rank of the run is ignored, so a stranger's write cannot blame a rank.
+
     Args:
-        store: the agent store (a client or the server), or None for a run whose every
-            child this agent supervises itself (local mode).
+        store: the agent store (a client or the server).
+        world_size: the ranks of the run.
     """
 
-    def __init__(self, store: dist.Store | None) -> None:
+    def __init__(self, store: dist.Store, world_size: int) -> None:
         self._store = store
+        self._world_size = world_size
+        self._lead_done = False
 
-    def mark(self, rank: int) -> None:
-        """Rank ``rank``'s child failed: stop the others (the first mark wins)."""
-        if self._store is None:
-            return
+    def mark(self, rank: int) -> int:
+        """Rank ``rank``'s child failed: claim the failure unless a rank did first (its child,
+        or another agent); return the rank that failed first."""
         try:
-            self._store.compare_set(_FAILED_KEY, "", str(rank))
+            first = self._rank(self._store.compare_set(FAILED_KEY, "", str(rank)))
         except RuntimeError as exc:  # the store's host is gone: the others find out alike
             log.debug("could not mark rank %d failed in the store: %s", rank, exc)
+            return rank
+        return rank if first is None else first
 
     def failed(self) -> int | None:
-        """The rank another agent marked failed, or None; -1 when the store is gone (its
-        agent, rank 0's task, was lost)."""
-        if self._store is None:
-            return None
+        """The rank that failed first, or None; -1 when the store is gone before rank 0's
+        child succeeded (its agent, rank 0's task, was lost)."""
         try:
-            if not self._store.check([_FAILED_KEY]):
+            if not self._store.check([FAILED_KEY]):
+                if not self._lead_done:
+                    self._lead_done = self._store.check([_LEAD_DONE_KEY])
                 return None
-            return int(self._store.get(_FAILED_KEY).decode() or -1)
-        except (RuntimeError, ValueError):
-            return -1
+            return self._rank(self._store.get(FAILED_KEY))
+        except RuntimeError:
+            return None if self._lead_done else -1
+
+    def lead_done(self) -> None:
+        """Rank 0's child succeeded (called by its agent)."""
+        self._store.set(_LEAD_DONE_KEY, "1")
+
+    def _rank(self, value: bytes) -> int | None:
+        try:
+            rank = int(value.decode())
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return rank if 0 <= rank < self._world_size else None
 
 
 @dataclass
@@ -268,35 +289,47 @@ class Child:
     def poll(self) -> int | None:
         return self.process.poll()
 
-    def stop(self, grace_s: float = TERMINATE_GRACE_S) -> int:
-        """SIGTERM to its process group, SIGKILL after ``grace_s``; its exit status."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+    def stop(self, grace_s: float = TERMINATE_GRACE_S) -> None:
+        """SIGTERM to its process group; SIGKILL after ``grace_s``."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             if self.process.poll() is not None:
-                break
+                return
+            _signal_group(self.process.pid, sig)
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait_s)
+                self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 continue
-        return self.process.wait(grace_s)
 
     def outcome(self, stopped_for: int | None = None) -> Outcome:
-        """Its outcome, once it exited (the relays drain what it wrote last)."""
-        code = self.process.wait(TERMINATE_GRACE_S)
+        """Its outcome, once it exited: what is left of its process group (processes it
+        started) is killed, and the relays drain what it wrote last."""
+        try:
+            code = self.process.wait(TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process.pid, signal.SIGKILL)
+            code = self.process.wait()
+        _signal_group(self.process.pid, signal.SIGKILL)
         for relay in self._relays:
             relay.join(2.0)
         return Outcome(self.rank, code, stopped_for, list(self._tail), time.monotonic() - self.started)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def supervise(
     children: Sequence[Child], board: FailureBoard, timeout_s: float | None = None
 ) -> list[Outcome]:
     """Wait for every child; on the first failure (here or, through ``board``, at another
-    agent) stop the rest. Bounded by ``timeout_s`` when given (then every child is
-    stopped and marked ``stopped_for = rank`` of none: -2).
+    agent) stop the rest. Bounded by ``timeout_s`` when given (then every child still
+    running is stopped, ``stopped_for = TIMED_OUT``).
+
+    A child that failed after another rank's claim is recorded as stopped for that rank:
+    its error is most likely the first one's echo (a collective cut short).
 
     Returns:
         one outcome per child, in the order given.
@@ -306,14 +339,16 @@ def supervise(
     running = {child.rank: child for child in children}
     while running:
         for rank, child in list(running.items()):
+            if rank not in running:  # stopped with the others in this pass
+                continue
             code = child.poll()
             if code is None:
                 continue
-            outcomes[rank] = child.outcome()
             del running[rank]
-            if code != 0:
-                board.mark(rank)
-                _stop_all(running, outcomes, rank)
+            first = board.mark(rank) if code != 0 else None
+            outcomes[rank] = child.outcome(stopped_for=None if first in (None, rank) else first)
+            if first is not None:
+                _stop_all(running, outcomes, first)
         if not running:
             break
         other = board.failed()
@@ -331,23 +366,38 @@ TIMED_OUT = -2
 
 
 def _stop_all(running: dict[int, Child], outcomes: dict[int, Outcome], cause: int) -> None:
-    stoppers = [threading.Thread(target=child.stop, daemon=True) for child in running.values()]
+    """Stop every running child but rank ``cause``'s own (it claimed the failure and is
+    exiting: stopping it could cut its error report short), and record their outcomes."""
+    others = [child for rank, child in running.items() if rank != cause]
+    stoppers = [threading.Thread(target=child.stop, daemon=True) for child in others]
     for stopper in stoppers:
         stopper.start()
     for stopper in stoppers:
-        stopper.join(2 * TERMINATE_GRACE_S + 1)
+        stopper.join(2 * TERMINATE_GRACE_S + 5)
     for rank, child in list(running.items()):
-        outcomes[rank] = child.outcome(stopped_for=cause)
+        outcomes[rank] = child.outcome(stopped_for=None if rank == cause else cause)
         del running[rank]
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, resolved now: loading a library between fork and exec, while other
+    threads of the agent run, could deadlock the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl  # type: ignore[no-any-return]
+    except OSError:
+        return None
+
+
+_PRCTL = _prctl()
+_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Ask Linux to SIGKILL the child when the agent that launched it dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def child_environment(slot: Slot, rendezvous: Rendezvous, extra: Mapping[str, str] = ()) -> dict[str, str]:  # type: ignore[assignment]

@@ -30,7 +30,7 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import PeerStopped, SparkDLError, TrainFunctionError, agreed
+from sparkdl.errors import PeerStopped, SparkDLError, TrainFunctionError, WeightTransferError, agreed
 from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, reporting_to_driver
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -125,7 +125,10 @@ def run_own_loop(
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         value = _call(spec, ctx, groups.store)
         preparer.finish()
-        returned = returned_value(value, spec.weights) if rank == 0 else Returned()
+        try:
+            returned = returned_value(value, spec.weights) if rank == 0 else Returned()
+        except WeightTransferError as exc:  # training is done: a re-run would not bring it back
+            raise agreed(exc) from exc
         where_ = {"device": str(device), "gpus": list(placement.gpu_addresses), "host": placement.host}
         return LoopResult(returned, ctx.history if rank == 0 else [], where_)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -137,7 +140,9 @@ def _call(spec: LoopSpec, ctx: TrainContext, store: Any) -> Any:
     function, args, kwargs = cloudpickle.loads(spec.function)
     try:
         return function(ctx, *args, **kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit in the function is its failure too
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return None
         first = _claim_failure(store, ctx.rank)
         if first != ctx.rank:
             raise agreed(

@@ -12,8 +12,10 @@ memory as the settings say):
   of the step, as single-process SGD on the union would, and a worker whose rows ran out
   (stepping on a filler batch, ``rows = 0``) adds nothing.
 - ``weight_averaging``: the model comes back as it is; after every ``sync_every`` steps of
-  its optimizer (a step post-hook), the workers' weights, buffers and optimizer state are
-  averaged, each weighted by the rows it trained since the last average.
+  ``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
+  weighted by the rows its optimizer trained since the last average (an optimizer step
+  post-hook says which steps it took). A worker whose rows ran out takes no step: its
+  weight in the next average is the rows it did train.
 
 A model given without an optimizer (a frozen teacher, an EMA copy) starts from rank 0's
 weights on every worker and is otherwise left alone.
@@ -100,6 +102,19 @@ class Preparer:
         self._stack = stack
         self._seen: set[int] = set()
         self.strategies: list[SyncStrategy] = []
+        self._periods: list[_Period] = []
+
+    @property
+    def needs_fillers(self) -> bool:
+        """Whether a worker whose rows ran out must still step (on a filler batch): under
+        all-reduce every step is a collective; weight averaging's steps are local."""
+        return self._config.training.strategy is not Strategy.WEIGHT_AVERAGING
+
+    def step_done(self, step: int, rows: int) -> None:
+        """Step ``step`` of ``ctx.batches`` is over on this worker, which had ``rows`` rows in
+        it (0: none): every weight-averaged model counts it toward its next average."""
+        for period in self._periods:
+            period.step_done(step, rows)
 
     def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
         """``objects`` (models and optimizers, in any order) ready for the strategy, returned in
@@ -174,7 +189,12 @@ class Preparer:
         self._stack.callback(close_strategy, strategy)
         self.strategies.append(strategy)
         if isinstance(strategy, WeightAveragingStrategy):
-            _average_every_tau(strategy, optimizers[0], self._step)
+            if len(optimizers) > 1:
+                raise ConfigError(
+                    f"ctx.prepare got {len(optimizers)} optimizers over one {type(module).__name__}; weight "
+                    "averaging averages one optimizer's state with the model: give the model one optimizer"
+                )
+            self._periods.append(_Period(strategy, optimizers[0]))
         elif where.world_size > 1:
             _scale_gradients(module, self._step)
         return strategy.model
@@ -216,24 +236,36 @@ def _from_rank0(module: nn.Module, world_size: int) -> None:
 
 def _scale_gradients(module: nn.Module, step: StepRows) -> None:
     """Scale each parameter's gradient by the step's share before DDP averages it (a tensor
-    hook runs before the gradient is accumulated, so before DDP's hook reads it)."""
+    hook runs before the gradient is accumulated, so before DDP's hook reads it). A filler's
+    gradient becomes zeros, not ``0 * g``, which an infinite value would turn into NaN."""
 
     def scaled(grad: torch.Tensor) -> torch.Tensor | None:
-        return None if step.scale == 1.0 else grad * step.scale
+        if step.scale == 1.0:
+            return None
+        return torch.zeros_like(grad) if step.scale == 0.0 else grad * step.scale
 
     for parameter in module.parameters():
         if parameter.requires_grad:
             parameter.register_hook(scaled)
 
 
-def _average_every_tau(
-    strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer, step: StepRows
-) -> None:
-    """After each step of ``optimizer``: count it (with the step's rows) toward the next average."""
-    steps = [0]
+class _Period:
+    """A weight-averaged model's count toward its next average: the steps of ``ctx.batches``
+    (the same on every rank, whether its optimizer stepped or not: a skipped step, e.g. by
+    an fp16 scaler, never puts the ranks out of step), and the rows its optimizer trained."""
 
-    def after_step(*_: object) -> None:
-        strategy.local_step_done(steps[0], step.rows)
-        steps[0] += 1
+    def __init__(self, strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer) -> None:
+        self._strategy = strategy
+        self._stepped = False
+        self._pending_rows = 0  # rows since the optimizer's last step (accumulated gradients)
+        optimizer.register_step_post_hook(self._after_step)
 
-    optimizer.register_step_post_hook(after_step)
+    def _after_step(self, *_: object) -> None:
+        self._stepped = True
+
+    def step_done(self, step: int, rows: int) -> None:
+        self._pending_rows += rows
+        trained = self._pending_rows if self._stepped else 0
+        if self._stepped:
+            self._pending_rows, self._stepped = 0, False
+        self._strategy.local_step_done(step, trained)

@@ -36,7 +36,14 @@ import torch
 
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.rendezvous import AllGather, probe_peers
-from sparkdl.errors import PeerStopped, RunTimeout, SparkDLError, TrainFunctionError, agreed
+from sparkdl.errors import (
+    PeerStopped,
+    RunTimeout,
+    SparkDLError,
+    TrainFunctionError,
+    WeightTransferError,
+    agreed,
+)
 from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -164,15 +171,20 @@ def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Ret
         slot = Slot(place.rank, place.world_size, 0, 1, place.rank, place.world_size, gpus, place.threads)
         env = child_environment(slot, rendezvous)
         child = _launch(spec.program, place.rank, env, directory, _relay_to(reporter))
-        board = FailureBoard(store)
+        board = FailureBoard(store, place.world_size)
         (outcome,) = supervise([child], board, spec.timeout_s)
         _say_done(store)
         if hosted is not None:  # the others may still use the store, or must see a failure mark
+            if outcome.ok:
+                board.lead_done()
             _await_everyone(store, place.world_size, spec.rendezvous_timeout_s)
         raise_failure(outcome, spec, directory)
         if place.rank != 0 or spec.program.script:
             return Returned()
-        return _returned(directory, spec.weights)
+        try:
+            return _returned(directory, spec.weights)
+        except WeightTransferError as exc:  # training is done: a re-run would not bring it back
+            raise agreed(exc) from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -374,7 +386,7 @@ def run_local(spec: LaunchSpec, gpus: Sequence[str] | None, host: str = "127.0.0
             for started in children:
                 started.stop()
             raise
-        outcomes = supervise(children, FailureBoard(None), spec.timeout_s)
+        outcomes = supervise(children, FailureBoard(hosted.store, n), spec.timeout_s)
         errors = [failure(o, spec, directories[o.rank]) for o in outcomes]
         first = _first_failure(outcomes, errors)
         if first is not None:

@@ -37,10 +37,9 @@ def resumable_loop(ctx: Any, fail_marker: str = "") -> dict[str, torch.Tensor]:
             optimizer.load_state_dict(state["optimizer"])
             done = ctx.resumed_from
             ctx.report(resumed_from=done)
-    step = 0
     for epoch in ctx.epochs:
         for batch in ctx.batches(epoch):
-            step += 1
+            step = ctx.global_step  # the same on every rank
             if step <= done:
                 continue  # taken before the failure: its batch is only consumed
             if fail_marker and ctx.rank == 1 and step == 3 and not os.path.exists(fail_marker):

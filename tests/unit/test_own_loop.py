@@ -133,6 +133,31 @@ def test_own_loop_with_weight_averaging_every_step_is_single_process_sgd(tmp_pat
     assert max_abs_diff(_state(results), expected) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[50, 21], [40, 0, 17]])
+def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_averaging(tmp_path, sizes):
+    """tau > 1 on uneven partitions: a worker whose rows ran out sits the steps out and weighs
+    what it trained, as in the Estimator's loop (no filler updates in the average)."""
+    from tests.unit.test_worker_gloo import run_workers
+
+    shards = make_shards(sizes)
+    settings = dict(strategy="weight_averaging", sync_every=4, batch_size=8, epochs=2, shuffle=True)
+    results = run_loop(shards, tmp_path / "own", plain_loop, LR, MOMENTUM, **settings)
+    estimator, _ = run_workers(shards, tmp_path / "estimator", **settings)
+    assert max_abs_diff(_state(results), estimator) < 1e-5
+
+
+def breaks_early(ctx):
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            F.cross_entropy(model(x), batch.label).backward()
+            optimizer.step()
+            break
+
+
 def orphan_optimizer(ctx):
     return ctx.prepare(make_tiny_net(), torch.optim.SGD(make_tiny_net().parameters(), lr=0.1))
 
@@ -173,6 +198,8 @@ def test_bad_use_fails_clearly(tmp_path):
     assert isinstance(error, ConfigError) and "none of the models" in str(error)
     error = _driver_error(run_loop(shards, tmp_path / "twice", prepares_twice))
     assert isinstance(error, ConfigError) and "called twice on the same TinyNet" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "break", breaks_early, batch_size=4, epochs=2))
+    assert isinstance(error, ConfigError) and "ctx.batches(1) was left before its last batch" in str(error)
     results = run_loop(shards, tmp_path / "first", first_failure_wins, batch_size=4)
     error_1, error_0 = results[1][2], results[0][2]
     assert isinstance(error_1, TrainFunctionError) and error_1.python_type == "KeyError"
@@ -241,3 +268,32 @@ def test_an_own_loop_on_the_gpu_is_single_process_sgd():
     assert result.device["device"] == "cuda:0"
     expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
     assert max_abs_diff(result.returned.state_dict, expected) < 1e-4
+
+
+# --------------------------------------------------------------------------- the distributor's agent
+
+
+def raises_on(rank: int, delay_s: float = 0.0):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if int(os.environ["RANK"]) == rank:
+        time.sleep(delay_s)
+        raise ValueError(f"bad shard on rank {rank}")
+    dist.all_reduce(torch.ones(1))  # the others wait here for the failing rank: an echo follows
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_local_mode_blames_the_rank_that_failed_first_not_its_echoes(failing):
+    from sparkdl.errors import TrainFunctionError
+    from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+
+    program = Program(function=cloudpickle.dumps((raises_on, (failing, 0.5), {})), name="raises_on")
+    with pytest.raises(TrainFunctionError) as caught:
+        run_local(LaunchSpec(program, 2, rendezvous_timeout_s=30), ())
+    assert caught.value.rank == failing and caught.value.python_type == "ValueError"
+    assert f"bad shard on rank {failing}" in caught.value.message
