@@ -8,7 +8,7 @@ environment in the training processes (torchrun's: ``MASTER_ADDR``, ``MASTER_POR
 ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_*``, the
 task's GPU as ``CUDA_VISIBLE_DEVICES``), and rank 0's return value back. What differs is
 listed in docs/guide/own-loop.md; in short: no port race, every wait bounded, the first
-failure stops every rank within a second and comes back typed with its rank and its
+failure stops every rank (noticed within 0.2 s) and comes back typed with its rank and its
 traceback, a killed worker makes Spark re-run the stage, the processes' output reaches the
 driver, and a returned state dict travels without pickle or the JVM.
 """

@@ -111,7 +111,7 @@ def gather_for(
     """How the ranks meet: at the driver's store when the stage opened one (``meeting``),
     else through Spark's barrier ``allGather`` (which polls every second: 1 s more per stage)."""
     if meeting is None:
-        return ctx.allGather  # type: ignore[no-any-return]
+        return ctx.allGather
     return gather_at(meeting, task_attempt, rank, world_size, timeout_s)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import BadDataError, ConfigError, SchemaError, agreed
+from sparkdl.errors import BadDataError, ConfigError, SchemaError, SparkDLError, agreed
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
@@ -253,7 +253,7 @@ class TrainContext:
         return self._checkpoints
 
 
-def _next(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, Exception | None]:
+def _next(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
     """The next batch; while streaming, a rejected input is reported (every rank raises it
     together), not raised on this rank alone."""
     try:

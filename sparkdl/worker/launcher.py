@@ -10,7 +10,7 @@ How it differs from torchrun, on purpose:
   barrier task, or the driver in local mode) on a socket bound with port 0 before any
   child starts, and the children join it as clients (``TORCHELASTIC_USE_AGENT_STORE``):
   there is no "pick a free port, close it, let rank 0 rebind it" race.
-- A child that fails stops every other child of the run within a second: the failing
+- A child that fails stops every other child of the run once noticed (every 0.2 s): the failing
   agent marks the run failed in the store, every agent polls for that mark
   (:class:`FailureBoard`) and terminates its own child (its whole process group).
 - Every child runs in its own session, dies with its agent (``PR_SET_PDEATHSIG``), and
@@ -385,7 +385,7 @@ def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl  # type: ignore[no-any-return]
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
         return None
 

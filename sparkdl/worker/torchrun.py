@@ -7,7 +7,7 @@ agent on the driver for every child (``local_mode = True``). An agent:
 1. meets the others (rank 0's agent hosts the store first: :class:`~sparkdl.worker.launcher.AgentStore`),
    and probes every peer's address, so a rank that cannot reach another fails in seconds;
 2. launches its child with torchrun's environment and relays its output;
-3. supervises it: the first child to fail stops every other within a second;
+3. supervises it: the first child to fail stops every other (noticed within 0.2 s);
 4. brings back rank 0's return value, or the failure as an error record.
 
 What a failure means for Spark. An exception the user's code raised, or a script's
