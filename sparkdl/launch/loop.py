@@ -18,21 +18,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdl.config import SparkDLConfig
+from torch import nn
+
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
-from sparkdl.errors import StageStalledError
+from sparkdl.errors import ClusterConfigError, ConfigError, StageStalledError
 from sparkdl.launch.distributor import pickled_call, rank0_value, showing_worker_output
 from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, is_connect
+from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
 from sparkdl.spark.driver import needs_repartition, plan_inputs, start_progress_channel, translate_failure
 from sparkdl.spark.launch_task import LAUNCH_SCHEMA
 from sparkdl.spark.own_loop_task import META, own_loop_partition
 from sparkdl.spark.preflight import sample_batch
+from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
 from sparkdl.strategies import check_settings
+from sparkdl.training.factory import OptimizerFn
 from sparkdl.worker.own_loop import LoopSpec
 from sparkdl.worker.prepare import check_own_loop_settings
 
@@ -60,6 +64,8 @@ def run(
     num_workers: int = 2,
     strategy: str = "allreduce",
     transform_fn: TransformFn | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+    optimizer_fn: OptimizerFn | None = None,
     config: SparkDLConfig | None = None,
     spark: Any = None,
     **settings: Any,
@@ -71,8 +77,12 @@ def run(
             :class:`~sparkdl.worker.context.TrainContext`.
         df: the DataFrame to train on (None: no feed; bring your own data).
         num_workers: the workers (one barrier task each).
-        strategy: how the prepared models stay in sync: ``"allreduce"`` or ``"weight_averaging"``.
+        strategy: how the prepared models stay in sync: ``"allreduce"``, ``"weight_averaging"``
+            or ``"parameter_server"``.
         transform_fn: decodes what no built-in decoder reads, as for ``TorchEstimator``.
+        model_fn, optimizer_fn: with ``"parameter_server"``, the model the server hosts (the
+            one ``train_fn`` prepares) and the optimizer it runs (default: the
+            ``[optimizer]`` settings: ``optimizer``, ``lr``, ...).
         config: settings to start from (default: the defaults).
         spark: the session, where there is no ``df`` (default: the active one).
         settings: any other setting by name (``batch_size=64``, ``epochs=3``, ``sync_every=8``,
@@ -86,7 +96,12 @@ def run(
     config = (config or SparkDLConfig()).replace(num_workers=num_workers, strategy=strategy, **settings)
     check_own_loop_settings(config)
     config = check_settings(config)
-    name, payload = pickled_call(train_fn, args, {}, "sparkdl.launch")
+    if config.training.strategy is Strategy.PARAMETER_SERVER and model_fn is None:
+        raise ConfigError(
+            "strategy = 'parameter_server' hosts the model on the driver: pass model_fn= (the function "
+            "that builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
+        )
+    name, payload = pickled_call(train_fn, args, {}, "sparkdl.run")
     if spark is None:
         if df is not None:
             spark = df.sparkSession
@@ -101,7 +116,7 @@ def run(
         sample = sample_batch(df, plan)
         spec = dataclasses.replace(spec, plan=plan, template=sample.head(2) if sample is not None else None)
     with showing_worker_output():
-        return _run_stage(spark, df, spec)
+        return _run_stage(spark, df, spec, model_fn, optimizer_fn)
 
 
 def _label_kind(df: Any, label: str) -> LabelKind:
@@ -113,7 +128,13 @@ def _label_kind(df: Any, label: str) -> LabelKind:
     return LabelKind.CLASS_INDEX if isinstance(df.schema[label].dataType, IntegralType) else LabelKind.REAL
 
 
-def _run_stage(spark: Any, df: Any, spec: LoopSpec) -> RunResult:
+def _run_stage(
+    spark: Any,
+    df: Any,
+    spec: LoopSpec,
+    model_fn: Callable[[], nn.Module] | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+) -> RunResult:
     config = spec.config
     runtime, n = config.runtime, config.training.num_workers
     connect = is_connect(spark)
@@ -122,6 +143,17 @@ def _run_stage(spark: Any, df: Any, spec: LoopSpec) -> RunResult:
     group = "" if connect else fit_job_group(spark)
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     with contextlib.ExitStack() as stack:
+        if model_fn is not None and config.training.strategy is Strategy.PARAMETER_SERVER:
+            if connect:
+                raise ClusterConfigError(
+                    "strategy 'parameter_server' hosts its server in the Spark driver process, which a "
+                    "Spark Connect client cannot run code in; use 'allreduce' or 'weight_averaging'"
+                )
+            server, _, endpoint = serve_parameters(
+                config, model_fn, optimizer_fn, driver_host(spark), attempt_started
+            )
+            stack.callback(server.stop)
+            spec = dataclasses.replace(spec, ps=endpoint)
         servers = stack.enter_context(
             stage_servers(spark, group, runtime.collective_timeout_s, runtime.encrypt)
         )

@@ -11,12 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.config import PsMode, SparkDLConfig
 from sparkdl.errors import ClusterConfigError
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
 from sparkdl.spark.cluster import driver_host, is_connect
-from sparkdl.training.factory import build_model, build_optimizer
+from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
+from sparkdl.training.schedules import CONSTANT_LR, LrPlan
+from sparkdl.training.strategy import SchedulerFn
 from sparkdl.worker.assembly import TrainSpec
 
 log = logging.getLogger(__name__)
@@ -80,24 +83,41 @@ def host_parameter_server(
 ) -> HostedServer:
     """Start the server for ``spec`` on ``host`` (port chosen by the OS); a HELLO of a stage
     attempt is believed when ``attempt_started`` says Spark runs it (None: any)."""
-    config = spec.config
+    server, model, endpoint = serve_parameters(
+        spec.config, spec.model_fn, spec.optimizer_fn, host, attempt_started, spec.lr, spec.scheduler_fn
+    )
+    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))
+
+
+def serve_parameters(
+    config: SparkDLConfig,
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: OptimizerFn | None,
+    host: str,
+    attempt_started: Callable[[int], bool] | None = None,
+    lr: LrPlan = CONSTANT_LR,
+    scheduler_fn: SchedulerFn | None = None,
+) -> tuple[ParameterServer, nn.Module, PsEndpoint]:
+    """Build the initial model with ``model_fn`` (seeded with ``training.seed``), split it into
+    shards, and serve them on ``host`` with ``optimizer_fn``'s optimizer (or the
+    ``[optimizer]`` settings'): the server, its model, and the endpoint for the workers."""
     torch.manual_seed(config.training.seed)
-    model = build_model(spec.model_fn)
+    model = build_model(model_fn)
     params = list(model.parameters())
     groups = split_into_shards(params, shard_count(params, config.parameter_server.ps_shards))
 
-    def optimizer_fn(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer(shard, spec.optimizer_fn, config.optimizer)
+    def shard_optimizer(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer(shard, optimizer_fn, config.optimizer)
 
     stores = [
         ShardStore(
             [params[i] for i in group],
-            optimizer_fn,
+            shard_optimizer,
             config.parameter_server.ps_mode,
             config.training.num_workers,
             config.parameter_server.staleness,
-            lr=spec.lr,
-            scheduler_fn=spec.scheduler_fn,
+            lr=lr,
+            scheduler_fn=scheduler_fn,
             steps_per_version=_steps_per_version(config),
             backup_workers=config.parameter_server.backup_workers,
         )
@@ -128,5 +148,4 @@ def host_parameter_server(
         if server.areas is not None
         else "no shared memory",
     )
-    endpoint = server.endpoint(tuple(tuple(g) for g in groups))
-    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))
+    return server, model, server.endpoint(tuple(tuple(g) for g in groups))

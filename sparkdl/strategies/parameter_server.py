@@ -129,19 +129,34 @@ class ParameterServerStrategy(SyncStrategy):
             if verdict is Verdict.APPLY:
                 if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
                     torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
-                for acc, shard in zip(self._accumulated, self._shards, strict=True):
-                    acc.add_(_flat_grad(shard), alpha=step.rows)
-                self._rows += step.rows
+                self.add_gradients(step.rows)
             else:
                 loss = torch.zeros((), device=self.ctx.device)
-            for shard in self._shards:  # the optimizer steps on the server: only clear the gradients
-                for p in shard:
-                    p.grad = None
-        push = (step.step + 1) % self._push_every == 0
-        pull = (step.step + 1) % self._pull_every == 0
-        if push or pull:
-            self._exchange(step.step if push else None, step.step + 1 if pull else None)
+                self._clear_gradients()
+        self.step_done(step.step)
         return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
+
+    def add_gradients(self, rows: int) -> None:
+        """Add the model's gradients (of a mean loss over ``rows`` rows) to what the next push
+        sends, weighted by ``rows``, and clear them: the optimizer steps on the server. A user's
+        own loop calls it for its optimizer's step (:mod:`sparkdl.worker.prepare`)."""
+        for acc, shard in zip(self._accumulated, self._shards, strict=True):
+            acc.add_(_flat_grad(shard), alpha=rows)
+        self._rows += rows
+        self._clear_gradients()
+
+    def step_done(self, step: int) -> None:
+        """Global step ``step`` is over on this worker: push what it added and/or pull the
+        weights, as the mode says (sync: both, every step, rows or none)."""
+        push = (step + 1) % self._push_every == 0
+        pull = (step + 1) % self._pull_every == 0
+        if push or pull:
+            self._exchange(step if push else None, step + 1 if pull else None)
+
+    def _clear_gradients(self) -> None:
+        for shard in self._shards:
+            for p in shard:
+                p.grad = None
 
     def _stop(self, error: SparkDLError) -> None:
         """Tell the server, which fails the other workers' next pull or push; stop together.

@@ -10,7 +10,8 @@ device and process group for anything else.
 Collectives are matched: every rank must call :meth:`~TrainContext.batches` for the same
 epochs and take every batch it yields (under all-reduce a worker whose rows ran out gets
 filler batches, with :attr:`~TrainContext.step_rows` 0, whose gradients count zero; under
-weight averaging it sits the rest of the epoch out), and call
+weight averaging and the parameter server it sits the rest of the epoch out, still
+joining the averages and the pushes), and call
 :meth:`~TrainContext.save_checkpoint` and :meth:`~TrainContext.load_checkpoint` at the
 same points. A rank that does not join waits at most ``collective_timeout_s``.
 """
@@ -98,8 +99,8 @@ class TrainContext:
     @property
     def step_rows(self) -> int:
         """This worker's rows in the batch :meth:`batches` yielded last (0: a filler, which
-        only all-reduce yields: under weight averaging a worker whose rows ran out sits the
-        rest of the epoch out)."""
+        only all-reduce yields: elsewhere a worker whose rows ran out sits the rest of the
+        epoch out)."""
         return self._step.rows
 
     def batches(self, epoch: int | None = None) -> Iterator[Batch]:

@@ -25,6 +25,7 @@ import torch
 
 from sparkdl.comm.exchange import Where, form_hierarchy
 from sparkdl.comm.meeting_point import MeetingPoint
+from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
@@ -59,6 +60,7 @@ class LoopSpec:
         plan: how the DataFrame's columns become tensors (None: no DataFrame).
         template: two decoded rows, the filler of a worker without any.
         progress, weights, meeting: the driver's endpoints (None where it has none).
+        ps: the parameter server's endpoint (strategy "parameter_server").
     """
 
     config: SparkDLConfig
@@ -69,6 +71,7 @@ class LoopSpec:
     progress: ProgressEndpoint | None = None
     weights: WeightsEndpoint | None = None
     meeting: MeetingPoint | None = None
+    ps: PsEndpoint | None = None
 
 
 @dataclass
@@ -104,7 +107,7 @@ def run_own_loop(
         held.send_to(reporter)
         torch.manual_seed(config.training.seed)
         step = StepRows()
-        preparer = Preparer(config, where, groups, hierarchy, step, stack)
+        preparer = Preparer(config, where, groups, hierarchy, step, stack, spec.ps)
         feed = None
         if spec.plan is not None:
             feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))

@@ -11,6 +11,12 @@ memory as the settings say):
   step before DDP averages it, so uneven partitions give exactly the mean over every row
   of the step, as single-process SGD on the union would, and a worker whose rows ran out
   (stepping on a filler batch, ``rows = 0``) adds nothing.
+- ``parameter_server``: the server on the driver hosts ``model_fn``'s model and runs the
+  optimizer (``optimizer_fn``'s, or the ``[optimizer]`` settings'); the prepared model starts
+  from its weights, and the optimizer comes back as a :class:`ServerStep`, whose ``step()``
+  adds the gradients, weighted by the step's rows, to the next push. Every step of
+  ``ctx.batches`` pushes and pulls (sync and ssp), or as ``push_every``/``pull_every`` say
+  (async): exactly all-reduce SGD over every row of the step in sync mode.
 - ``weight_averaging``: the model comes back as it is; after every ``sync_every`` steps of
   ``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
   weighted by the rows its optimizer trained since the last average (an optimizer step
@@ -32,15 +38,17 @@ from torch import nn
 
 from sparkdl.comm.exchange import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
+from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.strategies.parameter_server import ParameterServerStrategy
 from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
 from sparkdl.worker.teardown import close_strategy
 
 #: The strategies a user's own loop can run with today.
-OWN_LOOP_STRATEGIES = (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING)
+OWN_LOOP_STRATEGIES = (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING, Strategy.PARAMETER_SERVER)
 
 
 @dataclass
@@ -69,10 +77,16 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
             f"strategy = {strategy.value!r} cannot serve your own training loop yet; use {names} "
             f"with sparkdl.run, or train with TorchEstimator, which runs {strategy.value!r}"
         )
-    if config.weight_averaging.wa_backup_workers:
+    if config.weight_averaging.wa_backup_workers or config.parameter_server.backup_workers:
         raise ConfigError(
-            "wa_backup_workers cannot serve your own training loop (a worker cannot skip steps the "
-            "loop takes itself); set wa_backup_workers = 0"
+            "backup workers cannot serve your own training loop (a worker cannot skip steps the "
+            "loop takes itself); set wa_backup_workers = 0 and backup_workers = 0"
+        )
+    if strategy is Strategy.PARAMETER_SERVER and config.reliability.checkpoint_dir:
+        raise ConfigError(
+            "checkpoint_dir with the parameter server in your own loop: the server's weights are not "
+            "in ctx's checkpoints, so a resumed run would not start from them; leave checkpoint_dir "
+            "unset, or use allreduce or weight_averaging to resume from ctx's checkpoints"
         )
 
 
@@ -96,10 +110,13 @@ class Preparer:
         hierarchy: HostGroups | None,
         step: StepRows,
         stack: contextlib.ExitStack,
+        ps: PsEndpoint | None = None,
     ) -> None:
         self._config, self._where, self._groups, self._hierarchy = config, where, groups, hierarchy
         self._step = step
         self._stack = stack
+        self._ps = ps
+        self._served: ParameterServerStrategy | None = None  # the model the server hosts
         self._seen: set[int] = set()
         self.strategies: list[SyncStrategy] = []
         self._periods: list[_Period] = []
@@ -108,13 +125,17 @@ class Preparer:
     def needs_fillers(self) -> bool:
         """Whether a worker whose rows ran out must still step (on a filler batch): under
         all-reduce every step is a collective; weight averaging's steps are local."""
-        return self._config.training.strategy is not Strategy.WEIGHT_AVERAGING
+        return self._config.training.strategy is Strategy.ALLREDUCE
 
     def step_done(self, step: int, rows: int) -> None:
         """Step ``step`` of ``ctx.batches`` is over on this worker, which had ``rows`` rows in
-        it (0: none): every weight-averaged model counts it toward its next average."""
+        it (0: none): every weight-averaged model counts it toward its next average, and the
+        server's model pushes what its optimizer's steps added and pulls (every rank, every
+        step, whether its optimizer stepped or not)."""
         for period in self._periods:
             period.step_done(step, rows)
+        if self._served is not None:
+            self._served.step_done(step)
 
     def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
         """``objects`` (models and optimizers, in any order) ready for the strategy, returned in
@@ -129,11 +150,14 @@ class Preparer:
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         self._check(objects, modules, optimizers)
         owners = _owners(modules, optimizers)
-        wrapped: dict[int, nn.Module] = {}
+        ready: dict[int, object] = {}
         for module in modules:
             module.to(self._where.device)
-            wrapped[id(module)] = self._ready(module, owners.get(id(module), []))
-        return tuple(wrapped[id(o)] if isinstance(o, nn.Module) else o for o in objects)
+            module_optimizers = owners.get(id(module), [])
+            ready[id(module)] = self._ready(module, module_optimizers)
+            if module_optimizers and self._served is not None and self._served.ctx.module is module:
+                ready[id(module_optimizers[0])] = ServerStep(module_optimizers[0], self._served, self._step)
+        return tuple(ready.get(id(o), o) for o in objects)
 
     def finish(self) -> None:
         """The run is over: leave every worker with the same weights (a last average)."""
@@ -164,6 +188,14 @@ class Preparer:
         if not optimizers:
             _from_rank0(module, where.world_size)
             return module
+        if len(optimizers) > 1 and self._config.training.strategy is not Strategy.ALLREDUCE:
+            raise ConfigError(
+                f"ctx.prepare got {len(optimizers)} optimizers over one {type(module).__name__}; "
+                f"{self._config.training.strategy.value} keeps one optimizer's state with the model: "
+                "give the model one optimizer"
+            )
+        if self._ps is not None:
+            self._check_served(module)
         exchange = form_exchange(
             self._config.runtime,
             where,
@@ -181,6 +213,7 @@ class Preparer:
             module=module,
             optimizer=optimizers[0],
             control_group=self._groups.control,
+            ps=self._ps,
             attempt=self._groups.attempt,
             store=self._groups.store,
             exchange=exchange,
@@ -189,15 +222,73 @@ class Preparer:
         self._stack.callback(close_strategy, strategy)
         self.strategies.append(strategy)
         if isinstance(strategy, WeightAveragingStrategy):
-            if len(optimizers) > 1:
-                raise ConfigError(
-                    f"ctx.prepare got {len(optimizers)} optimizers over one {type(module).__name__}; weight "
-                    "averaging averages one optimizer's state with the model: give the model one optimizer"
-                )
             self._periods.append(_Period(strategy, optimizers[0]))
+        elif isinstance(strategy, ParameterServerStrategy):
+            self._served = strategy
         elif where.world_size > 1:
             _scale_gradients(module, self._step)
         return strategy.model
+
+    def _check_served(self, module: nn.Module) -> None:
+        """The server hosts one model, built on the driver by ``model_fn``: this one must have
+        its parameters (in number and in size), and no other model with an optimizer may come.
+
+        Raises:
+            ConfigError: a second model with an optimizer; a model unlike the server's.
+        """
+        assert self._ps is not None
+        if self._served is not None:
+            raise ConfigError(
+                f"ctx.prepare got a second model with an optimizer ({type(module).__name__}); the parameter "
+                "server hosts one model (model_fn's): prepare the others without an optimizer, or use "
+                "allreduce or weight_averaging for several"
+            )
+        sizes = [p.numel() for p in module.parameters()]
+        indices = [i for shard in self._ps.shard_params for i in shard]
+        served = sum(self._ps.shard_sizes) if self._ps.shard_sizes else None
+        if len(sizes) != len(indices) or (served is not None and sum(sizes) != served):
+            raise ConfigError(
+                f"ctx.prepare got a {type(module).__name__} of {len(sizes)} parameters "
+                f"({sum(sizes)} values); the parameter server hosts model_fn's model of "
+                f"{len(indices)} parameters"
+                + (f" ({served} values)" if served is not None else "")
+                + ": prepare the model model_fn builds"
+            )
+
+
+class ServerStep:
+    """What ``ctx.prepare`` returns for the optimizer of the parameter server's model: its
+    :meth:`step` adds the gradients (weighted by the step's rows) to the next push and
+    clears them; the server runs the optimizer (model_fn's model, optimizer_fn's
+    optimizer), and every step of ``ctx.batches`` pushes and pulls. Everything else is
+    the optimizer's own (``zero_grad``, ``param_groups``).
+
+    Args:
+        optimizer: the user's optimizer over the model (its own state is not used).
+        strategy: the model's parameter-server strategy.
+        step: the running step's rows.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, strategy: ParameterServerStrategy, step: StepRows
+    ) -> None:
+        self.optimizer = optimizer
+        self._strategy = strategy
+        self._step = step
+
+    def step(self, closure: object = None) -> None:
+        if closure is not None:
+            raise ConfigError(
+                "the parameter server's optimizer step takes no closure: the optimizer runs on the "
+                "server; call step() after backward"
+            )
+        self._strategy.add_gradients(self._step.rows)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.optimizer, name)
 
 
 def _owners(

@@ -5,6 +5,7 @@ partitions; bad use fails clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import cloudpickle
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.worker.assembly import Placement
 from sparkdl.worker.own_loop import LoopSpec, run_own_loop
 from tests.reference import (
@@ -64,9 +66,25 @@ def _worker(rank, world, shards, spec, store_path, out):
 
 
 def run_loop(shards, tmp_path, function, *args, **settings):
+    """Every worker of ``function`` in a process of its own; with strategy parameter_server,
+    the server hosted here (make_tiny_net's model, SGD with LR and MOMENTUM)."""
     config = SparkDLConfig().replace(num_workers=len(shards), collective_timeout_s=30.0, **settings)
     plan, template = shard_plan(shards)
     spec = LoopSpec(config, cloudpickle.dumps((function, args, {})), function.__name__, plan, template)
+    if config.training.strategy.value != "parameter_server":
+        return _run_workers(shards, tmp_path, spec)
+    server, _, endpoint = serve_parameters(config, make_tiny_net, _sgd, "127.0.0.1")
+    try:
+        return _run_workers(shards, tmp_path, dataclasses.replace(spec, ps=endpoint))
+    finally:
+        server.stop()
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _run_workers(shards, tmp_path, spec):
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = worker_context()
     out = ctx.Queue()
@@ -130,6 +148,19 @@ def test_own_loop_with_weight_averaging_every_step_is_single_process_sgd(tmp_pat
         shuffle=False,
     )
     expected = reference_sgd(shards, 8, 2, 0, LR, 0.0, False)
+    assert max_abs_diff(_state(results), expected) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[64, 64], [50, 21], [40, 0, 17]])
+def test_own_loop_with_the_synchronous_parameter_server_is_single_process_sgd(tmp_path, sizes):
+    """The server runs SGD with momentum on the mean over every row of each step; the loop's
+    optimizer.step() only hands it the gradients."""
+    shards = make_shards(sizes)
+    results = run_loop(
+        shards, tmp_path, plain_loop, LR, MOMENTUM, strategy="parameter_server", batch_size=8, epochs=2
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True)
     assert max_abs_diff(_state(results), expected) < 1e-5
 
 
