@@ -94,3 +94,30 @@ def test_a_lost_worker_resumes_from_the_loops_checkpoint(spark: Any, tmp_path: P
     assert max_abs_diff(result.value, expected) < 1e-5
     assert result.history[0] == {"epoch": 1, "step": 0, "resumed_from": 2.0}
     assert [h["step"] for h in result.history[1:3]] == [3, 4]  # the global step, as counted before
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def test_an_own_loop_under_the_parameter_server_is_single_process_sgd(spark: Any) -> None:
+    import sparkdl
+    from sparkdl import ConfigError
+
+    shards = make_shards([50, 21])
+    df = shards_dataframe(spark, shards)
+    with pytest.raises(ConfigError, match="pass model_fn="):
+        sparkdl.run(resumable_loop, df=df, strategy="parameter_server")
+    result = sparkdl.run(
+        resumable_loop,
+        df=df,
+        num_workers=2,
+        strategy="parameter_server",
+        model_fn=make_tiny_net,
+        optimizer_fn=_sgd,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(result.value, expected) < 1e-5
