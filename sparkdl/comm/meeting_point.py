@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from sparkdl.comm.rendezvous import AllGather
+from sparkdl.comm.rendezvous import AllGather, serve_store
 from sparkdl.errors import RendezvousError, RendezvousTimeout
 
 _TAG_CHARS = 2 * hashlib.sha256().digest_size  # hex
@@ -64,22 +62,8 @@ class MeetingPointServer:
     """
 
     def __init__(self, host: str, timeout_s: float) -> None:
-        listener = socket.create_server((host, 0), backlog=128)
-        port = listener.getsockname()[1]
-        fd = listener.detach()  # the store owns the socket from here, and closes it
-        try:
-            self._store: dist.TCPStore | None = dist.TCPStore(
-                host,
-                port,
-                None,
-                is_master=True,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=fd,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
+        store, port = serve_store(host, timeout_s)
+        self._store: dist.TCPStore | None = store
         self.endpoint = MeetingPoint(host, port, secrets.token_bytes(32))
 
     def publish(self, task_id: int, attempt: int) -> None:

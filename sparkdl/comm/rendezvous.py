@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,29 @@ def _formed(
         ) from exc
     log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
     return ProcessGroups(store=store, control=control, listener=listener, attempt=attempt)
+
+
+def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """A ``TCPStore`` server on ``host``, on a socket bound with port 0 before the store takes
+    it (no "find a free port, close it, rebind" race); the store and its port. The store owns
+    the socket, and closes it when it is released."""
+    listener = socket.create_server((host, 0), backlog=128)
+    port = listener.getsockname()[1]
+    fd = listener.detach()
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, port
 
 
 def probe_peers(rank: int, host: str, peers: list[tuple[str, int]], timeout_s: float) -> None:

@@ -28,16 +28,16 @@ from typing import Any
 import torch
 
 from sparkdl.config import UseGpu
-from sparkdl.errors import ClusterConfigError, ConfigError, ErrorRecord, StageStalledError
+from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressServer
 from sparkdl.spark.attempts import attempt_gate
 from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
-from sparkdl.spark.driver import located, translate_failure
+from sparkdl.spark.driver import collect_stage, raise_agreed_error
 from sparkdl.spark.launch_task import LAUNCH_SCHEMA, launch_partition
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
-from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.spark.watch import MARGIN_S, fit_job_group
 from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
 
 log = logging.getLogger(__name__)
@@ -165,12 +165,7 @@ class TorchDistributor:
             bound_s = self.rendezvous_timeout_s + MARGIN_S
             silence = progress.silence if progress is not None else None
             with described(spark, f"sparkdl TorchDistributor: {program.name} on {n} processes"):
-                try:
-                    rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
-                except StageStalledError:
-                    raise
-                except Exception as exc:
-                    raise translate_failure(exc) from exc
+                rows = collect_stage(spark, stage, silence, bound_s, group)
             return rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -252,10 +247,7 @@ def rank0_value(rows: list[Any], uploaded: dict[str, torch.Tensor] | None) -> An
     Raises:
         SparkDLError: the error the ranks agreed on (the failing rank's, not its peers').
     """
-    records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
-    if records:
-        records.sort(key=lambda r: r.error_type == "PeerStopped")
-        raise located(records[0].to_error())
+    raise_agreed_error(rows)
     lead = sorted((row for row in rows if row["rank"] == 0 and row["kind"] != "meta"), key=lambda r: r["seq"])
     kind = lead[0]["kind"] if lead else "none"
     data = b"".join(bytes(row["chunk"]) for row in lead)

@@ -23,18 +23,18 @@ from torch import nn
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
-from sparkdl.errors import ClusterConfigError, ConfigError, StageStalledError
+from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.launch.distributor import pickled_call, rank0_value, showing_worker_output
 from sparkdl.spark.attempts import attempt_gate
 from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
-from sparkdl.spark.driver import needs_repartition, plan_inputs, start_progress_channel, translate_failure
+from sparkdl.spark.driver import collect_stage, needs_repartition, plan_inputs, start_progress_channel
 from sparkdl.spark.launch_task import LAUNCH_SCHEMA
 from sparkdl.spark.own_loop_task import META, own_loop_partition
 from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
-from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.spark.watch import MARGIN_S, fit_job_group
 from sparkdl.strategies import check_settings
 from sparkdl.training.factory import OptimizerFn
 from sparkdl.worker.own_loop import LoopSpec
@@ -179,12 +179,7 @@ def _run_stage(
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
         with described(spark, f"sparkdl run: {spec.name} on {n} workers"):
-            try:
-                rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
-            except StageStalledError:
-                raise
-            except Exception as exc:
-                raise translate_failure(exc) from exc
+            rows = collect_stage(spark, stage, silence, bound_s, group)
         value = rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
         metas = {row["rank"]: json.loads(bytes(row["chunk"])) for row in rows if row["kind"] == META}
         return RunResult(

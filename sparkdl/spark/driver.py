@@ -186,12 +186,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
-        try:
-            rows = collect_watched(spark, stage.repartition(1), silence, bound_s, group)
-        except StageStalledError:
-            raise
-        except Exception as exc:
-            raise translate_failure(exc) from exc
+        rows = collect_stage(spark, stage, silence, bound_s, group)
         upload = servers.upload
         result = _fit_result(rows, n, upload.take() if upload is not None else None)
         if hosted is not None and "restored_epoch" not in result.history[-1]:
@@ -275,7 +270,7 @@ def start_progress_channel(
 def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | None = None) -> FitResult:
     """The fit's result from the rows of every rank, with rank 0's weights as it sent them
     to the weights server (``uploaded``) or, without one, from its result row."""
-    _raise_agreed_error(rows)
+    raise_agreed_error(rows)
     by_rank = {row["rank"]: row for row in rows}
     if sorted(by_rank) != list(range(n)):
         raise TrainingFailedError(f"expected results from ranks 0..{n - 1}, got {sorted(by_rank)}")
@@ -316,12 +311,30 @@ def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | Non
     )
 
 
-def _raise_agreed_error(rows: list[Any]) -> None:
+def raise_agreed_error(rows: list[Any]) -> None:
     """Raise the error that made every rank stop together (the rejecting rank's, not its peers')."""
     records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
     if records:
         records.sort(key=lambda r: r.error_type == "PeerStopped")
         raise located(records[0].to_error())
+
+
+def collect_stage(
+    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float, group: str
+) -> list[Any]:
+    """The rows of a barrier ``stage``, collected after a shuffle (so that Spark re-runs the
+    stage after a failed task instead of aborting the job), watched for silent ranks.
+
+    Raises:
+        StageStalledError: a rank went silent for longer than ``bound_s``.
+        SparkDLError: the error a worker raised, rebuilt from its record (:func:`translate_failure`).
+    """
+    try:
+        return collect_watched(spark, stage.repartition(1), silence, bound_s, group)
+    except StageStalledError:
+        raise
+    except Exception as exc:
+        raise translate_failure(exc) from exc
 
 
 def translate_failure(exc: Exception) -> SparkDLError:

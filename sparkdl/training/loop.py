@@ -341,7 +341,7 @@ class Trainer:
         out) and, while streaming, the error of an input this worker rejects."""
         group: list[Batch] = []
         for _ in range(self._schedule.accumulate):
-            batch, rejected = self._next_batch(iterator, streaming)
+            batch, rejected = next_batch(iterator, streaming)
             if rejected is None and batch is not None and streaming:
                 rejected = self._check_labels(batch)
             if rejected is not None:
@@ -352,21 +352,22 @@ class Trainer:
             group.append(batch)
         return tuple(group), None
 
-    @staticmethod
-    def _next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
-        """The next batch; while streaming, a rejected input is reported, not raised."""
-        try:
-            return next(iterator, None), None
-        except (BadDataError, SchemaError) as exc:
-            if not streaming:
-                raise
-            return None, exc
-
     def _agreed_stop(self, rejected: SparkDLError | None) -> SparkDLError:
         error = rejected or PeerStopped(
             f"rank {self._ctx.rank} stopped because another worker rejected its input"
         )
         return agreed(error)
+
+
+def next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
+    """The next batch (None at the end); while streaming, a rejected input is returned, not
+    raised, so that every rank can stop together at the step's control sum."""
+    try:
+        return next(iterator, None), None
+    except (BadDataError, SchemaError) as exc:
+        if not streaming:
+            raise
+        return None, exc
 
 
 def _peak_gpu_mb(device: torch.device) -> float:

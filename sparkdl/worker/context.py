@@ -28,10 +28,11 @@ import torch.distributed as dist
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import BadDataError, ConfigError, SchemaError, SparkDLError, agreed
+from sparkdl.errors import BadDataError, ConfigError, agreed
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.training.loop import next_batch
 from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
 from sparkdl.worker.prepare import Preparer, StepRows
 
@@ -135,7 +136,7 @@ class TrainContext:
         iterator = iter(batches)
         try:
             while True:
-                batch, rejected = _next(iterator, coordinator.streaming)
+                batch, rejected = next_batch(iterator, coordinator.streaming)
                 rows = 0 if batch is None else len(batch)
                 try:
                     plan = coordinator.next_step(rows, rejected is not None)
@@ -252,14 +253,3 @@ class TrainContext:
                 "pass checkpoint_dir=... to sparkdl.run"
             )
         return self._checkpoints
-
-
-def _next(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
-    """The next batch; while streaming, a rejected input is reported (every rank raises it
-    together), not raised on this rank alone."""
-    try:
-        return next(iterator, None), None
-    except (BadDataError, SchemaError) as exc:
-        if not streaming:
-            raise
-        return None, exc

@@ -36,6 +36,8 @@ from typing import IO
 
 import torch.distributed as dist
 
+from sparkdl.comm.rendezvous import serve_store
+
 log = logging.getLogger(__name__)
 
 #: How often an agent looks at its child and at the failure mark.
@@ -127,29 +129,12 @@ class AgentStore:
 
     Args:
         host: the address the other agents and every child reach.
-        world_size: the children (their clients each join it).
         timeout_s: how long a store operation waits.
     """
 
     def __init__(self, host: str, timeout_s: float) -> None:
-        import socket
-
-        listener = socket.create_server((host, 0), backlog=128)
-        self.host, self.port = host, listener.getsockname()[1]
-        fd = listener.detach()
-        try:
-            self.store = dist.TCPStore(
-                host,
-                self.port,
-                None,
-                is_master=True,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=fd,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
+        self.host = host
+        self.store, self.port = serve_store(host, timeout_s)
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
