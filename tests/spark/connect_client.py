@@ -1,4 +1,5 @@
-"""A Spark Connect client: fit and transform through ``SparkSession.builder.remote``.
+"""A Spark Connect client: fit and transform, the TorchDistributor and sparkdl.run, through
+``SparkSession.builder.remote``.
 
 Run by tests/spark/test_connect.py in its own process against a Connect server it
 started: python tests/spark/connect_client.py sc://127.0.0.1:PORT OUT.json
@@ -27,6 +28,52 @@ def learnable_table(rows: int, seed: int) -> pa.Table:
     y = (x @ np.random.default_rng(0).normal(size=(6, 3))).argmax(axis=1).astype(np.int64)
     features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 6).cast(pa.list_(pa.float32()))
     return pa.table({"features": features, "label": pa.array(y)})
+
+
+def ddp_sum(scale: float) -> dict:
+    """A PySpark-TorchDistributor function: gloo over env://, one all-reduce, a state dict back."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    return {"total": total * scale, "world": torch.tensor([world])}
+
+
+def own_loop(ctx) -> dict:
+    """A user's loop with ctx: all-reduce over the DataFrame's partitions."""
+    import torch
+    import torch.nn.functional as F
+
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            loss = F.cross_entropy(model(batch.inputs["features"]), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss=loss.item())
+    return model.module.state_dict()
+
+
+def own_code(spark, train, results: dict) -> None:
+    """sparkdl.TorchDistributor and sparkdl.run over Connect (the ranks meet through allGather,
+    results come back in the rows)."""
+    import sparkdl
+    from sparkdl import TorchDistributor
+
+    value = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(ddp_sum, 2.0)
+    results["distributor"] = {k: v.tolist() for k, v in value.items()}
+    run = sparkdl.run(own_loop, df=train, num_workers=2, batch_size=64, epochs=2, collective_timeout_s=60.0)
+    results["run"] = {
+        "keys": sorted(run.value),
+        "losses": [h["loss"] for h in run.history],
+        "devices": [d["device"] for d in run.worker_devices],
+    }
 
 
 def main(url: str, out: Path) -> None:
@@ -59,6 +106,7 @@ def main(url: str, out: Path) -> None:
             "rows": len(rows),
             "accuracy": sum(int(r[0] == r[1]) for r in rows) / len(rows),
         }
+    own_code(spark, train, results)
     try:
         TorchEstimator(model_fn=make_tiny_net, num_workers=2, strategy="parameter_server").fit(train)
         results["parameter_server"] = "no error"

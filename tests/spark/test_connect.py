@@ -72,5 +72,10 @@ def test_fit_and_transform_work_over_spark_connect_and_the_parameter_server_says
         assert run["columns"] == ["features", "label", "prediction", "rawPrediction", "probability"]
         assert run["rows"] == 500
         assert run["accuracy"] >= 0.85
+    # your own code over Connect: the distributor's ranks meet and its state dict comes back
+    assert results["distributor"] == {"total": [6.0], "world": [2]}
+    run = results["run"]
+    assert run["keys"] == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight"]
+    assert run["devices"] == ["cpu", "cpu"] and sum(run["losses"][-5:]) < sum(run["losses"][:5])
     assert "Spark Connect client cannot run code" in results["parameter_server"]
     assert "use strategy 'allreduce' or 'weight_averaging'" in results["parameter_server"]
