@@ -31,7 +31,14 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import PeerStopped, SparkDLError, TrainFunctionError, WeightTransferError, agreed
+from sparkdl.errors import (
+    CollectiveError,
+    PeerStopped,
+    SparkDLError,
+    TrainFunctionError,
+    WeightTransferError,
+    agreed,
+)
 from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, reporting_to_driver
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -47,6 +54,7 @@ log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 5.0
 _FAILED_KEY = "sparkdl/own_loop/failed"
+_RETURNED_KEY = "sparkdl/own_loop/returned"
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,10 @@ def run_own_loop(
         )
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         value = _call(spec, ctx, groups.store)
-        preparer.finish()
+        try:
+            preparer.finish()  # the strategies' last sync, every rank together
+        except Exception as exc:
+            raise _failure(exc, spec.name, ctx, groups.store, returned=True) from exc
         try:
             returned = returned_value(value, spec.weights) if rank == 0 else Returned()
         except WeightTransferError as exc:  # training is done: a re-run would not bring it back
@@ -138,31 +149,54 @@ def run_own_loop(
 
 
 def _call(spec: LoopSpec, ctx: TrainContext, store: Any) -> Any:
+    """``train_fn(ctx, ...)``; this rank's return is marked in the store (where it returned,
+    for the ranks still training to name it), a failure classified (:func:`_failure`)."""
     import cloudpickle
 
     function, args, kwargs = cloudpickle.loads(spec.function)
     try:
-        return function(ctx, *args, **kwargs)
+        value = function(ctx, *args, **kwargs)
     except (Exception, SystemExit) as exc:  # sys.exit in the function is its failure too
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
-            return None
-        first = _claim_failure(store, ctx.rank)
-        if first != ctx.rank:
-            raise agreed(
-                PeerStopped(f"rank {ctx.rank} stopped because rank {first} failed first ({exc})")
-            ) from exc
-        if isinstance(exc, SparkDLError):  # e.g. ctx.prepare's refusal, the same on every rank
-            agreed(exc)
-            raise
-        trace = "".join(traceback.format_exception(exc))[-8000:]
-        raise agreed(
-            TrainFunctionError(
-                f"rank {ctx.rank}: {spec.name} raised {type(exc).__qualname__}: {exc}\n{trace}",
-                type(exc).__qualname__,
-                1,
-                trace,
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            raise _failure(exc, spec.name, ctx, store, returned=False) from exc
+        value = None
+    _mark_returned(store, ctx.rank, ctx.global_step)
+    return value
+
+
+def _failure(exc: BaseException, name: str, ctx: TrainContext, store: Any, returned: bool) -> SparkDLError:
+    """What the driver should raise for ``exc`` on this rank (which had ``returned`` from the
+    function, or not), marked agreed (re-running would fail alike): another rank's first
+    failure (PeerStopped); a collective some rank left by returning early (CollectiveError
+    naming it); the error itself."""
+    rank = ctx.rank
+    first = _claim_failure(store, rank)
+    if first != rank:
+        return agreed(PeerStopped(f"rank {rank} stopped because rank {first} failed first ({exc})"))
+    left = _returned(store, ctx.world_size, rank)
+    if left:
+        where = ", ".join(f"rank {r} at step {step}" for r, step in left.items())
+        this = (
+            "returned" if _returned(store, ctx.world_size, -1).get(rank) is not None else "was still training"
+        )
+        return agreed(
+            CollectiveError(
+                f"rank {rank} {this} at step {ctx.global_step} of {name} when {where} had returned from it: "
+                "a collective ran on some ranks only. Every rank must run the same collectives: take "
+                f"every batch of ctx.batches for the same epochs, and return together ({exc})"
             )
-        ) from exc
+        )
+    if isinstance(exc, SparkDLError):  # e.g. ctx.prepare's refusal, the same on every rank
+        return agreed(exc)
+    trace = "".join(traceback.format_exception(exc))[-8000:]
+    return agreed(
+        TrainFunctionError(
+            f"rank {rank}: {name} raised {type(exc).__qualname__}: {exc}\n{trace}",
+            type(exc).__qualname__,
+            1,
+            trace,
+        )
+    )
 
 
 def _claim_failure(store: Any, rank: int) -> int:
@@ -171,6 +205,26 @@ def _claim_failure(store: Any, rank: int) -> int:
         return int(store.compare_set(_FAILED_KEY, "", str(rank)).decode())
     except (RuntimeError, ValueError):  # the store's host (rank 0) is gone
         return rank
+
+
+def _mark_returned(store: Any, rank: int, step: int) -> None:
+    try:
+        store.set(f"{_RETURNED_KEY}/{rank}", str(step))
+    except RuntimeError:  # the store's host (rank 0) is gone: nobody is left to tell
+        pass
+
+
+def _returned(store: Any, world_size: int, rank: int) -> dict[int, int]:
+    """The ranks other than ``rank`` that returned from the function, with their step."""
+    found: dict[int, int] = {}
+    for other in range(world_size):
+        key = f"{_RETURNED_KEY}/{other}"
+        try:
+            if other != rank and store.check([key]):
+                found[other] = int(store.get(key).decode())
+        except (RuntimeError, ValueError):
+            continue
+    return found
 
 
 def returned_value(value: Any, weights: WeightsEndpoint | None) -> Returned:

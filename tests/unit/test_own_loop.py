@@ -328,3 +328,29 @@ def test_local_mode_blames_the_rank_that_failed_first_not_its_echoes(failing):
         run_local(LaunchSpec(program, 2, rendezvous_timeout_s=30), ())
     assert caught.value.rank == failing and caught.value.python_type == "ValueError"
     assert f"bad shard on rank {failing}" in caught.value.message
+
+
+def returns_early_on_rank_1(ctx):
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in ctx.epochs:
+        if ctx.rank == 1 and epoch == 2:
+            return None  # a bug: this rank leaves while the other trains on
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return None
+
+
+def test_a_rank_that_leaves_the_collectives_early_is_named(tmp_path):
+    from sparkdl.errors import CollectiveError
+
+    shards = make_shards([16, 16])
+    results = run_loop(shards, tmp_path, returns_early_on_rank_1, batch_size=4, epochs=2)
+    assert results[1][2] is None  # rank 1 itself returned without an error
+    error = results[0][2]
+    assert isinstance(error, CollectiveError) and error.agreed_by_all_ranks
+    assert "rank 0 was still training" in error.message and "rank 1 at step 4" in error.message
