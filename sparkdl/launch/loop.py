@@ -96,6 +96,11 @@ def run(
     config = (config or SparkDLConfig()).replace(num_workers=num_workers, strategy=strategy, **settings)
     check_own_loop_settings(config)
     config = check_settings(config)
+    if config.training.strategy is Strategy.PARAMETER_SERVER and df is None:
+        raise ConfigError(
+            "strategy = 'parameter_server' in your own loop pushes and pulls at every step of "
+            "ctx.batches, which needs a DataFrame: pass df=..., or use allreduce or weight_averaging"
+        )
     if config.training.strategy is Strategy.PARAMETER_SERVER and model_fn is None:
         raise ConfigError(
             "strategy = 'parameter_server' hosts the model on the driver: pass model_fn= (the function "

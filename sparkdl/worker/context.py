@@ -76,6 +76,7 @@ class TrainContext:
         self._started = time.perf_counter()
         self.global_step = 0  # steps of batches(), over every epoch: the same count on every rank
         self._open_epoch = 0  # the epoch whose batches() has not reached its end
+        self._epoch_done = False  # batches() reached the end of self._epoch
         self.resumed_from = 0  # the step of the checkpoint load_checkpoint returned
 
     # -- who and where ---------------------------------------------------------------------
@@ -126,7 +127,7 @@ class TrainContext:
                     "break out of it, skip the rest of the loop body instead"
                 )
             )
-        epoch = self._epoch + (1 if self._epoch_steps else 0) if epoch is None else epoch
+        epoch = self._epoch + (1 if self._epoch_done else 0) if epoch is None else epoch
         self._start_epoch(epoch)
         self._open_epoch = epoch
         batches, source = self._feed.epoch(epoch)
@@ -150,17 +151,33 @@ class TrainContext:
                 elif not self._preparer.needs_fillers:  # weight averaging: this worker sits the step out
                     self._preparer.step_done(self.global_step - 1, 0)
                     continue
-                self._step.rows = rows
+                self._step.rows, self._step.inside = rows, True
                 self._step.scale = self.world_size * rows / plan.global_rows
                 self._epoch_steps += 1
                 self._samples += rows
                 yield (batch if batch is not None else self._filler.batch()).to(self.device)
                 self._preparer.step_done(self.global_step - 1, rows)
         finally:  # a backward outside the feed (an evaluation) is not scaled
-            self._step.rows, self._step.scale = 1, 1.0
+            self._step.rows, self._step.scale, self._step.inside = 1, 1.0, False
         if coordinator.streaming:
             self._counts = exchange_row_counts(self.rank, self.world_size, self._feed.cached_rows, sum_)
-        self._open_epoch = 0
+        self._open_epoch, self._epoch_done = 0, True
+
+    def finish(self) -> None:
+        """The function returned: the strategies' last sync (every rank together).
+
+        Raises:
+            ConfigError: the function left ``ctx.batches`` before the end of an epoch.
+        """
+        if self._open_epoch:
+            raise agreed(
+                ConfigError(
+                    f"rank {self.rank}: the function returned inside ctx.batches({self._open_epoch}); every "
+                    "rank must take every batch of an epoch (the workers step together): do not break "
+                    "out of it"
+                )
+            )
+        self._preparer.finish()
 
     def _sum(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
@@ -207,6 +224,7 @@ class TrainContext:
         self._epoch, self._epoch_steps, self._total_steps = epoch, 0, -1
         self._loss_sum, self._loss_rows, self._samples = 0.0, 0, 0
         self._started = time.perf_counter()
+        self._epoch_done = False
 
     # -- checkpoints --------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 
 from sparkdl.comm.exchange import Where, form_hierarchy
 from sparkdl.comm.meeting_point import MeetingPoint
@@ -33,6 +34,7 @@ from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import (
     CollectiveError,
+    ParameterServerError,
     PeerStopped,
     SparkDLError,
     TrainFunctionError,
@@ -136,7 +138,7 @@ def run_own_loop(
         stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
         value = _call(spec, ctx, groups.store)
         try:
-            preparer.finish()  # the strategies' last sync, every rank together
+            ctx.finish()  # the strategies' last sync, every rank together
         except Exception as exc:
             raise _failure(exc, spec.name, ctx, groups.store, returned=True) from exc
         try:
@@ -167,25 +169,32 @@ def _call(spec: LoopSpec, ctx: TrainContext, store: Any) -> Any:
 def _failure(exc: BaseException, name: str, ctx: TrainContext, store: Any, returned: bool) -> SparkDLError:
     """What the driver should raise for ``exc`` on this rank (which had ``returned`` from the
     function, or not), marked agreed (re-running would fail alike): another rank's first
-    failure (PeerStopped); a collective some rank left by returning early (CollectiveError
-    naming it); the error itself."""
+    failure (PeerStopped); a failed collective while the ranks were not all in the function
+    together (CollectiveError naming who was where); else the error itself."""
     rank = ctx.rank
     first = _claim_failure(store, rank)
     if first != rank:
         return agreed(PeerStopped(f"rank {rank} stopped because rank {first} failed first ({exc})"))
-    left = _returned(store, ctx.world_size, rank)
-    if left:
-        where = ", ".join(f"rank {r} at step {step}" for r, step in left.items())
-        this = (
-            "returned" if _returned(store, ctx.world_size, -1).get(rank) is not None else "was still training"
-        )
-        return agreed(
-            CollectiveError(
-                f"rank {rank} {this} at step {ctx.global_step} of {name} when {where} had returned from it: "
-                "a collective ran on some ranks only. Every rank must run the same collectives: take "
-                f"every batch of ctx.batches for the same epochs, and return together ({exc})"
+    if _is_communication(exc):
+        others = _returned(store, ctx.world_size, rank)
+        absent = [r for r in range(ctx.world_size) if r != rank and r not in others]
+        if not returned and others:
+            where = ", ".join(f"rank {r} at step {step}" for r, step in others.items())
+            return agreed(
+                _mismatch(
+                    f"rank {rank} was still training at step {ctx.global_step} of {name} "
+                    f"when {where} had returned from it",
+                    exc,
+                )
             )
-        )
+        if returned and absent:
+            return agreed(
+                _mismatch(
+                    f"rank {rank} had returned from {name} at step {ctx.global_step} while "
+                    f"rank(s) {absent} had not",
+                    exc,
+                )
+            )
     if isinstance(exc, SparkDLError):  # e.g. ctx.prepare's refusal, the same on every rank
         return agreed(exc)
     trace = "".join(traceback.format_exception(exc))[-8000:]
@@ -196,6 +205,18 @@ def _failure(exc: BaseException, name: str, ctx: TrainContext, store: Any, retur
             1,
             trace,
         )
+    )
+
+
+def _is_communication(exc: BaseException) -> bool:
+    """A failed collective or exchange: torch's distributed errors (gloo's and NCCL's), ours."""
+    return isinstance(exc, (dist.DistError, CollectiveError, ParameterServerError))
+
+
+def _mismatch(where: str, exc: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"{where}: a collective ran on some ranks only. Every rank must run the same collectives: "
+        f"take every batch of ctx.batches for the same epochs, and return together ({exc})"
     )
 
 

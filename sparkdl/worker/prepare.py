@@ -40,7 +40,7 @@ from sparkdl.comm.exchange import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import LrSchedule, PsMode, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
 from sparkdl.strategies.parameter_server import ParameterServerStrategy
@@ -58,10 +58,12 @@ class StepRows:
     Attributes:
         rows: this worker's rows in the step (1 per step where there is no feed).
         scale: ``world * rows / global_rows``: this worker's share of the step's gradient.
+        inside: a step of ``ctx.batches`` is running (its batch was yielded, the next not asked for).
     """
 
     rows: int = 1
     scale: float = 1.0
+    inside: bool = False  # a step of ctx.batches is running
 
 
 def check_own_loop_settings(config: SparkDLConfig) -> None:
@@ -82,7 +84,25 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
             "backup workers cannot serve your own training loop (a worker cannot skip steps the "
             "loop takes itself); set wa_backup_workers = 0 and backup_workers = 0"
         )
-    if strategy is Strategy.PARAMETER_SERVER and config.reliability.checkpoint_dir:
+    if strategy is Strategy.PARAMETER_SERVER:
+        _check_served_settings(config)
+
+
+def _check_served_settings(config: SparkDLConfig) -> None:
+    """What the parameter server cannot do in a user's own loop yet."""
+    settings, optimizer = config.parameter_server, config.optimizer
+    if settings.ps_mode is not PsMode.SYNC:
+        raise ConfigError(
+            f"ps_mode = {settings.ps_mode.value!r} in your own loop: only 'sync' ends with every worker "
+            "holding the server's weights for now; use ps_mode = 'sync', or train with TorchEstimator"
+        )
+    if optimizer.lr_schedule is not LrSchedule.CONSTANT or optimizer.warmup_steps:
+        raise ConfigError(
+            "lr_schedule and warmup_steps with the parameter server in your own loop: the server runs "
+            "the optimizer and does not know your loop's length; leave them at their defaults, or pass "
+            "optimizer_fn and schedule inside it"
+        )
+    if config.reliability.checkpoint_dir:
         raise ConfigError(
             "checkpoint_dir with the parameter server in your own loop: the server's weights are not "
             "in ctx's checkpoints, so a resumed run would not start from them; leave checkpoint_dir "
@@ -117,6 +137,7 @@ class Preparer:
         self._stack = stack
         self._ps = ps
         self._served: ParameterServerStrategy | None = None  # the model the server hosts
+        self._server_step: ServerStep | None = None
         self._seen: set[int] = set()
         self.strategies: list[SyncStrategy] = []
         self._periods: list[_Period] = []
@@ -134,6 +155,8 @@ class Preparer:
         step, whether its optimizer stepped or not)."""
         for period in self._periods:
             period.step_done(step, rows)
+        if self._server_step is not None:
+            self._server_step.step_done(rows)
         if self._served is not None:
             self._served.step_done(step)
 
@@ -156,7 +179,8 @@ class Preparer:
             module_optimizers = owners.get(id(module), [])
             ready[id(module)] = self._ready(module, module_optimizers)
             if module_optimizers and self._served is not None and self._served.ctx.module is module:
-                ready[id(module_optimizers[0])] = ServerStep(module_optimizers[0], self._served, self._step)
+                self._server_step = ServerStep(module_optimizers[0], self._served, self._step)
+                ready[id(module_optimizers[0])] = self._server_step
         return tuple(ready.get(id(o), o) for o in objects)
 
     def finish(self) -> None:
@@ -246,7 +270,9 @@ class Preparer:
         sizes = [p.numel() for p in module.parameters()]
         indices = [i for shard in self._ps.shard_params for i in shard]
         served = sum(self._ps.shard_sizes) if self._ps.shard_sizes else None
-        if len(sizes) != len(indices) or (served is not None and sum(sizes) != served):
+        per_shard = [sum(sizes[i] for i in shard if i < len(sizes)) for shard in self._ps.shard_params]
+        unlike = bool(self._ps.shard_sizes) and per_shard != list(self._ps.shard_sizes)
+        if len(sizes) != len(indices) or unlike:
             raise ConfigError(
                 f"ctx.prepare got a {type(module).__name__} of {len(sizes)} parameters "
                 f"({sum(sizes)} values); the parameter server hosts model_fn's model of "
@@ -258,10 +284,11 @@ class Preparer:
 
 class ServerStep:
     """What ``ctx.prepare`` returns for the optimizer of the parameter server's model: its
-    :meth:`step` adds the gradients (weighted by the step's rows) to the next push and
-    clears them; the server runs the optimizer (model_fn's model, optimizer_fn's
-    optimizer), and every step of ``ctx.batches`` pushes and pulls. Everything else is
-    the optimizer's own (``zero_grad``, ``param_groups``).
+    :meth:`step` adds the gradients, weighted by the rows they came from (every step of
+    ``ctx.batches`` since the last call: accumulation works), to the next push and clears
+    them; the server runs the optimizer (``model_fn``'s model, ``optimizer_fn``'s optimizer),
+    and every step of ``ctx.batches`` pushes and pulls. ``zero_grad`` and ``param_groups``
+    are the optimizer's; its ``step`` refuses, so that a loop that kept the original is told.
 
     Args:
         optimizer: the user's optimizer over the model (its own state is not used).
@@ -275,6 +302,9 @@ class ServerStep:
         self.optimizer = optimizer
         self._strategy = strategy
         self._step = step
+        self._pending_rows = 0  # rows of earlier steps whose gradients are still in .grad
+        self._stepped = False
+        optimizer.register_step_pre_hook(_use_the_prepared_one)
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
@@ -282,13 +312,32 @@ class ServerStep:
                 "the parameter server's optimizer step takes no closure: the optimizer runs on the "
                 "server; call step() after backward"
             )
-        self._strategy.add_gradients(self._step.rows)
+        if not self._step.inside:
+            raise ConfigError(
+                "optimizer.step() outside a step of ctx.batches: with the parameter server every step "
+                "of ctx.batches pushes what its steps added; step inside the loop over ctx.batches"
+            )
+        self._strategy.add_gradients(self._pending_rows + self._step.rows)
+        self._pending_rows, self._stepped = 0, True
+
+    def step_done(self, rows: int) -> None:
+        """A step of ``ctx.batches`` with ``rows`` rows is over: rows not yet stepped wait."""
+        if not self._stepped:
+            self._pending_rows += rows
+        self._stepped = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.optimizer, name)
+
+
+def _use_the_prepared_one(*_: object) -> None:
+    raise ConfigError(
+        "optimizer.step() on the optimizer given to ctx.prepare: with the parameter server the server "
+        "runs it; use the optimizer ctx.prepare returned (model, optimizer = ctx.prepare(model, optimizer))"
+    )
 
 
 def _owners(

@@ -164,6 +164,30 @@ def test_own_loop_with_the_synchronous_parameter_server_is_single_process_sgd(tm
     assert max_abs_diff(_state(results), expected) < 1e-5
 
 
+def loop_then_evaluate(ctx, lr: float, momentum: float):
+    """plain_loop, then one more pass over ctx.batches that only evaluates (no step)."""
+    state = plain_loop(ctx, lr, momentum)
+    for _ in ctx.batches():
+        pass
+    return state
+
+
+@pytest.mark.slow
+def test_an_evaluation_pass_moves_nothing_on_the_parameter_server(tmp_path):
+    shards = make_shards([50, 21])
+    results = run_loop(
+        shards,
+        tmp_path,
+        loop_then_evaluate,
+        LR,
+        MOMENTUM,
+        strategy="parameter_server",
+        batch_size=8,
+        epochs=2,
+    )
+    assert max_abs_diff(_state(results), reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True)) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [[50, 21], [40, 0, 17]])
 def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_averaging(tmp_path, sizes):
@@ -221,6 +245,27 @@ def _driver_error(results):
     return first
 
 
+def keeps_the_original_optimizer(ctx):
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = ctx.prepare(model, optimizer)
+    for batch in ctx.batches(1):
+        (x,) = batch.inputs.values()
+        F.cross_entropy(model(x), batch.label).backward()
+        optimizer.step()  # the original: the server would never see these gradients
+
+
+def fails_after_the_loop_on_rank_0(ctx):
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in ctx.batches(1):
+        (x,) = batch.inputs.values()
+        F.cross_entropy(model(x), batch.label).backward()
+        optimizer.step()
+    if ctx.rank == 0:
+        raise KeyError("metrics")  # the peers returned: still this error, not a collective mismatch
+
+
 def test_bad_use_fails_clearly(tmp_path):
     from sparkdl.errors import ConfigError, PeerStopped, TrainFunctionError
 
@@ -231,6 +276,11 @@ def test_bad_use_fails_clearly(tmp_path):
     assert isinstance(error, ConfigError) and "called twice on the same TinyNet" in str(error)
     error = _driver_error(run_loop(shards, tmp_path / "break", breaks_early, batch_size=4, epochs=2))
     assert isinstance(error, ConfigError) and "ctx.batches(1) was left before its last batch" in str(error)
+    ps = dict(strategy="parameter_server", batch_size=4)
+    error = _driver_error(run_loop(shards, tmp_path / "original", keeps_the_original_optimizer, **ps))
+    assert isinstance(error, ConfigError) and "use the optimizer ctx.prepare returned" in str(error)
+    results = run_loop(shards, tmp_path / "after", fails_after_the_loop_on_rank_0, batch_size=4)
+    assert isinstance(results[0][2], TrainFunctionError) and results[0][2].python_type == "KeyError"
     results = run_loop(shards, tmp_path / "first", first_failure_wins, batch_size=4)
     error_1, error_0 = results[1][2], results[0][2]
     assert isinstance(error_1, TrainFunctionError) and error_1.python_type == "KeyError"

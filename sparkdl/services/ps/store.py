@@ -311,7 +311,10 @@ class ShardStore:
             if entry is None or len(entry.pushed) < self.quorum:
                 return
             del self._pending[self.applied_clock]
-            self._apply(entry.grad_sum.div_(max(entry.rows, 1)))
+            if entry.rows:
+                self._apply(entry.grad_sum.div_(entry.rows))
+            else:  # no worker trained a row in this clock (e.g. an evaluation pass): nothing moves
+                self.version += 1
             if len(self._spare) < 2:  # warm memory for a later clock (no page faults)
                 self._spare.append(entry.grad_sum)
             self._cond.notify_all()
