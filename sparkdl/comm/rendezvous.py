@@ -78,36 +78,63 @@ def form_process_group(
     """
     timeout = timedelta(seconds=timeout_s)
     listener = None
-    # every rank listens for the others' probes until its process group exists (every
-    # rank has probed by then: forming it waits for all of them)
-    probe = socket.create_server((host, 0), backlog=max(world_size, 16))
-    said: dict[str, object] = {"attempt": task_attempt, "probe": [host, probe.getsockname()[1]]}
+    said: dict[str, object] = {}
     if rank == 0:
         listener = socket.create_server((host, 0), backlog=max(world_size, 16))
         said.update(host=host, port=listener.getsockname()[1])
     try:
-        with probe:
-            messages = [json.loads(m) for m in all_gather(json.dumps(said))]
-            probe_peers(rank, host, [tuple(m["probe"]) for m in messages], min(timeout_s, _PROBE_S))
-            return _formed(rank, world_size, backend, messages, listener, timeout, timeout_s)
+        messages, attempt, probe = meet_peers(
+            rank, world_size, host, all_gather, task_attempt, said, timeout_s
+        )
+        with probe:  # open until the group exists: every rank has probed by then
+            return _formed(rank, world_size, backend, messages[0], attempt, listener, timeout, timeout_s)
     except BaseException:
         if listener is not None:
             listener.close()
         raise
 
 
+def meet_peers(
+    rank: int,
+    world_size: int,
+    host: str,
+    all_gather: AllGather,
+    task_attempt: int,
+    said: dict[str, object],
+    timeout_s: float,
+) -> tuple[list[dict[str, Any]], int, socket.socket]:
+    """The one all-gather before anything else exists: every rank says ``said`` (with its
+    task attempt and a probe address), then connects once to every other rank's probe, so
+    that a rank another cannot reach fails in seconds. Returns every rank's message, the
+    stage attempt (the smallest task attempt id, the same on every rank), and this rank's
+    probe socket: the caller closes it once every rank is known to have probed (its process
+    group, or its next collective, formed).
+
+    Raises:
+        RendezvousError: a rank cannot reach another (:func:`probe_peers`).
+    """
+    probe = socket.create_server((host, 0), backlog=max(world_size, 16))
+    try:
+        message = {**said, "attempt": task_attempt, "probe": [host, probe.getsockname()[1]]}
+        messages = [json.loads(m) for m in all_gather(json.dumps(message))]
+        probe_peers(rank, host, [tuple(m["probe"]) for m in messages], min(timeout_s, _PROBE_S))
+    except BaseException:
+        probe.close()
+        raise
+    return messages, min(int(m["attempt"]) for m in messages), probe
+
+
 def _formed(
     rank: int,
     world_size: int,
     backend: str,
-    messages: list[dict[str, Any]],
+    address: dict[str, Any],
+    attempt: int,
     listener: socket.socket | None,
     timeout: timedelta,
     timeout_s: float,
 ) -> ProcessGroups:
-    """The process group, formed through rank 0's store (its address in ``messages[0]``)."""
-    address = messages[0]
-    attempt = min(int(m["attempt"]) for m in messages)
+    """The process group, formed through rank 0's store (its ``address``)."""
     try:
         store = dist.TCPStore(
             address["host"],

@@ -19,7 +19,7 @@ import torch
 
 from sparkdl.errors import ErrorRecord, WorkerFailed
 from sparkdl.spark.task import gather_for, placement_of
-from sparkdl.worker.torchrun import AgentPlace, LaunchSpec, Returned, run_agent
+from sparkdl.worker.torchrun import LaunchSpec, Returned, run_agent
 
 LAUNCH_ARROW_SCHEMA = pa.schema(
     [
@@ -70,15 +70,7 @@ def launch_partition(spec: LaunchSpec, batches: Iterator[pa.RecordBatch]) -> Ite
     for _ in batches:  # the stage's input is one row per task: nothing to read
         pass
     ctx = BarrierTaskContext.get()
-    placement = placement_of(ctx, 0)
-    place = AgentPlace(
-        placement.rank,
-        placement.world_size,
-        placement.host,
-        placement.gpu_addresses,
-        placement.torch_threads,
-        placement.task_attempt,
-    )
+    place = placement_of(ctx, 0)
     try:
         returned = run_agent(
             spec,

@@ -37,6 +37,11 @@ def is_state_dict(value: Any) -> bool:
     return all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
 
 
+def cpu_state(value: dict[str, Any]) -> dict[str, Any]:
+    """A returned state dict as contiguous CPU tensors, detached from any graph."""
+    return {k: v.detach().cpu().contiguous() for k, v in value.items()}
+
+
 def _write(directory: str, name: str, write: Any) -> None:
     partial = os.path.join(directory, f".{name}.partial")
     with open(partial, "wb") as out:
@@ -49,7 +54,7 @@ def save_output(directory: str, value: Any) -> None:
     if is_state_dict(value):
         import torch
 
-        state = {k: v.detach().cpu().contiguous() for k, v in value.items()}
+        state = cpu_state(value)
         _write(directory, TENSORS_FILE, lambda out: torch.save(state, out))
     else:
         import cloudpickle

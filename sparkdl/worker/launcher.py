@@ -36,8 +36,6 @@ from typing import IO
 
 import torch.distributed as dist
 
-from sparkdl.comm.rendezvous import serve_store
-
 log = logging.getLogger(__name__)
 
 #: How often an agent looks at its child and at the failure mark.
@@ -121,20 +119,6 @@ def torchrun_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
     if slot.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
     return env
-
-
-class AgentStore:
-    """The run's store, hosted by the agent of rank 0 on ``host`` with port 0: the socket is
-    bound before its port is published, and held until the run ends.
-
-    Args:
-        host: the address the other agents and every child reach.
-        timeout_s: how long a store operation waits.
-    """
-
-    def __init__(self, host: str, timeout_s: float) -> None:
-        self.host = host
-        self.store, self.port = serve_store(host, timeout_s)
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -228,19 +212,15 @@ class Child:
         argv: the command.
         env: its whole environment.
         sink: called for each line it writes.
-        cwd: its working directory.
     """
 
-    def __init__(
-        self, rank: int, argv: Sequence[str], env: Mapping[str, str], sink: LineSink, cwd: str | None = None
-    ) -> None:
+    def __init__(self, rank: int, argv: Sequence[str], env: Mapping[str, str], sink: LineSink) -> None:
         self.rank = rank
         self.started = time.monotonic()
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.process = subprocess.Popen(
             list(argv),
             env=dict(env),
-            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -385,13 +365,11 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def child_environment(slot: Slot, rendezvous: Rendezvous, extra: Mapping[str, str] = ()) -> dict[str, str]:  # type: ignore[assignment]
-    """The agent's own environment with torchrun's for ``slot`` on top (and ``extra``), with
-    the interpreter's directory first on ``PATH`` and this process's ``sys.path`` as
-    ``PYTHONPATH``, so the child imports what the agent imports."""
+def child_environment(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
+    """The agent's own environment with torchrun's for ``slot`` on top, and this process's
+    ``sys.path`` as ``PYTHONPATH``, so the child imports what the agent imports."""
     env = dict(os.environ)
     env.update(torchrun_env(slot, rendezvous))
-    env.update(dict(extra))
     paths = [p for p in sys.path if p]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])

@@ -42,7 +42,6 @@ from sparkdl.errors import (
     agreed,
 )
 from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, reporting_to_driver
-from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.training.planning import Filler
 from sparkdl.worker import child as child_files
@@ -50,7 +49,7 @@ from sparkdl.worker.assembly import Placement, checkpoint_store, feed_options, j
 from sparkdl.worker.context import TrainContext
 from sparkdl.worker.prepare import Preparer, StepRows
 from sparkdl.worker.teardown import TeardownWatchdog, socket_interface
-from sparkdl.worker.torchrun import Returned
+from sparkdl.worker.torchrun import Returned, returned_state
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +251,7 @@ def returned_value(value: Any, weights: WeightsEndpoint | None) -> Returned:
     """Rank 0's return value for the driver: a state dict through the weights server (no
     pickle, no JVM) where it listens, else as tensors; anything else cloudpickled."""
     if child_files.is_state_dict(value):
-        state = {k: v.detach().cpu().contiguous() for k, v in value.items()}
-        if weights is not None:
-            sent = upload(weights, state)
-            log.info("rank 0 sent its returned state dict (%.1f MB) to the driver", sent / 1e6)
-            return Returned(uploaded=True)
-        return Returned(state_dict=state)
+        return returned_state(child_files.cpu_state(value), weights)
     if value is None:
         return Returned()
     import cloudpickle

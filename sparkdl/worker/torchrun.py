@@ -4,7 +4,7 @@ mode, the driver) does to run the user's function or script as torchrun would.
 One agent per barrier task, one child process per agent (``local_mode = False``), or one
 agent on the driver for every child (``local_mode = True``). An agent:
 
-1. meets the others (rank 0's agent hosts the store first: :class:`~sparkdl.worker.launcher.AgentStore`),
+1. meets the others (rank 0's agent hosts the store first: :func:`~sparkdl.comm.rendezvous.serve_store`),
    and probes every peer's address, so a rank that cannot reach another fails in seconds;
 2. launches its child with torchrun's environment and relays its output;
 3. supervises it: the first child to fail stops every other (noticed within 0.2 s);
@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -33,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparkdl.comm.meeting_point import MeetingPoint
-from sparkdl.comm.rendezvous import AllGather, probe_peers
+from sparkdl.comm.rendezvous import AllGather, meet_peers, serve_store
 from sparkdl.errors import (
     PeerStopped,
     RunTimeout,
@@ -48,9 +48,9 @@ from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.worker import child as child_files
+from sparkdl.worker.assembly import Placement
 from sparkdl.worker.launcher import (
     TIMED_OUT,
-    AgentStore,
     Child,
     FailureBoard,
     LineSink,
@@ -63,7 +63,6 @@ from sparkdl.worker.launcher import (
 )
 
 log = logging.getLogger(__name__)
-child_log = logging.getLogger("sparkdl.worker.output")
 
 _HEARTBEAT_S = 5.0
 _DONE_KEY = "sparkdl/launch/done"
@@ -132,22 +131,10 @@ class Returned:
     uploaded: bool = False
 
 
-@dataclass(frozen=True)
-class AgentPlace:
-    """Where one agent runs, as its barrier task sees it."""
-
-    rank: int
-    world_size: int
-    host: str
-    gpu_addresses: tuple[str, ...] = ()
-    threads: int = 1
-    task_attempt: int = 0
-
-
 # --------------------------------------------------------------------------- one task's agent
 
 
-def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Returned:
+def run_agent(spec: LaunchSpec, place: Placement, all_gather: AllGather) -> Returned:
     """Meet the other agents, run this task's child, and return rank 0's value.
 
     Raises:
@@ -159,7 +146,7 @@ def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Ret
     with contextlib.ExitStack() as stack:
         hosted, rendezvous = _meet(spec, place, all_gather, stack)
         store = (
-            hosted.store
+            hosted
             if hosted is not None
             else join_store(rendezvous.host, rendezvous.port, spec.rendezvous_timeout_s)
         )
@@ -168,7 +155,9 @@ def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Ret
         )
         directory = stack.enter_context(_workdir())
         gpus = place.gpu_addresses if spec.use_gpu else ()
-        slot = Slot(place.rank, place.world_size, 0, 1, place.rank, place.world_size, gpus, place.threads)
+        slot = Slot(
+            place.rank, place.world_size, 0, 1, place.rank, place.world_size, gpus, place.torch_threads
+        )
         env = child_environment(slot, rendezvous)
         child = _launch(spec.program, place.rank, env, directory, _relay_to(reporter))
         board = FailureBoard(store, place.world_size)
@@ -189,21 +178,26 @@ def run_agent(spec: LaunchSpec, place: AgentPlace, all_gather: AllGather) -> Ret
 
 
 def _meet(
-    spec: LaunchSpec, place: AgentPlace, all_gather: AllGather, stack: contextlib.ExitStack
-) -> tuple[AgentStore | None, Rendezvous]:
+    spec: LaunchSpec, place: Placement, all_gather: AllGather, stack: contextlib.ExitStack
+) -> tuple[dist.TCPStore | None, Rendezvous]:
     """Rank 0 hosts the run's store; every agent learns its address, probes every other
     agent's host, and agrees on the stage attempt and the run's id."""
-    hosted = AgentStore(place.host, spec.rendezvous_timeout_s) if place.rank == 0 else None
-    probe = stack.enter_context(socket.create_server((place.host, 0), backlog=max(place.world_size, 16)))
-    said: dict[str, Any] = {"attempt": place.task_attempt, "probe": [place.host, probe.getsockname()[1]]}
-    if hosted is not None:
-        said.update(store=[hosted.host, hosted.port], run_id=secrets.token_hex(8))
-    messages = [json.loads(m) for m in all_gather(json.dumps(said))]
-    probe_peers(
-        place.rank, place.host, [tuple(m["probe"]) for m in messages], min(spec.rendezvous_timeout_s, 10.0)
+    hosted = None
+    said: dict[str, Any] = {}
+    if place.rank == 0:
+        hosted, port = serve_store(place.host, spec.rendezvous_timeout_s)
+        said.update(store=[place.host, port], run_id=secrets.token_hex(8))
+    messages, attempt, probe = meet_peers(
+        place.rank,
+        place.world_size,
+        place.host,
+        all_gather,
+        place.task_attempt,
+        said,
+        spec.rendezvous_timeout_s,
     )
+    stack.enter_context(probe)  # open for the agent's life: a slower agent may still probe it
     lead = messages[0]
-    attempt = min(int(m["attempt"]) for m in messages)
     host, port = lead["store"]
     return hosted, Rendezvous(host, int(port), lead["run_id"], attempt)
 
@@ -266,21 +260,26 @@ def _relay_to(reporter: ProgressReporter | None) -> LineSink:
 
 
 def _returned(directory: str, weights: WeightsEndpoint | None) -> Returned:
-    """Rank 0's return value as its child left it: a state dict goes to the driver's weights
-    server (no pickle, no JVM) when there is one; anything else comes back pickled."""
+    """Rank 0's return value as its child left it (see :func:`returned_state`); anything
+    but a state dict comes back pickled."""
     tensors = os.path.join(directory, child_files.TENSORS_FILE)
     if os.path.exists(tensors):
-        state = torch.load(tensors, weights_only=True)
-        if weights is not None:
-            sent = upload(weights, state)
-            log.info("rank 0 sent its returned state dict (%.1f MB) to the driver", sent / 1e6)
-            return Returned(uploaded=True)
-        return Returned(state_dict=state)
+        return returned_state(torch.load(tensors, weights_only=True), weights)
     pickled = os.path.join(directory, child_files.PICKLE_FILE)
     if os.path.exists(pickled):
         with open(pickled, "rb") as source:
             return Returned(pickled=source.read())
     return Returned()
+
+
+def returned_state(state: dict[str, torch.Tensor], weights: WeightsEndpoint | None) -> Returned:
+    """A returned state dict (CPU tensors): sent to the driver's weights server (no pickle,
+    no JVM) where it listens, else kept for the result rows."""
+    if weights is None:
+        return Returned(state_dict=state)
+    sent = upload(weights, state)
+    log.info("rank 0 sent its returned state dict (%.1f MB) to the driver", sent / 1e6)
+    return Returned(uploaded=True)
 
 
 # --------------------------------------------------------------------------- outcomes as errors
@@ -371,8 +370,8 @@ def run_local(spec: LaunchSpec, gpus: Sequence[str] | None, host: str = "127.0.0
         TrainFunctionError, RunTimeout, SparkDLError: the first child's failure.
     """
     n = spec.num_processes
-    hosted = AgentStore(host, spec.rendezvous_timeout_s)
-    rendezvous = Rendezvous(hosted.host, hosted.port, secrets.token_hex(8))
+    hosted, port = serve_store(host, spec.rendezvous_timeout_s)
+    rendezvous = Rendezvous(host, port, secrets.token_hex(8))
     threads = max(1, (os.cpu_count() or 1) // n)
     with contextlib.ExitStack() as stack:
         directories = [stack.enter_context(_workdir()) for _ in range(n)]
@@ -386,7 +385,7 @@ def run_local(spec: LaunchSpec, gpus: Sequence[str] | None, host: str = "127.0.0
             for started in children:
                 started.stop()
             raise
-        outcomes = supervise(children, FailureBoard(hosted.store, n), spec.timeout_s)
+        outcomes = supervise(children, FailureBoard(hosted, n), spec.timeout_s)
         errors = [failure(o, spec, directories[o.rank]) for o in outcomes]
         first = _first_failure(outcomes, errors)
         if first is not None:
