@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
+from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
@@ -135,13 +136,9 @@ def run_worker(
     with contextlib.ExitStack() as stack:
         last_out = stack.enter_context(contextlib.ExitStack())  # the reporter, once it can start
         held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
-        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
-        stack.callback(watchdog.disarm)
-        stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
-        device, groups = join(config, placement, all_gather, stack)
+        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
         attempt = groups.attempt  # known once the ranks have met
         where = Where(rank, placement.world_size, placement.peers, device)
-        hierarchy = form_hierarchy(config.runtime, where)
         reporter = last_out.enter_context(
             reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
         )
@@ -239,6 +236,20 @@ def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     sent = upload(spec.weights, state)
     log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)
     return b""
+
+
+def join_peers(
+    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
+) -> tuple[TeardownWatchdog, torch.device, ProcessGroups, HostGroups | None]:
+    """The start every worker shares (fit's, the advisor's probe, an own loop's): the teardown
+    watchdog (disarmed on the way out; the caller arms it once assembled), the network
+    interface of the executor's address, the device and process groups, the hierarchy."""
+    watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, placement.rank)
+    stack.callback(watchdog.disarm)
+    stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
+    device, groups = join(config, placement, all_gather, stack)
+    where = Where(placement.rank, placement.world_size, placement.peers, device)
+    return watchdog, device, groups, form_hierarchy(config.runtime, where)
 
 
 def join(
@@ -364,11 +375,20 @@ def _resume(
     every rank loads the same one; the strategy ``kind`` loads it (into shards, for fsdp)."""
     if store is None:
         return None
+    step = chosen_checkpoint(store, rank, control)
+    return restore(store, step, rank, module, optimizer, kind.load_full_state) if step is not None else None
+
+
+def chosen_checkpoint(store: CheckpointStore, rank: int, control: dist.ProcessGroup | None) -> int | None:
+    """The step of the checkpoint every rank resumes from (None: a fresh start): rank 0
+    picks the newest and tells the others (over the control group), so that every rank
+    loads the same one even while a newer one is being written."""
     latest = store.latest() if rank == 0 else None
     chosen = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
-    dist.broadcast(chosen, src=0, group=control)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(chosen, src=0, group=control)
     step = int(chosen.item())
-    return restore(store, step, rank, module, optimizer, kind.load_full_state) if step >= 0 else None
+    return step if step >= 0 else None
 
 
 def feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:

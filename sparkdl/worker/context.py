@@ -34,6 +34,7 @@ from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.loop import next_batch
 from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
+from sparkdl.worker.assembly import chosen_checkpoint
 from sparkdl.worker.prepare import Preparer, StepRows
 
 #: What a checkpoint file of a user's loop holds besides the user's state.
@@ -254,12 +255,8 @@ class TrainContext:
             CheckpointError: the file is not one sparkdl wrote.
         """
         store = self._store()
-        latest = store.latest() if self.rank == 0 else None
-        chosen = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
-        if self.world_size > 1:
-            dist.broadcast(chosen, src=0, group=self._control)
-        step = int(chosen.item())
-        if step < 0:
+        step = chosen_checkpoint(store, self.rank, self._control)
+        if step is None:
             return None
         self.resumed_from = step
         return dict(store.load(step)["state"])

@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Where, form_hierarchy
+from sparkdl.comm.exchange import Where
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather
@@ -45,10 +45,9 @@ from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, rep
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.training.planning import Filler
 from sparkdl.worker import child as child_files
-from sparkdl.worker.assembly import Placement, checkpoint_store, feed_options, join
+from sparkdl.worker.assembly import Placement, checkpoint_store, feed_options, join_peers
 from sparkdl.worker.context import TrainContext
 from sparkdl.worker.prepare import Preparer, StepRows
-from sparkdl.worker.teardown import TeardownWatchdog, socket_interface
 from sparkdl.worker.torchrun import Returned, returned_state
 
 log = logging.getLogger(__name__)
@@ -104,12 +103,8 @@ def run_own_loop(
     config, rank = spec.config, placement.rank
     with contextlib.ExitStack() as stack:
         held = stack.enter_context(HeldRecords())
-        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
-        stack.callback(watchdog.disarm)
-        stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
-        device, groups = join(config, placement, all_gather, stack)
+        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
         where = Where(rank, placement.world_size, placement.peers, device)
-        hierarchy = form_hierarchy(config.runtime, where)
         reporter = stack.enter_context(
             reporting_to_driver(spec.progress, rank, groups.attempt, heartbeat_s=_HEARTBEAT_S)
         )

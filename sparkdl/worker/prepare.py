@@ -42,9 +42,10 @@ from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.config import LrSchedule, PsMode, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
-from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy
+from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.parameter_server import ParameterServerStrategy
 from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
+from sparkdl.worker.assembly import payload_bytes
 from sparkdl.worker.teardown import close_strategy
 
 #: The strategies a user's own loop can run with today.
@@ -136,11 +137,10 @@ class Preparer:
         self._step = step
         self._stack = stack
         self._ps = ps
-        self._served: ParameterServerStrategy | None = None  # the model the server hosts
-        self._server_step: ServerStep | None = None
         self._seen: set[int] = set()
-        self.strategies: list[SyncStrategy] = []
-        self._periods: list[_Period] = []
+        self._strategies: list[SyncStrategy] = []
+        self._steppers: list[_Period | ServerStep] = []  # what each step of ctx.batches moves on
+        self._served = False  # the server's model is prepared (it hosts one)
 
     @property
     def needs_fillers(self) -> bool:
@@ -153,12 +153,8 @@ class Preparer:
         it (0: none): every weight-averaged model counts it toward its next average, and the
         server's model pushes what its optimizer's steps added and pulls (every rank, every
         step, whether its optimizer stepped or not)."""
-        for period in self._periods:
-            period.step_done(step, rows)
-        if self._server_step is not None:
-            self._server_step.step_done(rows)
-        if self._served is not None:
-            self._served.step_done(step)
+        for stepper in self._steppers:
+            stepper.step_done(step, rows)
 
     def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
         """``objects`` (models and optimizers, in any order) ready for the strategy, returned in
@@ -177,15 +173,14 @@ class Preparer:
         for module in modules:
             module.to(self._where.device)
             module_optimizers = owners.get(id(module), [])
-            ready[id(module)] = self._ready(module, module_optimizers)
-            if module_optimizers and self._served is not None and self._served.ctx.module is module:
-                self._server_step = ServerStep(module_optimizers[0], self._served, self._step)
-                ready[id(module_optimizers[0])] = self._server_step
+            ready[id(module)], stand_in = self._ready(module, module_optimizers)
+            if stand_in is not None:
+                ready[id(module_optimizers[0])] = stand_in
         return tuple(ready.get(id(o), o) for o in objects)
 
     def finish(self) -> None:
         """The run is over: leave every worker with the same weights (a last average)."""
-        for strategy in self.strategies:
+        for strategy in self._strategies:
             strategy.finish()
 
     def _check(
@@ -207,11 +202,15 @@ class Preparer:
                 )
         self._seen.update(id(thing) for thing in objects)
 
-    def _ready(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
+    def _ready(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[nn.Module, ServerStep | None]:
+        """The model under the strategy, and the stand-in for its optimizer (the parameter
+        server's), if any."""
         where = self._where
         if not optimizers:
             _from_rank0(module, where.world_size)
-            return module
+            return module, None
         if len(optimizers) > 1 and self._config.training.strategy is not Strategy.ALLREDUCE:
             raise ConfigError(
                 f"ctx.prepare got {len(optimizers)} optimizers over one {type(module).__name__}; "
@@ -224,8 +223,8 @@ class Preparer:
             self._config.runtime,
             where,
             self._groups,
-            sum(p.numel() * p.element_size() for p in module.parameters()),
-            True,
+            payload_bytes(module),
+            strategy_class(self._config.training.strategy).plain_sum,
             self._hierarchy,
         )
         self._stack.callback(exchange.close)
@@ -244,14 +243,17 @@ class Preparer:
         )
         strategy = create_strategy(context)
         self._stack.callback(close_strategy, strategy)
-        self.strategies.append(strategy)
+        self._strategies.append(strategy)
         if isinstance(strategy, WeightAveragingStrategy):
-            self._periods.append(_Period(strategy, optimizers[0]))
+            self._steppers.append(_Period(strategy, optimizers[0]))
         elif isinstance(strategy, ParameterServerStrategy):
-            self._served = strategy
+            stand_in = ServerStep(optimizers[0], strategy, self._step)
+            self._steppers.append(stand_in)
+            self._served = True
+            return strategy.model, stand_in
         elif where.world_size > 1:
             _scale_gradients(module, self._step)
-        return strategy.model
+        return strategy.model, None
 
     def _check_served(self, module: nn.Module) -> None:
         """The server hosts one model, built on the driver by ``model_fn``: this one must have
@@ -261,7 +263,7 @@ class Preparer:
             ConfigError: a second model with an optimizer; a model unlike the server's.
         """
         assert self._ps is not None
-        if self._served is not None:
+        if self._served:
             raise ConfigError(
                 f"ctx.prepare got a second model with an optimizer ({type(module).__name__}); the parameter "
                 "server hosts one model (model_fn's): prepare the others without an optimizer, or use "
@@ -320,11 +322,13 @@ class ServerStep:
         self._strategy.add_gradients(self._pending_rows + self._step.rows)
         self._pending_rows, self._stepped = 0, True
 
-    def step_done(self, rows: int) -> None:
-        """A step of ``ctx.batches`` with ``rows`` rows is over: rows not yet stepped wait."""
+    def step_done(self, step: int, rows: int) -> None:
+        """Step ``step`` of ``ctx.batches``, with ``rows`` rows, is over: push and pull (rows
+        not yet stepped wait for the next ``step()``)."""
         if not self._stepped:
             self._pending_rows += rows
         self._stepped = False
+        self._strategy.step_done(step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

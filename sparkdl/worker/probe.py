@@ -35,7 +35,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
+from sparkdl.comm.exchange import Exchange, Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
@@ -52,11 +52,11 @@ from sparkdl.worker.assembly import (
     TrainSpec,
     build_trainer,
     feed_options,
-    join,
+    join_peers,
     payload_bytes,
     strategy_context,
 )
-from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, socket_interface
+from sparkdl.worker.teardown import close_strategy
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,8 @@ def run_probe(
     rank's figures) as a JSON-able dict."""
     config, rank = spec.train.config, placement.rank
     with contextlib.ExitStack() as stack:
-        watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, rank)
-        stack.callback(watchdog.disarm)
-        stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
-        device, groups = join(config, placement, all_gather, stack)
+        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
         where = Where(rank, placement.world_size, placement.peers, device)
-        hierarchy = form_hierarchy(config.runtime, where)
         rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
         feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, feed_options(config, rank, device))
         stack.callback(feed.close)
