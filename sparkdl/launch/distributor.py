@@ -20,7 +20,6 @@ import functools
 import io
 import logging
 import os
-import secrets
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,10 +29,9 @@ import torch
 from sparkdl.config import UseGpu
 from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.services.progress.board import ProgressBoard
-from sparkdl.services.progress.channel import ProgressServer
 from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
-from sparkdl.spark.driver import collect_stage, raise_agreed_error
+from sparkdl.spark.cluster import check_cluster, described, is_connect
+from sparkdl.spark.driver import progress_server, raise_agreed_error, run_barrier_stage
 from sparkdl.spark.launch_task import LAUNCH_SCHEMA, launch_partition
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
@@ -146,9 +144,8 @@ class TorchDistributor:
             servers = stack.enter_context(stage_servers(spark, group, self.rendezvous_timeout_s, False))
             progress = None
             if not connect:
-                board = ProgressBoard(n, 1, show=False)
-                progress = ProgressServer(
-                    board, driver_host(spark), secrets.token_bytes(32), 1.0, attempt_started=attempt_started
+                progress = progress_server(
+                    spark, ProgressBoard(n, 1, show=False), 1.0, False, attempt_started
                 )
                 stack.callback(progress.stop)
             spec = self._spec(
@@ -157,15 +154,13 @@ class TorchDistributor:
                 weights=servers.weights,
                 meeting=servers.meeting,
             )
-            tasks = spark.range(0, n, 1, n)
-            kwargs = {"profile": profile} if profile is not None else {}
-            stage = tasks.mapInArrow(
-                functools.partial(launch_partition, spec), LAUNCH_SCHEMA, barrier=True, **kwargs
-            )
             bound_s = self.rendezvous_timeout_s + MARGIN_S
             silence = progress.silence if progress is not None else None
+            task = functools.partial(launch_partition, spec)
             with described(spark, f"sparkdl TorchDistributor: {program.name} on {n} processes"):
-                rows = collect_stage(spark, stage, silence, bound_s, group)
+                rows = run_barrier_stage(
+                    spark.range(0, n, 1, n), task, LAUNCH_SCHEMA, profile, silence, bound_s, group
+                )
             return rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
         raise AssertionError("unreachable")  # pragma: no cover
 

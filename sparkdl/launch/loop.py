@@ -27,7 +27,7 @@ from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.launch.distributor import pickled_call, rank0_value, showing_worker_output
 from sparkdl.spark.attempts import attempt_gate
 from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
-from sparkdl.spark.driver import collect_stage, needs_repartition, plan_inputs, start_progress_channel
+from sparkdl.spark.driver import plan_inputs, run_barrier_stage, stage_input, start_progress_channel
 from sparkdl.spark.launch_task import LAUNCH_SCHEMA
 from sparkdl.spark.own_loop_task import META, own_loop_partition
 from sparkdl.spark.preflight import sample_batch
@@ -172,19 +172,14 @@ def _run_stage(
             progress=progress.endpoint() if progress is not None else None,
         )
         if df is not None and spec.plan is not None:
-            data = df.select(*spec.plan.column_names)
-            if needs_repartition(data, n, spark):
-                data = data.repartition(n)
+            data = stage_input(df, spec.plan.column_names, n)
         else:
             data = spark.range(0, n, 1, n)
-        kwargs = {"profile": profile} if profile is not None else {}
-        stage = data.mapInArrow(
-            functools.partial(own_loop_partition, spec), LAUNCH_SCHEMA, barrier=True, **kwargs
-        )
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
+        task = functools.partial(own_loop_partition, spec)
         with described(spark, f"sparkdl run: {spec.name} on {n} workers"):
-            rows = collect_stage(spark, stage, silence, bound_s, group)
+            rows = run_barrier_stage(data, task, LAUNCH_SCHEMA, profile, silence, bound_s, group)
         value = rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
         metas = {row["rank"]: json.loads(bytes(row["chunk"])) for row in rows if row["kind"] == META}
         return RunResult(

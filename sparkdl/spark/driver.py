@@ -177,16 +177,12 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         if progress is not None:
             stack.callback(progress.stop)
             spec = dataclasses.replace(spec, progress=progress.endpoint())
-        data = df.select(*spec.plan.column_names)
-        if needs_repartition(data, n, spark):
-            data = data.repartition(n)
-        stage = data.mapInArrow(
-            functools.partial(train_partition, spec), RESULT_SCHEMA, barrier=True, profile=profile
-        )
+        data = stage_input(df, spec.plan.column_names, n)
         _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
-        rows = collect_stage(spark, stage, silence, bound_s, group)
+        task = functools.partial(train_partition, spec)
+        rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group)
         upload = servers.upload
         result = _fit_result(rows, n, upload.take() if upload is not None else None)
         if hosted is not None and "restored_epoch" not in result.history[-1]:
@@ -256,13 +252,24 @@ def start_progress_channel(
         log.info("Spark Connect session: no live progress; fit's history holds every figure")
         return None
     board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
-    secret = secrets.token_bytes(32)
+    runtime = config.runtime
+    return progress_server(spark, board, runtime.progress_interval_s, runtime.encrypt, attempt_started)
+
+
+def progress_server(
+    spark: Any,
+    board: ProgressBoard,
+    interval_s: float,
+    encrypt: bool = False,
+    attempt_started: Callable[[int], bool] | None = None,
+) -> ProgressServer:
+    """A progress channel on the driver's address for ``board``, with a fresh secret."""
     return ProgressServer(
         board,
         driver_host(spark),
-        secret,
-        config.runtime.progress_interval_s,
-        encrypt=config.runtime.encrypt,
+        secrets.token_bytes(32),
+        interval_s,
+        encrypt=encrypt,
         attempt_started=attempt_started,
     )
 
@@ -319,22 +326,37 @@ def raise_agreed_error(rows: list[Any]) -> None:
         raise located(records[0].to_error())
 
 
-def collect_stage(
-    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float, group: str
+def run_barrier_stage(
+    data: Any,
+    task: Callable[..., Any],
+    schema: str,
+    profile: Any,
+    silence: Callable[[], dict[int, float]] | None,
+    bound_s: float,
+    group: str,
 ) -> list[Any]:
-    """The rows of a barrier ``stage``, collected after a shuffle (so that Spark re-runs the
-    stage after a failed task instead of aborting the job), watched for silent ranks.
+    """The rows of ``data.mapInArrow(task, schema, barrier=True)``, collected after a shuffle
+    (so that Spark re-runs the stage after a failed task instead of aborting the job), in job
+    group ``group``, watched for silent ranks.
 
     Raises:
         StageStalledError: a rank went silent for longer than ``bound_s``.
         SparkDLError: the error a worker raised, rebuilt from its record (:func:`translate_failure`).
     """
+    stage = data.mapInArrow(task, schema, barrier=True, profile=profile)
     try:
-        return collect_watched(spark, stage.repartition(1), silence, bound_s, group)
+        return collect_watched(data.sparkSession, stage.repartition(1), silence, bound_s, group)
     except StageStalledError:
         raise
     except Exception as exc:
         raise translate_failure(exc) from exc
+
+
+def stage_input(df: Any, columns: list[str], n: int) -> Any:
+    """``df``'s ``columns`` in ``n`` partitions, one per barrier task (repartitioned only
+    where needed: :func:`needs_repartition`)."""
+    data = df.select(*columns)
+    return data.repartition(n) if needs_repartition(data, n, df.sparkSession) else data
 
 
 def translate_failure(exc: Exception) -> SparkDLError:

@@ -75,9 +75,7 @@ def launch_partition(spec: LaunchSpec, batches: Iterator[pa.RecordBatch]) -> Ite
         returned = run_agent(
             spec,
             place,
-            gather_for(
-                ctx, spec.meeting, place.task_attempt, place.rank, place.world_size, spec.rendezvous_timeout_s
-            ),
+            gather_for(ctx, spec.meeting, place, spec.rendezvous_timeout_s),
         )
     except Exception as exc:
         record = ErrorRecord.of(exc, rank=place.rank, partition=place.rank, attempt=ctx.attemptNumber())

@@ -30,14 +30,7 @@ def own_loop_partition(spec: LoopSpec, batches: Iterator[pa.RecordBatch]) -> Ite
     ctx = BarrierTaskContext.get()
     placement = placement_of(ctx, spec.config.runtime.torch_threads)
     rank = placement.rank
-    gather = gather_for(
-        ctx,
-        spec.meeting,
-        placement.task_attempt,
-        rank,
-        placement.world_size,
-        spec.config.runtime.collective_timeout_s,
-    )
+    gather = gather_for(ctx, spec.meeting, placement, spec.config.runtime.collective_timeout_s)
     try:
         result = run_own_loop(spec, batches if spec.plan is not None else iter(()), placement, gather)
     except Exception as exc:

@@ -105,14 +105,12 @@ def probe_partition(spec: ProbeSpec, batches: Iterator[pa.RecordBatch]) -> Itera
     yield pa.RecordBatch.from_pydict({"probe": [json.dumps(figures)]}, schema=PROBE_ARROW_SCHEMA)
 
 
-def gather_for(
-    ctx: Any, meeting: MeetingPoint | None, task_attempt: int, rank: int, world_size: int, timeout_s: float
-) -> AllGather:
+def gather_for(ctx: Any, meeting: MeetingPoint | None, placement: Placement, timeout_s: float) -> AllGather:
     """How the ranks meet: at the driver's store when the stage opened one (``meeting``),
     else through Spark's barrier ``allGather`` (which polls every second: 1 s more per stage)."""
     if meeting is None:
         return ctx.allGather
-    return gather_at(meeting, task_attempt, rank, world_size, timeout_s)
+    return gather_at(meeting, placement.task_attempt, placement.rank, placement.world_size, timeout_s)
 
 
 def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -127,14 +125,7 @@ def train_partition(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Itera
             spec,
             batches,
             placement,
-            gather_for(
-                ctx,
-                spec.meeting,
-                placement.task_attempt,
-                rank,
-                placement.world_size,
-                spec.config.runtime.collective_timeout_s,
-            ),
+            gather_for(ctx, spec.meeting, placement, spec.config.runtime.collective_timeout_s),
         )
     except Exception as exc:
         record = ErrorRecord.of(exc, rank=rank, partition=rank, attempt=ctx.attemptNumber())
