@@ -36,6 +36,21 @@ VARIANTS = [
     ("allreduce powersgd", {"strategy": "allreduce", "compression": "powersgd"}),
     ("weight_averaging tau=4", {"strategy": "weight_averaging", "sync_every": 4}),
     ("weight_averaging tau=4 1bit", {"strategy": "weight_averaging", "sync_every": 4, "compression": "1bit"}),
+    # DiLoCo (issue 34): long rounds, the average change applied by Nesterov momentum
+    ("weight_averaging tau=100", {"strategy": "weight_averaging", "sync_every": 100}),
+    (
+        "weight_averaging tau=100 nesterov",
+        {"strategy": "weight_averaging", "sync_every": 100, "outer_optimizer": "nesterov"},
+    ),
+    (
+        "weight_averaging tau=100 nesterov 1bit",
+        {
+            "strategy": "weight_averaging",
+            "sync_every": 100,
+            "outer_optimizer": "nesterov",
+            "compression": "1bit",
+        },
+    ),
     ("parameter_server sync", {"strategy": "parameter_server", "ps_mode": "sync"}),
     (
         "parameter_server sync 1bit",

@@ -101,9 +101,13 @@ class Exchange(abc.ABC):
         """The tensors every worker now holds alike (the weights after the starting broadcast):
         what a compressed average measures its first change from."""
 
-    def weighted_sum_(self, buckets: Sequence[NamedBucket], own_weight: float) -> None:
+    def weighted_sum_(
+        self, buckets: Sequence[NamedBucket], own_weight: float, lossless: bool = False
+    ) -> None:
         """Replace every tensor of ``buckets`` by ``sum_i own_weight_i * t_i`` over the workers
-        (a weighted average when the weights add up to 1), bucket by bucket."""
+        (a weighted average when the weights add up to 1), bucket by bucket. ``lossless``:
+        never through a lossy codec (state that must stay positive, such as Adam's second
+        moments: a sum of decoded changes can make it negative)."""
         flats = [
             torch.cat([t.detach().reshape(-1) for _, t in bucket]).mul_(own_weight) for bucket in buckets
         ]
@@ -176,8 +180,10 @@ class FlatExchange(Exchange):
         if self._average is not None:
             self._average.remember(named)
 
-    def weighted_sum_(self, buckets: Sequence[NamedBucket], own_weight: float) -> None:
-        if self._average is None:  # uncompressed, or a single worker (nothing to compress)
+    def weighted_sum_(
+        self, buckets: Sequence[NamedBucket], own_weight: float, lossless: bool = False
+    ) -> None:
+        if self._average is None or lossless:  # uncompressed, or a single worker (nothing to compress)
             super().weighted_sum_(buckets, own_weight)
         else:
             self.traffic.bytes_sent += self._average(buckets, own_weight)

@@ -88,6 +88,13 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"
 
 
+class OuterOptimizer(str, enum.Enum):
+    """What weight averaging does with a round's average (DiLoCo's outer optimizer)."""
+
+    NONE = "none"  # the average is the new model (SparkNet, local SGD)
+    NESTEROV = "nesterov"  # the average change is a pseudo-gradient for Nesterov momentum SGD
+
+
 class OptimizerName(str, enum.Enum):
     """Optimizers that can be named in a config file (``optimizer_fn`` takes any)."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparkdl.config.choices import Precision, PsMode
+from sparkdl.config.choices import OuterOptimizer, Precision, PsMode
 from sparkdl.config.loading import about, check_bounds
 from sparkdl.errors import ConfigError
 
@@ -41,9 +41,30 @@ class WeightAveragingConfig:
             bound=">= 0",
         ),
     )
+    outer_optimizer: OuterOptimizer = field(
+        default=OuterOptimizer.NONE,
+        metadata=about(
+            "none: each round's average is the new model. nesterov (DiLoCo): the round's average change "
+            "of the weights is a pseudo-gradient, applied with Nesterov momentum (outer_lr, "
+            "outer_momentum), which lets sync_every grow to hundreds of steps."
+        ),
+    )
+    outer_lr: float = field(
+        default=0.7,
+        metadata=about(
+            "Outer learning rate (nesterov); 1 with outer_momentum = 0 is plain averaging.", bound="> 0"
+        ),
+    )
+    outer_momentum: float = field(
+        default=0.9, metadata=about("Outer Nesterov momentum (nesterov), below 1.", bound=">= 0")
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "weight_averaging")
+        if self.outer_momentum >= 1:
+            raise ConfigError(
+                f"weight_averaging.outer_momentum = {self.outer_momentum} must be below 1 (DiLoCo uses 0.9)"
+            )
 
 
 @dataclass(frozen=True)

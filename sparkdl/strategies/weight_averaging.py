@@ -20,6 +20,8 @@ tensor in ``optimizer.state`` is averaged as well, once every worker holds it (a
 worker that has not stepped yet has no momentum buffer). Integer or scalar
 bookkeeping (Adam's step count) is the same on every worker and left alone. With
 ``false`` each worker keeps its own optimizer state; only weights and buffers move.
+Under compression, only first moments go through the codec (:data:`SIGNED_STATE`); the rest
+of the state is averaged exactly.
 
 Compression. With ``compression`` set, the worker's exchange sends each worker's weighted
 change since the previous average, ``a_i (t_i - ref_t)``, compressed with error feedback
@@ -40,6 +42,10 @@ so no worker can run ahead of a straggler there. Unlike the parameter server's b
 workers, which skip steps already made without them, the rows of a cut-short period
 are not trained by anyone.
 
+Outer optimizer. With ``outer_optimizer = "nesterov"`` each round's average change is a
+pseudo-gradient for Nesterov momentum SGD (DiLoCo; :mod:`sparkdl.strategies.outer`), run alike
+on every worker after the average; its momentum goes into checkpoints.
+
 Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
 its leader, all-reduces it among the leaders and broadcasts it back
 (:mod:`sparkdl.comm.hierarchy`): one model's worth crosses the network per host and average.
@@ -47,15 +53,17 @@ its leader, all-reduces it among the leaders and broadcasts it back
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import OuterOptimizer, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
+from sparkdl.strategies import outer
 from sparkdl.strategies.rules import (
     refuse_backups_without_a_worker,
     refuse_compressed_hierarchy,
@@ -64,6 +72,13 @@ from sparkdl.strategies.rules import (
 from sparkdl.training.strategy import StepInput, StepOutcome, StrategyContext, SyncStrategy, Verdict
 
 Named = tuple[str, torch.Tensor]
+
+#: Optimizer state a lossy codec may carry: first moments, which take either sign. Every
+#: other state (Adam's and Adagrad's sums of squares, which must stay positive, and whatever
+#: an optimizer we do not know keeps) is averaged exactly: a compressed average adds decoded
+#: changes to a reference, and for a second moment near zero that sum can be negative
+#: (Adam's next step is then the square root of a negative number).
+SIGNED_STATE = frozenset({"momentum_buffer", "exp_avg"})
 
 
 class WeightAveragingStrategy(SyncStrategy):
@@ -88,6 +103,7 @@ class WeightAveragingStrategy(SyncStrategy):
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             ctx.exchange.broadcast_(tensor, src=0)
         ctx.exchange.remember(list(self._model_tensors()))
+        self._outer = _outer_step(ctx, ctx.resumed_state)
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -141,8 +157,12 @@ class WeightAveragingStrategy(SyncStrategy):
         user's own loop calls it after each optimizer step (:mod:`sparkdl.worker.prepare`)."""
         self._rows_since_sync += rows
         self._steps_since_sync += 1
-        if (step + 1) % self._tau == 0:
+        if self.ends_period(step):
             self._end_period()
+
+    def ends_period(self, step: int) -> bool:
+        """Whether global step ``step`` is the last of a period (an average follows it)."""
+        return (step + 1) % self._tau == 0
 
     def finish(self) -> None:
         if self._steps_since_sync:
@@ -178,21 +198,39 @@ class WeightAveragingStrategy(SyncStrategy):
             )
         if rank == 0:  # every rank is past its last look at the period's counter: drop it
             self._ending.forget(self._period)
-        named = list(self._model_tensors())
+        named: list[Named] = list(self._model_tensors())
+        exact: list[Named] = []  # averaged without a lossy codec
         if state > 0 and all(other == state for other in states):  # the same state everywhere
-            named += list(self._optimizer_tensors())
+            for name, tensor in self._optimizer_tensors():
+                (named if name.rsplit(" ", 1)[1] in SIGNED_STATE else exact).append((name, tensor))
         if total > 0:
-            buckets = list(_buckets(named, self._bucket_bytes))
-            self.ctx.exchange.weighted_sum_(buckets, self._rows_since_sync / total)
+            weight = self._rows_since_sync / total
+            exchange = self.ctx.exchange
+            exchange.weighted_sum_(list(_buckets(named, self._bucket_bytes)), weight)
+            if exact:
+                exchange.weighted_sum_(list(_buckets(exact, self._bucket_bytes)), weight, lossless=True)
+            if self._outer is not None:  # the average's change is a pseudo-gradient
+                self._outer.step()
+                exchange.remember(list(self._parameters()))  # the next changes start here
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
         self._period += 1
         self._cut_short, self._trained_throughout = False, True
 
+    def checkpoint_state(self, global_step: int) -> dict[str, Any]:
+        return {} if self._outer is None else {outer.CHECKPOINT_KEY: self._outer.velocity()}
+
+    def rebase(self, resumed_state: Mapping[str, Any]) -> None:
+        self.ctx.exchange.remember(list(self._model_tensors()))
+        self._outer = _outer_step(self.ctx, resumed_state)
+
     def _model_tensors(self) -> Iterator[Named]:
+        yield from self._parameters()
         module = self.ctx.module
-        yield from ((f"parameter {name}", p.data) for name, p in module.named_parameters())
         yield from ((f"buffer {name}", b) for name, b in module.named_buffers() if b.is_floating_point())
+
+    def _parameters(self) -> Iterator[Named]:
+        yield from ((f"parameter {name}", p.data) for name, p in self.ctx.module.named_parameters())
 
     def _optimizer_tensors(self) -> Iterator[Named]:
         optimizer = self.ctx.optimizer
@@ -245,6 +283,17 @@ class FirstFinishers(EveryWorker):
 
     def forget(self, period: int) -> None:
         self._store.delete_key(f"{self._prefix}{period}")
+
+
+def _outer_step(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> outer.NesterovOuterStep | None:
+    """DiLoCo's outer optimizer where ``outer_optimizer`` asks for it, from the model's weights
+    as they stand, with the momentum of the checkpoint a run resumed from."""
+    section = ctx.config.weight_averaging
+    if section.outer_optimizer is OuterOptimizer.NONE:
+        return None
+    parameters = [p.data for p in ctx.module.parameters()]
+    velocity = resumed_state.get(outer.CHECKPOINT_KEY)
+    return outer.NesterovOuterStep(parameters, section.outer_lr, section.outer_momentum, velocity)
 
 
 def _period_ending(ctx: StrategyContext) -> EveryWorker:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +48,7 @@ class Resume:
     steps_redone: int
     recovery_started: float  # wall time of the last step finished before the failure
     recovered_at: float = 0.0  # wall time when the restored state was in place
+    strategy_state: dict[str, Any] = field(default_factory=dict)  # what checkpoint_state added
 
 
 class Checkpointer:
@@ -105,7 +106,7 @@ class Checkpointer:
         extra = self.strategy.checkpoint_state(position.global_steps_done)
         state = {
             **extra,
-            "format": 1,
+            "format": _FORMAT,
             "model": model,
             "optimizer": optimizer,
             "epoch": position.epoch,
@@ -116,6 +117,12 @@ class Checkpointer:
         self.store.save(position.global_steps_done, state)
         self.written += 1
 
+
+_FORMAT = 1
+#: A checkpoint's entries besides those its strategy adds.
+_WRITTEN_BY_CHECKPOINTER = frozenset(
+    {"format", "model", "optimizer", "epoch", "epoch_steps_done", "global_steps_done", "history"}
+)
 
 _KERNEL_FLAGS = ("fused", "foreach", "capturable")
 
@@ -170,4 +177,5 @@ def restore(
     redone = max(progress.step - position.global_steps_done, 0) if progress else 0
     since = progress.wall_time if progress else started
     log.info("rank %d resumed from step %d (%d steps to redo)", rank, position.global_steps_done, redone)
-    return Resume(position, list(history), redone, since, time.time())
+    extra = {key: value for key, value in state.items() if key not in _WRITTEN_BY_CHECKPOINTER}
+    return Resume(position, list(history), redone, since, time.time(), extra)

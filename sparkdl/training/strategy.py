@@ -14,7 +14,7 @@ import abc
 import contextlib
 import enum
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -59,6 +59,8 @@ class StrategyContext:
             the worker was assembled (default: a single worker's, which sends nothing).
         precision: autocast and the fp16 scaler, shared with the loop (default: built from
             ``training.precision`` for ``device``).
+        resumed_state: the entries the strategy put into the checkpoint the run resumed
+            from (:meth:`SyncStrategy.checkpoint_state`; empty on a fresh start).
     """
 
     config: SparkDLConfig
@@ -76,6 +78,7 @@ class StrategyContext:
     store: dist.Store | None = None
     exchange: Exchange = field(default_factory=lambda: FlatExchange(world_size=1))
     precision: Precision = field(default_factory=Precision)
+    resumed_state: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         setting = self.config.training.precision
@@ -271,8 +274,14 @@ class SyncStrategy(abc.ABC):
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         """Rank 0 is about to write the checkpoint of ``global_step``: save what the
-        strategy holds outside the worker, and return entries for the checkpoint."""
+        strategy holds outside the worker, and return entries for the checkpoint (a
+        resumed run hands them back as ``ctx.resumed_state``)."""
         return {}
+
+    def rebase(self, resumed_state: Mapping[str, Any]) -> None:  # noqa: B027 - only weight averaging keeps a reference
+        """Every rank's model was just set to the same loaded weights (a user's own loop
+        loading a checkpoint after ``ctx.prepare``): start from them, with the strategy's own
+        entries of that checkpoint (:meth:`checkpoint_state`)."""
 
     def finish(self) -> None:  # noqa: B027 - only local-step strategies have work left
         """Training is over: leave every worker with the same final weights."""

@@ -156,8 +156,9 @@ def run_worker(
         resume = _resume(store, rank, module, optimizer, groups.control, kind)
         start = resume.position if resume else Position()
         context = strategy_context(
-            spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange
-        )
+            spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange,
+            resume.strategy_state if resume else None,
+        )  # fmt: skip
         strategy = create_strategy(context)
         stack.callback(close_strategy, strategy)
         feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
@@ -199,9 +200,11 @@ def strategy_context(
     optimizer: torch.optim.Optimizer,
     start_step: int,
     exchange: Exchange,
+    resumed_state: dict[str, Any] | None = None,
 ) -> StrategyContext:
     """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
-    alike), starting at global step ``start_step``."""
+    alike), starting at global step ``start_step`` (with the strategy's own entries of the
+    checkpoint it resumed from, if any)."""
     return StrategyContext(
         config=spec.config,
         rank=placement.rank,
@@ -217,6 +220,7 @@ def strategy_context(
         scheduler_fn=spec.scheduler_fn,
         store=groups.store,
         exchange=exchange,
+        resumed_state=resumed_state or {},
     )
 
 

@@ -130,6 +130,7 @@ class TrainContext:
             )
         epoch = self._epoch + (1 if self._epoch_done else 0) if epoch is None else epoch
         self._start_epoch(epoch)
+        self._preparer.epoch_begins()
         self._open_epoch = epoch
         batches, source = self._feed.epoch(epoch)
         sum_ = self._sum
@@ -239,7 +240,9 @@ class TrainContext:
         """
         store = self._store()
         if self.rank == 0:
-            store.save(self.global_step if step is None else step, {"format": _FORMAT, "state": dict(state)})
+            at = self.global_step if step is None else step
+            entries = self._preparer.checkpoint_entries(at)
+            store.save(at, {"format": _FORMAT, "state": dict(state), "strategies": entries})
         if self.world_size > 1:
             dist.barrier(group=self._control)
 
@@ -259,7 +262,9 @@ class TrainContext:
         if step is None:
             return None
         self.resumed_from = step
-        return dict(store.load(step)["state"])
+        saved = store.load(step)
+        self._preparer.resume(saved.get("strategies", []))
+        return dict(saved["state"])
 
     def _store(self) -> CheckpointStore:
         if self._checkpoints is None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,6 +142,8 @@ class Preparer:
         self._strategies: list[SyncStrategy] = []
         self._steppers: list[_Period | ServerStep] = []  # what each step of ctx.batches moves on
         self._served = False  # the server's model is prepared (it hosts one)
+        self._resumed: list[dict[str, Any]] = []  # each strategy's entries of the loaded checkpoint
+        self._rebase_due = False  # a checkpoint was loaded: the weights change before the next epoch
 
     @property
     def needs_fillers(self) -> bool:
@@ -155,6 +158,26 @@ class Preparer:
         step, whether its optimizer stepped or not)."""
         for stepper in self._steppers:
             stepper.step_done(step, rows)
+
+    def checkpoint_entries(self, step: int) -> list[dict[str, Any]]:
+        """Each prepared strategy's own entries for the checkpoint of ``step`` (rank 0), in the
+        order the models were prepared: weight averaging's outer momentum."""
+        return [strategy.checkpoint_state(step) for strategy in self._strategies]
+
+    def resume(self, entries: list[dict[str, Any]]) -> None:
+        """A checkpoint with ``entries`` was loaded: a strategy prepared from now on starts
+        from its entries, and every prepared one takes the loaded weights as its starting
+        point when the next epoch begins (:meth:`epoch_begins`; the loop loads them into its
+        models in between)."""
+        self._resumed, self._rebase_due = list(entries), True
+
+    def epoch_begins(self) -> None:
+        """``ctx.batches`` starts an epoch (every rank): after a checkpoint was loaded, each
+        strategy rebases on the weights the loop loaded."""
+        if self._rebase_due:
+            for strategy, entries in zip(self._strategies, self._resumed, strict=False):
+                strategy.rebase(entries)
+            self._rebase_due = False
 
     def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
         """``objects`` (models and optimizers, in any order) ready for the strategy, returned in
@@ -240,6 +263,9 @@ class Preparer:
             attempt=self._groups.attempt,
             store=self._groups.store,
             exchange=exchange,
+            resumed_state=self._resumed[len(self._strategies)]
+            if len(self._strategies) < len(self._resumed)
+            else {},
         )
         strategy = create_strategy(context)
         self._stack.callback(close_strategy, strategy)
@@ -413,3 +439,5 @@ class _Period:
         if self._stepped:
             self._pending_rows, self._stepped = 0, False
         self._strategy.local_step_done(step, trained)
+        if self._strategy.ends_period(step):  # rows no optimizer step took by the average: untrained
+            self._pending_rows = 0  # (the steps a resumed loop skips, for one)

@@ -189,17 +189,66 @@ def test_an_evaluation_pass_moves_nothing_on_the_parameter_server(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [[50, 21], [40, 0, 17]])
-def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_averaging(tmp_path, sizes):
+@pytest.mark.parametrize(
+    ("sizes", "outer"), [([50, 21], "none"), ([40, 0, 17], "none"), ([50, 21], "nesterov")]
+)
+def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_averaging(
+    tmp_path, sizes, outer
+):
     """tau > 1 on uneven partitions: a worker whose rows ran out sits the steps out and weighs
-    what it trained, as in the Estimator's loop (no filler updates in the average)."""
+    what it trained, as in the Estimator's loop (no filler updates in the average); with
+    DiLoCo's outer optimizer too."""
     from tests.unit.test_worker_gloo import run_workers
 
     shards = make_shards(sizes)
-    settings = dict(strategy="weight_averaging", sync_every=4, batch_size=8, epochs=2, shuffle=True)
+    settings = dict(
+        strategy="weight_averaging", sync_every=4, batch_size=8, epochs=2, shuffle=True, outer_optimizer=outer
+    )
     results = run_loop(shards, tmp_path / "own", plain_loop, LR, MOMENTUM, **settings)
     estimator, _ = run_workers(shards, tmp_path / "estimator", **settings)
     assert max_abs_diff(_state(results), estimator) < 1e-5
+
+
+def resumable_loop(ctx, lr: float, momentum: float, stop_after: int):
+    """A loop that checkpoints at the end of every epoch and resumes from the newest,
+    loading the weights after ``ctx.prepare`` (the strategy must rebase on them); it returns
+    after epoch ``stop_after`` (a stand-in for a lost worker)."""
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, optimizer = ctx.prepare(model, optimizer)
+    saved = ctx.load_checkpoint()
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            if ctx.global_step <= ctx.resumed_from:
+                continue  # trained before the checkpoint
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if ctx.global_step > ctx.resumed_from:
+            ctx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        if epoch == stop_after:
+            break
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_own_loop_resumes_the_outer_optimizers_momentum_from_ctxs_checkpoint(tmp_path):
+    shards = make_shards([48, 32])  # 6 steps an epoch: each epoch ends right after an average
+    settings = dict(
+        strategy="weight_averaging", sync_every=3, batch_size=8, epochs=3, shuffle=True,
+        outer_optimizer="nesterov", checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    run_loop(shards, tmp_path / "first", resumable_loop, LR, MOMENTUM, 2, **settings)  # epochs 1-2
+    resumed = _state(run_loop(shards, tmp_path / "resumed", resumable_loop, LR, MOMENTUM, 3, **settings))
+    settings["checkpoint_dir"] = str(tmp_path / "other")
+    whole = _state(run_loop(shards, tmp_path / "whole", resumable_loop, LR, MOMENTUM, 3, **settings))
+    assert max_abs_diff(resumed, whole) < 1e-6
 
 
 def breaks_early(ctx):

@@ -125,9 +125,10 @@ class CompressedAverage:
 
     def remember(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the current values of ``named`` tensors as their references (every worker
-        holds the same values)."""
+        holds the same values: the starting weights, or the result of an outer step)."""
         for name, tensor in named:
             self._references[name] = tensor.detach().reshape(-1).float().clone()
+        self._bucket_references = {}  # rebuilt from the tensors' references at the next average
 
     def __call__(self, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]], own_weight: float) -> int:
         """Average the named tensors of ``buckets`` in place, this worker's change weighted
