@@ -49,9 +49,11 @@ class NesterovOuterStep:
     ) -> None:
         self._parameters = [p.detach() for p in parameters]
         self._lr, self._momentum = lr, momentum
-        self._reference = [p.clone() for p in self._parameters]
+        # float32 whatever the parameters' dtype: a bf16 model's small outer updates and its
+        # momentum would otherwise round away
+        self._reference = [p.float().clone() for p in self._parameters]
         if velocity is None:
-            self._velocity = [torch.zeros_like(p) for p in self._parameters]
+            self._velocity = [torch.zeros_like(r) for r in self._reference]
         else:
             shapes = [tuple(v.shape) for v in velocity]
             if shapes != [tuple(p.shape) for p in self._parameters]:
@@ -60,20 +62,22 @@ class NesterovOuterStep:
                     f"the model {len(self._parameters)} parameters: resume with the model that wrote it"
                 )
             self._velocity = [
-                v.to(device=p.device, dtype=p.dtype) for v, p in zip(velocity, self._parameters, strict=True)
+                v.to(device=r.device, dtype=torch.float32, copy=True)
+                for v, r in zip(velocity, self._reference, strict=True)
             ]
 
     @torch.no_grad()
     def step(self) -> None:
         """The parameters hold this round's average: move them to the outer step's result,
         which the next round starts from."""
-        params, velocity = self._parameters, self._velocity
-        delta = torch._foreach_sub(self._reference, params)  # the pseudo-gradient, ref - avg
-        torch._foreach_mul_(velocity, self._momentum)
-        torch._foreach_add_(velocity, delta)
-        torch._foreach_add_(params, delta, alpha=1.0 - self._lr)
-        torch._foreach_add_(params, velocity, alpha=-self._lr * self._momentum)
-        torch._foreach_copy_(self._reference, params)
+        for param, reference, velocity in zip(self._parameters, self._reference, self._velocity, strict=True):
+            average = param.float()
+            delta = reference - average  # the pseudo-gradient
+            velocity.mul_(self._momentum).add_(delta)
+            # ref - lr (delta + mu v), written so that lr 1, mu 0 leaves the average's bits
+            new = average.add(delta, alpha=1.0 - self._lr).add_(velocity, alpha=-self._lr * self._momentum)
+            param.copy_(new)
+            reference.copy_(param)  # where the next round starts (rounded, for a bf16 model)
 
     def velocity(self) -> list[torch.Tensor]:
         """The outer momentum as CPU tensors, for a checkpoint."""

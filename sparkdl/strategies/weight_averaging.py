@@ -44,7 +44,9 @@ are not trained by anyone.
 
 Outer optimizer. With ``outer_optimizer = "nesterov"`` each round's average change is a
 pseudo-gradient for Nesterov momentum SGD (DiLoCo; :mod:`sparkdl.strategies.outer`), run alike
-on every worker after the average; its momentum goes into checkpoints.
+on every worker after the average; its momentum goes into checkpoints. An average before the
+round's last step (an epoch's validation, the end of training) is a plain one: the round's
+change is then applied at its end, from the same start.
 
 Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
 its leader, all-reduces it among the leaders and broadcasts it back
@@ -157,16 +159,12 @@ class WeightAveragingStrategy(SyncStrategy):
         user's own loop calls it after each optimizer step (:mod:`sparkdl.worker.prepare`)."""
         self._rows_since_sync += rows
         self._steps_since_sync += 1
-        if self.ends_period(step):
-            self._end_period()
-
-    def ends_period(self, step: int) -> bool:
-        """Whether global step ``step`` is the last of a period (an average follows it)."""
-        return (step + 1) % self._tau == 0
+        if (step + 1) % self._tau == 0:
+            self._end_period(full_round=True)
 
     def finish(self) -> None:
-        if self._steps_since_sync:
-            self._end_period()
+        if self._steps_since_sync:  # a round cut short (validation, the end): averaged plainly
+            self._end_period(full_round=False)
 
     def _period_ended(self, step: StepInput) -> bool:
         """Whether the period has ended without this worker: asked of the store before each
@@ -175,17 +173,20 @@ class WeightAveragingStrategy(SyncStrategy):
             self._cut_short = self._ending.over(self._period)
         return self._cut_short
 
-    def _end_period(self) -> None:
+    def _end_period(self, full_round: bool) -> None:
         # A worker counts towards a period's quorum only when it trained all of it: one whose
         # rows ran out would otherwise end the period for the workers that still have rows.
         if self._trained_throughout and not self._cut_short:
             self._ending.finished(self._period)
-        self._average()
+        self._average(full_round)
 
     def _stop(self, error: SparkDLError) -> None:
         self._stopping = error  # raised on every rank at the next average
 
-    def _average(self) -> None:
+    def _average(self, full_round: bool) -> None:
+        """Average every worker's weights (and state); after a full round of ``sync_every``
+        steps, the outer optimizer steps on the round's change. A round cut short is averaged
+        plainly: its change joins the next full round's, measured from the same start."""
         world, rank = self.ctx.world_size, self.ctx.rank
         round_ = RoundMessage(world)
         state = sum(t.numel() for _, t in self._optimizer_tensors()) if self._average_state else 0
@@ -209,7 +210,7 @@ class WeightAveragingStrategy(SyncStrategy):
             exchange.weighted_sum_(list(_buckets(named, self._bucket_bytes)), weight)
             if exact:
                 exchange.weighted_sum_(list(_buckets(exact, self._bucket_bytes)), weight, lossless=True)
-            if self._outer is not None:  # the average's change is a pseudo-gradient
+            if self._outer is not None and full_round:  # the round's change is a pseudo-gradient
                 self._outer.step()
                 exchange.remember(list(self._parameters()))  # the next changes start here
         self.stats.sync_rounds += 1

@@ -158,7 +158,10 @@ class TrainContext:
                 self._epoch_steps += 1
                 self._samples += rows
                 yield (batch if batch is not None else self._filler.batch()).to(self.device)
-                self._preparer.step_done(self.global_step - 1, rows)
+                # the steps up to a loaded checkpoint's were trained before it: none of their rows count
+                self._preparer.step_done(
+                    self.global_step - 1, rows if self.global_step > self.resumed_from else 0
+                )
         finally:  # a backward outside the feed (an evaluation) is not scaled
             self._step.rows, self._step.scale, self._step.inside = 1, 1.0, False
         if coordinator.streaming:

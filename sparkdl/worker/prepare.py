@@ -175,8 +175,8 @@ class Preparer:
         """``ctx.batches`` starts an epoch (every rank): after a checkpoint was loaded, each
         strategy rebases on the weights the loop loaded."""
         if self._rebase_due:
-            for strategy, entries in zip(self._strategies, self._resumed, strict=False):
-                strategy.rebase(entries)
+            for index, strategy in enumerate(self._strategies):  # one prepared before the save has none
+                strategy.rebase(self._resumed[index] if index < len(self._resumed) else {})
             self._rebase_due = False
 
     def prepare(self, *objects: nn.Module | torch.optim.Optimizer) -> tuple[object, ...]:
@@ -203,6 +203,7 @@ class Preparer:
 
     def finish(self) -> None:
         """The run is over: leave every worker with the same weights (a last average)."""
+        self.epoch_begins()  # weights loaded since the last epoch are the strategies' start
         for strategy in self._strategies:
             strategy.finish()
 
@@ -439,5 +440,3 @@ class _Period:
         if self._stepped:
             self._pending_rows, self._stepped = 0, False
         self._strategy.local_step_done(step, trained)
-        if self._strategy.ends_period(step):  # rows no optimizer step took by the average: untrained
-            self._pending_rows = 0  # (the steps a resumed loop skips, for one)

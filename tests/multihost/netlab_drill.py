@@ -107,14 +107,18 @@ def main(out: Path) -> None:
             }
         spark.stop()
     finally:
-        for process in cluster:
-            process.terminate()
-        for process in cluster:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_cluster(cluster)
     (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def stop_cluster(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ every lossy codec without a non-finite step.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies.outer import CHECKPOINT_KEY, NesterovOuterStep
 from tests.reference import make_shards, max_abs_diff
-from tests.unit.test_worker_gloo import run_workers
+from tests.unit.test_worker_gloo import _worker_sending_its_weights, run_workers
 
 
 def _rounds(seed: int, rounds: int, shape=(3, 4)) -> list[torch.Tensor]:
@@ -94,6 +96,17 @@ def test_outer_lr_one_without_momentum_is_plain_averaging_bit_for_bit(tmp_path, 
     if compression == "none":
         moved, _ = run_workers(shards, tmp_path / "moved", outer_optimizer="nesterov", **settings)
         assert max_abs_diff(plain, moved) > 1e-3  # the paper's 0.7 / 0.9 is another trajectory
+
+
+@pytest.mark.slow
+def test_with_one_bit_pseudo_gradients_every_worker_ends_with_the_same_weights(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {**WA, "epochs": 2, "compression": "1bit", "outer_optimizer": "nesterov"}
+    _, results = run_workers(shards, tmp_path, worker=_worker_sending_its_weights, **settings)
+    ranks = [torch.load(io.BytesIO(results[rank][0]), weights_only=True) for rank in (0, 1)]
+    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])
+    plain, _ = run_workers(shards, tmp_path / "plain", **{**settings, "outer_optimizer": "none"})
+    assert max_abs_diff(ranks[0], plain) > 1e-3  # the outer step ran
 
 
 @pytest.mark.slow

@@ -1,0 +1,22 @@
+"""Models for the multihost drills, importable on every host's executors."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tests.reference import TinyNet
+
+
+class SlowTinyNet(TinyNet):
+    """TinyNet (the same parameters, the same initialization) whose forward takes at least
+    ``step_s``: a fit lasts long enough for a drill to cut a host in the middle of it."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.step_s)
+        return super().forward(x)
