@@ -130,6 +130,11 @@ class Exchange(abc.ABC):
         """One step's gradients went through the hook: add what they sent to :attr:`traffic`."""
         self.traffic.bytes_sent += self._gradient_step_bytes
 
+    def take_hook_failure(self) -> BaseException | None:
+        """The error a communication hook's future failed with since the last call, if any: DDP
+        re-raises it as a RuntimeError with its text only, so the caller raises this instead."""
+        return None
+
     def take_traffic(self) -> Traffic:
         """The counters since the last call; they start afresh."""
         taken, self.traffic = self.traffic, Traffic()
@@ -297,6 +302,9 @@ class HierarchicalExchange(Exchange):
         self._hook = HierarchicalAllReduce(self._hierarchy, self.world_size)
         ddp.register_comm_hook(self._hook, HierarchicalAllReduce.hook)
         return hierarchical_bytes(self._hierarchy, grad_bytes)
+
+    def take_hook_failure(self) -> BaseException | None:
+        return self._hook.take_failure() if self._hook is not None else None
 
     def close(self) -> None:
         if self._hook is not None:

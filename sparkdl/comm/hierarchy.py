@@ -29,7 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from sparkdl.comm.shared_memory import SharedMemoryGroup
 from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import Hierarchy as HierarchyLevel
+from sparkdl.errors import CollectiveError, CollectiveTimeout
 
 
 def host_key(address: str, level: HierarchyLevel) -> str:
@@ -72,6 +73,8 @@ class HostGroups:
     local: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
     shared: SharedMemoryGroup | None = None
+    addresses: list[str] = field(default_factory=list)  # each host's key (its address), by group
+    timeout_s: float = 0.0
 
     @classmethod
     def build(cls, keys: Sequence[str], rank: int, timeout_s: float) -> HostGroups | None:
@@ -84,7 +87,9 @@ class HostGroups:
         local, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
         leaders = dist.new_group([g[0] for g in groups], timeout=timeout)
         host = next(i for i, g in enumerate(groups) if rank in g)
-        return cls(groups, rank, host, local, leaders if groups[host][0] == rank else None)
+        addresses = [keys[g[0]] for g in groups]
+        leading = leaders if groups[host][0] == rank else None
+        return cls(groups, rank, host, local, leading, addresses=addresses, timeout_s=timeout_s)
 
     @property
     def hosts(self) -> int:
@@ -133,10 +138,42 @@ class HostGroups:
         self.reduce_to_leader(tensor)
         sent = 0
         if self.leaders is not None:
-            dist.all_reduce(tensor, group=self.leaders)
+            try:
+                dist.all_reduce(tensor, group=self.leaders)
+            except RuntimeError as exc:  # gloo's timeout or a closed connection, as text
+                raise self._across_failed(exc) from exc
             sent = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.hosts)
-        self.broadcast_from_leader(tensor)
+        try:
+            self.broadcast_from_leader(tensor)
+        except CollectiveTimeout as exc:
+            raise self._leader_silent(exc) from exc
         return sent
+
+    def _hosts_text(self) -> str:
+        return ", ".join(
+            f"rank {group[0]} at {address}"
+            for group, address in zip(self.groups, self.addresses, strict=False)
+        )
+
+    def _across_failed(self, exc: RuntimeError) -> CollectiveError:
+        here = self.addresses[self.host] if self.addresses else "?"
+        return CollectiveError(
+            f"rank {self.rank} (leader of host {here}) could not sum with the other hosts' leaders "
+            f"({self._hosts_text()}) within runtime.collective_timeout_s = {self.timeout_s:g}s: {exc}. "
+            "A host that cannot be reached (a cut link, a host down, a firewall) stops the exchange "
+            "across hosts; Spark re-runs the stage and the fit resumes from its last checkpoint"
+        )
+
+    def _leader_silent(self, exc: CollectiveTimeout) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"rank {self.rank} waited {exc.limit_s or self.timeout_s:g}s for its host's leader, rank "
+            f"{self.leader}, which was summing with the other hosts' leaders ({self._hosts_text()}) and "
+            "never handed the result back: a host the leaders could not reach holds the exchange (the "
+            "leader's own error names it); raise runtime.collective_timeout_s if one exchange can take "
+            "that long",
+            setting="runtime.collective_timeout_s",
+            limit_s=exc.limit_s,
+        )
 
 
 def hierarchical_bytes(hierarchy: HostGroups, payload: int) -> int:
@@ -159,6 +196,7 @@ class HierarchicalAllReduce:
         self.hierarchy = hierarchy
         self.world_size = world_size
         self.bytes_across_hosts = 0
+        self.failure: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-hierarchy", daemon=True)
         self._thread.start()
@@ -180,7 +218,13 @@ class HierarchicalAllReduce:
                 self.bytes_across_hosts += self.hierarchy.all_reduce(tensor)
                 future.set_result(tensor)
             except BaseException as exc:  # the step fails on the caller's thread, with this error
+                self.failure = exc  # DDP hands the caller its text only: take_failure() gives it back
                 future.set_exception(exc)
+
+    def take_failure(self) -> BaseException | None:
+        """The error that failed a bucket's future since the last call (None: none did)."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._queue.put(None)

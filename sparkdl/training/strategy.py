@@ -317,7 +317,13 @@ class SyncStrategy(abc.ABC):
                 loss = step.loss_of(self.model, batch)
                 factor = scale * share
                 scaled = loss if factor == 1.0 else loss * factor  # one kernel fewer per step
-                self._precision.backward(scaled)
+                try:
+                    self._precision.backward(scaled)
+                except RuntimeError:
+                    failure = self.ctx.exchange.take_hook_failure()  # the hook's own error, typed
+                    if failure is None:
+                        raise
+                    raise failure from None
             if share:
                 losses.append((loss.detach().float(), share))
         if len(losses) == 1 and losses[0][1] == 1.0:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from sparkdl.config import SparkDLConfig  # noqa: E402
 from sparkdl.spark.session import build_session  # noqa: E402
 from sparkdl.storage.checkpoint_store import CheckpointStore  # noqa: E402
-from tests.multihost.netlab_drill import HOSTS, MASTER, start_cluster, stop_cluster  # noqa: E402
+from tests.multihost.netlab_drill import HOSTS, MASTER, SESSION, start_cluster, stop_cluster  # noqa: E402
 from tests.reference import make_shards, max_abs_diff, reference_sgd  # noqa: E402
 from tests.spark.test_fit import LR, MOMENTUM, estimator, shards_dataframe  # noqa: E402
 
@@ -68,29 +68,69 @@ class Cutter(threading.Thread):
         self.healed_at = time.monotonic()
 
 
-def main(out: Path) -> None:
-    cluster = start_cluster(out)
-    result: dict[str, object] = {"hosts": HOSTS}
-    logs: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: logs.append(f"{time.monotonic():.1f} {record.getMessage()}")  # type: ignore[method-assign]
-    logging.getLogger("sparkdl").addHandler(handler)
-    logging.getLogger("sparkdl").setLevel(logging.INFO)
-    try:
-        spark = build_session(
-            MASTER,
-            "sparkdl-netlab-cut",
-            SparkDLConfig().replace(collective_timeout_s=COLLECTIVE_TIMEOUT_S),
+def stage_attempts(spark, started: float) -> list[dict[str, object]]:
+    """Every stage attempt of the application: when it was submitted and completed (seconds
+    after the fit started), its status and why it failed."""
+    import datetime
+    import urllib.request
+
+    app = spark.sparkContext.applicationId
+    url = f"http://{HOSTS[0]}:4088/api/v1/applications/{app}/stages?details=false"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        stages = json.load(answer)
+    offset = time.time() - (time.monotonic() - started)  # wall time of the fit's start
+
+    def since(stamp: str | None) -> float | None:
+        if not stamp:
+            return None
+        at = datetime.datetime.strptime(stamp.replace("GMT", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z")
+        return round(at.timestamp() - offset, 1)
+
+    def tasks(stage: dict) -> list[dict[str, object]]:
+        path = f"{url.split('/stages?')[0]}/stages/{stage['stageId']}/{stage['attemptId']}/taskList"
+        with urllib.request.urlopen(path, timeout=10) as answer:
+            listed = json.load(answer)
+        return [
             {
-                "spark.ui.enabled": "false",
-                "spark.driver.host": HOSTS[0],
-                "spark.executor.cores": "2",
-                "spark.cores.max": "4",
-                "spark.executor.memory": "1g",
-                "spark.executorEnv.PYTHONPATH": str(ROOT),
-            },
-        )
-        spark.sparkContext.setLogLevel("ERROR")
+                "partition": task["index"],
+                "host": task.get("host"),
+                "launched_s": since(task.get("launchTime")),
+                "seconds": (task.get("duration") or 0) / 1000,
+                "status": task.get("status"),
+                "error": [
+                    line[:400] for line in (task.get("errorMessage") or "").splitlines() if "Error" in line
+                ][:3],
+            }
+            for task in listed
+        ]
+
+    return [
+        {
+            "stage": stage["stageId"],
+            "attempt": stage["attemptId"],
+            "status": stage["status"],
+            "submitted_s": since(stage.get("submissionTime")),
+            "completed_s": since(stage.get("completionTime")),
+            "tasks": tasks(stage) if stage["numTasks"] == 4 and stage["status"] != "SKIPPED" else [],
+        }
+        for stage in sorted(stages, key=lambda s: (s["stageId"], s["attemptId"]))
+    ]
+
+
+#: The session settings a cut drill needs besides netlab_drill's: the UI's REST API, which says
+#: when each stage attempt ran.
+UI = {"spark.ui.enabled": "true", "spark.ui.port": "4088"}
+
+
+def cut_and_resume(spark, out: Path) -> dict[str, object]:
+    """Fit with checkpoints while host ``CUT_HOST`` is unplugged past the collective timeout;
+    return what happened: when the cut came and went, the answer's distance to the reference,
+    the resume, the warnings with their time, every stage attempt."""
+    logs: list[tuple[float, str]] = []  # (monotonic time, message) of sparkdl's records
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: logs.append((time.monotonic(), record.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("sparkdl").addHandler(handler)
+    try:
         shards = make_shards([80, 80, 80, 80])  # 10 steps an epoch
         df = shards_dataframe(spark, shards).cache()
         df.count()
@@ -111,21 +151,37 @@ def main(out: Path) -> None:
         ).fit(df)
         finished = time.monotonic()
         cutter.join(timeout=60)
-        expected = reference_sgd(shards, 8, 3, 0, LR, MOMENTUM, False)
-        resumed = [h for h in model.history if "resumed_from_step" in h]
-        result.update(
-            {
-                "cut_s": CUT_S,
-                "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-                "cut_at_s": cutter.cut_at - started if cutter.cut_at else None,
-                "healed_at_s": cutter.healed_at - started if cutter.healed_at else None,
-                "fit_s": finished - started,
-                "max_abs_diff": max_abs_diff(model.module.state_dict(), expected),
-                "resumed": resumed[0] if resumed else None,
-                "devices": model.worker_devices,
-                "logs": [line for line in logs if "attempt" in line or "failed" in line or "resum" in line],
-            }
+    finally:
+        logging.getLogger("sparkdl").removeHandler(handler)
+    expected = reference_sgd(shards, 8, 3, 0, LR, MOMENTUM, False)
+    resumed = [h for h in model.history if "resumed_from_step" in h]
+    return {
+        "cut_s": CUT_S,
+        "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "cut_at_s": cutter.cut_at - started if cutter.cut_at else None,
+        "healed_at_s": cutter.healed_at - started if cutter.healed_at else None,
+        "fit_s": finished - started,
+        "max_abs_diff": max_abs_diff(model.module.state_dict(), expected),
+        "resumed": resumed[0] if resumed else None,
+        "devices": model.worker_devices,
+        "logs": [(round(at - started, 1), message[:600]) for at, message in logs],
+        "stages": stage_attempts(spark, started),
+    }
+
+
+def main(out: Path) -> None:
+    cluster = start_cluster(out)
+    logging.getLogger("sparkdl").setLevel(logging.DEBUG if "--debug" in sys.argv else logging.WARNING)
+    try:
+        spark = build_session(
+            MASTER,
+            "sparkdl-netlab-cut",
+            SparkDLConfig().replace(collective_timeout_s=COLLECTIVE_TIMEOUT_S),
+            {**SESSION, **UI},
         )
+        spark.sparkContext.setLogLevel("ERROR")
+        result = {"hosts": HOSTS, "cut": cut_and_resume(spark, out)}
         spark.stop()
     finally:
         stop_cluster(cluster)
@@ -133,4 +189,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]))  # --debug: every sparkdl record of the driver and the workers

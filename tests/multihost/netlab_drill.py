@@ -4,7 +4,8 @@ Run inside ``../shared/tools/netlab --hosts 3 --isolate``, on host 0 (the driver
 master's): a worker with 2 slots starts on each of hosts 1 and 2, each with its own
 address, PID space and /dev/shm, so 4 barrier tasks run on two "machines" joined by a
 rate-limited switch. Nothing names a network interface: the process group must bind the
-executors' real addresses by itself (a host name resolves to loopback here).
+executors' real addresses by itself (a host name resolves to loopback here). Last, a
+fit with checkpoints has host 2 unplugged past its collective timeout (cut_drill.py).
 
     python tests/multihost/netlab_drill.py OUT_DIR     # writes OUT_DIR/result.json
 """
@@ -33,9 +34,23 @@ SPARK = Path(pyspark.__file__).parent
 MASTER = f"spark://{HOSTS[0]}:7077"
 RUNS = {
     "allreduce host": {"strategy": "allreduce", "hierarchy": "host"},
-    "allreduce flat": {"strategy": "allreduce"},
     "parameter_server sync": {"strategy": "parameter_server", "ps_mode": "sync"},
 }
+#: The driver's session on host 0, for 4 workers on the two worker hosts.
+SESSION = {
+    "spark.ui.enabled": "false",
+    "spark.driver.host": HOSTS[0],
+    "spark.executor.cores": "2",
+    "spark.cores.max": "4",
+    "spark.executor.memory": "1g",
+    "spark.executorEnv.PYTHONPATH": str(ROOT),
+}
+
+
+def cut_and_resume(spark, out: Path) -> dict[str, object]:
+    from tests.multihost.cut_drill import cut_and_resume as drill
+
+    return drill(spark, out)
 
 
 def spark_class(cls: str, address: str, *args: str) -> list[str]:
@@ -75,18 +90,10 @@ def main(out: Path) -> None:
     cluster = start_cluster(out)
     result: dict[str, object] = {"hosts": HOSTS}
     try:
+        from tests.multihost.cut_drill import UI
+
         spark = build_session(
-            MASTER,
-            "sparkdl-netlab",
-            SparkDLConfig().replace(collective_timeout_s=60.0),
-            {
-                "spark.ui.enabled": "false",
-                "spark.driver.host": HOSTS[0],
-                "spark.executor.cores": "2",
-                "spark.cores.max": "4",
-                "spark.executor.memory": "1g",
-                "spark.executorEnv.PYTHONPATH": str(ROOT),
-            },
+            MASTER, "sparkdl-netlab", SparkDLConfig().replace(collective_timeout_s=60.0), {**SESSION, **UI}
         )
         spark.sparkContext.setLogLevel("ERROR")
         shards = make_shards([48, 40, 56, 32])
@@ -105,6 +112,8 @@ def main(out: Path) -> None:
                     for r in range(4)
                 ],
             }
+        # last, as it unplugs a host: a cut past the collective timeout, and the resume
+        result["cut"] = cut_and_resume(spark, out)
         spark.stop()
     finally:
         stop_cluster(cluster)

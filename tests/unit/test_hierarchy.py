@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from sparkdl.comm.hierarchy import HierarchicalAllReduce, group_ranks, host_key
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, HostGroups, group_ranks, host_key
 from sparkdl.config import Hierarchy, SparkDLConfig
-from sparkdl.errors import ConfigError
+from sparkdl.errors import CollectiveError, CollectiveTimeout, ConfigError
 from sparkdl.strategies import check_settings
 
 ADDRESSES = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.1:7002", "10.0.0.1:7001"]
@@ -76,5 +77,35 @@ def test_the_hook_thread_answers_each_bucket_in_order_and_passes_a_failure_to_th
     future = HierarchicalAllReduce.hook(failing, _Bucket(torch.ones(2)))
     with pytest.raises(RuntimeError, match="leaders' group timed out"):
         future.wait()
+    assert "leaders' group timed out" in str(failing.take_failure())  # typed, for the step to raise
+    assert failing.take_failure() is None
     failing.close()
     assert not failing._thread.is_alive()
+
+
+class _Shared:
+    """A host's shared-memory level whose broadcast from the leader never comes."""
+
+    def all_reduce_(self, tensor):
+        pass
+
+    def broadcast_(self, tensor):
+        raise CollectiveTimeout(
+            "shared-memory all-reduce: waited", setting="runtime.collective_timeout_s", limit_s=10.0
+        )
+
+
+def test_a_cut_between_hosts_is_named_by_the_leader_and_by_the_members_waiting_for_it(monkeypatch):
+    def unreachable(tensor, group=None):
+        raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
+
+    monkeypatch.setattr(dist, "all_reduce", unreachable)
+    groups, addresses = [[0, 2], [1, 3]], ["10.77.0.2", "10.77.0.3"]
+    leader = HostGroups(groups, 0, 0, None, object(), _Shared(), addresses, 10.0)
+    with pytest.raises(CollectiveError, match=r"rank 0 \(leader of host 10.77.0.2\) could not sum") as failed:
+        leader.all_reduce(torch.ones(2))
+    assert "rank 1 at 10.77.0.3" in str(failed.value) and "Timed out waiting" in str(failed.value)
+    member = HostGroups(groups, 2, 0, None, None, _Shared(), addresses, 10.0)
+    with pytest.raises(CollectiveTimeout, match="rank 2 waited 10s for its host's leader, rank 0") as waited:
+        member.all_reduce(torch.ones(2))
+    assert waited.value.setting == "runtime.collective_timeout_s"
