@@ -31,7 +31,7 @@ from tests.reference import make_shards, max_abs_diff, reference_sgd  # noqa: E4
 from tests.spark.test_fit import LR, MOMENTUM, estimator, shards_dataframe  # noqa: E402
 
 CUT_HOST = 2
-CUT_S = 25.0  # longer than the collective timeout below
+CUT_S = 15.0  # longer than the collective timeout below
 COLLECTIVE_TIMEOUT_S = 10.0
 CUT_AFTER_STEP = 8
 CHECKPOINT_EVERY = 4
