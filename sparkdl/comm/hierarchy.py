@@ -29,7 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -72,9 +72,9 @@ class HostGroups:
     host: int
     local: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
+    addresses: list[str]  # each host's key (its address), by group
+    timeout_s: float
     shared: SharedMemoryGroup | None = None
-    addresses: list[str] = field(default_factory=list)  # each host's key (its address), by group
-    timeout_s: float = 0.0
 
     @classmethod
     def build(cls, keys: Sequence[str], rank: int, timeout_s: float) -> HostGroups | None:
@@ -89,7 +89,7 @@ class HostGroups:
         host = next(i for i, g in enumerate(groups) if rank in g)
         addresses = [keys[g[0]] for g in groups]
         leading = leaders if groups[host][0] == rank else None
-        return cls(groups, rank, host, local, leading, addresses=addresses, timeout_s=timeout_s)
+        return cls(groups, rank, host, local, leading, addresses, timeout_s)
 
     @property
     def hosts(self) -> int:
@@ -152,14 +152,14 @@ class HostGroups:
     def _hosts_text(self) -> str:
         return ", ".join(
             f"rank {group[0]} at {address}"
-            for group, address in zip(self.groups, self.addresses, strict=False)
+            for group, address in zip(self.groups, self.addresses, strict=True)
         )
 
     def _across_failed(self, exc: RuntimeError) -> CollectiveError:
-        here = self.addresses[self.host] if self.addresses else "?"
         return CollectiveError(
-            f"rank {self.rank} (leader of host {here}) could not sum with the other hosts' leaders "
-            f"({self._hosts_text()}) within runtime.collective_timeout_s = {self.timeout_s:g}s: {exc}. "
+            f"rank {self.rank} (leader of host {self.addresses[self.host]}) could not sum with the other "
+            f"hosts' leaders ({self._hosts_text()}) within runtime.collective_timeout_s = "
+            f"{self.timeout_s:g}s: {exc}. "
             "A host that cannot be reached (a cut link, a host down, a firewall) stops the exchange "
             "across hosts; Spark re-runs the stage and the fit resumes from its last checkpoint"
         )

@@ -189,7 +189,7 @@ class WeightAveragingStrategy(SyncStrategy):
         plainly: its change joins the next full round's, measured from the same start."""
         world, rank = self.ctx.world_size, self.ctx.rank
         round_ = RoundMessage(world)
-        state = sum(t.numel() for _, t in self._optimizer_tensors()) if self._average_state else 0
+        state = sum(t.numel() for _, (_, t) in self._optimizer_state()) if self._average_state else 0
         vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, state, self.ctx.device)
         self.ctx.exchange.sum_(vector)
         total, stopped, states = round_.unpack(vector)
@@ -202,8 +202,8 @@ class WeightAveragingStrategy(SyncStrategy):
         named: list[Named] = list(self._model_tensors())
         exact: list[Named] = []  # averaged without a lossy codec
         if state > 0 and all(other == state for other in states):  # the same state everywhere
-            for name, tensor in self._optimizer_tensors():
-                (named if name.rsplit(" ", 1)[1] in SIGNED_STATE else exact).append((name, tensor))
+            for key, tensor_named in self._optimizer_state():
+                (named if key in SIGNED_STATE else exact).append(tensor_named)
         if total > 0:
             weight = self._rows_since_sync / total
             exchange = self.ctx.exchange
@@ -233,7 +233,8 @@ class WeightAveragingStrategy(SyncStrategy):
     def _parameters(self) -> Iterator[Named]:
         yield from ((f"parameter {name}", p.data) for name, p in self.ctx.module.named_parameters())
 
-    def _optimizer_tensors(self) -> Iterator[Named]:
+    def _optimizer_state(self) -> Iterator[tuple[str, Named]]:
+        """Every floating state tensor of the optimizer, with its key (``exp_avg``, ...)."""
         optimizer = self.ctx.optimizer
         index = 0
         for group in optimizer.param_groups:
@@ -242,7 +243,7 @@ class WeightAveragingStrategy(SyncStrategy):
                 for key in sorted(state):
                     value = state[key]
                     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-                        yield f"optimizer {index} {key}", value
+                        yield key, (f"optimizer {index} {key}", value)
                 index += 1
 
 

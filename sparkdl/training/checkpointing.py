@@ -105,8 +105,8 @@ class Checkpointer:
             return
         extra = self.strategy.checkpoint_state(position.global_steps_done)
         state = {
-            **extra,
-            "format": _FORMAT,
+            "strategy": extra,
+            "format": 1,
             "model": model,
             "optimizer": optimizer,
             "epoch": position.epoch,
@@ -117,12 +117,6 @@ class Checkpointer:
         self.store.save(position.global_steps_done, state)
         self.written += 1
 
-
-_FORMAT = 1
-#: A checkpoint's entries besides those its strategy adds.
-_WRITTEN_BY_CHECKPOINTER = frozenset(
-    {"format", "model", "optimizer", "epoch", "epoch_steps_done", "global_steps_done", "history"}
-)
 
 _KERNEL_FLAGS = ("fused", "foreach", "capturable")
 
@@ -177,5 +171,4 @@ def restore(
     redone = max(progress.step - position.global_steps_done, 0) if progress else 0
     since = progress.wall_time if progress else started
     log.info("rank %d resumed from step %d (%d steps to redo)", rank, position.global_steps_done, redone)
-    extra = {key: value for key, value in state.items() if key not in _WRITTEN_BY_CHECKPOINTER}
-    return Resume(position, list(history), redone, since, time.time(), extra)
+    return Resume(position, list(history), redone, since, time.time(), dict(state.get("strategy", {})))

@@ -101,11 +101,11 @@ def test_a_cut_between_hosts_is_named_by_the_leader_and_by_the_members_waiting_f
 
     monkeypatch.setattr(dist, "all_reduce", unreachable)
     groups, addresses = [[0, 2], [1, 3]], ["10.77.0.2", "10.77.0.3"]
-    leader = HostGroups(groups, 0, 0, None, object(), _Shared(), addresses, 10.0)
+    leader = HostGroups(groups, 0, 0, None, object(), addresses, 10.0, _Shared())
     with pytest.raises(CollectiveError, match=r"rank 0 \(leader of host 10.77.0.2\) could not sum") as failed:
         leader.all_reduce(torch.ones(2))
     assert "rank 1 at 10.77.0.3" in str(failed.value) and "Timed out waiting" in str(failed.value)
-    member = HostGroups(groups, 2, 0, None, None, _Shared(), addresses, 10.0)
+    member = HostGroups(groups, 2, 0, None, None, addresses, 10.0, _Shared())
     with pytest.raises(CollectiveTimeout, match="rank 2 waited 10s for its host's leader, rank 0") as waited:
         member.all_reduce(torch.ones(2))
     assert waited.value.setting == "runtime.collective_timeout_s"

@@ -122,8 +122,8 @@ def test_the_outer_optimizer_resumes_from_a_checkpoint_with_its_momentum(tmp_pat
     saved = CheckpointStore(str(checkpoints))
     assert saved.latest() == 8
     state = saved.load(8)
-    assert len(state[CHECKPOINT_KEY]) == 4  # every parameter's momentum (TinyNet: 2 layers)
-    state.pop(CHECKPOINT_KEY)  # the same checkpoint without the momentum, to show it is used
+    assert len(state["strategy"][CHECKPOINT_KEY]) == 4  # every parameter's momentum (TinyNet: 2 layers)
+    state["strategy"].pop(CHECKPOINT_KEY)  # the same checkpoint without the momentum, to show it is used
     without_momentum = tmp_path / "without"
     CheckpointStore(str(without_momentum)).save(8, state)
     resumed, results = run_workers(shards, tmp_path / "resumed", **resumable)
