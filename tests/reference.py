@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -51,11 +51,18 @@ def shard_to_batch(x: np.ndarray, y: np.ndarray) -> pa.RecordBatch:
 
 
 def reference_sgd(
-    shards, batch_size: int, epochs: int, seed: int, lr: float, momentum: float, shuffle: bool
+    shards,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    lr: float,
+    momentum: float,
+    shuffle: bool,
+    model_fn: Callable[[], nn.Module] = make_tiny_net,
 ) -> dict[str, torch.Tensor]:
     """One process, global batch = union of each worker's slice of the step, mean loss."""
     torch.manual_seed(seed)
-    model = make_tiny_net()
+    model = model_fn()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for epoch in range(1, epochs + 1):
         orders = [

@@ -19,6 +19,7 @@ class Strategy(str, enum.Enum):
     WEIGHT_AVERAGING = "weight_averaging"
     PARAMETER_SERVER = "parameter_server"
     FSDP = "fsdp"
+    PIPELINE = "pipeline"
 
 
 class PsMode(str, enum.Enum):
@@ -93,6 +94,13 @@ class OuterOptimizer(str, enum.Enum):
 
     NONE = "none"  # the average is the new model (SparkNet, local SGD)
     NESTEROV = "nesterov"  # the average change is a pseudo-gradient for Nesterov momentum SGD
+
+
+class PipelineSchedule(str, enum.Enum):
+    """The order a pipeline's stages run their micro-batches' forwards and backwards in."""
+
+    GPIPE = "gpipe"  # every forward, then every backward: activations of all micro-batches held
+    ONE_F_ONE_B = "1f1b"  # one forward, one backward in the steady state: at most `stages` held
 
 
 class OptimizerName(str, enum.Enum):

@@ -44,6 +44,7 @@ from sparkdl.config.choices import (
     OnError,
     OptimizerName,
     OuterOptimizer,
+    PipelineSchedule,
     Precision,
     PsMode,
     Strategy,
@@ -58,7 +59,7 @@ from sparkdl.config.loading import (
     unknown_names,
 )
 from sparkdl.config.runtime_sections import ReliabilityConfig, RuntimeConfig, TrackingConfig
-from sparkdl.config.strategy_sections import ParameterServerConfig, WeightAveragingConfig
+from sparkdl.config.strategy_sections import ParameterServerConfig, PipelineConfig, WeightAveragingConfig
 from sparkdl.config.training_sections import DataConfig, OptimizerConfig, TrainingConfig
 from sparkdl.errors import ConfigError
 
@@ -78,6 +79,8 @@ __all__ = [
     "OptimizerName",
     "OuterOptimizer",
     "ParameterServerConfig",
+    "PipelineConfig",
+    "PipelineSchedule",
     "Precision",
     "PsMode",
     "ReliabilityConfig",
@@ -107,6 +110,7 @@ class SparkDLConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     weight_averaging: WeightAveragingConfig = field(default_factory=WeightAveragingConfig)
     parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

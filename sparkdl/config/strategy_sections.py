@@ -1,4 +1,4 @@
-"""The sections that one strategy reads: ``[weight_averaging]`` and ``[parameter_server]``.
+"""The sections that one strategy reads: ``[weight_averaging]``, ``[parameter_server]`` and ``[pipeline]``.
 
 Each is read only when ``training.strategy`` names its strategy (local SGD, or a parameter
 server on the driver), so they sit apart from the sections every fit uses. Each is one frozen
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparkdl.config.choices import OuterOptimizer, Precision, PsMode
+from sparkdl.config.choices import OuterOptimizer, PipelineSchedule, Precision, PsMode
 from sparkdl.config.loading import about, check_bounds
 from sparkdl.errors import ConfigError
 
@@ -152,3 +152,45 @@ class ParameterServerConfig:
                 "ps_pull_precision = 'fp16' could overflow weights above 65504; use 'bf16' (the same "
                 "bytes, float32's range) or 'fp32'"
             )
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``[pipeline]``: the model cut into stages, one per worker, fed micro-batches."""
+
+    stages: int = field(
+        default=0,
+        metadata=about(
+            "Stages the model is cut into, each on its own worker; num_workers / stages pipelines then "
+            "train as data-parallel replicas (their gradients all-reduced every step). 0: one pipeline "
+            "over every worker.",
+            bound=">= 0",
+        ),
+    )
+    microbatches: int = field(
+        default=8,
+        metadata=about(
+            "Micro-batches each pipeline's step is cut into (its rows: batch_size x accumulate_steps from "
+            "each of its workers); the idle share of a GPipe step is (stages - 1) / (microbatches + "
+            "stages - 1).",
+            bound="> 0",
+        ),
+    )
+    pipeline_schedule: PipelineSchedule = field(
+        default=PipelineSchedule.ONE_F_ONE_B,
+        metadata=about(
+            "gpipe: every micro-batch's forward, then every backward (activations of all micro-batches "
+            "held). 1f1b: one forward, one backward in the steady state (at most stages of them held)."
+        ),
+    )
+    split_before: tuple[str, ...] = field(
+        default=(),
+        metadata=about(
+            "Names of the model's top-level layers (its nn.Sequential children) that begin stages 2, 3, "
+            "...; empty: cut where each stage gets about the same number of parameters.",
+            valid="stages - 1 layer names, in the model's order",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "pipeline")

@@ -62,6 +62,7 @@ from torch.distributed.fsdp import fully_shard
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.training.factory import build_model
+from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
@@ -156,7 +157,7 @@ class FsdpStrategy(SyncStrategy, CollectiveForward):
     ) -> None:
         """Every rank holds the full checkpoint; each keeps its own shards of it."""
         set_model_state_dict(module, cast(dict[str, Any], model_state), options=_FULL)
-        by_name = _indexed_to_named(optimizer_state, _parameter_names(module, optimizer))
+        by_name = indexed_to_named(optimizer_state, parameter_names(module, optimizer))
         set_optimizer_state_dict(module, optimizer, by_name, options=_FULL)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -171,7 +172,7 @@ class FsdpStrategy(SyncStrategy, CollectiveForward):
         by_name = get_optimizer_state_dict(module, optimizer, options=_GATHER)
         if self.ctx.rank != 0:
             return {}
-        return _named_to_indexed(by_name, _parameter_names(module, optimizer))
+        return named_to_indexed(by_name, parameter_names(module, optimizer))
 
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's full state, broadcast and sharded into every rank (a collective)."""
@@ -213,31 +214,3 @@ def shard_units(module: nn.Module, share: float = UNIT_SHARE) -> list[nn.Module]
 
     visit(module)
     return units
-
-
-def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The name of each parameter the optimizer holds, in its order (the numbering of
-    ``optimizer.state_dict()``)."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _named_to_indexed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """An optimizer state keyed by parameter name, keyed by position instead."""
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
-        ],
-    }
-
-
-def _indexed_to_named(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The inverse of :func:`_named_to_indexed`."""
-    return {
-        "state": {names[int(i)]: value for i, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]
-        ],
-    }

@@ -307,6 +307,7 @@ class Trainer:
             plan.global_rows,
             self._loss_of,
             self._filler.batch,
+            self._loss_fn,
         )
         outcome = self.strategy.train_step(step)
         if outcome.trained:

@@ -105,6 +105,8 @@ class StepInput:
         loss_of: runs the strategy's model and the loss on a batch: the mean loss.
         filler: a zero-weight batch, for a worker without rows whose strategy must
             still join the step's collectives.
+        loss_fn: the loss ``loss_of`` calls, ``(output, target, weight) -> mean loss``, for a
+            strategy whose model's output exists only on some worker (a pipeline's last stage).
     """
 
     step: int
@@ -114,6 +116,7 @@ class StepInput:
     global_rows: int
     loss_of: Callable[[nn.Module, Batch], torch.Tensor]
     filler: Callable[[], Batch]
+    loss_fn: Callable[..., torch.Tensor] | None = None
 
 
 class Verdict(enum.Enum):
@@ -340,10 +343,15 @@ class SyncStrategy(abc.ABC):
         if self._lr is not None:
             self._lr.apply(step.step)
         if self._clip_norm:
-            torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
+            self._clip_gradients()
         self._precision.step(optimizer)
         if self._scheduler is not None:
             self._scheduler.step()
+
+    def _clip_gradients(self) -> None:
+        """Scale the gradients down to ``grad_clip_norm`` where their norm is above it (a
+        strategy holding a slice of the model takes the norm over every slice)."""
+        torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
 
     def _step_on_shared_gradients(self, step: StepInput, loss: torch.Tensor) -> StepOutcome:
         """The end of a step whose gradients every rank shares: the optimizer step if the
@@ -383,6 +391,7 @@ REGISTRY: dict[Strategy, str] = {
     Strategy.WEIGHT_AVERAGING: "sparkdl.strategies.weight_averaging:WeightAveragingStrategy",
     Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
     Strategy.FSDP: "sparkdl.strategies.fsdp:FsdpStrategy",
+    Strategy.PIPELINE: "sparkdl.strategies.pipeline:PipelineStrategy",
 }
 
 

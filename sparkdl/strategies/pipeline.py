@@ -1,0 +1,683 @@
+"""Pipeline parallelism: the model cut into stages, one per worker, fed micro-batches
+under a schedule (GPipe or 1F1B) by PyTorch's ``torch.distributed.pipelining``.
+
+Layout: ``stages`` consecutive ranks form one pipeline (rank ``r`` runs stage
+``r % stages`` of pipeline ``r // stages``); with more workers than stages the pipelines
+are data-parallel replicas of each other (DistBelief's layout), each stage's gradients
+all-reduced over its replicas after the last micro-batch's backward. (DDP wrapped around a
+stage failed its bucket rebuild under 1F1B in torch 2.13: "rebuilt parameter indices size
+is not same as original model parameters size".) Consecutive
+ranks share a host where Spark places them so: activations, which cross every micro-batch,
+stay on the host; the once-a-step gradient all-reduce crosses hosts.
+
+The cut: the model's top-level layers (an ``nn.Sequential``'s children; the activation
+between two of them is one tensor) in contiguous runs, starting where ``split_before``
+names, or where each stage gets about the same number of parameters (:func:`balance`).
+Each worker keeps only its stage's layers, under their names in the whole model, so its
+state dict is a slice of the whole model's.
+
+A step's rows: every worker of a pipeline reads its own partition, as with every other
+strategy. The inputs of the step's rows go to stage 0 and their labels to the last stage
+(one gather each in the pipeline's group), so a row crosses the network at most once
+each way. Stage 0 pads the pipeline's rows to a fixed number (``microbatches`` micro-batches
+of the same size, the shapes the stages agreed on at the first step) with copies of a row
+it saw; the last stage's loss leaves the padding out.
+
+Step math: the loss of a micro-batch of ``k`` real rows is scaled by ``k / global_rows``,
+so after the sum over micro-batches and over the replicas (one all-reduce of the stage's
+gradients, flattened) each stage holds the mean gradient over every row of the step: single-process SGD
+on the union of the step's rows, whatever the number of micro-batches or how unevenly the
+rows are spread. One world-wide sum of the loss (and of whether any gradient was non-finite)
+per step gives every rank the same loss and the same NaN verdict. Gradient clipping takes
+the norm over every stage.
+
+Called as a module, a worker's stage runs the whole pipeline forward (inference, in
+lockstep with its pipeline: :class:`~sparkdl.training.strategy.CollectiveForward`), so
+validation, the label probe and early stopping work unchanged. Checkpoints, the final
+weights and early stopping's best weights are the whole model's, gathered to rank 0 in the
+format of every other strategy: a checkpoint moves between strategies and worker counts.
+
+Limits: a model of one input tensor whose top level is an ``nn.Sequential`` (a model of
+several inputs is cut by hand into a Sequential whose first layer takes one tensor);
+``precision = "fp16"``, compression and hierarchy are refused. Padding rows go through
+the layers (a batch-norm layer would count them). Every rank builds the whole model once,
+on the CPU, then keeps its stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import ConfigError
+from sparkdl.training.factory import build_model, cpu_state_dict
+from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
+from sparkdl.training.precision import Precision as StepPrecision
+from sparkdl.training.strategy import (
+    CollectiveForward,
+    StepInput,
+    StepOutcome,
+    StrategyContext,
+    SyncStrategy,
+    parameter_bytes,
+)
+
+# ------------------------------------------------------------------ the layout (pure)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``stages`` consecutive ranks per pipeline, ``replicas`` pipelines."""
+
+    stages: int
+    replicas: int
+
+    @classmethod
+    def of(cls, config: SparkDLConfig, world_size: int) -> Layout:
+        stages = config.pipeline.stages or world_size
+        return cls(stages, world_size // stages)
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """The ranks of one pipeline, stage by stage."""
+        return [replica * self.stages + s for s in range(self.stages)]
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """The ranks that run ``stage``, one per pipeline."""
+        return [r * self.stages + stage for r in range(self.replicas)]
+
+
+def balance(costs: Sequence[int], parts: int) -> list[int]:
+    """Where each of ``parts`` contiguous, non-empty runs of ``costs`` starts, so that the
+    costliest run costs as little as it can. Among equal cuts the latest: a layer without
+    parameters (an activation) stays with the layer before it."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} layers into {parts} non-empty stages")
+    prefix = list(itertools.accumulate(costs, initial=0))
+    inf = float("inf")
+    # best[k][i]: the least possible largest run when the first i layers make k runs
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst <= best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    starts, i = [], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def stage_starts(
+    names: Sequence[str], costs: Sequence[int], stages: int, split_before: Sequence[str]
+) -> list[int]:
+    """The index of each stage's first layer: given by name, or balanced by ``costs``.
+
+    Raises:
+        ConfigError: a name is not a layer, the names are out of order, or there are not
+            ``stages - 1`` of them.
+    """
+    if len(names) < stages:
+        raise ConfigError(
+            f"the model has {len(names)} top-level layers ({', '.join(names)}); it cannot be cut into "
+            f"{stages} stages: set pipeline.stages to at most {len(names)}, or make the model an "
+            "nn.Sequential of more layers"
+        )
+    if not split_before:
+        return balance(costs, stages)
+    if len(split_before) != stages - 1:
+        raise ConfigError(
+            f"pipeline.split_before names {len(split_before)} layers, {list(split_before)}; {stages} stages "
+            f"need {stages - 1} (the first layer of each stage after the first)"
+        )
+    position = {name: i for i, name in enumerate(names)}
+    missing = [name for name in split_before if name not in position]
+    if missing:
+        raise ConfigError(
+            f"pipeline.split_before names {missing}, not top-level layers of the model; its layers are "
+            f"{', '.join(names)}"
+        )
+    starts = [0] + [position[name] for name in split_before]
+    if any(b <= a for a, b in itertools.pairwise(starts)):
+        raise ConfigError(
+            f"pipeline.split_before = {list(split_before)} must name layers in the model's order, after "
+            f"its first layer ({names[0]!r}), each once"
+        )
+    return starts
+
+
+# ------------------------------------------------------------------ groups and the stage
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's place in the layout and the process groups it talks in."""
+
+    layout: Layout
+    rank: int
+    pipeline: dist.ProcessGroup  # this rank's pipeline, stage by stage
+    replicas: dist.ProcessGroup | None  # this rank's stage over every pipeline (None: one pipeline)
+    objects: dist.ProcessGroup  # gloo over this rank's pipeline: pickled state dicts
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.layout.pipeline_ranks(self.layout.replica_of(self.rank))
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.layout.stages - 1
+
+    @classmethod
+    def form(cls, layout: Layout, rank: int) -> PipelineGroups:
+        """Every rank creates every group, in the same order (``new_group``'s rule)."""
+        gloo = dist.get_backend() == "gloo"
+        own = layout.replica_of(rank)
+        pipeline = objects = replicas = None
+        for replica in range(layout.replicas):
+            ranks = layout.pipeline_ranks(replica)
+            group = dist.new_group(ranks)
+            group_objects = group if gloo else dist.new_group(ranks, backend="gloo")
+            if replica == own:
+                pipeline, objects = group, group_objects
+        if layout.replicas > 1:
+            for stage in range(layout.stages):
+                group = dist.new_group(layout.replica_ranks(stage))
+                if stage == layout.stage_of(rank):
+                    replicas = group
+        assert pipeline is not None and objects is not None
+        return cls(layout, rank, pipeline, replicas, objects)
+
+
+class StageModule(nn.Sequential):
+    """This worker's stage: a run of the whole model's top-level layers, under their names
+    in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
+    the other stages of its pipeline (inference only); :meth:`run_layers` runs its own."""
+
+    def __init__(
+        self, layers: collections.OrderedDict[str, nn.Module], groups: PipelineGroups, whole_names: list[str]
+    ) -> None:
+        super().__init__(layers)
+        self.groups = groups
+        #: every parameter's name in the whole model, in its order (optimizer state's numbering)
+        self.whole_parameter_names = whole_names
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, super().forward(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every worker of the pipeline calls it with its own rows, at the same point; each
+        gets the whole model's output for its rows."""
+        groups = self.groups
+        device = x.device
+        with torch.no_grad():
+            counts = _counts(len(x), groups.pipeline, device)
+            rows = _gather_rows(x, counts, groups.ranks[0], groups)
+            if groups.first:
+                hidden = self.run_layers(cast(torch.Tensor, rows))
+            else:
+                hidden = self.run_layers(_recv(groups.ranks[groups.stage - 1], groups.pipeline, device))
+            if not groups.last:
+                _send(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
+            return _scatter_rows(hidden if groups.last else None, counts, groups, device)
+
+
+class _Layers(nn.Module):
+    """What the schedule runs on this worker: the stage's own layers, under autocast, with
+    the bytes of the activations it sends counted."""
+
+    def __init__(self, stage: StageModule, precision: StepPrecision) -> None:
+        super().__init__()
+        self.stage = stage
+        self._precision = precision
+        self.sent = 0  # bytes of activations sent on (forward) and of input gradients sent back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._precision.autocast():
+            out = self.stage.run_layers(x)
+        groups = self.stage.groups
+        self.sent += (0 if groups.last else out.nbytes) + (0 if groups.first else x.nbytes)
+        return out
+
+
+# ------------------------------------------------------------------ the strategy
+
+
+class PipelineStrategy(SyncStrategy, CollectiveForward):
+    """w_s <- w_s - lr * mean over the step's rows of dL/dw_s, stage s on its own worker."""
+
+    name = Strategy.PIPELINE
+    shares_gradients = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        stage = cast(StageModule, ctx.module)
+        self._groups = groups = stage.groups
+        pipeline = ctx.config.pipeline
+        self._microbatches = pipeline.microbatches
+        training = ctx.config.training
+        rows = groups.layout.stages * training.batch_size * training.accumulate_steps
+        self._micro_rows = -(-rows // self._microbatches)  # every micro-batch the same size
+        self._layers = _Layers(stage, ctx.precision)
+        replicas = groups.layout.replicas
+        self._replica_bytes = 2 * (replicas - 1) * parameter_bytes(stage) // replicas
+        self._stage = PipelineStage(
+            self._layers, groups.stage, groups.layout.stages, ctx.device, group=groups.pipeline
+        )
+        kind = ScheduleGPipe if pipeline.pipeline_schedule is PipelineSchedule.GPIPE else Schedule1F1B
+        self._schedule = kind(self._stage, self._microbatches, loss_fn=self._micro_loss, scale_grads=False)
+        self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
+        self._step_state: _StepRows | None = None
+        self._loss_total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+
+    @classmethod
+    def check_settings(cls, config: SparkDLConfig) -> None:
+        world, pipeline = config.training.num_workers, config.pipeline
+        stages = pipeline.stages or world
+        if stages < 2:
+            raise ConfigError(
+                f"strategy = 'pipeline' needs at least 2 stages (pipeline.stages = {pipeline.stages}, "
+                f"num_workers = {world}); with one worker per model use strategy = 'allreduce'"
+            )
+        if world % stages:
+            raise ConfigError(
+                f"num_workers = {world} is not a multiple of pipeline.stages = {stages}: each pipeline "
+                f"needs all of its stages; set num_workers to {stages * max(1, world // stages)} or "
+                "pipeline.stages to a divisor of it"
+            )
+        if pipeline.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B and pipeline.microbatches < stages:
+            raise ConfigError(
+                f"pipeline.microbatches = {pipeline.microbatches} is below the {stages} stages, which "
+                "pipeline_schedule = '1f1b' needs; raise microbatches (4 x stages keeps the idle share "
+                "small) or use pipeline_schedule = 'gpipe'"
+            )
+        if pipeline.split_before and len(pipeline.split_before) != stages - 1:
+            raise ConfigError(
+                f"pipeline.split_before names {len(pipeline.split_before)} layers; {stages} stages need "
+                f"{stages - 1} (the first layer of each stage after the first)"
+            )
+        if config.training.precision is Precision.FP16:
+            raise ConfigError(
+                "precision = 'fp16' is not available with strategy = 'pipeline' (its gradient scaler "
+                "cannot see the stages' backwards); use precision = 'bf16'"
+            )
+        if config.runtime.compression is not Compression.NONE:
+            raise ConfigError(
+                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
+                "'pipeline'; set compression = 'none'"
+            )
+        if config.runtime.hierarchy is not Hierarchy.NONE:
+            raise ConfigError(
+                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = "
+                "'pipeline' (its replicas all-reduce one stage each); set hierarchy = 'none'"
+            )
+
+    @classmethod
+    def build_module(
+        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+    ) -> nn.Module:
+        """Build the whole model (the same on every rank: the seed is set), keep this rank's
+        stage on ``device``; form the pipeline's and the replicas' groups."""
+        whole = build_model(model_fn)
+        if not isinstance(whole, nn.Sequential):
+            raise ConfigError(
+                f"strategy = 'pipeline' cuts the model between its top-level layers, so model_fn must "
+                f"return an nn.Sequential (it returned {type(whole).__name__}); write the model as "
+                "nn.Sequential(layer, layer, ...) whose layers each take one tensor"
+            )
+        layout = Layout.of(config, dist.get_world_size())
+        groups = PipelineGroups.form(layout, dist.get_rank())
+        named = list(whole.named_children())
+        names = [name for name, _ in named]
+        costs = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
+        starts = [*stage_starts(names, costs, layout.stages, config.pipeline.split_before), len(named)]
+        mine = named[starts[groups.stage] : starts[groups.stage + 1]]
+        if not any(p.requires_grad for _, layer in mine for p in layer.parameters()):
+            raise ConfigError(
+                f"stage {groups.stage + 1} of {layout.stages} would hold only layers without trainable "
+                f"parameters ({', '.join(name for name, _ in mine)}); set pipeline.split_before to cut "
+                f"elsewhere (layers: {', '.join(names)}) or use fewer stages"
+            )
+        whole_names = [name for name, _ in whole.named_parameters()]
+        stage = StageModule(collections.OrderedDict(mine), groups, whole_names)
+        return stage.to(device)
+
+    @classmethod
+    def load_full_state(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Every rank holds the whole model's checkpoint; each keeps its stage's part."""
+        stage = cast(StageModule, module)
+        own = stage.state_dict().keys()
+        stage.load_state_dict({name: model_state[name] for name in own})
+        named = indexed_to_named(optimizer_state, stage.whole_parameter_names)
+        local = parameter_names(stage, optimizer)
+        kept = set(local)
+        mine = {
+            "state": {name: value for name, value in named["state"].items() if name in kept},
+            "param_groups": [
+                {**group, "params": [n for n in group["params"] if n in kept]}
+                for group in named["param_groups"]
+            ],
+        }
+        optimizer.load_state_dict(named_to_indexed(mine, local))
+
+    # ---------------------------------------------------------------- the step
+
+    def train_step(self, step: StepInput) -> StepOutcome:
+        groups, ctx = self._groups, self.ctx
+        if self._loss_fn is None:
+            self._learn_loss(step)
+        rows = _joined(step.batches) if step.batches else step.filler().head(0)
+        if len(rows.inputs) != 1:
+            raise ConfigError(
+                f"strategy = 'pipeline' feeds stage 0 one input tensor; this step's rows have "
+                f"{len(rows.inputs)} ({', '.join(rows.inputs)}): join them into one (feature_cols) or "
+                "use another strategy"
+            )
+        rows = rows.to(ctx.device)
+        (x,) = rows.inputs.values()
+        counts = _counts(len(rows), groups.pipeline, ctx.device)
+        inputs = _gather_rows(x, counts, groups.ranks[0], groups)
+        labels = _gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
+        weights = (
+            _gather_rows(rows.weight, counts, groups.ranks[-1], groups) if rows.weight is not None else None
+        )
+        self._loss_total.zero_()
+        self._step_state = _StepRows(sum(counts), labels, weights, step.global_rows)
+        if groups.first:
+            padded = _pad(
+                cast(torch.Tensor, inputs), self._micro_rows * self._microbatches, step.filler, ctx.device
+            )
+            self._schedule.step(padded, return_outputs=False)
+        elif groups.last:
+            index = torch.arange(self._micro_rows * self._microbatches)  # on the CPU: no device sync to read
+            self._schedule.step(target=index, return_outputs=False)
+        else:
+            self._schedule.step(return_outputs=False)
+        self._step_state = None
+        self._sum_over_replicas()
+        self.stats.sync_rounds += 1
+        self.stats.bytes_sent += self._layers.sent + self._replica_bytes
+        self._layers.sent = 0
+        loss = self._agreed_loss(step.global_rows)
+        return self._step_on_shared_gradients(step, loss)
+
+    def _sum_over_replicas(self) -> None:
+        """Add up this stage's gradients over every pipeline (one all-reduce of them all,
+        flattened): each pipeline's share is already scaled by its rows."""
+        group = self._groups.replicas
+        if group is None:
+            return
+        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _learn_loss(self, step: StepInput) -> None:
+        """The first step, on every rank together: one row through the whole pipeline with
+        the loop's ``loss_of`` (which records the model's input and output shapes), and the
+        loss function it calls, for the last stage's micro-batches."""
+        row = (step.batches[0] if step.batches else step.filler()).head(1)
+        with torch.no_grad():
+            step.loss_of(self.ctx.module, row)
+        if step.loss_fn is None:
+            raise RuntimeError("strategy = 'pipeline' needs the step's loss function (StepInput.loss_fn)")
+        self._loss_fn = step.loss_fn
+
+    def _micro_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch (rows ``index`` of the step's padded
+        rows), scaled so that the step's gradient is the mean over its real rows."""
+        state = self._step_state
+        assert state is not None and state.labels is not None and self._loss_fn is not None
+        start = int(index[0])
+        real = min(max(state.rows - start, 0), len(index))
+        if real == 0:
+            return output.sum() * 0.0  # padding only: the graph still reaches every parameter
+        end = start + real
+        weight = state.weights[start:end] if state.weights is not None else None
+        loss = self._loss_fn(output[:real].float(), state.labels[start:end], weight)
+        self._loss_total.add_(loss.detach(), alpha=real)
+        return loss * (real / state.global_rows)
+
+    def _agreed_loss(self, global_rows: int) -> torch.Tensor:
+        """The step's mean loss over every row, and a NaN where any rank saw a non-finite
+        loss or gradient: one sum over the world, so every rank judges the step alike."""
+        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
+        finite = bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())) if grads else True
+        figures = torch.tensor([float(self._loss_total), 0.0 if finite else 1.0], dtype=torch.float64)
+        dist.all_reduce(figures, group=self.ctx.control_group)
+        total, non_finite = figures.tolist()
+        value = float("nan") if non_finite or total != total else total / max(global_rows, 1)
+        return torch.tensor(value, device=self.ctx.device)
+
+    def _clip_gradients(self) -> None:
+        """Clip by the norm of the whole model's gradient: each stage's share, summed over
+        the pipeline."""
+        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
+        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else None
+        squared = torch.tensor([float(local) if local is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(squared, group=self._groups.objects)
+        norm = float(squared.sqrt())
+        factor = self._clip_norm / (norm + 1e-6)
+        if factor < 1:
+            for g in grads:
+                g.mul_(factor)
+
+    # ---------------------------------------------------------------- the whole model
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stages of pipeline 0, gathered to rank 0 (every rank calls it; the other
+        pipelines hold the same weights and send nothing)."""
+        return self._gather_whole(cpu_state_dict(self.ctx.module), lambda parts: _merged_dicts(parts))
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        stage = cast(StageModule, self.ctx.module)
+        local = indexed_to_named(self.ctx.optimizer.state_dict(), parameter_names(stage, self.ctx.optimizer))
+        return self._gather_whole(
+            local, lambda parts: _merged_optimizer_states(parts, stage.whole_parameter_names)
+        )
+
+    def _gather_whole(self, part: Any, merge: Callable[[list[Any]], Any]) -> Any:
+        groups = self._groups
+        if groups.layout.replica_of(groups.rank) != 0:
+            return {}
+        parts: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
+        dist.gather_object(part, parts, dst=0, group=groups.objects)
+        return merge(cast(list[Any], parts)) if groups.rank == 0 else {}
+
+    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0's whole state: each stage of pipeline 0 gets its part, then every
+        pipeline takes its stage's from pipeline 0."""
+        groups, stage = self._groups, self.ctx.module
+        if groups.layout.replica_of(groups.rank) == 0:
+            keys: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
+            dist.gather_object(list(stage.state_dict()), keys, dst=0, group=groups.objects)
+            parts = None
+            if keys is not None:
+                parts = [{name: state[name] for name in names} for names in keys]
+            received: list[Any] = [None]
+            dist.scatter_object_list(received, parts, src=0, group=groups.objects)
+            stage.load_state_dict(received[0])
+        if groups.replicas is not None:
+            with torch.no_grad():
+                for tensor in [*stage.parameters(), *stage.buffers()]:
+                    dist.broadcast(tensor, src=groups.layout.stage_of(groups.rank), group=groups.replicas)
+
+
+@dataclass(frozen=True)
+class _StepRows:
+    """What the last stage's loss needs during one step."""
+
+    rows: int  # the pipeline's real rows (the rest is padding)
+    labels: torch.Tensor | None
+    weights: torch.Tensor | None
+    global_rows: int
+
+
+# ------------------------------------------------------------------ moving rows
+
+
+def _counts(rows: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every worker of the pipeline's row count, in stage order."""
+    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [int(c) for c in every]
+
+
+def _gather_rows(
+    tensor: torch.Tensor, counts: list[int], dst: int, groups: PipelineGroups
+) -> torch.Tensor | None:
+    """Every worker's rows of ``tensor``, joined in stage order on rank ``dst`` (None elsewhere)."""
+    most = max(counts)
+    padded = tensor
+    if len(tensor) < most:
+        padded = torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
+    if groups.rank != dst:
+        dist.gather(padded, None, dst=dst, group=groups.pipeline)
+        return None
+    every = [torch.empty_like(padded) for _ in counts]
+    dist.gather(padded, every, dst=dst, group=groups.pipeline)
+    return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
+
+
+def _scatter_rows(
+    output: torch.Tensor | None, counts: list[int], groups: PipelineGroups, device: torch.device
+) -> torch.Tensor:
+    """The last stage's ``output`` of every worker's rows (joined in stage order), each
+    worker's own rows back to it."""
+    last = groups.ranks[-1]
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    if output is not None:
+        header = _header(output, device)
+    dist.broadcast(header, src=last, group=groups.pipeline)
+    dtype, shape = _shape_of(header)
+    most = max(counts)
+    mine = torch.empty((most, *shape[1:]), dtype=dtype, device=device)
+    parts = None
+    if output is not None:
+        parts, start = [], 0
+        for count in counts:
+            part = mine.new_zeros(mine.shape)
+            part[:count] = output[start : start + count]
+            parts.append(part)
+            start += count
+    dist.scatter(mine, parts, src=last, group=groups.pipeline)
+    return mine[: counts[groups.stage]]
+
+
+_DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_HEADER = 10  # dtype, rank of the shape, up to 8 dimensions
+
+
+def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise ConfigError(
+            f"a pipeline stage's output of {tensor.dim()} dimensions ({tensor.dtype}) cannot travel "
+            f"between stages: at most {_HEADER - 2} dimensions of one of {', '.join(map(str, _DTYPES))}"
+        )
+    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)
+
+
+def _shape_of(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype, dims, *shape = (int(v) for v in header.tolist())
+    return _DTYPES[dtype], tuple(shape[:dims])
+
+
+def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    dist.send(_header(tensor, tensor.device), dst=dst, group=group)
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    dtype, shape = _shape_of(header)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+
+
+def _joined(batches: Sequence[Batch]) -> Batch:
+    if len(batches) == 1:
+        return batches[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return Batch(
+        {name: torch.cat([b.inputs[name] for b in batches]) for name in batches[0].inputs},
+        cat([b.label for b in batches]),
+        cat([b.weight for b in batches]),
+    )
+
+
+def _pad(rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: torch.device) -> torch.Tensor:
+    """``rows`` with copies of one row seen before up to ``size`` rows (padding the loss leaves out)."""
+    if len(rows) == size:
+        return rows
+    if len(rows) > size:
+        raise RuntimeError(
+            f"a pipeline step holds {len(rows)} rows, more than the {size} its micro-batches were sized "
+            "for; this is a sparkdl bug, please report it"
+        )
+    (template,) = filler().inputs.values()
+    row = template[:1].to(device=device, dtype=rows.dtype)
+    return torch.cat([rows, row.expand(size - len(rows), *row.shape[1:])])
+
+
+def _merged_dicts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def _merged_optimizer_states(parts: list[dict[str, Any]], whole_names: list[str]) -> dict[str, Any]:
+    """The stages' optimizer states (keyed by parameter name) as the whole model's optimizer
+    would number them; each param group's hyperparameters from stage 0."""
+    groups = []
+    for i, first in enumerate(parts[0]["param_groups"]):
+        names = [name for part in parts for name in part["param_groups"][i]["params"]]
+        groups.append({**first, "params": names})
+    state = {name: value for part in parts for name, value in part["state"].items()}
+    order = {name: i for i, name in enumerate(whole_names)}
+    for group in groups:
+        group["params"].sort(key=order.__getitem__)
+    return named_to_indexed({"state": state, "param_groups": groups}, whole_names)

@@ -1,0 +1,175 @@
+"""Strategy "pipeline" (torch.distributed.pipelining) on real gloo process groups over
+loopback, without Spark: the reference answer, 2-D layouts, checkpoints that move between
+strategies, resume after a lost worker, validation and the refusals. The cut itself
+(:func:`balance`, :func:`stage_starts`) is pure and tested first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies import check_settings
+from sparkdl.strategies.pipeline import Layout, balance, stage_starts
+from sparkdl.worker.assembly import TrainSpec
+from tests.reference import make_shards, max_abs_diff, reference_sgd, shard_plan, shard_to_batch
+from tests.unit.test_fsdp import last_checkpoint, spawn
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, run_workers
+
+# ------------------------------------------------------------------ the cut (pure)
+
+
+def test_balance_minimises_the_largest_stage():
+    assert balance([1, 1, 1, 1], 2) == [0, 2]
+    assert balance([8, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0, 1]  # the big layer alone
+    assert balance([1, 1, 1, 1, 1, 1, 1, 1, 8], 3) == [0, 4, 8]
+    assert balance([5, 0, 5, 0, 5], 3) == [0, 2, 4]  # parameterless layers ride along
+    rng = random.Random(5)
+    for _ in range(30):  # against every possible cut
+        costs = [rng.randint(0, 9) for _ in range(rng.randint(3, 8))]
+        parts = rng.randint(1, len(costs))
+        every = [[0, *cuts] for cuts in itertools.combinations(range(1, len(costs)), parts - 1)]
+        assert _worst(costs, balance(costs, parts)) == min(_worst(costs, s) for s in every)
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3"):
+        balance([1, 1], 3)
+
+
+def _worst(costs, starts):
+    return max(sum(costs[a:b]) for a, b in itertools.pairwise([*starts, len(costs)]))
+
+
+def test_stage_starts_by_name_and_what_it_refuses():
+    names, costs = ["embed", "block1", "block2", "head"], [4, 2, 2, 1]
+    assert stage_starts(names, costs, 2, ()) == [0, 1]
+    assert stage_starts(names, costs, 2, ("block2",)) == [0, 2]
+    with pytest.raises(ConfigError, match=r"names \['blok2'\], not top-level layers.*embed, block1"):
+        stage_starts(names, costs, 2, ("blok2",))
+    with pytest.raises(ConfigError, match="in the model's order"):
+        stage_starts(names, costs, 3, ("head", "block1"))
+    with pytest.raises(ConfigError, match="3 stages need 2"):
+        stage_starts(names, costs, 3, ("block1",))
+    with pytest.raises(ConfigError, match="4 top-level layers.*cannot be cut into 5 stages"):
+        stage_starts(names, costs, 5, ())
+
+
+def test_layout_puts_a_pipeline_on_consecutive_ranks():
+    layout = Layout.of(SparkDLConfig().replace(strategy="pipeline", stages=2), 6)
+    assert (layout.stages, layout.replicas) == (2, 3)
+    assert layout.pipeline_ranks(1) == [2, 3]
+    assert layout.replica_ranks(1) == [1, 3, 5]
+    assert (layout.stage_of(5), layout.replica_of(5)) == (1, 2)
+    assert Layout.of(SparkDLConfig().replace(strategy="pipeline"), 4) == Layout(4, 1)
+
+
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        ({"num_workers": 1}, "needs at least 2 stages"),
+        ({"num_workers": 3, "stages": 2}, "set num_workers to 2 or pipeline.stages"),
+        ({"num_workers": 4, "microbatches": 2}, "raise microbatches"),
+        ({"num_workers": 2, "split_before": ("a", "b")}, "2 stages need 1"),
+        ({"num_workers": 2, "precision": "fp16"}, "use precision = 'bf16'"),
+        ({"num_workers": 2, "compression": "1bit"}, "set compression = 'none'"),
+    ],
+)
+def test_settings_a_pipeline_cannot_run_are_refused_with_the_fix(settings, fix):
+    with pytest.raises(ConfigError, match=fix):
+        check_settings(SparkDLConfig().replace(strategy="pipeline", **settings))
+
+
+# ------------------------------------------------------------------ training
+
+
+def make_deep_net() -> nn.Module:
+    """Seven top-level layers, four with parameters (one per stage of 4)."""
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def train(shards, tmp_path, optimizer_fn=_sgd, parts=None, **settings):
+    """Train with strategy pipeline; return rank 0's final weights and the results."""
+    config = SparkDLConfig().replace(
+        num_workers=len(shards),
+        collective_timeout_s=30.0,
+        prefetch_batches=2,
+        strategy="pipeline",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **settings,
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, make_deep_net, optimizer_fn, "cross_entropy", plan, template)
+    if parts is None:
+        parts = [[shard_to_batch(x, y)] if len(y) else [] for x, y in shards]
+    state: dict = {}
+    results = spawn(parts, spec, tmp_path, weights=state)
+    errors = {r: e for r, (_, e, _) in results.items() if e is not None}
+    assert not errors, errors
+    return state, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "settings"),
+    [
+        # 2 stages; 3 micro-batches do not divide the step's 16 rows; uneven partitions
+        ([50, 21], {"microbatches": 3, "pipeline_schedule": "gpipe", "shuffle": False}),
+        ([50, 21], {"microbatches": 5, "pipeline_schedule": "1f1b", "shuffle": True}),
+        # 4 stages, one worker without rows
+        ([30, 0, 17, 9], {"microbatches": 4, "pipeline_schedule": "1f1b", "shuffle": True}),
+        # 2 stages x 2 replicas (DistBelief's layout), the replicas' gradients all-reduced
+        ([30, 22, 17, 9], {"stages": 2, "microbatches": 2, "pipeline_schedule": "1f1b", "shuffle": True}),
+    ],
+)
+def test_a_pipeline_gives_single_process_sgds_weights(tmp_path, sizes, settings):
+    shards = make_shards(sizes)
+    state, results = train(shards, tmp_path, batch_size=8, epochs=2, **settings)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, settings["shuffle"], model_fn=make_deep_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    history = results[0][0]
+    assert [h["samples"] for h in history] == [sum(sizes)] * 2
+    assert all(h["steps"] == max((s + 7) // 8 for s in sizes) for h in history)
+    assert all(h["bytes_sent"] > 0 for h in history)  # activations crossed between the stages
+    saved = last_checkpoint(tmp_path / "ckpt")
+    assert max_abs_diff(saved["model"], state) == 0  # the whole model, gathered
+
+
+@pytest.mark.slow
+def test_a_pipelines_checkpoint_resumes_under_all_reduce_and_back(tmp_path):
+    """The checkpoint of a crashed pipeline run (the whole model and the whole optimizer
+    state, numbered as the whole model's) resumes to the same weights under all-reduce,
+    and an all-reduce checkpoint resumes under a pipeline."""
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "checkpoint_every": 2}
+    marker = tmp_path / "drill"
+    config = SparkDLConfig().replace(
+        num_workers=2,
+        collective_timeout_s=10.0,
+        strategy="pipeline",
+        microbatches=4,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        fault_injection=f"raise:1:11:{marker}",  # epoch 2, after the checkpoint of step 10
+        **settings,
+    )
+    plan, template = shard_plan(shards)
+    parts = [[shard_to_batch(x, y)] for x, y in shards]
+    failed = spawn(parts, TrainSpec(config, make_deep_net, _adam, "cross_entropy", plan, template), tmp_path)
+    assert "fault drill: rank 1 raised at step 11" in str(failed[1][1])
+    assert CheckpointStore(str(tmp_path / "ckpt")).latest() == 10
+    settings.pop("checkpoint_every")
+    resumed, _ = run_workers(
+        shards, tmp_path / "allreduce", _adam, model_fn=make_deep_net,
+        checkpoint_dir=str(tmp_path / "ckpt"), **settings,
+    )  # fmt: skip
+    uninterrupted, _ = run_workers(shards, tmp_path / "plain", _adam, model_fn=make_deep_net, **settings)
+    assert max_abs_diff(resumed, uninterrupted) < 1e-5
