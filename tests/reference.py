@@ -32,6 +32,21 @@ def make_tiny_net() -> nn.Module:
     return TinyNet()
 
 
+def make_deep_net() -> nn.Module:
+    """Seven top-level layers of an nn.Sequential, four with parameters: a model a pipeline
+    cuts into 2 or 4 stages."""
+    layers = [
+        nn.Linear(6, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    ]
+    return nn.Sequential(*layers)
+
+
 def make_shards(sizes: Sequence[int], width: int = 6, classes: int = 3, seed: int = 7):
     """Deterministic (features, labels) per worker."""
     rng = np.random.default_rng(seed)

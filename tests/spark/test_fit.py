@@ -20,7 +20,7 @@ from sparkdl import (
     TorchModel,
     TrainingFailedError,
 )
-from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd
+from tests.reference import make_deep_net, make_shards, make_tiny_net, max_abs_diff, reference_sgd
 
 pytestmark = pytest.mark.spark
 
@@ -160,6 +160,25 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
     assert loaded.getOrDefault("batch_size") == 8
     after = loaded.transform(df).orderBy("features").collect()
     assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
+
+
+def test_a_pipeline_fits_the_reference_answer_then_transforms_and_saves_as_one_model(spark, tmp_path):
+    """Each worker held one stage; the driver's model is the whole one, gathered."""
+    shards = make_shards([40, 23])
+    df = shards_dataframe(spark, shards)
+    est = estimator(model_fn=make_deep_net, strategy="pipeline", microbatches=4, epochs=2, shuffle=True)
+    model = est.fit(df)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_deep_net)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+    assert [h["samples"] for h in model.history] == [63, 63]
+    predicted = model.transform(df).orderBy("features").collect()
+    with torch.no_grad():
+        x = torch.tensor([r["features"] for r in predicted])
+        direct = model.module(x).argmax(dim=1).double().tolist()
+    assert [r["prediction"] for r in predicted] == direct
+    model.save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"), model_fn=make_deep_net)
+    assert max_abs_diff(loaded.module.state_dict(), expected) < 1e-5
 
 
 def test_regression_outputs_a_double_and_multi_output_an_array(spark):
