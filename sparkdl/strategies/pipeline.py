@@ -295,7 +295,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._schedule = kind(self._stage, self._microbatches, loss_fn=self._micro_loss, scale_grads=False)
         self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
         self._step_state: _StepRows | None = None
-        self._loss_total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        self._micro_losses: dict[int, torch.Tensor] = {}  # start row -> the micro-batch's loss x rows
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -414,7 +414,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         weights = (
             _gather_rows(rows.weight, counts, groups.ranks[-1], groups) if rows.weight is not None else None
         )
-        self._loss_total.zero_()
+        self._micro_losses.clear()
         self._step_state = _StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
             padded = _pad(
@@ -471,7 +471,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         end = start + real
         weight = state.weights[start:end] if state.weights is not None else None
         loss = self._loss_fn(output[:real].float(), state.labels[start:end], weight)
-        self._loss_total.add_(loss.detach(), alpha=real)
+        # by micro-batch: the schedule's first step also calls this on made-up rows (to learn the
+        # shapes of the gradients), a call the real micro-batch 0 then overwrites
+        self._micro_losses[start] = loss.detach() * real
         return loss * (real / state.global_rows)
 
     def _agreed_loss(self, global_rows: int) -> torch.Tensor:
@@ -479,7 +481,8 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         loss or gradient: one sum over the world, so every rank judges the step alike."""
         grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
         finite = bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())) if grads else True
-        figures = torch.tensor([float(self._loss_total), 0.0 if finite else 1.0], dtype=torch.float64)
+        total = float(sum(self._micro_losses.values())) if self._micro_losses else 0.0
+        figures = torch.tensor([total, 0.0 if finite else 1.0], dtype=torch.float64)
         dist.all_reduce(figures, group=self.ctx.control_group)
         total, non_finite = figures.tolist()
         value = float("nan") if non_finite or total != total else total / max(global_rows, 1)

@@ -1,0 +1,202 @@
+"""Pipeline parallelism (issue 33): how close a pipeline comes to its ideal schedule, and
+where it sends fewer bytes than data parallelism.
+
+    .venv/bin/python benchmarks/bench_pipeline.py schedule [--epochs 3]
+    ../shared/tools/slow-net --rate 1gbit -- .venv/bin/python benchmarks/bench_pipeline.py wide
+
+``schedule``: a deep MLP (8 blocks of 1024 x 1024, equal cost) trained on 2 workers as 2
+stages, GPipe and 1F1B, with m = 1, 2, 4, 8 micro-batches, against the same model on one
+worker (the same 128 rows per step) and against all-reduce on 2 workers (64 rows each).
+GPipe's ideal speed-up over one worker with p balanced stages is p * m / (m + p - 1):
+the bubble leaves (p - 1) / (m + p - 1) of each stage idle.
+
+``wide``: a wide MLP (1024 -> 4096 -> 4096 -> 4096 -> 10, 37.8M parameters, 151 MB of
+float32) with 64 rows per worker, on 2 workers, all-reduce over gloo (no shared memory:
+the bytes cross slow-net's link) against a 2-stage pipeline (1F1B, 4 micro-batches): the
+bytes each worker sends per step and samples/s. Run it under slow-net.
+
+No Spark: each worker is a process running the Estimator's worker (``run_worker``) on its
+Arrow rows, as a barrier task would; samples/s is the median over the epochs after the
+first. Results: benchmarks/results/pipeline_<part>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import WIDTH, make_table, save_report  # noqa: E402
+
+
+def deep_model() -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(WIDTH, 1024), nn.ReLU()]
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 10))
+
+
+def wide_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(WIDTH, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+        nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10),
+    )  # fmt: skip
+
+
+MODELS = {"deep": deep_model, "wide": wide_model}
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _all_gather(path: str, rank: int, world: int):
+    import torch.distributed as dist
+
+    store = dist.FileStore(path, world)
+    store.set_timeout(timedelta(seconds=120))
+    rounds = iter(range(1_000))
+
+    def all_gather(message: str) -> list[str]:
+        round_ = next(rounds)
+        store.set(f"msg{round_}-{rank}", message)
+        return [store.get(f"msg{round_}-{r}").decode() for r in range(world)]
+
+    return all_gather
+
+
+def _worker(rank: int, world: int, rows: int, model: str, settings: dict, store: str, out: Any) -> None:
+    from sparkdl.config import SparkDLConfig
+    from sparkdl.data.columns import LabelKind
+    from sparkdl.data.decoding import decode_block
+    from sparkdl.data.inputs import plan_data
+    from sparkdl.data.tensors import to_batch
+    from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
+
+    try:
+        table = make_table(rows, seed=rank)
+        first = table.to_batches()[0]
+        plan = plan_data(
+            first.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
+        )
+        template = to_batch(decode_block(first.slice(0, 2), plan), plan)
+        config = SparkDLConfig().replace(num_workers=world, collective_timeout_s=600.0, **settings)
+        spec = TrainSpec(config, MODELS[model], _sgd, "cross_entropy", plan, template)
+        placement = Placement(rank, world, "127.0.0.1")
+        result = run_worker(spec, iter(table.to_batches()), placement, _all_gather(store, rank, world))
+        out.put((rank, result.history, None))
+    except Exception as exc:  # reported to the parent
+        out.put((rank, [], f"{type(exc).__name__}: {exc}"))
+
+
+def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
+    """Train on ``world`` worker processes (``rows`` each); rank 0's figures."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, rows, model, settings, f"{tmp}/store", out))
+            for r in range(world)
+        ]
+        started = time.perf_counter()
+        for p in procs:
+            p.start()
+        results = dict(
+            (rank, (history, error)) for rank, history, error in (out.get(timeout=1800) for _ in procs)
+        )
+        for p in procs:
+            p.join(60)
+    errors = {r: e for r, (_, e) in results.items() if e}
+    if errors:
+        raise RuntimeError(f"{model} {settings}: {errors}")
+    history = results[0][0]
+    later = history[1:] or history
+    steps = sum(h["steps"] for h in history)
+    return {
+        "samples_per_s": statistics.median(h["samples_per_s"] for h in later),
+        "bytes_sent_per_step": sum(h["bytes_sent"] for h in history) / max(steps, 1),
+        "loss": history[-1]["loss"],
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def schedule(epochs: int) -> dict[str, Any]:
+    rows, batch = 2_560, 64
+    base = {"epochs": epochs, "shuffle": False}
+    one = fit(1, 2 * rows, "deep", batch_size=2 * batch, **base)
+    print(f"one worker: {one['samples_per_s']:.0f} samples/s", flush=True)
+    variants: dict[str, Any] = {"one worker, 128 rows a step": one}
+    allreduce = fit(2, rows, "deep", batch_size=batch, **base)
+    variants["allreduce, 2 workers"] = {
+        **allreduce,
+        "vs_one": allreduce["samples_per_s"] / one["samples_per_s"],
+    }
+    for kind in ("gpipe", "1f1b"):
+        for m in (1, 2, 4, 8):
+            if kind == "1f1b" and m < 2:
+                continue
+            figures = fit(
+                2,
+                rows,
+                "deep",
+                batch_size=batch,
+                strategy="pipeline",
+                microbatches=m,
+                pipeline_schedule=kind,
+                **base,
+            )
+            ideal = 2 * m / (m + 1)
+            vs_one = figures["samples_per_s"] / one["samples_per_s"]
+            variants[f"pipeline {kind} m={m}"] = {
+                **figures,
+                "vs_one": vs_one,
+                "ideal": ideal,
+                "of_ideal": vs_one / ideal,
+            }
+            print(f"{kind} m={m}: {vs_one:.2f}x one worker (ideal {ideal:.2f})", flush=True)
+    return variants
+
+
+def wide(epochs: int) -> dict[str, Any]:
+    rows, batch = 1_280, 64
+    base = {"epochs": epochs, "shuffle": False, "batch_size": batch}
+    variants = {
+        "allreduce over gloo": fit(2, rows, "wide", shared_memory=False, **base),
+        "pipeline 1f1b m=4": fit(2, rows, "wide", strategy="pipeline", microbatches=4, **base),
+    }
+    for name, figures in variants.items():
+        print(
+            f"{name}: {figures['samples_per_s']:.0f} samples/s, "
+            f"{figures['bytes_sent_per_step'] / 1e6:.2f} MB a step",
+            flush=True,
+        )
+    return variants
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("part", choices=["schedule", "wide"])
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    figures = schedule(args.epochs) if args.part == "schedule" else wide(args.epochs)
+    save_report(str(ROOT / "benchmarks" / "results" / f"pipeline_{args.part}.json"), variants=figures)
+
+
+if __name__ == "__main__":
+    main()
