@@ -134,9 +134,28 @@ def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
     }
 
 
+def stage_ms(rows: int, repeats: int = 20) -> float:
+    """One stage's forward and backward of ``rows`` rows here, one thread: the deep model's
+    first half (the slower one), median of ``repeats``."""
+    torch.set_num_threads(1)
+    layers = list(deep_model().children())
+    half = nn.Sequential(*layers[: len(layers) // 2])
+    x = torch.randn(rows, WIDTH)
+    times = []
+    for i in range(repeats + 3):
+        started = time.perf_counter()
+        half(x).sum().backward()
+        if i >= 3:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
 def schedule(epochs: int) -> dict[str, Any]:
     rows, batch = 2_560, 64
     base = {"epochs": epochs, "shuffle": False}
+    # the ideal schedule on this machine: (m + p - 1) stage-times of a micro-batch (GPipe),
+    # each measured alone: a CPU's matmuls slow down per row as micro-batches shrink
+    micro_ms = {m: stage_ms(2 * batch // m) for m in (1, 2, 4, 8)}
     one = fit(1, 2 * rows, "deep", batch_size=2 * batch, **base)
     print(f"one worker: {one['samples_per_s']:.0f} samples/s", flush=True)
     variants: dict[str, Any] = {"one worker, 128 rows a step": one}
@@ -159,15 +178,23 @@ def schedule(epochs: int) -> dict[str, Any]:
                 pipeline_schedule=kind,
                 **base,
             )
-            ideal = 2 * m / (m + 1)
             vs_one = figures["samples_per_s"] / one["samples_per_s"]
+            step_ms = 2 * batch / figures["samples_per_s"] * 1e3
+            ideal_ms = (m + 1) * micro_ms[m]  # p = 2 stages
             variants[f"pipeline {kind} m={m}"] = {
                 **figures,
                 "vs_one": vs_one,
-                "ideal": ideal,
-                "of_ideal": vs_one / ideal,
+                "ideal_speedup": 2 * m / (m + 1),
+                "step_ms": step_ms,
+                "ideal_schedule_ms": ideal_ms,
+                "of_ideal_schedule": ideal_ms / step_ms,
             }
-            print(f"{kind} m={m}: {vs_one:.2f}x one worker (ideal {ideal:.2f})", flush=True)
+            print(
+                f"{kind} m={m}: {vs_one:.2f}x one worker (ideal {2 * m / (m + 1):.2f})"
+                f"; step {step_ms:.0f} ms "
+                f"against the schedule's {ideal_ms:.0f} ms of stage compute",
+                flush=True,
+            )
     return variants
 
 

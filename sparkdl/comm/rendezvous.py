@@ -38,18 +38,16 @@ _PROBE_S = 10.0
 
 @dataclass
 class ProcessGroups:
-    """The default group (gloo or NCCL) and a gloo group for small CPU control messages."""
+    """The default group (gloo or NCCL) and a gloo group for small CPU control messages.
+    Rank 0's store owns its listening socket and closes it when the store is released."""
 
     store: dist.TCPStore
     control: dist.ProcessGroup | None
-    listener: socket.socket | None
     attempt: int = 0  # the stage attempt: the smallest task attempt id, the same on every rank
 
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.listener is not None:
-            self.listener.close()
 
 
 def form_process_group(
@@ -145,6 +143,11 @@ def _formed(
             wait_for_workers=False,
             master_listen_fd=listener.fileno() if listener is not None else None,
         )
+        if listener is not None:
+            # the store owns the socket now and closes it when released: a second owner
+            # would close the number again, later, under whatever socket reuses it (a
+            # later fit's store in a reused Python worker, once a cycle held this one)
+            listener.detach()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     except RuntimeError as exc:  # DistStoreError and DistBackendError derive from it
@@ -157,7 +160,7 @@ def _formed(
             limit_s=timeout_s,
         ) from exc
     log.info("rank %d joined %s process group of %d via %s", rank, backend, world_size, address)
-    return ProcessGroups(store=store, control=control, listener=listener, attempt=attempt)
+    return ProcessGroups(store=store, control=control, attempt=attempt)
 
 
 def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:

@@ -501,6 +501,11 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             for g in grads:
                 g.mul_(factor)
 
+    def close(self) -> None:
+        # the schedule holds this strategy's loss (a cycle): released now, with the stage
+        # and its groups, not at some later garbage collection
+        del self._schedule, self._stage
+
     # ---------------------------------------------------------------- the whole model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

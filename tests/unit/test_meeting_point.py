@@ -118,3 +118,44 @@ def test_a_rank_that_cannot_reach_another_fails_in_seconds_naming_both_ends():
     message = str(raised.value)
     assert message.startswith(f"rank 0 at {HOST} cannot reach rank 2 at {HOST}:{closed_port} (")
     assert "set runtime.network_interface to the interface they share" in message
+
+
+def _two_fits_in_one_process(out) -> None:
+    """Form and release the process group twice, as a reused Python worker runs two fits,
+    while the first fit's store outlives its fit (held by a reference cycle until a
+    garbage collection); then collect it and use the second fit's store."""
+    import gc
+
+    from sparkdl.comm.rendezvous import form_process_group
+
+    try:
+        first = form_process_group(0, 1, "127.0.0.1", "gloo", lambda message: [message], 20.0)
+        first.destroy()
+        cycle: list = [first.store]
+        cycle.append(cycle)  # freed by the collector only
+        del first
+        second = form_process_group(0, 1, "127.0.0.1", "gloo", lambda message: [message], 20.0)
+        port = second.store.port
+        del cycle
+        gc.collect()  # the first store goes, and closes the socket it was given
+        client = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=5))
+        client.set("still", "served")
+        out.put((second.store.get("still").decode(), None))
+        second.destroy()
+    except Exception as exc:
+        out.put((None, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_fits_store_released_late_never_closes_a_later_fits_socket():
+    """Rank 0's store owns its listening socket alone: the socket was also closed by our
+    own handle at teardown, so the store's late close hit whatever socket reused the
+    number: the next fit in the same worker lost its store's socket (EBADF at its end)."""
+    from tests.workers import worker_context
+
+    ctx = worker_context()
+    out = ctx.Queue()
+    process = ctx.Process(target=_two_fits_in_one_process, args=(out,))
+    process.start()
+    value, error = out.get(timeout=60)
+    process.join(30)
+    assert error is None and value == "served", error
