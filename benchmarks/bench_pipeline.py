@@ -1,5 +1,5 @@
-"""Pipeline parallelism (issue 33): how close a pipeline comes to its ideal schedule, and
-where it sends fewer bytes than data parallelism.
+"""Model parallelism (issue 33): how close a pipeline comes to its ideal schedule, and
+where pipeline and tensor parallelism send fewer bytes than data parallelism.
 
     .venv/bin/python benchmarks/bench_pipeline.py schedule [--epochs 3]
     ../shared/tools/slow-net --rate 1gbit -- .venv/bin/python benchmarks/bench_pipeline.py wide
@@ -13,7 +13,8 @@ the bubble leaves (p - 1) / (m + p - 1) of each stage idle.
 ``wide``: a wide MLP (1024 -> 4096 -> 4096 -> 4096 -> 10, 37.8M parameters, 151 MB of
 float32) with 64 rows per worker, on 2 workers, all-reduce over gloo (no shared memory:
 the bytes cross slow-net's link) against a 2-stage pipeline (1F1B, 4 micro-batches): the
-bytes each worker sends per step and samples/s. Run it under slow-net.
+bytes each worker sends per step and samples/s; and tensor parallelism (each pair of
+layers split over the 2 workers). Run it under slow-net.
 
 No Spark: each worker is a process running the Estimator's worker (``run_worker``) on its
 Arrow rows, as a barrier task would; samples/s is the median over the epochs after the
@@ -204,6 +205,7 @@ def wide(epochs: int) -> dict[str, Any]:
     variants = {
         "allreduce over gloo": fit(2, rows, "wide", shared_memory=False, **base),
         "pipeline 1f1b m=4": fit(2, rows, "wide", strategy="pipeline", microbatches=4, **base),
+        "tensor parallel": fit(2, rows, "wide", strategy="tensor", **base),
     }
     for name, figures in variants.items():
         print(

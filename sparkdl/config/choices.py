@@ -20,6 +20,7 @@ class Strategy(str, enum.Enum):
     PARAMETER_SERVER = "parameter_server"
     FSDP = "fsdp"
     PIPELINE = "pipeline"
+    TENSOR = "tensor"
 
 
 class PsMode(str, enum.Enum):

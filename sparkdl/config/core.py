@@ -59,7 +59,12 @@ from sparkdl.config.loading import (
     unknown_names,
 )
 from sparkdl.config.runtime_sections import ReliabilityConfig, RuntimeConfig, TrackingConfig
-from sparkdl.config.strategy_sections import ParameterServerConfig, PipelineConfig, WeightAveragingConfig
+from sparkdl.config.strategy_sections import (
+    ParameterServerConfig,
+    PipelineConfig,
+    TensorConfig,
+    WeightAveragingConfig,
+)
 from sparkdl.config.training_sections import DataConfig, OptimizerConfig, TrainingConfig
 from sparkdl.errors import ConfigError
 
@@ -87,6 +92,7 @@ __all__ = [
     "RuntimeConfig",
     "SparkDLConfig",
     "Strategy",
+    "TensorConfig",
     "TrackingConfig",
     "TrainingConfig",
     "UseGpu",
@@ -111,6 +117,7 @@ class SparkDLConfig:
     weight_averaging: WeightAveragingConfig = field(default_factory=WeightAveragingConfig)
     parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tensor: TensorConfig = field(default_factory=TensorConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

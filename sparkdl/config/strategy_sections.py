@@ -1,4 +1,5 @@
-"""The sections that one strategy reads: ``[weight_averaging]``, ``[parameter_server]`` and ``[pipeline]``.
+"""The sections that one strategy reads: ``[weight_averaging]``, ``[parameter_server]``, ``[pipeline]``
+and ``[tensor]``.
 
 Each is read only when ``training.strategy`` names its strategy (local SGD, or a parameter
 server on the driver), so they sit apart from the sections every fit uses. Each is one frozen
@@ -194,3 +195,21 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "pipeline")
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    """``[tensor]``: large linear layers split across the workers of a group (Megatron's MLP)."""
+
+    tp_size: int = field(
+        default=0,
+        metadata=about(
+            "Workers each pair of linear layers is split over (the first by columns, the second by rows); "
+            "num_workers / tp_size groups then train as data-parallel replicas (their gradients "
+            "all-reduced every step). 0: one group of every worker.",
+            bound=">= 0",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "tensor")

@@ -50,7 +50,8 @@ class TrainingConfig:
             "How workers keep their models in sync: all-reduce gradients every step, average weights "
             "([weight_averaging]), push gradients to a server on the driver ([parameter_server]), or "
             "shard parameters, gradients and optimizer state across the workers (fsdp: PyTorch FSDP2), or "
-            "cut the model into stages, one per worker, fed micro-batches (pipeline: [pipeline])."
+            "cut the model into stages, one per worker, fed micro-batches (pipeline: [pipeline]), or split "
+            "its large linear layers across the workers (tensor: [tensor], PyTorch's DTensor)."
         ),
     )
     shuffle: bool = field(

@@ -7,6 +7,7 @@ Arrays that own their memory become tensors without a copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,18 @@ class Batch:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """One row's shape per input (what the model saw)."""
         return {name: tuple(t.shape[1:]) for name, t in self.inputs.items()}
+
+
+def join_batches(batches: Sequence[Batch]) -> Batch:
+    """One batch of the rows of ``batches``, in order (the first itself when it is alone)."""
+    if len(batches) == 1:
+        return batches[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return Batch(
+        {name: torch.cat([b.inputs[name] for b in batches]) for name in batches[0].inputs},
+        cat([b.label for b in batches]),
+        cat([b.weight for b in batches]),
+    )
 
 
 def call_model(model: nn.Module, batch: Batch, keyword: bool) -> torch.Tensor:

@@ -49,38 +49,27 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
+from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
 from sparkdl.training.factory import build_model
-from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
     StepOutcome,
     StrategyContext,
-    SyncStrategy,
     parameter_bytes,
 )
 
 #: A submodule with at least this share of the parameters is sharded as its own unit.
 UNIT_SHARE = 0.05
 
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-_FULL = StateDictOptions(full_state_dict=True)
 
-
-class FsdpStrategy(SyncStrategy, CollectiveForward):
+class FsdpStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with w, g and the optimizer state sharded over the ranks."""
 
     name = Strategy.FSDP
@@ -134,7 +123,7 @@ class FsdpStrategy(SyncStrategy, CollectiveForward):
         _shard(skeleton, device)
         skeleton.to_empty(device=device)
         state = whole.state_dict() if whole is not None else {}
-        set_model_state_dict(skeleton, cast(dict[str, Any], state), options=_FROM_RANK0)
+        set_model_state_dict(skeleton, cast(dict[str, Any], state), options=FROM_RANK0)
         return skeleton
 
     @classmethod
@@ -146,37 +135,6 @@ class FsdpStrategy(SyncStrategy, CollectiveForward):
                 dist.broadcast(tensor, src=0)
         _shard(module, device)
         return module
-
-    @classmethod
-    def load_full_state(
-        cls,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        model_state: dict[str, torch.Tensor],
-        optimizer_state: dict[str, Any],
-    ) -> None:
-        """Every rank holds the full checkpoint; each keeps its own shards of it."""
-        set_model_state_dict(module, cast(dict[str, Any], model_state), options=_FULL)
-        by_name = indexed_to_named(optimizer_state, parameter_names(module, optimizer))
-        set_optimizer_state_dict(module, optimizer, by_name, options=_FULL)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathers the shards to rank 0 (a collective); ``{}`` on the other ranks."""
-        state = get_model_state_dict(self.ctx.module, options=_GATHER)
-        return cast(dict[str, torch.Tensor], state) if self.ctx.rank == 0 else {}
-
-    def full_optimizer_state_dict(self) -> dict[str, Any]:
-        """Gathers the optimizer's shards to rank 0 (a collective), numbered as
-        ``optimizer.state_dict()`` numbers them; ``{}`` on the other ranks."""
-        module, optimizer = self.ctx.module, self.ctx.optimizer
-        by_name = get_optimizer_state_dict(module, optimizer, options=_GATHER)
-        if self.ctx.rank != 0:
-            return {}
-        return named_to_indexed(by_name, parameter_names(module, optimizer))
-
-    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0's full state, broadcast and sharded into every rank (a collective)."""
-        set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=_FROM_RANK0)
 
     def train_step(self, step: StepInput) -> StepOutcome:
         scale = self.ctx.world_size * step.rows / step.global_rows

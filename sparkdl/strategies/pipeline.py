@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
-from sparkdl.data.tensors import Batch
+from sparkdl.data.tensors import Batch, join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.training.factory import build_model, cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
@@ -399,7 +399,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         groups, ctx = self._groups, self.ctx
         if self._loss_fn is None:
             self._learn_loss(step)
-        rows = _joined(step.batches) if step.batches else step.filler().head(0)
+        rows = join_batches(step.batches) if step.batches else step.filler().head(0)
         if len(rows.inputs) != 1:
             raise ConfigError(
                 f"strategy = 'pipeline' feeds stage 0 one input tensor; this step's rows have "
@@ -643,17 +643,6 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Ten
     tensor = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(tensor, src=src, group=group)
     return tensor
-
-
-def _joined(batches: Sequence[Batch]) -> Batch:
-    if len(batches) == 1:
-        return batches[0]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return Batch(
-        {name: torch.cat([b.inputs[name] for b in batches]) for name in batches[0].inputs},
-        cat([b.label for b in batches]),
-        cat([b.weight for b in batches]),
-    )
 
 
 def _pad(rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: torch.device) -> torch.Tensor:

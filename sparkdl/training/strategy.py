@@ -392,6 +392,7 @@ REGISTRY: dict[Strategy, str] = {
     Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
     Strategy.FSDP: "sparkdl.strategies.fsdp:FsdpStrategy",
     Strategy.PIPELINE: "sparkdl.strategies.pipeline:PipelineStrategy",
+    Strategy.TENSOR: "sparkdl.strategies.tensor:TensorParallelStrategy",
 }
 
 

@@ -1,0 +1,64 @@
+"""The whole model's state for strategies whose parameters are DTensors spread over the
+ranks (fsdp's shards, tensor parallelism's split layers), through PyTorch's
+``torch.distributed.checkpoint.state_dict``: gathered to rank 0 for checkpoints and the
+final weights, in the format every other strategy writes (``module.state_dict()``, and
+``optimizer.state_dict()`` numbering the parameters in order), so a checkpoint moves
+between strategies and worker counts; and spread back from a full state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
+from sparkdl.training.strategy import SyncStrategy
+
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+FULL = StateDictOptions(full_state_dict=True)
+
+
+class DistributedState(SyncStrategy):
+    """A strategy whose module holds DTensors: its whole state is a collective to read and
+    to write (every rank calls these at the same point)."""
+
+    @classmethod
+    def load_full_state(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Every rank holds the full checkpoint; each keeps its own part of it."""
+        set_model_state_dict(module, cast(dict[str, Any], model_state), options=FULL)
+        by_name = indexed_to_named(optimizer_state, parameter_names(module, optimizer))
+        set_optimizer_state_dict(module, optimizer, by_name, options=FULL)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathered to rank 0 (a collective); ``{}`` on the other ranks."""
+        state = get_model_state_dict(self.ctx.module, options=GATHER)
+        return cast(dict[str, torch.Tensor], state) if self.ctx.rank == 0 else {}
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state gathered to rank 0 (a collective), numbered as
+        ``optimizer.state_dict()`` numbers it; ``{}`` on the other ranks."""
+        module, optimizer = self.ctx.module, self.ctx.optimizer
+        by_name = get_optimizer_state_dict(module, optimizer, options=GATHER)
+        if self.ctx.rank != 0:
+            return {}
+        return named_to_indexed(by_name, parameter_names(module, optimizer))
+
+    def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0's full state, broadcast and spread into every rank's part (a collective)."""
+        set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=FROM_RANK0)

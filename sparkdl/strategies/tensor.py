@@ -1,0 +1,297 @@
+"""Tensor parallelism: large linear layers split across the workers of a group, with
+PyTorch's DTensor (``parallelize_module``), as Megatron splits a transformer's MLP.
+
+The plan (:func:`megatron_plan`): in every module, each ``nn.Linear`` followed (past
+layers without parameters: activations, dropout) by another whose input is the first's
+output is a pair: the first is split by columns (each worker computes a slice of the
+hidden features), the second by rows (each worker multiplies its slice; one all-reduce
+sums the partial outputs). A pair costs one all-reduce of the output forward and one of
+the input's gradient backward; the weights never move. Layers outside a pair stay whole
+on every worker of the group.
+
+Layout: ``tp_size`` consecutive ranks form a group (a 2-D mesh, ``("dp", "tp")``): its
+all-reduces run every layer pair, so they stay on a host where Spark places consecutive
+tasks together; with more workers the groups are data-parallel replicas, each rank's
+gradients (its shards) summed over its replicas once a step.
+
+A step's rows: every worker of a group computes on the same rows (a split layer needs
+every row on every worker), so the group's rows are gathered to each of its workers, and
+every worker of the group computes the same loss on their union, scaled by
+``union rows / global_rows``: after the sum over the replicas, the mean gradient over every
+row of the step, as single-process SGD on their union. Called as a module outside the
+step (validation, the label probe), the model gathers the group's rows the same way and
+returns each worker its own rows' outputs.
+
+Checkpoints and the final weights are gathered whole to rank 0
+(:class:`~sparkdl.strategies.distributed_state.DistributedState`), in every strategy's format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
+from sparkdl.data.tensors import Batch, join_batches
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.distributed_state import DistributedState
+from sparkdl.training.factory import build_model
+from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
+
+COLUMNS, ROWS = "columns", "rows"
+
+
+def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
+    """Which linear layers to split, and how: ``{name: "columns" | "rows"}``. A pair is a
+    ``Linear`` then, past parameterless layers, a ``Linear`` taking its output; the hidden
+    width must divide by ``size`` (a pair that does not is left whole)."""
+    plan: dict[str, str] = {}
+    for parent, node in module.named_modules():
+        children = list(node.named_children())
+        i = 0
+        while i < len(children):
+            name, first = children[i]
+            j = i + 1
+            while j < len(children) and not _has_parameters(children[j][1]):
+                j += 1
+            if isinstance(first, nn.Linear) and j < len(children):
+                second_name, second = children[j]
+                if (
+                    isinstance(second, nn.Linear)
+                    and second.in_features == first.out_features
+                    and first.out_features % size == 0
+                ):
+                    plan[_joined(parent, name)] = COLUMNS
+                    plan[_joined(parent, second_name)] = ROWS
+                    i = j + 1
+                    continue
+            i += 1
+    return plan
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _joined(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
+
+
+class TensorParallelStrategy(DistributedState, CollectiveForward):
+    """w <- w - lr * mean_i(g_i), with each pair of linear layers split over a group."""
+
+    name = Strategy.TENSOR
+    shares_gradients = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        groups = cast(_Groups, getattr(ctx.module, _GROUPS))
+        self._groups = groups
+        self._tp, self._dp = groups.tp, groups.dp
+        self._gather_rows = groups.gather  # the inference hook's switch
+
+    @classmethod
+    def check_settings(cls, config: SparkDLConfig) -> None:
+        world, size = config.training.num_workers, config.tensor.tp_size or config.training.num_workers
+        if size < 2:
+            raise ConfigError(
+                f"strategy = 'tensor' needs a group of at least 2 workers (tensor.tp_size = "
+                f"{config.tensor.tp_size}, num_workers = {world}); with one worker use strategy = 'allreduce'"
+            )
+        if world % size:
+            raise ConfigError(
+                f"num_workers = {world} is not a multiple of tensor.tp_size = {size}; set num_workers to "
+                f"{size * max(1, world // size)} or tp_size to a divisor of it"
+            )
+        if config.training.precision is Precision.FP16:
+            raise ConfigError(
+                "precision = 'fp16' is not available with strategy = 'tensor' (its gradient scaler cannot "
+                "agree on overflows across split layers); use precision = 'bf16'"
+            )
+        if config.runtime.compression is not Compression.NONE:
+            raise ConfigError(
+                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
+                "'tensor'; set compression = 'none'"
+            )
+        if config.runtime.hierarchy is not Hierarchy.NONE:
+            raise ConfigError(
+                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = 'tensor'; "
+                "set hierarchy = 'none'"
+            )
+
+    @classmethod
+    def build_module(
+        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+    ) -> nn.Module:
+        """Build the whole model (the same on every rank: the seed is set), then split its
+        layer pairs over this rank's group: each rank keeps its slices."""
+        module = build_model(model_fn).to(device)
+        world = dist.get_world_size()
+        size = config.tensor.tp_size or world
+        plan = megatron_plan(module, size)
+        if not plan:
+            raise ConfigError(
+                "strategy = 'tensor' found no pair of linear layers to split in the model (an nn.Linear "
+                f"followed by one that takes its output, a hidden width divisible by tp_size = {size}); "
+                "use strategy = 'fsdp' or 'pipeline' for this model"
+            )
+        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "tp"))
+        styles: dict[str, ParallelStyle] = {
+            name: ColwiseParallel() if how == COLUMNS else RowwiseParallel() for name, how in plan.items()
+        }
+        parallelize_module(module, mesh["tp"], styles)
+        groups = _Groups(mesh)
+        for name, how in plan.items():
+            layer = module.get_submodule(name)
+            if how == ROWS:  # forward: the partial outputs summed
+                layer.register_forward_hook(groups.count_output)
+            else:  # backward: the input's partial gradients summed (where it has one)
+                layer.register_forward_pre_hook(groups.count_input_gradient)
+        setattr(module, _GROUPS, groups)
+        module.register_forward_pre_hook(groups.gather_inputs, with_kwargs=True)
+        module.register_forward_hook(groups.own_outputs)
+        return module
+
+    def train_step(self, step: StepInput) -> StepOutcome:
+        local = join_batches(step.batches) if step.batches else step.filler().head(0)
+        union = _group_rows(local.to(self.ctx.device), self._tp)
+        if len(union) == 0:  # the whole group is out of rows: its replicas' gradients only
+            for p in self.ctx.module.parameters():
+                p.grad = torch.zeros_like(p)
+            loss = torch.zeros((), device=self.ctx.device)
+        else:
+            with self._gather_rows.off():
+                loss = self._backward(step, (union,), len(union) / step.global_rows)
+        self._sum_over_replicas()
+        self.stats.sync_rounds += 1
+        self.stats.bytes_sent += self._groups.take_sent()
+        return self._step_on_shared_gradients(step, loss)
+
+    def _sum_over_replicas(self) -> None:
+        """Add this rank's gradient slices up over its replicas: one flat all-reduce."""
+        if self._dp.size() == 1:
+            return
+        grads = [_local(p.grad) for p in self.ctx.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._dp.get_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+_GROUPS = "_sparkdl_tensor_groups"
+
+
+class _Switch:
+    """Whether the model, called as a module, gathers its group's rows (not inside a step,
+    whose rows are already the group's)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+    def off(self) -> _Off:
+        return _Off(self)
+
+
+class _Off:
+    def __init__(self, switch: _Switch) -> None:
+        self._switch = switch
+
+    def __enter__(self) -> None:
+        self._switch.on = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._switch.on = True
+
+
+class _Groups:
+    """The mesh, and the hooks that give each worker of a group its own rows' outputs."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.tp, self.dp = mesh["tp"], mesh["dp"]
+        self.gather = _Switch()
+        self._own: tuple[int, int] | None = None
+        size = self.tp.size()
+        self._ring = 2 * (size - 1) / size  # what one rank sends of an all-reduced tensor
+        self._sent = 0.0
+
+    def count_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self._sent += self._ring * _local(output).nbytes
+
+    def count_input_gradient(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            self._sent += self._ring * _local(args[0]).nbytes
+
+    def take_sent(self) -> int:
+        """Bytes this rank sent in the split layers' all-reduces since the last call."""
+        sent, self._sent = self._sent, 0.0
+        return int(sent)
+
+    def gather_inputs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self.gather.on:
+            return None
+        names = [f"arg{i}" for i in range(len(args))] + list(kwargs)
+        values = [*args, *kwargs.values()]
+        rows = len(values[0])
+        counts = _counts(rows, self.tp, values[0].device)
+        start = sum(counts[: self.tp.get_local_rank()])
+        self._own = (start, rows)
+        joined = [_all_gather_rows(v, counts, self.tp) for v in values]
+        return tuple(joined[: len(args)]), dict(zip(names[len(args) :], joined[len(args) :], strict=True))
+
+    def own_outputs(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if not self.gather.on or self._own is None:
+            return None
+        start, rows = self._own
+        self._own = None
+        return output[start : start + rows]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return cast(torch.Tensor, to_local()) if to_local is not None else tensor
+
+
+def _counts(rows: int, mesh: DeviceMesh, device: torch.device) -> list[int]:
+    group = mesh.get_group()
+    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(mesh.size())]
+    dist.all_gather(every, mine, group=group)
+    return [int(c) for c in every]
+
+
+def _all_gather_rows(tensor: torch.Tensor, counts: Sequence[int], mesh: DeviceMesh) -> torch.Tensor:
+    """Every worker's rows of ``tensor``, joined in the group's order, on every worker."""
+    most = max(counts)
+    padded = tensor
+    if len(tensor) < most:
+        padded = torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
+    every = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(every, padded.contiguous(), group=mesh.get_group())
+    return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
+
+
+def _group_rows(batch: Batch, mesh: DeviceMesh) -> Batch:
+    """The group's rows of this step, the same on every worker of the group."""
+    device = next(iter(batch.inputs.values())).device
+    counts = _counts(len(batch), mesh, device)
+    gather = lambda t: None if t is None else _all_gather_rows(t, counts, mesh)  # noqa: E731
+    return Batch(
+        {name: _all_gather_rows(t, counts, mesh) for name, t in batch.inputs.items()},
+        gather(batch.label),
+        gather(batch.weight),
+    )

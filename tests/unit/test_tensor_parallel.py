@@ -1,0 +1,182 @@
+"""Strategy "tensor" (DTensor's parallelize_module, Megatron's MLP split) on real gloo
+process groups over loopback, without Spark: the plan (pure), the reference answer, 2-D
+layouts, checkpoints that move between strategies, validation and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies import check_settings
+from sparkdl.strategies.tensor import megatron_plan
+from sparkdl.worker.assembly import TrainSpec
+from tests.reference import (
+    make_deep_net,
+    make_shards,
+    max_abs_diff,
+    reference_sgd,
+    shard_plan,
+    shard_to_batch,
+)
+from tests.unit.test_fsdp import spawn
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, run_workers
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 32)
+        self.act = nn.GELU()
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def make_block_net() -> nn.Module:
+    """Two residual MLP blocks between an input and an output layer (not a Sequential of
+    pairs: the plan finds the pairs inside the blocks)."""
+    return nn.Sequential(nn.Linear(6, 8), Block(), Block(), nn.Linear(8, 3))
+
+
+def test_the_plan_pairs_a_linear_with_the_next_that_takes_its_output():
+    assert megatron_plan(make_deep_net(), 2) == {"0": "columns", "2": "rows", "4": "columns", "6": "rows"}
+    # the blocks' own pairs; the outer layers have no Linear right after them
+    assert megatron_plan(make_block_net(), 4) == {
+        "1.up": "columns", "1.down": "rows", "2.up": "columns", "2.down": "rows",
+    }  # fmt: skip
+    odd = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 3))
+    assert megatron_plan(odd, 2) == {}  # 9 hidden features do not split in 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        ({"num_workers": 1}, "at least 2 workers"),
+        ({"num_workers": 3, "tp_size": 2}, "set num_workers to 2 or tp_size"),
+        ({"num_workers": 2, "precision": "fp16"}, "use precision = 'bf16'"),
+        ({"num_workers": 2, "compression": "fp16"}, "set compression = 'none'"),
+    ],
+)
+def test_settings_tensor_parallelism_cannot_run_are_refused_with_the_fix(settings, fix):
+    with pytest.raises(ConfigError, match=fix):
+        check_settings(SparkDLConfig().replace(strategy="tensor", **settings))
+
+
+def train(shards, tmp_path, optimizer_fn=_sgd, model_fn=make_deep_net, parts=None, **settings):
+    config = SparkDLConfig().replace(
+        num_workers=len(shards),
+        collective_timeout_s=30.0,
+        prefetch_batches=2,
+        strategy="tensor",
+        **{"checkpoint_dir": str(tmp_path / "ckpt"), **settings},
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, model_fn, optimizer_fn, "cross_entropy", plan, template)
+    if parts is None:
+        parts = [[shard_to_batch(x, y)] if len(y) else [] for x, y in shards]
+    state: dict = {}
+    results = spawn(parts, spec, tmp_path, weights=state)
+    errors = {r: e for r, (_, e, _) in results.items() if e is not None}
+    assert not errors, errors
+    return state, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "settings"),
+    [
+        ([50, 21], {"shuffle": False}),  # uneven
+        ([30, 0, 17, 9], {"shuffle": True}),  # 4 workers split every pair, one without rows
+        ([30, 22, 17, 9], {"tp_size": 2, "shuffle": True}),  # 2 groups of 2: replicas
+    ],
+)
+def test_split_layers_give_single_process_sgds_weights(tmp_path, sizes, settings):
+    shards = make_shards(sizes)
+    state, results = train(shards, tmp_path, batch_size=8, epochs=2, **settings)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, settings["shuffle"], model_fn=make_deep_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    history = results[0][0]
+    assert [h["samples"] for h in history] == [sum(sizes)] * 2
+    assert all(h["bytes_sent"] > 0 for h in history)  # the split layers' partial sums
+
+
+@pytest.mark.slow
+def test_residual_blocks_split_inside_give_single_process_sgds_weights(tmp_path):
+    shards = make_shards([40, 23])
+    state, _ = train(shards, tmp_path, model_fn=make_block_net, batch_size=8, epochs=2, shuffle=True)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_block_net)
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_adam_and_clipping_equals_all_reduce_and_resumes_under_it(tmp_path):
+    """The same weights and losses as all-reduce; the checkpoint it writes (gathered whole)
+    resumes under all-reduce to the same weights as an uninterrupted run."""
+    shards = make_shards([45, 30])
+    settings = {"batch_size": 8, "epochs": 2, "grad_clip_norm": 0.05, "shuffle": True}
+    state, results = train(shards, tmp_path / "tensor", _adam, **settings)
+    expected, reference = run_workers(
+        shards, tmp_path / "allreduce", _adam, model_fn=make_deep_net, **settings
+    )
+    assert max_abs_diff(state, expected) < 1e-5
+    assert [h["loss"] for h in results[0][0]] == pytest.approx([h["loss"] for h in reference[0][1]], rel=1e-6)
+    marker = tmp_path / "drill"
+    config = SparkDLConfig().replace(
+        num_workers=2, collective_timeout_s=10.0, strategy="tensor", checkpoint_every=2,
+        checkpoint_dir=str(tmp_path / "ckpt"), fault_injection=f"raise:1:11:{marker}", **settings,
+    )  # fmt: skip
+    plan, template = shard_plan(shards)
+    parts = [[shard_to_batch(x, y)] for x, y in shards]
+    failed = spawn(parts, TrainSpec(config, make_deep_net, _adam, "cross_entropy", plan, template), tmp_path)
+    assert "fault drill: rank 1 raised at step 11" in str(failed[1][1])
+    assert CheckpointStore(str(tmp_path / "ckpt")).latest() == 10
+    resumed, _ = run_workers(
+        shards,
+        tmp_path / "resumed",
+        _adam,
+        model_fn=make_deep_net,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **settings,
+    )
+    assert max_abs_diff(resumed, expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_validation_gathers_the_groups_rows_and_matches_all_reduce(tmp_path):
+    from sparkdl.data.columns import LabelKind
+    from sparkdl.data.decoding import decode_block
+    from sparkdl.data.inputs import plan_data
+    from sparkdl.data.tensors import to_batch
+    from tests.unit.test_fsdp import _with_held_out
+
+    shards = make_shards([40, 24])
+    parts = [[_with_held_out(*shards[0], held=20)], [_with_held_out(*shards[1], held=3)]]
+    plan = plan_data(
+        parts[0][0].schema, feature_cols=("features",), label_col="label",
+        label_kind=LabelKind.CLASS_INDEX, validation_col="val",
+    )  # fmt: skip
+    template = to_batch(decode_block(parts[0][0].slice(0, 2), plan), plan)
+    figures = {}
+    for strategy in ("tensor", "allreduce"):
+        config = SparkDLConfig().replace(
+            num_workers=2, collective_timeout_s=30.0, strategy=strategy, batch_size=8, epochs=2,
+            inference_batch_size=4, optimizer="adam", lr=0.05,
+        )  # fmt: skip
+        results = spawn(
+            parts,
+            TrainSpec(config, make_deep_net, None, "cross_entropy", plan, template),
+            tmp_path / strategy,
+        )
+        assert all(e is None for _, e, _ in results.values()), results
+        figures[strategy] = [(h["val_loss"], h["val_samples"]) for h in results[0][0]]
+    assert [f[1] for f in figures["tensor"]] == [23, 23]
+    assert [f[0] for f in figures["tensor"]] == pytest.approx([f[0] for f in figures["allreduce"]], rel=1e-5)
