@@ -162,11 +162,13 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
     assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
 
 
-def test_a_pipeline_fits_the_reference_answer_then_transforms_and_saves_as_one_model(spark, tmp_path):
-    """Each worker held one stage; the driver's model is the whole one, gathered."""
+@pytest.mark.parametrize("settings", [{"strategy": "pipeline", "microbatches": 4}, {"strategy": "tensor"}])
+def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_one(spark, tmp_path, settings):
+    """Each worker held one stage (pipeline) or half of each layer pair (tensor); the
+    driver's model is the whole one, gathered."""
     shards = make_shards([40, 23])
     df = shards_dataframe(spark, shards)
-    est = estimator(model_fn=make_deep_net, strategy="pipeline", microbatches=4, epochs=2, shuffle=True)
+    est = estimator(model_fn=make_deep_net, epochs=2, shuffle=True, **settings)
     model = est.fit(df)
     expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_deep_net)
     assert max_abs_diff(model.module.state_dict(), expected) < 1e-5

@@ -176,6 +176,7 @@ def test_each_strategy_declares_how_it_exchanges_and_the_projections_follow_it()
         Strategy.PARAMETER_SERVER: Pattern.STAR,
         Strategy.FSDP: None,  # not priced: the advisor measures it only
         Strategy.PIPELINE: None,
+        Strategy.TENSOR: None,
     }
     unpriced = {**PATTERNS, Strategy.PARAMETER_SERVER: None}
     probed, derived = probe_set(tau=8, staleness=0, every=8)
