@@ -102,6 +102,14 @@ class TrainingConfig:
             "not with the parameter server); weights and optimizer state stay float32."
         ),
     )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata=about(
+            "Keep only each layer's input through forward and recompute the rest in backward (the "
+            "model's top-level layers with parameters): less memory for activations, about one more "
+            "forward of compute. Every strategy."
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "training")

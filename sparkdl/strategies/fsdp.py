@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
-from sparkdl.training.factory import build_model
+from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
@@ -115,11 +115,16 @@ class FsdpStrategy(DistributedState, CollectiveForward):
             skeleton = build_model(model_fn)
         saved = set(skeleton.state_dict())
         if any(name not in saved for name, _ in skeleton.named_buffers()):
-            return cls.prepare_module(build_model(model_fn).to(device), config, device)
+            module = build_model(model_fn).to(device)
+            if config.training.activation_checkpointing:
+                checkpoint_layers(module)  # before sharding: FSDP2 wraps the checkpointed layers
+            return cls.prepare_module(module, config, device)
         whole = None
         if dist.get_rank() == 0:
             with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
                 whole = build_model(model_fn)
+        if config.training.activation_checkpointing:
+            checkpoint_layers(skeleton)  # before sharding: FSDP2 wraps the checkpointed layers
         _shard(skeleton, device)
         skeleton.to_empty(device=device)
         state = whole.state_dict() if whole is not None else {}

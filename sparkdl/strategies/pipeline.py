@@ -60,7 +60,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch, join_batches
 from sparkdl.errors import ConfigError
-from sparkdl.training.factory import build_model, cpu_state_dict
+from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
 from sparkdl.training.strategy import (
@@ -367,6 +367,8 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             )
         whole_names = [name for name, _ in whole.named_parameters()]
         stage = StageModule(collections.OrderedDict(mine), groups, whole_names)
+        if config.training.activation_checkpointing:
+            checkpoint_layers(stage)
         return stage.to(device)
 
     @classmethod

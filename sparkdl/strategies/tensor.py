@@ -46,7 +46,7 @@ from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Str
 from sparkdl.data.tensors import Batch, join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import DistributedState
-from sparkdl.training.factory import build_model
+from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
 COLUMNS, ROWS = "columns", "rows"
@@ -137,6 +137,8 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         """Build the whole model (the same on every rank: the seed is set), then split its
         layer pairs over this rank's group: each rank keeps its slices."""
         module = build_model(model_fn).to(device)
+        if config.training.activation_checkpointing:
+            checkpoint_layers(module)  # before the split: its hooks run inside the checkpoint's
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
         plan = megatron_plan(module, size)

@@ -27,6 +27,27 @@ def build_model(model_fn: ModelFn) -> nn.Module:
     return module
 
 
+def checkpoint_layers(module: nn.Module) -> list[str]:
+    """Make each of ``module``'s layers recompute its activations in backward (PyTorch's
+    composable ``checkpoint``: hooks, so names, state dicts and wrappers stay as they are);
+    return their names. The layers are the top-level children with parameters, looked for
+    below a module that has a single child (a model wrapping one ``Sequential``)."""
+    from torch.distributed._composable import checkpoint
+
+    prefix, node = "", module
+    while len(children := list(node.named_children())) == 1:
+        name, node = children[0]
+        prefix += name + "."
+    layers = [
+        (prefix + name, child)
+        for name, child in node.named_children()
+        if next(child.parameters(), None) is not None
+    ]
+    for _, layer in layers:
+        checkpoint(layer)
+    return [name for name, _ in layers]
+
+
 def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> nn.Module:
     """``model_fn()``'s module holding the tensors of ``state`` themselves, not copies.
 

@@ -214,9 +214,12 @@ class SyncStrategy(abc.ABC):
         optimizer (every rank, once the process group exists). By default the whole model
         on every rank, then :meth:`prepare_module`; a sharding strategy may build it so
         that no rank but one ever holds it whole."""
-        from sparkdl.training.factory import build_model
+        from sparkdl.training.factory import build_model, checkpoint_layers
 
-        return cls.prepare_module(build_model(model_fn).to(device), config, device)
+        module = build_model(model_fn).to(device)
+        if config.training.activation_checkpointing:
+            checkpoint_layers(module)
+        return cls.prepare_module(module, config, device)
 
     @classmethod
     def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:
