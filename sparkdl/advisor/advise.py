@@ -17,6 +17,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from sparkdl.advisor.predict import (
     LOCAL,
     Advice,
@@ -37,6 +39,7 @@ from sparkdl.spark.ps_host import HostedServer, host_parameter_server
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import PROBE_SCHEMA, probe_partition
 from sparkdl.strategies import REGISTRY, check_settings, strategy_class
+from sparkdl.training.factory import build_model
 from sparkdl.worker.assembly import TrainSpec
 from sparkdl.worker.probe import ProbeCandidate, ProbeSpec
 
@@ -215,10 +218,13 @@ def _candidates(
     chosen: list[ProbeCandidate] = []
     skipped: dict[str, str] = {}
     hosted: list[HostedServer] = []
+    model: list[torch.nn.Module] = []  # built on the driver once, for the strategies' model rules
     try:
         for candidate in candidates:
             try:
                 config = check_settings(spec.config.replace(**candidate.settings))
+                model = model or [build_model(spec.model_fn)]
+                strategy_class(config.training.strategy).check_model(model[0], config)
             except SparkDLError as exc:
                 skipped[candidate.name] = str(exc)
                 continue

@@ -103,8 +103,8 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
     """The candidates the probe trains, and those modelled from them.
 
     Exact candidates take single-process SGD's step on the global batch whatever the
-    optimizer: all-reduce, fsdp and the synchronous parameter server (fp32 pulls, no
-    backup workers). Weight averaging at tau 1 is exact only with plain SGD, which the
+    optimizer: all-reduce, fsdp, pipeline, tensor and the synchronous parameter server
+    (fp32 pulls, no backup workers). Weight averaging at tau 1 is exact only with plain SGD, which the
     advisor cannot see in an ``optimizer_fn``, so it does not count as exact.
 
     Args:
@@ -124,6 +124,8 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         _async_every(1),
         _async_every(FIT_AT),
         _candidate("fsdp", exact=True, strategy="fsdp"),
+        _candidate("pipeline", exact=True, strategy="pipeline"),
+        _candidate("tensor", exact=True, strategy="tensor"),
     ]
     derived = [
         Derived(_wa(t, c), Model.FIT, _wa(1, c).name, _wa(FIT_AT, c).name, t)

@@ -9,6 +9,7 @@ The model check itself is :func:`sparkdl.training.trial.preflight` (pure torch).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ModelMismatchError
 from sparkdl.spark.cluster import described
+from sparkdl.strategies import strategy_class
 from sparkdl.training.trial import PreflightReport, preflight
 
 if TYPE_CHECKING:
@@ -71,6 +73,9 @@ def check_model(
         keyword=plan.keyword,
         label_integer=label_integer,
         strict=_strict(df.sparkSession, spec),
+        model_check=functools.partial(
+            strategy_class(spec.config.training.strategy).check_model, config=spec.config
+        ),
     )
     if report.parameters * 4 >= _COLLECT_ABOVE_BYTES:
         # The check's model is gone once nothing refers to it, unless the user's model holds

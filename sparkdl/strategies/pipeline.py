@@ -340,31 +340,49 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             )
 
     @classmethod
+    def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
+        cls._cut(module, config, config.training.num_workers)
+
+    @classmethod
+    def _cut(cls, whole: nn.Module, config: SparkDLConfig, world: int) -> list[int]:
+        """Where each stage starts, then the number of layers.
+
+        Raises:
+            ConfigError: the model is no ``nn.Sequential``, cannot be cut as set, or a stage
+                would hold no trainable parameter.
+        """
+        if not isinstance(whole, nn.Sequential):
+            raise ConfigError(
+                f"strategy = 'pipeline' cuts the model between its top-level layers, so model_fn must "
+                f"return an nn.Sequential (it returned {type(whole).__name__}); write the model as "
+                "nn.Sequential(layer, layer, ...) whose layers each take one tensor, or use strategy = "
+                "'tensor' or 'fsdp'"
+            )
+        stages = Layout.of(config, world).stages
+        named = list(whole.named_children())
+        names = [name for name, _ in named]
+        costs = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
+        starts = [*stage_starts(names, costs, stages, config.pipeline.split_before), len(named)]
+        for stage, (a, b) in enumerate(itertools.pairwise(starts)):
+            if not any(p.requires_grad for _, layer in named[a:b] for p in layer.parameters()):
+                raise ConfigError(
+                    f"stage {stage + 1} of {stages} would hold only layers without trainable "
+                    f"parameters ({', '.join(names[a:b])}); set pipeline.split_before to cut elsewhere "
+                    f"(layers: {', '.join(names)}) or use fewer stages"
+                )
+        return starts
+
+    @classmethod
     def build_module(
         cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
     ) -> nn.Module:
         """Build the whole model (the same on every rank: the seed is set), keep this rank's
         stage on ``device``; form the pipeline's and the replicas' groups."""
         whole = build_model(model_fn)
-        if not isinstance(whole, nn.Sequential):
-            raise ConfigError(
-                f"strategy = 'pipeline' cuts the model between its top-level layers, so model_fn must "
-                f"return an nn.Sequential (it returned {type(whole).__name__}); write the model as "
-                "nn.Sequential(layer, layer, ...) whose layers each take one tensor"
-            )
+        starts = cls._cut(whole, config, dist.get_world_size())
         layout = Layout.of(config, dist.get_world_size())
         groups = PipelineGroups.form(layout, dist.get_rank())
-        named = list(whole.named_children())
-        names = [name for name, _ in named]
-        costs = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
-        starts = [*stage_starts(names, costs, layout.stages, config.pipeline.split_before), len(named)]
-        mine = named[starts[groups.stage] : starts[groups.stage + 1]]
-        if not any(p.requires_grad for _, layer in mine for p in layer.parameters()):
-            raise ConfigError(
-                f"stage {groups.stage + 1} of {layout.stages} would hold only layers without trainable "
-                f"parameters ({', '.join(name for name, _ in mine)}); set pipeline.split_before to cut "
-                f"elsewhere (layers: {', '.join(names)}) or use fewer stages"
-            )
+        mine = list(whole.named_children())[starts[groups.stage] : starts[groups.stage + 1]]
         whole_names = [name for name, _ in whole.named_parameters()]
         stage = StageModule(collections.OrderedDict(mine), groups, whole_names)
         if config.training.activation_checkpointing:

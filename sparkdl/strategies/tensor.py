@@ -141,13 +141,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
             checkpoint_layers(module)  # before the split: its hooks run inside the checkpoint's
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
-        plan = megatron_plan(module, size)
-        if not plan:
-            raise ConfigError(
-                "strategy = 'tensor' found no pair of linear layers to split in the model (an nn.Linear "
-                f"followed by one that takes its output, a hidden width divisible by tp_size = {size}); "
-                "use strategy = 'fsdp' or 'pipeline' for this model"
-            )
+        plan = cls._plan(module, size)
         mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "tp"))
         styles: dict[str, ParallelStyle] = {
             name: ColwiseParallel() if how == COLUMNS else RowwiseParallel() for name, how in plan.items()
@@ -164,6 +158,26 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         module.register_forward_pre_hook(groups.gather_inputs, with_kwargs=True)
         module.register_forward_hook(groups.own_outputs)
         return module
+
+    @classmethod
+    def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
+        cls._plan(module, config.tensor.tp_size or config.training.num_workers)
+
+    @classmethod
+    def _plan(cls, module: nn.Module, size: int) -> dict[str, str]:
+        """:func:`megatron_plan`, refused when it splits nothing.
+
+        Raises:
+            ConfigError: the model has no pair of linear layers to split in ``size``.
+        """
+        plan = megatron_plan(module, size)
+        if not plan:
+            raise ConfigError(
+                "strategy = 'tensor' found no pair of linear layers to split in the model (an nn.Linear "
+                f"followed by one that takes its output, a hidden width divisible by tp_size = {size}); "
+                "use strategy = 'fsdp' or 'pipeline' for this model"
+            )
+        return plan
 
     def train_step(self, step: StepInput) -> StepOutcome:
         local = join_batches(step.batches) if step.batches else step.filler().head(0)

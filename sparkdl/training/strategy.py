@@ -206,6 +206,16 @@ class SyncStrategy(abc.ABC):
             ConfigError: naming the settings that clash and what to set instead.
         """
 
+    @classmethod  # noqa: B027 (an optional hook: every model by default)
+    def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
+        """Refuse, with the fix, a model this strategy cannot train (on the driver, on the
+        model that preflight and the advisor build; a pipeline needs an ``nn.Sequential``).
+        By default: any model.
+
+        Raises:
+            ConfigError: naming what the model lacks and what to do instead.
+        """
+
     @classmethod
     def build_module(
         cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device

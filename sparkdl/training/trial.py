@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,7 @@ def preflight(
     keyword: bool = False,
     label_integer: bool | None = None,
     strict: bool = True,
+    model_check: Callable[[nn.Module], None] | None = None,
 ) -> PreflightReport:
     """Build the model, run forward, the loss and one backward on ``batch``, on CPU.
 
@@ -108,6 +110,8 @@ def preflight(
         label_integer: the label column holds integers (None: judged from the values).
         strict: raise on failures preflight does not recognise; when False (e.g. a model
             meant for GPUs checked on a driver without one) they only skip the check.
+        model_check: the strategy's rules for the model (``SyncStrategy.check_model``),
+            raising ConfigError for a model it cannot train.
 
     Returns:
         the report: output shape, parameter counts, loss.
@@ -122,7 +126,7 @@ def preflight(
     sample = Sample(batch, keyword, y, feature_desc, label_desc, integer)
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            report = _run(model_fn, optimizer_fn, loss, sample)
+            report = _run(model_fn, optimizer_fn, loss, sample, model_check)
     except _Unrecognised as exc:
         if strict:
             raise ModelMismatchError(str(exc)) from exc.__cause__
@@ -132,7 +136,11 @@ def preflight(
 
 
 def _run(
-    model_fn: ModelFn, optimizer_fn: OptimizerFn | None, loss: str | LossFn, sample: Sample
+    model_fn: ModelFn,
+    optimizer_fn: OptimizerFn | None,
+    loss: str | LossFn,
+    sample: Sample,
+    model_check: Callable[[nn.Module], None] | None = None,
 ) -> PreflightReport:
     loss_fn, label_kind = resolve_loss(loss)
     try:
@@ -143,6 +151,8 @@ def _run(
         raise
     except Exception as exc:  # may work on executors (their files, their GPUs): no verdict
         raise _Unrecognised(f"model_fn raised {_error_text(exc)} on the driver") from exc
+    if model_check is not None:
+        model_check(module)  # the strategy's rules (a pipeline's cut) before anything runs
     output = _forward(module, sample)
     problem = _output_problem(output, loss, label_kind, sample)
     if problem:

@@ -68,6 +68,20 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     assert not [t for t in threading.enumerate() if t.name.startswith("sparkdl-ps")]
 
 
+def test_advise_probes_model_parallelism_where_the_model_allows_it(spark):
+    """TinyNet is no nn.Sequential: no pipeline (skipped, with the fix); its two linear
+    layers are a pair: tensor parallelism is timed, with the bytes its split layers sent."""
+    df = shards_dataframe(spark, make_shards([64, 48]))
+    advice = sparkdl.advise(
+        df, estimator(epochs=3), steps=4, budget_s=0.05, strategies=["pipeline", "tensor"]
+    )
+    assert "must return an nn.Sequential" in advice.skipped["pipeline"]
+    tensor = advice.prediction("tensor")
+    assert tensor.source == "measured" and tensor.exact
+    # per step: the pair's output (16 rows x 3 classes, float32) all-reduced in a ring of 2
+    assert tensor.bytes_per_step == 16 * 3 * 4
+
+
 def test_advise_refuses_a_probe_too_short_to_time(spark):
     df = shards_dataframe(spark, make_shards([8, 8]))
     with pytest.raises(sparkdl.ConfigError, match="steps >= 2"):

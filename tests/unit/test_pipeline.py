@@ -321,3 +321,18 @@ def test_a_stage_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(tm
     figures = f"allreduce {peaks['allreduce']:.1f}, pipeline {peaks['pipeline']:.1f}, ratio {ratio:.2f}"
     print(f"peak MiB per worker (rank 1): {figures}")
     assert ratio <= 0.6, figures
+
+
+def test_a_model_a_pipeline_cannot_cut_is_refused_on_the_driver_naming_the_fix():
+    from sparkdl.strategies.pipeline import PipelineStrategy
+    from tests.reference import make_tiny_net
+
+    config = SparkDLConfig().replace(strategy="pipeline", num_workers=2)
+    with pytest.raises(ConfigError, match=r"must return an nn.Sequential \(it returned TinyNet\)"):
+        PipelineStrategy.check_model(make_tiny_net(), config)
+    flat = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Tanh())
+    with pytest.raises(
+        ConfigError, match=r"stage 2 of 2 would hold only layers without trainable parameters \(2\)"
+    ):
+        PipelineStrategy.check_model(flat, config.replace(split_before=("2",)))
+    PipelineStrategy.check_model(make_deep_net(), config)  # balanced: accepted

@@ -180,3 +180,12 @@ def test_validation_gathers_the_groups_rows_and_matches_all_reduce(tmp_path):
         figures[strategy] = [(h["val_loss"], h["val_samples"]) for h in results[0][0]]
     assert [f[1] for f in figures["tensor"]] == [23, 23]
     assert [f[0] for f in figures["tensor"]] == pytest.approx([f[0] for f in figures["allreduce"]], rel=1e-5)
+
+
+def test_a_model_with_no_pair_to_split_is_refused_on_the_driver():
+    from sparkdl.strategies.tensor import TensorParallelStrategy
+
+    config = SparkDLConfig().replace(strategy="tensor", num_workers=2)
+    with pytest.raises(ConfigError, match=r"no pair of linear layers to split.*tp_size = 2"):
+        TensorParallelStrategy.check_model(nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 3)), config)
+    TensorParallelStrategy.check_model(make_deep_net(), config)
