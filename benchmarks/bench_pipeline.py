@@ -16,6 +16,9 @@ the bytes cross slow-net's link) against a 2-stage pipeline (1F1B, 4 micro-batch
 bytes each worker sends per step and samples/s; and tensor parallelism (each pair of
 layers split over the 2 workers). Run it under slow-net.
 
+``memory``: each worker's peak memory training a 1.0B-parameter bfloat16 model
+(``billion_model``) on 2 workers under all-reduce, fsdp, pipeline and tensor parallelism.
+
 No Spark: each worker is a process running the Estimator's worker (``run_worker``) on its
 Arrow rows, as a barrier task would; samples/s is the median over the epochs after the
 first. Results: benchmarks/results/pipeline_<part>.json.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -58,11 +62,25 @@ def wide_model() -> nn.Module:
     )  # fmt: skip
 
 
-MODELS = {"deep": deep_model, "wide": wide_model}
+def billion_model() -> nn.Module:
+    """About 1.0B parameters in bfloat16 (2.0 GB): 61 layers of 4096 x 4096 between an
+    input and an output layer, ReLUs between them (31 pairs for tensor parallelism)."""
+    layers: list[nn.Module] = [nn.Linear(WIDTH, 4096)]
+    for _ in range(60):
+        layers += [nn.ReLU(), nn.Linear(4096, 4096)]
+    layers += [nn.ReLU(), nn.Linear(4096, 10)]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+MODELS = {"deep": deep_model, "wide": wide_model, "billion": billion_model}
 
 
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _plain_sgd(params):
+    return torch.optim.SGD(params, lr=1e-4)  # no state beside the weights
 
 
 def _all_gather(path: str, rank: int, world: int):
@@ -96,12 +114,13 @@ def _worker(rank: int, world: int, rows: int, model: str, settings: dict, store:
         )
         template = to_batch(decode_block(first.slice(0, 2), plan), plan)
         config = SparkDLConfig().replace(num_workers=world, collective_timeout_s=600.0, **settings)
-        spec = TrainSpec(config, MODELS[model], _sgd, "cross_entropy", plan, template)
+        optimizer = _plain_sgd if model == "billion" else _sgd
+        spec = TrainSpec(config, MODELS[model], optimizer, "cross_entropy", plan, template)
         placement = Placement(rank, world, "127.0.0.1")
         result = run_worker(spec, iter(table.to_batches()), placement, _all_gather(store, rank, world))
-        out.put((rank, result.history, None))
+        out.put((rank, result.history, None, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
     except Exception as exc:  # reported to the parent
-        out.put((rank, [], f"{type(exc).__name__}: {exc}"))
+        out.put((rank, [], f"{type(exc).__name__}: {exc}", 0))
 
 
 def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
@@ -116,12 +135,13 @@ def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
         started = time.perf_counter()
         for p in procs:
             p.start()
-        results = dict(
-            (rank, (history, error)) for rank, history, error in (out.get(timeout=1800) for _ in procs)
-        )
+        results = {
+            rank: (history, error, peak)
+            for rank, history, error, peak in (out.get(timeout=1800) for _ in procs)
+        }
         for p in procs:
             p.join(60)
-    errors = {r: e for r, (_, e) in results.items() if e}
+    errors = {r: e for r, (_, e, _) in results.items() if e}
     if errors:
         raise RuntimeError(f"{model} {settings}: {errors}")
     history = results[0][0]
@@ -132,6 +152,7 @@ def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
         "bytes_sent_per_step": sum(h["bytes_sent"] for h in history) / max(steps, 1),
         "loss": history[-1]["loss"],
         "wall_s": time.perf_counter() - started,
+        "peak_rss_gb": [results[r][2] / 2**20 for r in sorted(results)],  # ru_maxrss is in KiB
     }
 
 
@@ -216,14 +237,38 @@ def wide(epochs: int) -> dict[str, Any]:
     return variants
 
 
+def memory() -> dict[str, Any]:
+    """Each worker's peak memory (the process's maximum RSS) training the 1.0B-parameter
+    bfloat16 model for 2 steps of 4 rows on 2 workers, SGD without momentum (no optimizer
+    state): all-reduce holds the whole model and its gradients, the others about half."""
+    base = {
+        "epochs": 1,
+        "shuffle": False,
+        "batch_size": 4,
+        "precision": "bf16",
+    }
+    variants: dict[str, Any] = {}
+    for name, settings in (
+        ("allreduce", {}),
+        ("fsdp", {"strategy": "fsdp"}),
+        ("pipeline", {"strategy": "pipeline", "microbatches": 2}),
+        ("tensor", {"strategy": "tensor"}),
+    ):
+        figures = fit(2, 8, "billion", **base, **settings)
+        variants[name] = figures
+        print(f"{name}: peak RSS per worker {[round(g, 2) for g in figures['peak_rss_gb']]} GB", flush=True)
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=["schedule", "wide"])
+    parser.add_argument("part", choices=["schedule", "wide", "memory"])
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    figures = schedule(args.epochs) if args.part == "schedule" else wide(args.epochs)
+    parts = {"schedule": schedule, "wide": wide, "memory": lambda epochs: memory()}
+    figures = parts[args.part](args.epochs)
     save_report(str(ROOT / "benchmarks" / "results" / f"pipeline_{args.part}.json"), variants=figures)
 
 

@@ -50,6 +50,7 @@ import collections
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -60,6 +61,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch, join_batches
 from sparkdl.errors import ConfigError
+from sparkdl.strategies.gradients import sum_gradients
 from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
@@ -69,7 +71,6 @@ from sparkdl.training.strategy import (
     StepOutcome,
     StrategyContext,
     SyncStrategy,
-    parameter_bytes,
 )
 
 # ------------------------------------------------------------------ the layout (pure)
@@ -196,20 +197,22 @@ class PipelineGroups:
         return self.stage == self.layout.stages - 1
 
     @classmethod
-    def form(cls, layout: Layout, rank: int) -> PipelineGroups:
-        """Every rank creates every group, in the same order (``new_group``'s rule)."""
+    def form(cls, layout: Layout, rank: int, timeout_s: float) -> PipelineGroups:
+        """Every rank creates every group, in the same order (``new_group``'s rule), each
+        bounded by ``timeout_s`` (``runtime.collective_timeout_s``)."""
         gloo = dist.get_backend() == "gloo"
+        timeout = timedelta(seconds=timeout_s)
         own = layout.replica_of(rank)
         pipeline = objects = replicas = None
         for replica in range(layout.replicas):
             ranks = layout.pipeline_ranks(replica)
-            group = dist.new_group(ranks)
-            group_objects = group if gloo else dist.new_group(ranks, backend="gloo")
+            group = dist.new_group(ranks, timeout=timeout)
+            group_objects = group if gloo else dist.new_group(ranks, backend="gloo", timeout=timeout)
             if replica == own:
                 pipeline, objects = group, group_objects
         if layout.replicas > 1:
             for stage in range(layout.stages):
-                group = dist.new_group(layout.replica_ranks(stage))
+                group = dist.new_group(layout.replica_ranks(stage), timeout=timeout)
                 if stage == layout.stage_of(rank):
                     replicas = group
         assert pipeline is not None and objects is not None
@@ -228,22 +231,34 @@ class StageModule(nn.Sequential):
         self.groups = groups
         #: every parameter's name in the whole model, in its order (optimizer state's numbering)
         self.whole_parameter_names = whole_names
+        #: the last collective forward's input and output on this stage (their shapes and dtypes
+        #: are what the schedule's stage is built with)
+        self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, super().forward(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Every worker of the pipeline calls it with its own rows, at the same point; each
         gets the whole model's output for its rows."""
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            names = [f"positional {i}" for i in range(len(args))] + list(kwargs)
+            raise ConfigError(
+                f"strategy = 'pipeline' feeds stage 0 one input tensor; the model got {len(names)} "
+                f"({', '.join(names)}): join the inputs into one (feature_cols) or use another strategy"
+            )
+        (x,) = args
         groups = self.groups
         device = x.device
         with torch.no_grad():
             counts = _counts(len(x), groups.pipeline, device)
             rows = _gather_rows(x, counts, groups.ranks[0], groups)
             if groups.first:
-                hidden = self.run_layers(cast(torch.Tensor, rows))
+                received = cast(torch.Tensor, rows)
             else:
-                hidden = self.run_layers(_recv(groups.ranks[groups.stage - 1], groups.pipeline, device))
+                received = _recv(groups.ranks[groups.stage - 1], groups.pipeline, device)
+            hidden = self.run_layers(received)
+            self.seen = (received, hidden)
             if not groups.last:
                 _send(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
             return _scatter_rows(hidden if groups.last else None, counts, groups, device)
@@ -286,13 +301,8 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         rows = groups.layout.stages * training.batch_size * training.accumulate_steps
         self._micro_rows = -(-rows // self._microbatches)  # every micro-batch the same size
         self._layers = _Layers(stage, ctx.precision)
-        replicas = groups.layout.replicas
-        self._replica_bytes = 2 * (replicas - 1) * parameter_bytes(stage) // replicas
-        self._stage = PipelineStage(
-            self._layers, groups.stage, groups.layout.stages, ctx.device, group=groups.pipeline
-        )
-        kind = ScheduleGPipe if pipeline.pipeline_schedule is PipelineSchedule.GPIPE else Schedule1F1B
-        self._schedule = kind(self._stage, self._microbatches, loss_fn=self._micro_loss, scale_grads=False)
+        self._kind = ScheduleGPipe if pipeline.pipeline_schedule is PipelineSchedule.GPIPE else Schedule1F1B
+        self._schedule: ScheduleGPipe | Schedule1F1B | None = None  # built at the first step
         self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
         self._step_state: _StepRows | None = None
         self._micro_losses: dict[int, torch.Tensor] = {}  # start row -> the micro-batch's loss x rows
@@ -381,7 +391,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         whole = build_model(model_fn)
         starts = cls._cut(whole, config, dist.get_world_size())
         layout = Layout.of(config, dist.get_world_size())
-        groups = PipelineGroups.form(layout, dist.get_rank())
+        groups = PipelineGroups.form(layout, dist.get_rank(), config.runtime.collective_timeout_s)
         mine = list(whole.named_children())[starts[groups.stage] : starts[groups.stage + 1]]
         whole_names = [name for name, _ in whole.named_parameters()]
         stage = StageModule(collections.OrderedDict(mine), groups, whole_names)
@@ -417,15 +427,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
 
     def train_step(self, step: StepInput) -> StepOutcome:
         groups, ctx = self._groups, self.ctx
-        if self._loss_fn is None:
-            self._learn_loss(step)
+        if self._schedule is None:
+            self._schedule = self._build_schedule(step)
         rows = join_batches(step.batches) if step.batches else step.filler().head(0)
-        if len(rows.inputs) != 1:
-            raise ConfigError(
-                f"strategy = 'pipeline' feeds stage 0 one input tensor; this step's rows have "
-                f"{len(rows.inputs)} ({', '.join(rows.inputs)}): join them into one (feature_cols) or "
-                "use another strategy"
-            )
         rows = rows.to(ctx.device)
         (x,) = rows.inputs.values()
         counts = _counts(len(rows), groups.pipeline, ctx.device)
@@ -434,6 +438,12 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         weights = (
             _gather_rows(rows.weight, counts, groups.ranks[-1], groups) if rows.weight is not None else None
         )
+        if not groups.first:  # what this worker sent of its rows (stage 0 keeps its inputs)
+            self._layers.sent += x.nbytes
+        if not groups.last:
+            self._layers.sent += cast(torch.Tensor, rows.label).nbytes + (
+                rows.weight.nbytes if rows.weight is not None else 0
+            )
         self._micro_losses.clear()
         self._step_state = _StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
@@ -449,7 +459,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._step_state = None
         self._sum_over_replicas()
         self.stats.sync_rounds += 1
-        self.stats.bytes_sent += self._layers.sent + self._replica_bytes
+        self.stats.bytes_sent += self._layers.sent
         self._layers.sent = 0
         loss = self._agreed_loss(step.global_rows)
         return self._step_on_shared_gradients(step, loss)
@@ -458,26 +468,48 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         """Add up this stage's gradients over every pipeline (one all-reduce of them all,
         flattened): each pipeline's share is already scaled by its rows."""
         group = self._groups.replicas
-        if group is None:
-            return
-        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if group is not None:
+            self.stats.bytes_sent += sum_gradients(self.ctx.module, group)
 
-    def _learn_loss(self, step: StepInput) -> None:
-        """The first step, on every rank together: one row through the whole pipeline with
-        the loop's ``loss_of`` (which records the model's input and output shapes), and the
-        loss function it calls, for the last stage's micro-batches."""
-        row = (step.batches[0] if step.batches else step.filler()).head(1)
-        with torch.no_grad():
-            step.loss_of(self.ctx.module, row)
+    def _build_schedule(self, step: StepInput) -> ScheduleGPipe | Schedule1F1B:
+        """The first step, on every rank together: one row through the whole pipeline, in
+        eval mode, with the loop's ``loss_of`` (which records the model's input and output
+        shapes): each stage learns its input's and output's shapes and dtypes, and the
+        schedule's stage is built with them (its static mode: torch's own shape inference
+        would run a training-mode forward on uninitialised memory, into batch-norm
+        statistics). The loss function ``loss_of`` calls serves the last stage."""
         if step.loss_fn is None:
             raise RuntimeError("strategy = 'pipeline' needs the step's loss function (StepInput.loss_fn)")
         self._loss_fn = step.loss_fn
+        stage = cast(StageModule, self.ctx.module)
+        row = (step.batches[0] if step.batches else step.filler()).head(1)
+        training = stage.training
+        stage.eval()
+        try:
+            with torch.no_grad(), self.ctx.precision.autocast():
+                step.loss_of(stage, row)
+        finally:
+            stage.train(training)
+        assert stage.seen is not None
+        seen_in, seen_out = stage.seen
+        stage.seen = None
+        groups = self._groups
+
+        def meta(seen: torch.Tensor, grad: bool) -> torch.Tensor:
+            shape = (self._micro_rows, *seen.shape[1:])
+            return torch.empty(shape, dtype=seen.dtype, device="meta", requires_grad=grad)
+
+        pipeline_stage = PipelineStage(
+            self._layers,
+            groups.stage,
+            groups.layout.stages,
+            self.ctx.device,
+            # a received activation carries a gradient back to the stage before; stage 0's rows do not
+            input_args=meta(seen_in, grad=not groups.first),
+            output_args=meta(seen_out, grad=True),
+            group=groups.pipeline,
+        )
+        return self._kind(pipeline_stage, self._microbatches, loss_fn=self._micro_loss, scale_grads=False)
 
     def _micro_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch (rows ``index`` of the step's padded
@@ -491,8 +523,6 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         end = start + real
         weight = state.weights[start:end] if state.weights is not None else None
         loss = self._loss_fn(output[:real].float(), state.labels[start:end], weight)
-        # by micro-batch: the schedule's first step also calls this on made-up rows (to learn the
-        # shapes of the gradients), a call the real micro-batch 0 then overwrites
         self._micro_losses[start] = loss.detach() * real
         return loss * (real / state.global_rows)
 
@@ -524,7 +554,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     def close(self) -> None:
         # the schedule holds this strategy's loss (a cycle): released now, with the stage
         # and its groups, not at some later garbage collection
-        del self._schedule, self._stage
+        self._schedule = None
 
     # ---------------------------------------------------------------- the whole model
 
@@ -535,7 +565,8 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         stage = cast(StageModule, self.ctx.module)
-        local = indexed_to_named(self.ctx.optimizer.state_dict(), parameter_names(stage, self.ctx.optimizer))
+        on_cpu = _to_cpu(self.ctx.optimizer.state_dict())  # unpickled on rank 0: not on this GPU
+        local = indexed_to_named(on_cpu, parameter_names(stage, self.ctx.optimizer))
         return self._gather_whole(
             local, lambda parts: _merged_optimizer_states(parts, stage.whole_parameter_names)
         )
@@ -677,6 +708,17 @@ def _pad(rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: tor
     (template,) = filler().inputs.values()
     row = template[:1].to(device=device, dtype=rows.dtype)
     return torch.cat([rows, row.expand(size - len(rows), *row.shape[1:])])
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (nested dicts and lists) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 def _merged_dicts(parts: list[dict[str, Any]]) -> dict[str, Any]:

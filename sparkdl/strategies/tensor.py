@@ -29,12 +29,13 @@ Checkpoints and the final weights are gathered whole to rank 0
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -43,27 +44,42 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
-from sparkdl.data.tensors import Batch, join_batches
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import DistributedState
+from sparkdl.strategies.gradients import local_part, sum_gradients
 from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
 COLUMNS, ROWS = "columns", "rows"
 
 
+#: Layers that act on each value alone (or pass it through): a split pair may have them
+#: between its two linear layers, where each worker holds a slice of the hidden features.
+ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid,
+    nn.ELU, nn.CELU, nn.SELU, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+    nn.Dropout, nn.Identity,
+)  # fmt: skip
+
+
 def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
-    """Which linear layers to split, and how: ``{name: "columns" | "rows"}``. A pair is a
-    ``Linear`` then, past parameterless layers, a ``Linear`` taking its output; the hidden
-    width must divide by ``size`` (a pair that does not is left whole)."""
+    """Which linear layers to split, and how: ``{name: "columns" | "rows"}``. A pair is,
+    inside an ``nn.Sequential`` (whose order is the data's path), a ``Linear`` then, past
+    element-wise layers only (:data:`ELEMENTWISE`: a softmax or a norm over the features
+    would see one worker's slice), a ``Linear`` taking its output; the hidden width must
+    divide by ``size`` (a pair that does not is left whole). A PReLU with one weight per
+    feature is not element-wise across a split and ends a pair."""
     plan: dict[str, str] = {}
     for parent, node in module.named_modules():
+        if not isinstance(node, nn.Sequential):
+            continue
         children = list(node.named_children())
         i = 0
         while i < len(children):
             name, first = children[i]
             j = i + 1
-            while j < len(children) and not _has_parameters(children[j][1]):
+            while j < len(children) and _elementwise(children[j][1]):
                 j += 1
             if isinstance(first, nn.Linear) and j < len(children):
                 second_name, second = children[j]
@@ -80,8 +96,10 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
     return plan
 
 
-def _has_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+def _elementwise(layer: nn.Module) -> bool:
+    if isinstance(layer, nn.PReLU):
+        return layer.num_parameters == 1
+    return isinstance(layer, ELEMENTWISE)
 
 
 def _joined(parent: str, name: str) -> str:
@@ -142,7 +160,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
         plan = cls._plan(module, size)
-        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "tp"))
+        mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
         styles: dict[str, ParallelStyle] = {
             name: ColwiseParallel() if how == COLUMNS else RowwiseParallel() for name, how in plan.items()
         }
@@ -180,34 +198,68 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         return plan
 
     def train_step(self, step: StepInput) -> StepOutcome:
-        local = join_batches(step.batches) if step.batches else step.filler().head(0)
-        union = _group_rows(local.to(self.ctx.device), self._tp)
-        if len(union) == 0:  # the whole group is out of rows: its replicas' gradients only
-            for p in self.ctx.module.parameters():
-                p.grad = torch.zeros_like(p)
-            loss = torch.zeros((), device=self.ctx.device)
-        else:
+        """Each micro-batch (``accumulate_steps``) is the group's rows of it, gathered and run
+        on its own, so activations weigh one micro-batch of the group's rows at a time."""
+        device = self.ctx.device
+        batches = list(step.batches)
+        counts = _counts(len(batches), self._tp, device)  # micro-batches this step, per worker
+        unions = []
+        for i in range(max(counts)):
+            local = batches[i] if i < len(batches) else step.filler().head(0)
+            union = _group_rows(local.to(device), self._tp)
+            if len(union):
+                unions.append(union)
+        rows = sum(len(union) for union in unions)
+        if rows:
             with self._gather_rows.off():
-                loss = self._backward(step, (union,), len(union) / step.global_rows)
-        self._sum_over_replicas()
+                loss = self._backward(step, tuple(unions), rows / step.global_rows)
+        else:  # the whole group is out of rows: its replicas' gradients only
+            loss = torch.zeros((), device=device)
+        if self._dp.size() > 1:
+            self.stats.bytes_sent += sum_gradients(self.ctx.module, self._dp.get_group())
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._groups.take_sent()
         return self._step_on_shared_gradients(step, loss)
 
-    def _sum_over_replicas(self) -> None:
-        """Add this rank's gradient slices up over its replicas: one flat all-reduce."""
-        if self._dp.size() == 1:
-            return
-        grads = [_local(p.grad) for p in self.ctx.module.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self._dp.get_group())
-        offset = 0
+    def _clip_gradients(self) -> None:
+        """Clip by the whole model's gradient norm: the split layers' slices summed over the
+        group, the layers every worker holds whole counted once."""
+        sliced = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
         for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            part = local_part(g).detach().double().pow(2).sum()
+            placements = getattr(g, "placements", ())
+            if any(placement.is_shard() for placement in placements):
+                sliced += part
+            else:
+                whole += part
+        dist.all_reduce(sliced, group=self._tp.get_group())
+        norm = float((sliced + whole).sqrt())
+        factor = self._clip_norm / (norm + 1e-6)
+        if factor < 1:
+            for g in grads:
+                local_part(g).mul_(factor)
 
 
 _GROUPS = "_sparkdl_tensor_groups"
+
+
+def _mesh(device: torch.device, world: int, size: int, timeout_s: float) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh of ``world // size`` groups of ``size`` consecutive ranks,
+    its process groups bounded by ``timeout_s`` (``runtime.collective_timeout_s``; a mesh's
+    own would wait torch's default 30 minutes). Every rank creates every group, in order."""
+    rank, layout = dist.get_rank(), torch.arange(world).view(world // size, size)
+    timeout = timedelta(seconds=timeout_s)
+    own: dict[str, dist.ProcessGroup] = {}
+    for dim, lines in (("dp", layout.t()), ("tp", layout)):
+        for line in lines.tolist():
+            group = dist.new_group(line, timeout=timeout)
+            if rank in line:
+                own[dim] = group
+    return DeviceMesh.from_group(
+        [own["dp"], own["tp"]], device.type, mesh=layout, mesh_dim_names=("dp", "tp")
+    )
 
 
 class _Switch:
@@ -244,11 +296,11 @@ class _Groups:
         self._sent = 0.0
 
     def count_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        self._sent += self._ring * _local(output).nbytes
+        self._sent += self._ring * local_part(output).nbytes
 
     def count_input_gradient(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            self._sent += self._ring * _local(args[0]).nbytes
+            self._sent += self._ring * local_part(args[0]).nbytes
 
     def take_sent(self) -> int:
         """Bytes this rank sent in the split layers' all-reduces since the last call."""
@@ -275,11 +327,6 @@ class _Groups:
         start, rows = self._own
         self._own = None
         return output[start : start + rows]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return cast(torch.Tensor, to_local()) if to_local is not None else tensor
 
 
 def _counts(rows: int, mesh: DeviceMesh, device: torch.device) -> list[int]:

@@ -31,11 +31,12 @@ def checkpoint_layers(module: nn.Module) -> list[str]:
     """Make each of ``module``'s layers recompute its activations in backward (PyTorch's
     composable ``checkpoint``: hooks, so names, state dicts and wrappers stay as they are);
     return their names. The layers are the top-level children with parameters, looked for
-    below a module that has a single child (a model wrapping one ``Sequential``)."""
+    below a module that has a single child with children of its own (a model wrapping one
+    ``Sequential``; a pipeline's stage of one layer checkpoints that layer)."""
     from torch.distributed._composable import checkpoint
 
     prefix, node = "", module
-    while len(children := list(node.named_children())) == 1:
+    while len(children := list(node.named_children())) == 1 and next(children[0][1].children(), None):
         name, node = children[0]
         prefix += name + "."
     layers = [

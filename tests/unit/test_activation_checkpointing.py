@@ -43,6 +43,7 @@ def test_each_layer_with_parameters_recomputes_in_backward_to_the_same_gradients
 
 def test_a_model_wrapping_one_sequential_checkpoints_the_sequentials_layers():
     assert checkpoint_layers(make_tiny_net()) == ["body.0", "body.2"]
+    assert checkpoint_layers(nn.Sequential(nn.Linear(4, 4))) == ["0"]  # a stage of one layer
 
 
 @pytest.mark.slow

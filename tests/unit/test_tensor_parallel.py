@@ -27,14 +27,15 @@ from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, run_workers
 
 
 class Block(nn.Module):
+    """A residual MLP block, its MLP an nn.Sequential (the plan pairs only inside one: its
+    order is the data's path)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(8, 32)
-        self.act = nn.GELU()
-        self.down = nn.Linear(32, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.act(self.up(x)))
+        return x + self.mlp(x)
 
 
 def make_block_net() -> nn.Module:
@@ -47,8 +48,15 @@ def test_the_plan_pairs_a_linear_with_the_next_that_takes_its_output():
     assert megatron_plan(make_deep_net(), 2) == {"0": "columns", "2": "rows", "4": "columns", "6": "rows"}
     # the blocks' own pairs; the outer layers have no Linear right after them
     assert megatron_plan(make_block_net(), 4) == {
-        "1.up": "columns", "1.down": "rows", "2.up": "columns", "2.down": "rows",
+        "1.mlp.0": "columns", "1.mlp.3": "rows", "2.mlp.0": "columns", "2.mlp.3": "rows",
     }  # fmt: skip
+    # a softmax or a norm over the features would see one worker's slice: no pair across them
+    across = nn.Sequential(nn.Linear(6, 8), nn.Softmax(dim=-1), nn.Linear(8, 3))
+    assert megatron_plan(across, 2) == {}
+    # registration order is no data path outside a Sequential: q and k of one width are no pair
+    attention = nn.Module()
+    attention.q, attention.k = nn.Linear(8, 8), nn.Linear(8, 8)
+    assert megatron_plan(attention, 2) == {}
     odd = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 3))
     assert megatron_plan(odd, 2) == {}  # 9 hidden features do not split in 2
 
@@ -110,6 +118,17 @@ def test_residual_blocks_split_inside_give_single_process_sgds_weights(tmp_path)
     shards = make_shards([40, 23])
     state, _ = train(shards, tmp_path, model_fn=make_block_net, batch_size=8, epochs=2, shuffle=True)
     expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_block_net)
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_clipping_split_and_whole_layers_and_accumulating_equal_all_reduce(tmp_path):
+    """The block net holds split layers (DTensors) and whole ones (its outer layers): the
+    norm spans both; two micro-batches of 4 each run on their own."""
+    shards = make_shards([45, 30])
+    settings = {"batch_size": 4, "accumulate_steps": 2, "epochs": 2, "grad_clip_norm": 0.05, "shuffle": True}
+    state, _ = train(shards, tmp_path / "tensor", _adam, model_fn=make_block_net, **settings)
+    expected, _ = run_workers(shards, tmp_path / "allreduce", _adam, model_fn=make_block_net, **settings)
     assert max_abs_diff(state, expected) < 1e-5
 
 
