@@ -47,6 +47,7 @@ on the CPU, then keeps its stage.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -572,12 +573,28 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         )
 
     def _gather_whole(self, part: Any, merge: Callable[[list[Any]], Any]) -> Any:
+        """Every stage's ``part`` of pipeline 0 (nested dicts and lists of tensors), merged on
+        rank 0 (``{}`` elsewhere). The structures travel pickled without their tensors, then
+        each tensor on its own into its final place on rank 0: no rank holds a pickled copy
+        of a stage (gather_object held the bytes and the tensors: +4.7 GB on rank 0 for a
+        1B-parameter model's second stage)."""
         groups = self._groups
         if groups.layout.replica_of(groups.rank) != 0:
             return {}
-        parts: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
-        dist.gather_object(part, parts, dst=0, group=groups.objects)
-        return merge(cast(list[Any], parts)) if groups.rank == 0 else {}
+        tensors: list[torch.Tensor] = []
+        skeleton = _without_tensors(part, tensors)
+        skeletons: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
+        dist.gather_object(skeleton, skeletons, dst=0, group=groups.objects)
+        if groups.rank != 0:
+            for tensor in tensors:
+                dist.send(tensor.detach().cpu().contiguous(), dst=0, group=groups.objects)
+            return {}
+        assert skeletons is not None
+        parts = [part]
+        for stage, received in enumerate(skeletons[1:], start=1):
+            take = functools.partial(_received, src=groups.ranks[stage], groups=groups)
+            parts.append(_with_tensors(received, take))
+        return merge(parts)
 
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's whole state: each stage of pipeline 0 gets its part, then every
@@ -708,6 +725,43 @@ def _pad(rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: tor
     (template,) = filler().inputs.values()
     row = template[:1].to(device=device, dtype=rows.dtype)
     return torch.cat([rows, row.expand(size - len(rows), *row.shape[1:])])
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a structure sent without it: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _without_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a :class:`_Slot`, the tensors appended to
+    ``tensors`` in the order :func:`_with_tensors` fills them back."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _without_tensors(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_tensors(v, tensors) for v in value]
+    return value
+
+
+def _with_tensors(value: Any, take: Callable[[_Slot], torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return take(value)
+    if isinstance(value, dict):
+        return {k: _with_tensors(v, take) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_tensors(v, take) for v in value]
+    return value
+
+
+def _received(slot: _Slot, src: int, groups: PipelineGroups) -> torch.Tensor:
+    tensor = torch.empty(slot.shape, dtype=slot.dtype)
+    dist.recv(tensor, src=src, group=groups.objects)
+    return tensor
 
 
 def _to_cpu(value: Any) -> Any:
