@@ -129,6 +129,8 @@ def train(shards, tmp_path, optimizer_fn=_sgd, parts=None, **settings):
         ([30, 0, 17, 9], {"microbatches": 4, "pipeline_schedule": "1f1b", "shuffle": True}),
         # 2 stages x 2 replicas (DistBelief's layout), the replicas' gradients all-reduced
         ([30, 22, 17, 9], {"stages": 2, "microbatches": 2, "pipeline_schedule": "1f1b", "shuffle": True}),
+        # a whole pipeline without rows: it steps on padding alone and joins the replicas' sum
+        ([30, 22, 0, 0], {"stages": 2, "microbatches": 2, "pipeline_schedule": "gpipe", "shuffle": True}),
     ],
 )
 def test_a_pipeline_gives_single_process_sgds_weights(tmp_path, sizes, settings):

@@ -101,6 +101,7 @@ def train(shards, tmp_path, optimizer_fn=_sgd, model_fn=make_deep_net, parts=Non
         ([50, 21], {"shuffle": False}),  # uneven
         ([30, 0, 17, 9], {"shuffle": True}),  # 4 workers split every pair, one without rows
         ([30, 22, 17, 9], {"tp_size": 2, "shuffle": True}),  # 2 groups of 2: replicas
+        ([30, 22, 0, 0], {"tp_size": 2, "shuffle": True}),  # a whole group without rows
     ],
 )
 def test_split_layers_give_single_process_sgds_weights(tmp_path, sizes, settings):
