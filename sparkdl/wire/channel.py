@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import select
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any, Generic
 
@@ -76,6 +77,10 @@ class Channel(Generic[M]):
         self._send_dir, self._recv_dir = (b"c", b"s") if client else (b"s", b"c")
         self._send_seq = 0
         self._recv_seq = 0
+        # Sequence numbers are GCM nonces (encrypted) and tag nonces: one used twice would leak
+        # the key stream. Each direction takes them under its own lock, whoever the caller.
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._poller: select.poll | None = None  # pending(): this socket's readiness
         self._sealed = ReusedBuffer()  # encrypted: the ciphertext sent
         self._tag_read = memoryview(bytearray(TAG_BYTES))  # plain: each payload piece's tag, as it arrives
@@ -107,33 +112,34 @@ class Channel(Generic[M]):
                 raise ValueError(f"a frame of {payload.nbytes} payload bytes cannot be sent without waiting")
             check_length(payload.nbytes)
             frames.append((self.protocol.pack(kind, fields, payload.nbytes), payload))
-        parts: list[memoryview] = []
-        total = 0
-        for index, (header, payload) in enumerate(frames):
-            seq = self._send_seq
-            self._send_seq += 1
-            parts += [memoryview(header), self._tag(seq, HEADER_TAG_INDEX, header)]
-            total += frame_bytes(len(header), payload.nbytes, self.encrypted)
-            if self._cipher is not None:
-                sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
-                self._cipher.encrypt_into(aead_nonce(self._send_dir, seq), payload, header, sealed)
-                if index + 1 < len(frames):  # the next frame reuses the buffer: send or copy
-                    if payload.nbytes > STREAM_CHUNK:
-                        send_parts(self.sock, [*parts, sealed])
-                        parts = []
-                        continue
-                    sealed = memoryview(bytes(sealed))
-                parts.append(sealed)
-            elif payload.nbytes <= STREAM_CHUNK:
-                if payload.nbytes:
-                    parts += [payload, self._tag(seq, 0, payload)]
-            else:  # stream: tag each piece once the kernel holds it, while the reader copies it out
-                for piece, start in enumerate(range(0, payload.nbytes, STREAM_CHUNK)):
-                    chunk = payload[start : start + STREAM_CHUNK]
-                    send_parts(self.sock, [*parts, chunk])
-                    parts = [self._tag(seq, piece, chunk)]  # leaves with what follows
-        send_parts(self.sock, parts, flags)
-        return total
+        with self._send_lock:  # one sender at a time: its own sequence numbers, its frames whole
+            parts: list[memoryview] = []
+            total = 0
+            for index, (header, payload) in enumerate(frames):
+                seq = self._send_seq
+                self._send_seq += 1
+                parts += [memoryview(header), self._tag(seq, HEADER_TAG_INDEX, header)]
+                total += frame_bytes(len(header), payload.nbytes, self.encrypted)
+                if self._cipher is not None:
+                    sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
+                    self._cipher.encrypt_into(aead_nonce(self._send_dir, seq), payload, header, sealed)
+                    if index + 1 < len(frames):  # the next frame reuses the buffer: send or copy
+                        if payload.nbytes > STREAM_CHUNK:
+                            send_parts(self.sock, [*parts, sealed])
+                            parts = []
+                            continue
+                        sealed = memoryview(bytes(sealed))
+                    parts.append(sealed)
+                elif payload.nbytes <= STREAM_CHUNK:
+                    if payload.nbytes:
+                        parts += [payload, self._tag(seq, 0, payload)]
+                else:  # stream: tag each piece once the kernel holds it, while the reader copies it out
+                    for piece, start in enumerate(range(0, payload.nbytes, STREAM_CHUNK)):
+                        chunk = payload[start : start + STREAM_CHUNK]
+                        send_parts(self.sock, [*parts, chunk])
+                        parts = [self._tag(seq, piece, chunk)]  # leaves with what follows
+            send_parts(self.sock, parts, flags)
+            return total
 
     def pending(self, timeout_s: float = 0.0) -> bool:
         """Whether bytes from the peer (or its end of the connection) have arrived, waiting
@@ -161,6 +167,10 @@ class Channel(Generic[M]):
             ProtocolError: a bad prefix, a header or payload that does not verify, a length
                 over ``max_payload``, a truncated frame, or a message the protocol refuses.
         """
+        with self._recv_lock:  # one reader at a time: frames read whole, in sequence
+            return self._recv(max_payload, into)
+
+    def _recv(self, max_payload: int, into: PayloadPlacement | None) -> M:
         size = self.protocol.header.size
         tagged = recv_exactly(self.sock, size + TAG_BYTES, at_frame_start=True)  # every frame has both
         header = bytes(tagged[:size])

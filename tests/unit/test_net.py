@@ -861,3 +861,32 @@ def test_send_many_without_waiting_raises_once_the_peer_leaves_its_bytes_unread(
                 sent += client.send_many([(EchoKind.DATA, (1, 2), b"y" * 1000)], wait=False)
         assert 0 < sent < 100_000 * 1000
         assert server.recv(1 << 20)[2] == b"y" * 1000  # what went before is intact
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["tagged", "encrypted"])
+def test_threads_sending_on_one_channel_never_share_a_sequence_number_or_interleave(encrypt):
+    """Two threads send on one channel at once: each frame takes its own sequence number
+    (a GCM nonce used twice would leak the key stream) and leaves whole, so the reader
+    authenticates every frame, in some order, each payload intact. Bounded: 2 x 300 frames."""
+    a, b, client, server = pair(encrypt=encrypt)
+    frames = 300
+    received: list = []
+    reader = threading.Thread(target=lambda: received.extend(server.recv(1 << 20) for _ in range(2 * frames)))
+    reader.start()
+
+    def send(tag: int) -> None:
+        for i in range(frames):
+            client.send((EchoKind.DATA, (tag, i), bytes([tag]) * (64 + i % 7)))
+
+    with a, b:
+        senders = [threading.Thread(target=send, args=(t,)) for t in (1, 2)]
+        for thread in senders:
+            thread.start()
+        for thread in senders:
+            thread.join(30)
+        reader.join(30)
+    assert len(received) == 2 * frames
+    for tag in (1, 2):
+        mine = [fields[1] for _, fields, payload in received if fields[0] == tag]
+        assert mine == list(range(frames))  # each sender's frames in its own order, all there
+    assert all(payload == bytes([fields[0]]) * (64 + fields[1] % 7) for _, fields, payload in received)
