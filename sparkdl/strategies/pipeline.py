@@ -63,6 +63,7 @@ from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, 
 from sparkdl.data.tensors import Batch, join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
+from sparkdl.strategies.rows import padded, row_counts
 from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
@@ -252,7 +253,7 @@ class StageModule(nn.Sequential):
         groups = self.groups
         device = x.device
         with torch.no_grad():
-            counts = _counts(len(x), groups.pipeline, device)
+            counts = row_counts(len(x), groups.pipeline, device)
             rows = _gather_rows(x, counts, groups.ranks[0], groups)
             if groups.first:
                 received = cast(torch.Tensor, rows)
@@ -306,7 +307,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._schedule: ScheduleGPipe | Schedule1F1B | None = None  # built at the first step
         self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
         self._step_state: _StepRows | None = None
-        self._micro_losses: dict[int, torch.Tensor] = {}  # start row -> the micro-batch's loss x rows
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # the step's, x rows
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -433,7 +434,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         rows = join_batches(step.batches) if step.batches else step.filler().head(0)
         rows = rows.to(ctx.device)
         (x,) = rows.inputs.values()
-        counts = _counts(len(rows), groups.pipeline, ctx.device)
+        counts = row_counts(len(rows), groups.pipeline, ctx.device)
         inputs = _gather_rows(x, counts, groups.ranks[0], groups)
         labels = _gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
         weights = (
@@ -445,7 +446,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             self._layers.sent += cast(torch.Tensor, rows.label).nbytes + (
                 rows.weight.nbytes if rows.weight is not None else 0
             )
-        self._micro_losses.clear()
+        self._loss_sum.zero_()
         self._step_state = _StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
             padded = _pad(
@@ -524,7 +525,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         end = start + real
         weight = state.weights[start:end] if state.weights is not None else None
         loss = self._loss_fn(output[:real].float(), state.labels[start:end], weight)
-        self._micro_losses[start] = loss.detach() * real
+        self._loss_sum.add_(loss.detach(), alpha=real)
         return loss * (real / state.global_rows)
 
     def _agreed_loss(self, global_rows: int) -> torch.Tensor:
@@ -532,7 +533,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         loss or gradient: one sum over the world, so every rank judges the step alike."""
         grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
         finite = bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())) if grads else True
-        total = float(sum(self._micro_losses.values())) if self._micro_losses else 0.0
+        total = float(self._loss_sum)
         figures = torch.tensor([total, 0.0 if finite else 1.0], dtype=torch.float64)
         dist.all_reduce(figures, group=self.ctx.control_group)
         total, non_finite = figures.tolist()
@@ -628,27 +629,16 @@ class _StepRows:
 # ------------------------------------------------------------------ moving rows
 
 
-def _counts(rows: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """Every worker of the pipeline's row count, in stage order."""
-    mine = torch.tensor([rows], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return [int(c) for c in every]
-
-
 def _gather_rows(
     tensor: torch.Tensor, counts: list[int], dst: int, groups: PipelineGroups
 ) -> torch.Tensor | None:
     """Every worker's rows of ``tensor``, joined in stage order on rank ``dst`` (None elsewhere)."""
-    most = max(counts)
-    padded = tensor
-    if len(tensor) < most:
-        padded = torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
+    part = padded(tensor, counts)
     if groups.rank != dst:
-        dist.gather(padded, None, dst=dst, group=groups.pipeline)
+        dist.gather(part, None, dst=dst, group=groups.pipeline)
         return None
-    every = [torch.empty_like(padded) for _ in counts]
-    dist.gather(padded, every, dst=dst, group=groups.pipeline)
+    every = [torch.empty_like(part) for _ in counts]
+    dist.gather(part, every, dst=dst, group=groups.pipeline)
     return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
 
 

@@ -28,7 +28,8 @@ Checkpoints and the final weights are gathered whole to rank 0
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
@@ -48,6 +49,7 @@ from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import DistributedState
 from sparkdl.strategies.gradients import local_part, sum_gradients
+from sparkdl.strategies.rows import padded, row_counts
 from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
@@ -117,7 +119,6 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         groups = cast(_Groups, getattr(ctx.module, _GROUPS))
         self._groups = groups
         self._tp, self._dp = groups.tp, groups.dp
-        self._gather_rows = groups.gather  # the inference hook's switch
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -202,7 +203,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         on its own, so activations weigh one micro-batch of the group's rows at a time."""
         device = self.ctx.device
         batches = list(step.batches)
-        counts = _counts(len(batches), self._tp, device)  # micro-batches this step, per worker
+        counts = row_counts(len(batches), self._tp.get_group(), device)  # micro-batches this step, per worker
         unions = []
         for i in range(max(counts)):
             local = batches[i] if i < len(batches) else step.filler().head(0)
@@ -211,7 +212,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
                 unions.append(union)
         rows = sum(len(union) for union in unions)
         if rows:
-            with self._gather_rows.off():
+            with self._groups.within_step():
                 loss = self._backward(step, tuple(unions), rows / step.global_rows)
         else:  # the whole group is out of rows: its replicas' gradients only
             loss = torch.zeros((), device=device)
@@ -262,34 +263,12 @@ def _mesh(device: torch.device, world: int, size: int, timeout_s: float) -> Devi
     )
 
 
-class _Switch:
-    """Whether the model, called as a module, gathers its group's rows (not inside a step,
-    whose rows are already the group's)."""
-
-    def __init__(self) -> None:
-        self.on = True
-
-    def off(self) -> _Off:
-        return _Off(self)
-
-
-class _Off:
-    def __init__(self, switch: _Switch) -> None:
-        self._switch = switch
-
-    def __enter__(self) -> None:
-        self._switch.on = False
-
-    def __exit__(self, *exc: object) -> None:
-        self._switch.on = True
-
-
 class _Groups:
     """The mesh, and the hooks that give each worker of a group its own rows' outputs."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.tp, self.dp = mesh["tp"], mesh["dp"]
-        self.gather = _Switch()
+        self.gathering = True  # off inside a step, whose rows are already the group's
         self._own: tuple[int, int] | None = None
         size = self.tp.size()
         self._ring = 2 * (size - 1) / size  # what one rank sends of an all-reduced tensor
@@ -302,6 +281,15 @@ class _Groups:
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
             self._sent += self._ring * local_part(args[0]).nbytes
 
+    @contextlib.contextmanager
+    def within_step(self) -> Iterator[None]:
+        """The model called on the group's rows: nothing to gather."""
+        self.gathering = False
+        try:
+            yield
+        finally:
+            self.gathering = True
+
     def take_sent(self) -> int:
         """Bytes this rank sent in the split layers' all-reduces since the last call."""
         sent, self._sent = self._sent, 0.0
@@ -310,48 +298,37 @@ class _Groups:
     def gather_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self.gather.on:
+        if not self.gathering:
             return None
         names = [f"arg{i}" for i in range(len(args))] + list(kwargs)
         values = [*args, *kwargs.values()]
         rows = len(values[0])
-        counts = _counts(rows, self.tp, values[0].device)
+        counts = row_counts(rows, self.tp.get_group(), values[0].device)
         start = sum(counts[: self.tp.get_local_rank()])
         self._own = (start, rows)
         joined = [_all_gather_rows(v, counts, self.tp) for v in values]
         return tuple(joined[: len(args)]), dict(zip(names[len(args) :], joined[len(args) :], strict=True))
 
     def own_outputs(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
-        if not self.gather.on or self._own is None:
+        if not self.gathering or self._own is None:
             return None
         start, rows = self._own
         self._own = None
         return output[start : start + rows]
 
 
-def _counts(rows: int, mesh: DeviceMesh, device: torch.device) -> list[int]:
-    group = mesh.get_group()
-    mine = torch.tensor([rows], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(mesh.size())]
-    dist.all_gather(every, mine, group=group)
-    return [int(c) for c in every]
-
-
 def _all_gather_rows(tensor: torch.Tensor, counts: Sequence[int], mesh: DeviceMesh) -> torch.Tensor:
     """Every worker's rows of ``tensor``, joined in the group's order, on every worker."""
-    most = max(counts)
-    padded = tensor
-    if len(tensor) < most:
-        padded = torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
-    every = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(every, padded.contiguous(), group=mesh.get_group())
+    part = padded(tensor, counts).contiguous()
+    every = [torch.empty_like(part) for _ in counts]
+    dist.all_gather(every, part, group=mesh.get_group())
     return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
 
 
 def _group_rows(batch: Batch, mesh: DeviceMesh) -> Batch:
     """The group's rows of this step, the same on every worker of the group."""
     device = next(iter(batch.inputs.values())).device
-    counts = _counts(len(batch), mesh, device)
+    counts = row_counts(len(batch), mesh.get_group(), device)
     gather = lambda t: None if t is None else _all_gather_rows(t, counts, mesh)  # noqa: E731
     return Batch(
         {name: _all_gather_rows(t, counts, mesh) for name, t in batch.inputs.items()},

@@ -61,7 +61,9 @@ def test_unknown_key_names_the_file_section_and_key(tmp_path):
     ):
         load_config(path)
     with pytest.raises(
-        ConfigError, match=r"unknown key 'zzz'; valid keys: accumulate_steps, activation_checkpointing, batch_size, early_stop"
+        ConfigError,
+        match=r"unknown key 'zzz'; valid keys: accumulate_steps, activation_checkpointing, batch_size, "
+        r"early_stop",
     ):
         load_config(write(tmp_path, "[training]\nzzz = 1\n"))
 

@@ -23,6 +23,7 @@ from tests.reference import (
     shard_to_batch,
 )
 from tests.unit.test_fsdp import spawn
+from tests.unit.test_pipeline import train as train_split
 from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, run_workers
 
 
@@ -76,22 +77,9 @@ def test_settings_tensor_parallelism_cannot_run_are_refused_with_the_fix(setting
 
 
 def train(shards, tmp_path, optimizer_fn=_sgd, model_fn=make_deep_net, parts=None, **settings):
-    config = SparkDLConfig().replace(
-        num_workers=len(shards),
-        collective_timeout_s=30.0,
-        prefetch_batches=2,
-        strategy="tensor",
-        **{"checkpoint_dir": str(tmp_path / "ckpt"), **settings},
+    return train_split(
+        shards, tmp_path, optimizer_fn, parts, strategy="tensor", model_fn=model_fn, **settings
     )
-    plan, template = shard_plan(shards)
-    spec = TrainSpec(config, model_fn, optimizer_fn, "cross_entropy", plan, template)
-    if parts is None:
-        parts = [[shard_to_batch(x, y)] if len(y) else [] for x, y in shards]
-    state: dict = {}
-    results = spawn(parts, spec, tmp_path, weights=state)
-    errors = {r: e for r, (_, e, _) in results.items() if e is not None}
-    assert not errors, errors
-    return state, results
 
 
 @pytest.mark.slow
