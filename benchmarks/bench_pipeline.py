@@ -10,7 +10,7 @@ worker (the same 128 rows per step) and against all-reduce on 2 workers (64 rows
 GPipe's ideal speed-up over one worker with p balanced stages is p * m / (m + p - 1):
 the bubble leaves (p - 1) / (m + p - 1) of each stage idle.
 
-``wide``: a wide MLP (1024 -> 4096 -> 4096 -> 4096 -> 10, 37.8M parameters, 151 MB of
+``wide``: a wide MLP (64 -> 4096 -> 4096 -> 4096 -> 10, 33.9M parameters, 135 MB of
 float32) with 64 rows per worker, on 2 workers, all-reduce over gloo (no shared memory:
 the bytes cross slow-net's link) against a 2-stage pipeline (1F1B, 4 micro-batches): the
 bytes each worker sends per step and samples/s; and tensor parallelism (each pair of

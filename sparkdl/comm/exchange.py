@@ -121,6 +121,28 @@ class Exchange(abc.ABC):
         payload = sum(flat.numel() * flat.element_size() for flat in flats)
         self.traffic.bytes_sent += self.sum_bytes(payload)
 
+    def gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every worker's small CPU ``tensor``, stacked by rank (a few counts; not counted)."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.control)
+        return torch.stack(parts)
+
+    def gather_(self, flat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Every worker's 1-D ``flat``, by rank; ``lengths`` are their sizes, known to every
+        worker (through :meth:`gather_control`). One all-gather of the longest, the others
+        padded; counted as a ring's: this worker sends each of the others' pieces on once."""
+        if self.world_size == 1:
+            return [flat]
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        self.traffic.bytes_sent += (self.world_size - 1) * padded.nbytes
+        return [part[:length] for part, length in zip(parts, lengths, strict=True)]
+
     def attach_gradient_hook(self, ddp: nn.parallel.DistributedDataParallel, grad_bytes: int) -> None:
         """Make ``ddp`` average its gradient buckets through this exchange; ``grad_bytes`` is
         what one step's gradients weigh. Count each step with :meth:`count_gradient_step`."""
@@ -305,6 +327,12 @@ class HierarchicalExchange(Exchange):
 
     def take_hook_failure(self) -> BaseException | None:
         return self._hook.take_failure() if self._hook is not None else None
+
+    def gather_(self, flat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        raise ClusterConfigError(
+            "a two-level exchange sums within each host first and has no gather across hosts; "
+            "set runtime.hierarchy = 'none' for sufficient_factors"
+        )
 
     def close(self) -> None:
         if self._hook is not None:

@@ -65,6 +65,14 @@ class Compression(str, enum.Enum):
     POWERSGD = "powersgd"  # PyTorch's own low-rank DDP hook: all-reduce only
 
 
+class SufficientFactors(str, enum.Enum):
+    """Whether fully connected layers' gradients travel as factors (see sparkdl.comm.factors)."""
+
+    OFF = "off"
+    ON = "on"  # every nn.Linear, every step
+    AUTO = "auto"  # per layer and step, whichever of factors and matrix sends fewer bytes
+
+
 class Hierarchy(str, enum.Enum):
     """What counts as one host for hierarchical aggregation (see sparkdl.comm.hierarchy)."""
 

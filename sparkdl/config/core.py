@@ -48,6 +48,7 @@ from sparkdl.config.choices import (
     Precision,
     PsMode,
     Strategy,
+    SufficientFactors,
     UseGpu,
 )
 from sparkdl.config.loading import (
@@ -92,6 +93,7 @@ __all__ = [
     "RuntimeConfig",
     "SparkDLConfig",
     "Strategy",
+    "SufficientFactors",
     "TensorConfig",
     "TrackingConfig",
     "TrainingConfig",

@@ -19,6 +19,7 @@ from sparkdl.config.choices import (
     FaultDrillSpec,
     Hierarchy,
     OnError,
+    SufficientFactors,
     UseGpu,
 )
 from sparkdl.config.loading import about, check_bounds
@@ -83,6 +84,16 @@ class RuntimeConfig:
         metadata=about(
             "Carry what 1bit and topk compression lost into the next round; turn off only to see what "
             "it is worth (1bit then loses accuracy)."
+        ),
+    )
+    sufficient_factors: SufficientFactors = field(
+        default=SufficientFactors.OFF,
+        metadata=about(
+            "Send a fully connected layer's gradient as its sufficient factors, each row's input and "
+            "output gradient (rows x (inputs + outputs) numbers), instead of the inputs x outputs matrix; "
+            "every worker rebuilds the exact sum (Poseidon). on: every nn.Linear; auto: per layer and "
+            "step, whichever sends fewer bytes (factors win for wide layers and small batches). "
+            "allreduce only, not with a hierarchy; the factors are never compressed."
         ),
     )
     powersgd_rank: int = field(

@@ -11,6 +11,9 @@ mean over workers the gradient is exactly the mean over every row of the step, a
 single-process SGD on the union of the workers' batches would compute, however
 unevenly the rows are spread. A worker without rows steps on a zero-weight filler,
 because it must join the step's all-reduce.
+
+With ``runtime.sufficient_factors``, the fully connected layers' weight gradients leave DDP's
+buckets and travel as their factors (:mod:`sparkdl.comm.factors`), gathered after backward.
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sparkdl.comm.factors import Factors
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import Hierarchy, SparkDLConfig, Strategy, SufficientFactors
+from sparkdl.errors import ConfigError
 from sparkdl.strategies.rules import refuse_compressed_hierarchy
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
     StrategyContext,
     SyncStrategy,
-    parameter_bytes,
 )
 
 
@@ -37,12 +41,28 @@ class AllReduceStrategy(SyncStrategy):
     pattern = Pattern.RING_OVERLAPPED
     shares_gradients = True
     plain_sum = True
+    takes_sufficient_factors = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._ddp: DistributedDataParallel | None = None
+        self._factors: Factors | None = None
         if ctx.world_size == 1:
             return  # nothing to average: the module trains as it is, without DDP's per-step cost
+        training, mode = ctx.config.training, ctx.config.runtime.sufficient_factors
+        factored: set[str] = set()
+        if mode is not SufficientFactors.OFF:
+            rows = training.batch_size * training.accumulate_steps
+            self._factors = Factors(ctx.module, ctx.exchange, mode, rows)
+            factored = set(self._factors.weight_names)
+        in_buckets = [
+            (n, p) for n, p in ctx.module.named_parameters() if p.requires_grad and n not in factored
+        ]
+        if not in_buckets:  # every gradient travels as factors: DDP would have nothing to do
+            for tensor in [*ctx.module.parameters(), *ctx.module.buffers()]:
+                ctx.exchange.broadcast_(tensor.data)  # DDP's starting broadcast
+            return
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.module, sorted(factored))
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (e.g. batch-norm statistics) follow rank 0 at every forward; that is
         # DDP's default, so we leave the (version-dependent) flag alone.
@@ -52,11 +72,18 @@ class AllReduceStrategy(SyncStrategy):
             bucket_cap_mb=ctx.config.runtime.bucket_cap_mb,
             gradient_as_bucket_view=True,
         )
-        ctx.exchange.attach_gradient_hook(self._ddp, parameter_bytes(ctx.module))
+        bucket_bytes = sum(p.numel() * p.element_size() for _, p in in_buckets)
+        ctx.exchange.attach_gradient_hook(self._ddp, bucket_bytes)
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
         refuse_compressed_hierarchy(config)
+        mode, level = config.runtime.sufficient_factors, config.runtime.hierarchy
+        if mode is not SufficientFactors.OFF and level is not Hierarchy.NONE:
+            raise ConfigError(
+                f"sufficient_factors = {mode.value!r} with hierarchy = {level.value!r}: a host's sum of "
+                "factors is a matrix again, so the two do not combine; set one of them to off / none"
+            )
 
     @property
     def model(self) -> nn.Module:
@@ -69,9 +96,13 @@ class AllReduceStrategy(SyncStrategy):
         self.stats.sync_rounds += 1
         if self._ddp is not None:
             self.ctx.exchange.count_gradient_step()
+        if self._factors is not None:
+            self._factors.sum_gradients()
         return self._step_on_shared_gradients(step, loss)
 
     def close(self) -> None:
         # Drop DDP's reducer while the process group is still registered, so that the
         # group's own teardown (which joins gloo's threads) does not run inside it.
         self._ddp = None
+        if self._factors is not None:
+            self._factors.close()

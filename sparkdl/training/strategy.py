@@ -184,6 +184,9 @@ class SyncStrategy(abc.ABC):
     #: Whether what the workers exchange is a plain sum of float tensors, which one host's
     #: shared memory can carry (the worker's assembly then chooses it, where it can).
     plain_sum: ClassVar[bool] = False
+    #: Whether the strategy can send fully connected layers' gradients as sufficient factors
+    #: (``runtime.sufficient_factors``).
+    takes_sufficient_factors: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -428,7 +431,15 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
     Raises:
         ConfigError: the strategy cannot run with these settings; the message says the fix.
     """
-    strategy_class(config.training.strategy).check_settings(config)
+    cls = strategy_class(config.training.strategy)
+    factors = config.runtime.sufficient_factors
+    if factors.value != "off" and not cls.takes_sufficient_factors:
+        takers = ", ".join(repr(s.value) for s in REGISTRY if strategy_class(s).takes_sufficient_factors)
+        raise ConfigError(
+            f"sufficient_factors = {factors.value!r} with strategy {cls.name.value!r}: only {takers} "
+            "send gradients as factors; set sufficient_factors = 'off'"
+        )
+    cls.check_settings(config)
     return config
 
 

@@ -41,7 +41,7 @@ from sparkdl.comm.exchange import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups
-from sparkdl.config import LrSchedule, PsMode, SparkDLConfig, Strategy
+from sparkdl.config import LrSchedule, PsMode, SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.parameter_server import ParameterServerStrategy
@@ -85,6 +85,12 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
         raise ConfigError(
             "backup workers cannot serve your own training loop (a worker cannot skip steps the "
             "loop takes itself); set wa_backup_workers = 0 and backup_workers = 0"
+        )
+    if config.runtime.sufficient_factors is not SufficientFactors.OFF:
+        raise ConfigError(
+            f"sufficient_factors = {config.runtime.sufficient_factors.value!r} cannot serve your own "
+            "training loop yet (the factors are summed by sparkdl's step, after its backward); set "
+            "sufficient_factors = 'off', or train with TorchEstimator"
         )
     if strategy is Strategy.PARAMETER_SERVER:
         _check_served_settings(config)

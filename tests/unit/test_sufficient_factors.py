@@ -1,0 +1,156 @@
+"""Sufficient factors (runtime.sufficient_factors): fully connected layers' gradients sent as
+each row's input and output gradient, rebuilt exactly on every worker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.comm.exchange import FlatExchange
+from sparkdl.comm.factors import Factors, factors_pay
+from sparkdl.comm.traffic import ring_allreduce_bytes
+from sparkdl.config import SparkDLConfig, SufficientFactors
+from sparkdl.errors import ConfigError
+from sparkdl.strategies import check_settings
+from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd
+from tests.unit.test_worker_gloo import LR, MOMENTUM, run_workers
+
+
+def test_factors_pay_where_a_ring_all_gather_of_the_rows_is_smaller_than_the_matrixs_all_reduce():
+    # Two workers: Poseidon's B (M + N) < M N.
+    assert factors_pay(32, 4096, 4096, 2)  # 32 * 8192 = 1/16 of 4096^2
+    assert not factors_pay(8, 6, 8, 2)  # 8 * 14 = 112 > 48
+    assert factors_pay(63, 128, 128, 2) and not factors_pay(64, 128, 128, 2)  # the boundary: 64 * 256 = 128^2
+    # More workers gather more rows: the same layer stops paying sooner.
+    assert factors_pay(32, 512, 512, 2) and not factors_pay(32, 512, 512, 16)
+    assert not factors_pay(1, 4096, 4096, 1)  # a single worker sends nothing either way
+
+
+class _SeqNet(nn.Module):
+    """Linear layers on sequences (rows x tokens x features), one of them applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.mid, self.down = nn.Linear(5, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        h = torch.tanh(self.mid(torch.tanh(self.mid(h))))  # the same layer twice: two backward passes
+        return self.down(h).mean(dim=1)
+
+
+def test_factors_rebuild_autograds_gradient_over_micro_batches_tokens_and_a_reused_layer():
+    torch.manual_seed(0)
+    model = _SeqNet()
+    expected_model = _SeqNet()
+    expected_model.load_state_dict(model.state_dict())
+    factors = Factors(model, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=4)
+    assert factors.weight_names == ["up.weight", "mid.weight", "down.weight"]
+    batches = [torch.randn(4, 7, 5), torch.randn(3, 7, 5)]  # two micro-batches of 7 tokens
+    for x in batches:
+        model(x).square().sum().backward()
+        expected_model(x).square().sum().backward()
+    for name in factors.weight_names:  # autograd's own gradient, before the rebuild replaces it
+        assert dict(model.named_parameters())[name].grad is not None
+    factors.sum_gradients()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in expected_model.named_parameters()}
+    assert max_abs_diff(got, want) < 1e-5
+    with torch.no_grad():  # inference captures nothing
+        model(batches[0])
+    assert all(not layer.rows for layer in factors._layers)
+    factors.close()
+
+
+def test_a_weight_shared_by_two_linear_layers_keeps_its_matrix():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    factors = Factors(model, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=4)
+    assert factors.weight_names == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        ({"strategy": "weight_averaging"}, "sufficient_factors = 'off'"),
+        ({"strategy": "fsdp"}, "only 'allreduce'"),
+        ({"hierarchy": "host"}, "hierarchy = 'host'"),
+    ],
+)
+def test_what_sufficient_factors_cannot_combine_with_is_refused_with_the_fix(settings, fix):
+    with pytest.raises(ConfigError, match=fix):
+        check_settings(SparkDLConfig().replace(sufficient_factors="on", **settings))
+
+
+def make_wide_net() -> nn.Module:
+    """Three Linear layers; at 8 rows on two workers factors pay for the middle one alone."""
+    return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sizes", "mode", "model_fn"),
+    [
+        ([50, 21], "on", make_tiny_net),  # uneven: the short worker sends its filler's zero rows
+        ([40, 0, 17], "on", make_wide_net),  # three workers, one without rows
+        ([50, 21], "auto", make_wide_net),  # the middle layer as factors, the others in DDP's buckets
+    ],
+)
+def test_sufficient_factors_give_single_process_sgds_weights(tmp_path, sizes, mode, model_fn):
+    shards = make_shards(sizes)
+    state, _ = run_workers(
+        shards, tmp_path, model_fn=model_fn, sufficient_factors=mode, batch_size=8, epochs=2, shuffle=True
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=model_fn)
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "factored"), [("on", [(6, 64), (64, 64), (64, 3)]), ("auto", [(64, 64)])])
+def test_the_bytes_counted_are_the_factors_rows_and_the_buckets_rest(tmp_path, mode, factored):
+    """Two workers, 8 rows a step: each sends 8 (M + N) float32 per factored layer (a ring
+    all-gather with one other worker) and all-reduces the remaining parameters in DDP's buckets."""
+    shards = make_shards([64, 64])
+    _, results = run_workers(
+        shards,
+        tmp_path,
+        model_fn=make_wide_net,
+        sufficient_factors=mode,
+        shared_memory=False,
+        batch_size=8,
+        epochs=1,
+    )
+    epoch = results[0][1][0]
+    weights = sum(m * n for m, n in factored)
+    rest = sum(p.numel() for p in make_wide_net().parameters()) - weights
+    per_step = sum(8 * (m + n) * 4 for m, n in factored) + ring_allreduce_bytes(rest * 4, 2)
+    assert epoch["steps"] == 8
+    assert epoch["bytes_sent"] == 8 * per_step
+    _, plain = run_workers(
+        shards, tmp_path / "plain", model_fn=make_wide_net, shared_memory=False, batch_size=8, epochs=1
+    )
+    assert plain[0][1][0]["bytes_sent"] == 8 * ring_allreduce_bytes((weights + rest) * 4, 2)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+@pytest.mark.slow
+def test_factors_with_adam_clipping_and_accumulation_equal_plain_all_reduce(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 4, "accumulate_steps": 2, "grad_clip_norm": 0.5, "epochs": 2}
+    plain, _ = run_workers(shards, tmp_path / "plain", _adam, model_fn=make_wide_net, **settings)
+    factored, _ = run_workers(
+        shards, tmp_path / "factored", _adam, model_fn=make_wide_net, sufficient_factors="on", **settings
+    )
+    assert max_abs_diff(plain, factored) < 1e-5
+
+
+def test_your_own_loop_refuses_sufficient_factors_before_any_task_starts():
+    from sparkdl.worker.prepare import check_own_loop_settings
+
+    with pytest.raises(ConfigError, match="sufficient_factors = 'off', or train with TorchEstimator"):
+        check_own_loop_settings(SparkDLConfig().replace(sufficient_factors="auto"))
+    check_own_loop_settings(SparkDLConfig())  # off: accepted
