@@ -124,24 +124,30 @@ def _all_gather(path: str, rank: int, world: int):
     return all_gather
 
 
-def _worker(rank: int, world: int, rows: int, model: str, settings: dict, store: str, out: Any) -> None:
+def make_spec(world: int, rows: int, model: str, settings: dict) -> Any:
+    """The task spec of a fit of ``model`` on ``world`` workers (the rows' plan from rank 0's)."""
     from sparkdl.config import SparkDLConfig
     from sparkdl.data.columns import LabelKind
     from sparkdl.data.decoding import decode_block
     from sparkdl.data.inputs import plan_data
     from sparkdl.data.tensors import to_batch
-    from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
+    from sparkdl.worker.assembly import TrainSpec
+
+    first = make_table(rows, seed=0).to_batches()[0]
+    plan = plan_data(
+        first.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
+    )
+    template = to_batch(decode_block(first.slice(0, 2), plan), plan)
+    config = SparkDLConfig().replace(num_workers=world, collective_timeout_s=600.0, **settings)
+    optimizer = _plain_sgd if model == "billion" else _sgd
+    return TrainSpec(config, MODELS[model], optimizer, "cross_entropy", plan, template)
+
+
+def _worker(rank: int, world: int, rows: int, spec: Any, store: str, out: Any) -> None:
+    from sparkdl.worker.assembly import Placement, run_worker
 
     try:
         table = make_table(rows, seed=rank)
-        first = table.to_batches()[0]
-        plan = plan_data(
-            first.schema, feature_cols=("features",), label_col="label", label_kind=LabelKind.CLASS_INDEX
-        )
-        template = to_batch(decode_block(first.slice(0, 2), plan), plan)
-        config = SparkDLConfig().replace(num_workers=world, collective_timeout_s=600.0, **settings)
-        optimizer = _plain_sgd if model == "billion" else _sgd
-        spec = TrainSpec(config, MODELS[model], optimizer, "cross_entropy", plan, template)
         placement = Placement(rank, world, "127.0.0.1")
         result = run_worker(spec, iter(table.to_batches()), placement, _all_gather(store, rank, world))
         before = _BEFORE_BUILD_KIB[0] if _BEFORE_BUILD_KIB else 0
@@ -151,23 +157,35 @@ def _worker(rank: int, world: int, rows: int, model: str, settings: dict, store:
 
 
 def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
-    """Train on ``world`` worker processes (``rows`` each); rank 0's figures."""
+    """Train on ``world`` worker processes (``rows`` each); rank 0's figures. With strategy
+    parameter_server this process hosts the server, as the driver would."""
+    from sparkdl.spark.ps_host import host_parameter_server
+
+    spec = make_spec(world, rows, model, settings)
+    hosted = None
+    if settings.get("strategy") == "parameter_server":
+        hosted = host_parameter_server(spec, "127.0.0.1")
+        spec = hosted.spec
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, rows, model, settings, f"{tmp}/store", out))
-            for r in range(world)
-        ]
-        started = time.perf_counter()
-        for p in procs:
-            p.start()
-        results = {
-            rank: (history, error, peak)
-            for rank, history, error, peak in (out.get(timeout=1800) for _ in procs)
-        }
-        for p in procs:
-            p.join(60)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [
+                ctx.Process(target=_worker, args=(r, world, rows, spec, f"{tmp}/store", out))
+                for r in range(world)
+            ]
+            started = time.perf_counter()
+            for p in procs:
+                p.start()
+            results = {
+                rank: (history, error, peak)
+                for rank, history, error, peak in (out.get(timeout=1800) for _ in procs)
+            }
+            for p in procs:
+                p.join(60)
+    finally:
+        if hosted is not None:
+            hosted.stop()
     errors = {r: e for r, (_, e, _) in results.items() if e}
     if errors:
         raise RuntimeError(f"{model} {settings}: {errors}")
@@ -177,6 +195,7 @@ def fit(world: int, rows: int, model: str, **settings: Any) -> dict[str, Any]:
     return {
         "samples_per_s": statistics.median(h["samples_per_s"] for h in later),
         "bytes_sent_per_step": sum(h["bytes_sent"] for h in history) / max(steps, 1),
+        "bytes_received_per_step": sum(h.get("bytes_received", 0) for h in history) / max(steps, 1),
         "loss": history[-1]["loss"],
         "wall_s": time.perf_counter() - started,
         "peak_gb": [results[r][2] / 2**20 for r in sorted(results)],  # KiB above the RSS before the build

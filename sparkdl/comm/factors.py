@@ -40,9 +40,27 @@ def factors_pay(rows: int, inputs: int, outputs: int, world: int) -> bool:
     return world > 1 and world * rows * (inputs + outputs) < 2 * inputs * outputs
 
 
+def factorable(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``module``'s fully connected layers whose weight gradient may travel as factors, with
+    their weight's parameter name: every ``nn.Linear`` with a trainable weight that no other
+    layer shares (a shared weight's gradient is no single layer's ``δᵀ x``). The worker and the
+    parameter server find the same ones in the same model."""
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            owners[id(sub.weight)] = owners.get(id(sub.weight), 0) + 1
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [
+        (names[id(sub.weight)], sub)
+        for sub in module.modules()
+        if isinstance(sub, nn.Linear) and sub.weight.requires_grad and owners[id(sub.weight)] == 1
+    ]
+
+
 @dataclass
-class _Layer:
-    """One fully connected layer whose gradient may travel as factors, and its captured rows."""
+class FactorLayer:
+    """One fully connected layer whose gradient may travel as factors, and the rows its
+    backward passes left since they were last taken."""
 
     name: str  # its weight's parameter name
     module: nn.Linear
@@ -58,6 +76,52 @@ class _Layer:
 
     def row_count(self) -> int:
         return sum(x.shape[0] for x, _ in self.rows)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row kept, as (x: rows x inputs, δ: rows x outputs) in the weight's dtype."""
+        dtype = self.module.weight.dtype
+        if not self.rows:
+            weight = self.module.weight
+            return weight.new_zeros(0, self.inputs), weight.new_zeros(0, self.outputs)
+        return (
+            torch.cat([x.to(dtype) for x, _ in self.rows]),
+            torch.cat([delta.to(dtype) for _, delta in self.rows]),
+        )
+
+
+class FactorCapture:
+    """Keeps the factors of ``layers``: a forward hook on each layer keeps its input and
+    registers a hook on its output for the gradient there. Inference (no gradient) keeps
+    nothing; a layer called twice in one forward keeps the rows of both calls."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Linear]]) -> None:
+        self.layers = [FactorLayer(name, module) for name, module in layers]
+        self._handles: list[RemovableHandle] = [
+            layer.module.register_forward_hook(self._capture(layer)) for layer in self.layers
+        ]
+
+    @staticmethod
+    def _capture(layer: FactorLayer) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+                return  # inference: no backward will come
+            x = inputs[0].detach().reshape(-1, layer.inputs)
+
+            def keep(delta: torch.Tensor) -> None:
+                layer.rows.append((x, delta.detach().reshape(-1, layer.outputs)))
+
+            output.register_hook(keep)
+
+        return hook
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.rows.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 class Factors:
@@ -82,43 +146,18 @@ class Factors:
         self._exchange = exchange
         self._auto = mode is SufficientFactors.AUTO
         world = exchange.world_size
-        owners: dict[int, int] = {}
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                owners[id(sub.weight)] = owners.get(id(sub.weight), 0) + 1
-        names = {id(p): name for name, p in module.named_parameters()}
-        self._layers: list[_Layer] = []
-        for sub in module.modules():
-            weight = getattr(sub, "weight", None)
-            if not isinstance(sub, nn.Linear) or weight is None or not weight.requires_grad:
-                continue
-            if owners[id(weight)] > 1:  # shared weights: their gradient is no single layer's δᵀx
-                continue
-            if self._auto and not factors_pay(rows_hint, sub.in_features, sub.out_features, world):
-                continue
-            self._layers.append(_Layer(names[id(weight)], sub))
-        self._handles: list[RemovableHandle] = [
-            layer.module.register_forward_hook(self._capture(layer)) for layer in self._layers
+        taken = [
+            (name, layer)
+            for name, layer in factorable(module)
+            if not self._auto or factors_pay(rows_hint, layer.in_features, layer.out_features, world)
         ]
+        self._capture = FactorCapture(taken)
+        self._layers = self._capture.layers
 
     @property
     def weight_names(self) -> list[str]:
         """The parameters whose gradients this object sums (for DDP to leave out)."""
         return [layer.name for layer in self._layers]
-
-    @staticmethod
-    def _capture(layer: _Layer) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
-                return  # inference: no backward will come
-            x = inputs[0].detach().reshape(-1, layer.inputs)
-
-            def keep(delta: torch.Tensor) -> None:
-                layer.rows.append((x, delta.detach().reshape(-1, layer.outputs)))
-
-            output.register_hook(keep)
-
-        return hook
 
     def sum_gradients(self) -> None:
         """Set every taken layer's weight gradient to the mean over the workers, from everyone's
@@ -138,10 +177,9 @@ class Factors:
         chosen = [(i, layer) for i, (layer, f) in enumerate(zip(self._layers, factored, strict=True)) if f]
         if chosen:
             self._sum_factors(chosen, every)
-        for layer in self._layers:
-            layer.rows.clear()
+        self._capture.clear()
 
-    def _sum_matrices(self, layers: Sequence[_Layer]) -> None:
+    def _sum_matrices(self, layers: Sequence[FactorLayer]) -> None:
         if not layers:
             return
         bucket = []
@@ -152,15 +190,14 @@ class Factors:
             bucket.append((layer.name, weight.grad))
         self._exchange.weighted_sum_([bucket], 1.0 / self._exchange.world_size, lossless=True)
 
-    def _sum_factors(self, chosen: Sequence[tuple[int, _Layer]], every: torch.Tensor) -> None:
+    def _sum_factors(self, chosen: Sequence[tuple[int, FactorLayer]], every: torch.Tensor) -> None:
         """Gather the chosen layers' factors from every worker and rebuild their mean gradient.
         A worker's flat holds, layer after layer, its rows' inputs then their output gradients."""
-        dtype = chosen[0][1].module.weight.dtype
         pieces = []
         for _, layer in chosen:
-            pieces += [x.to(dtype).reshape(-1) for x, _ in layer.rows]
-            pieces += [delta.to(dtype).reshape(-1) for _, delta in layer.rows]
-        own = torch.cat(pieces) if pieces else chosen[0][1].module.weight.new_zeros(0)
+            x, delta = layer.factors()
+            pieces += [x.reshape(-1), delta.reshape(-1)]
+        own = torch.cat(pieces)
         widths = [layer.inputs + layer.outputs for _, layer in chosen]
         lengths = [sum(int(row[i]) * w for (i, _), w in zip(chosen, widths, strict=True)) for row in every]
         flats = self._exchange.gather_(own, lengths)
@@ -184,6 +221,4 @@ class Factors:
                 weight.grad.copy_(gradient)
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._capture.close()

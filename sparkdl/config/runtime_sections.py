@@ -93,7 +93,9 @@ class RuntimeConfig:
             "output gradient (rows x (inputs + outputs) numbers), instead of the inputs x outputs matrix; "
             "every worker rebuilds the exact sum (Poseidon). on: every nn.Linear; auto: per layer and "
             "step, whichever sends fewer bytes (factors win for wide layers and small batches). "
-            "allreduce only, not with a hierarchy; the factors are never compressed."
+            "allreduce and parameter_server (whose server rebuilds the gradient; a push carries a "
+            "layer's factors only where they are smaller, in both modes); not with a hierarchy; the "
+            "factors are never compressed."
         ),
     )
     powersgd_rank: int = field(

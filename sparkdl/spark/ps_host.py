@@ -11,9 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparkdl.comm.factors import factorable
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.config import PsMode, SparkDLConfig
+from sparkdl.config import PsMode, SparkDLConfig, SufficientFactors
 from sparkdl.errors import ClusterConfigError
+from sparkdl.services.ps.factored import FactorLayout
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
 from sparkdl.spark.cluster import driver_host, is_connect
@@ -123,6 +125,10 @@ def serve_parameters(
         )
         for group in groups
     ]
+    layouts = None
+    if config.runtime.sufficient_factors is not SufficientFactors.OFF:
+        shapes = {id(layer.weight): (layer.in_features, layer.out_features) for _, layer in factorable(model)}
+        layouts = [FactorLayout.of([params[i] for i in group], shapes) for group in groups]
     server = ParameterServer(
         stores,
         host,
@@ -137,6 +143,7 @@ def serve_parameters(
         topk_ratio=config.runtime.topk_ratio,
         torch_threads=config.parameter_server.ps_torch_threads,
         shared_memory_bytes=_shared_memory_bytes(config),
+        factor_layouts=layouts,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards, %s",

@@ -23,8 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparkdl.comm.factors import Factors
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Hierarchy, SparkDLConfig, Strategy, SufficientFactors
-from sparkdl.errors import ConfigError
+from sparkdl.config import SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.strategies.rules import refuse_compressed_hierarchy
 from sparkdl.training.strategy import (
     StepInput,
@@ -78,12 +77,6 @@ class AllReduceStrategy(SyncStrategy):
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
         refuse_compressed_hierarchy(config)
-        mode, level = config.runtime.sufficient_factors, config.runtime.hierarchy
-        if mode is not SufficientFactors.OFF and level is not Hierarchy.NONE:
-            raise ConfigError(
-                f"sufficient_factors = {mode.value!r} with hierarchy = {level.value!r}: a host's sum of "
-                "factors is a matrix again, so the two do not combine; set one of them to off / none"
-            )
 
     @property
     def model(self) -> nn.Module:

@@ -43,9 +43,10 @@ from torch import nn
 
 from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Precision, PsMode, SparkDLConfig, Strategy
+from sparkdl.config import Compression, Precision, PsMode, SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
+from sparkdl.strategies.ps_factors import FactorPushes
 from sparkdl.strategies.rules import refuse_backups_without_a_worker, refuse_powersgd
 from sparkdl.training.strategy import (
     StepInput,
@@ -62,6 +63,7 @@ class ParameterServerStrategy(SyncStrategy):
 
     name = Strategy.PARAMETER_SERVER
     pattern = Pattern.STAR
+    takes_sufficient_factors = True
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -78,6 +80,12 @@ class ParameterServerStrategy(SyncStrategy):
                 "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
             )
         refuse_powersgd(config)
+        factors, compression = config.runtime.sufficient_factors, config.runtime.compression
+        if factors is not SufficientFactors.OFF and compression is not Compression.NONE:
+            raise ConfigError(
+                f"sufficient_factors = {factors.value!r} with compression = {compression.value!r}: a "
+                "parameter server's push is either compressed or carries factors; choose one of them"
+            )
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -91,6 +99,9 @@ class ParameterServerStrategy(SyncStrategy):
         self._shards = [[params[i] for i in shard] for shard in ctx.ps.shard_params]
         self._sizes = [sum(p.numel() for p in s) for s in self._shards]  # flat values per shard
         self._accumulated = [torch.zeros(n) for n in self._sizes]
+        self._factors: FactorPushes | None = None
+        if ctx.config.runtime.sufficient_factors is not SufficientFactors.OFF:
+            self._factors = FactorPushes(ctx.module, self._shards)
         self._rows = 0
         self._version = 0
         self._skip = 0  # steps to skip: the server is already past them
@@ -127,12 +138,18 @@ class ParameterServerStrategy(SyncStrategy):
             loss = self._backward(step, step.batches, 1.0)
             verdict = self._judge(step, loss)
             if verdict is Verdict.APPLY:
+                clipped = 1.0
                 if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
-                    torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
+                    norm = torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
+                    clipped = min(1.0, self._clip_norm / (float(norm) + 1e-6))  # as clip_grad_norm_ scaled
+                if self._factors is not None:
+                    self._factors.add(step.rows * clipped)
                 self.add_gradients(step.rows)
             else:
                 loss = torch.zeros((), device=self.ctx.device)
                 self._clear_gradients()
+                if self._factors is not None:
+                    self._factors.drop()
         self.step_done(step.step)
         return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
@@ -217,6 +234,8 @@ class ParameterServerStrategy(SyncStrategy):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self._factors is not None:
+            self._factors.close()
 
     def _push_clock(self, step: int) -> int:
         # sync/ssp push the clock they computed; async pushes the version it computed on
@@ -240,10 +259,11 @@ class ParameterServerStrategy(SyncStrategy):
     ) -> list[tuple[int, torch.Tensor]] | None:
         """One push and/or pull with the server (one round trip for both); the pulled shards."""
         assert self._client is not None
+        pushes = grads if self._factors is None or push_step is None else self._factors.encode(grads)
         if push_step is not None and pull_clock is not None:
-            return self._client.push_pull(self._push_clock(push_step), rows, grads, pull_clock)
+            return self._client.push_pull(self._push_clock(push_step), rows, pushes, pull_clock)
         if push_step is not None:
-            self._client.push(self._push_clock(push_step), rows, grads)
+            self._client.push(self._push_clock(push_step), rows, pushes)
             return None
         assert pull_clock is not None
         return self._client.pull(pull_clock)
@@ -296,6 +316,8 @@ class ParameterServerStrategy(SyncStrategy):
         for acc in self._accumulated:
             acc.zero_()
         self._rows = 0
+        if self._factors is not None:
+            self._factors.pushed()
 
     def _install(self, results: list[tuple[int, torch.Tensor]], ahead: int) -> None:
         """Copy pulled shards into the model; note how far ahead the server is."""

@@ -439,6 +439,12 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
             f"sufficient_factors = {factors.value!r} with strategy {cls.name.value!r}: only {takers} "
             "send gradients as factors; set sufficient_factors = 'off'"
         )
+    level = config.runtime.hierarchy
+    if factors.value != "off" and level.value != "none":
+        raise ConfigError(
+            f"sufficient_factors = {factors.value!r} with hierarchy = {level.value!r}: a host's sum of "
+            "factors is a matrix again, so the two do not combine; set one of them to off / none"
+        )
     cls.check_settings(config)
     return config
 

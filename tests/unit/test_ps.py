@@ -14,6 +14,7 @@ from torch import nn
 
 from sparkdl.errors import CheckpointError, ConnectionClosed, ParameterServerError, PeerStopped, PsAborted
 from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.factored import FACTORS
 from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
 from sparkdl.services.ps.server import ParameterServer, _all_finite
 from sparkdl.services.ps.store import (
@@ -545,3 +546,20 @@ def test_a_top_k_push_with_an_index_outside_its_shard_is_rejected_and_the_connec
         channel.sock.close()
     assert server.stores[1].version == 0 and server.rejected_pushes == 1
     real_workers_still_train(server)
+
+
+def test_a_push_of_factors_to_a_server_not_started_for_them_is_rejected_and_the_connection_lives(server):
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    try:
+        assert channel.recv(1 << 20).kind is Kind.ACK
+        channel.send(Frame(Kind.PUSH, 1, 0, 0, 0, 1, struct.pack("<i4f", -1, 1, 2, 3, 4), dtype=FACTORS))
+        reply = channel.recv(1 << 20)
+        assert reply.kind is Kind.ERROR and reply.error is ErrorCode.REJECTED
+        assert (
+            "carries sufficient factors, which this server was not started to take"
+            in bytes(reply.payload).decode()
+        )
+        channel.send(Frame(Kind.PULL, 1, 0, 0, 0))
+        assert channel.recv(1 << 20).kind is Kind.WEIGHTS
+    finally:
+        channel.sock.close()

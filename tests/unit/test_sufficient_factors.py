@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from sparkdl.comm.exchange import FlatExchange
-from sparkdl.comm.factors import Factors, factors_pay
+from sparkdl.comm.factors import FactorCapture, Factors, factorable, factors_pay
 from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import SparkDLConfig, SufficientFactors
 from sparkdl.errors import ConfigError
+from sparkdl.services.ps.factored import FACTORS, FactorLayout
 from sparkdl.strategies import check_settings
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, reference_sgd
-from tests.unit.test_worker_gloo import LR, MOMENTUM, run_workers
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _plain_sgd, run_workers
 
 
 def test_factors_pay_where_a_ring_all_gather_of_the_rows_is_smaller_than_the_matrixs_all_reduce():
@@ -154,3 +155,87 @@ def test_your_own_loop_refuses_sufficient_factors_before_any_task_starts():
     with pytest.raises(ConfigError, match="sufficient_factors = 'off', or train with TorchEstimator"):
         check_own_loop_settings(SparkDLConfig().replace(sufficient_factors="auto"))
     check_own_loop_settings(SparkDLConfig())  # off: accepted
+
+
+# -- the parameter server: factors in the push, the gradient rebuilt on the server -------------
+
+
+def _shard_of_wide_net():
+    model = make_wide_net()
+    shapes = {id(layer.weight): (layer.in_features, layer.out_features) for _, layer in factorable(model)}
+    return model, FactorLayout.of(list(model.parameters()), shapes)
+
+
+def test_a_factored_push_decodes_to_the_whole_gradient():
+    torch.manual_seed(1)
+    model, layout = _shard_of_wide_net()
+    assert layout.factorable == [0, 2, 4]  # the three weights; the biases travel whole
+    capture = FactorCapture(factorable(model))
+    model(torch.randn(5, 6)).square().sum().backward()
+    whole = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    chosen = {2: capture.layers[1].factors()}  # the middle layer as factors, the others whole
+    push = layout.encode(whole, chosen)
+    assert push.code == FACTORS
+    assert push.data.numel() == 4 * 3 + 4 * (layout.numel - 64 * 64) + 4 * 5 * (64 + 64)
+    assert torch.allclose(layout.decode(push.data), whole, atol=1e-6)
+    capture.close()
+
+
+@pytest.mark.parametrize(
+    ("tamper", "error"),
+    [
+        (lambda d: d[:-4], "bytes where its counts"),  # one value short
+        (lambda d: torch.cat([torch.tensor([-2], dtype=torch.int32).view(torch.uint8), d[4:]]), "below -1"),
+        (lambda d: torch.cat([torch.tensor([10**6], dtype=torch.int32).view(torch.uint8), d[4:]]), "give"),
+        (lambda d: d[:7], "cannot hold"),
+    ],
+)
+def test_a_malformed_factored_push_is_refused_before_anything_is_built(tamper, error):
+    _, layout = _shard_of_wide_net()
+    whole = torch.zeros(layout.numel)
+    push = layout.encode(whole, {2: (torch.zeros(3, 64), torch.zeros(3, 64))})
+    with pytest.raises(ValueError, match=error):
+        layout.decode(tamper(push.data))
+
+
+def test_the_parameter_server_refuses_factors_with_compression_and_says_which():
+    with pytest.raises(ConfigError, match="either compressed or carries factors"):
+        check_settings(
+            SparkDLConfig().replace(strategy="parameter_server", sufficient_factors="on", compression="1bit")
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sizes", "ps_shards"), [([50, 21], 1), ([40, 0, 17], 2)])
+def test_a_parameter_server_fed_factors_gives_single_process_sgds_weights(tmp_path, sizes, ps_shards):
+    shards = make_shards(sizes)
+    state, _ = run_workers(
+        shards,
+        tmp_path,
+        _plain_sgd,
+        model_fn=make_wide_net,
+        strategy="parameter_server",
+        sufficient_factors="auto",
+        ps_shards=ps_shards,
+        batch_size=8,
+        epochs=2,
+        shuffle=True,
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, 0.0, True, model_fn=make_wide_net)
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_factored_push_saves_the_matrix_less_its_rows_factors(tmp_path):
+    """Two workers, 8 rows a step, one shard: the middle layer (64 x 64) goes as 8 x (64 + 64)
+    values, the others whole (their factors would be larger), plus one count per weight."""
+    shards = make_shards([64, 64])
+    common = {"strategy": "parameter_server", "ps_shards": 1, "ps_shared_memory_mb": 0, "batch_size": 8}
+    common |= {"epochs": 1, "model_fn": make_wide_net}
+    _, plain = run_workers(shards, tmp_path / "plain", _plain_sgd, **common)
+    _, factored = run_workers(shards, tmp_path / "factored", _plain_sgd, sufficient_factors="on", **common)
+    plain_epoch, factored_epoch = plain[0][1][0], factored[0][1][0]
+    assert plain_epoch["pushes"] == factored_epoch["pushes"] == 8
+    saved = 4 * (64 * 64 - 8 * (64 + 64)) - 4 * 3
+    assert plain_epoch["bytes_sent"] - factored_epoch["bytes_sent"] == 8 * saved
+    assert plain_epoch["bytes_received"] == factored_epoch["bytes_received"]  # the pulls are alike

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -21,10 +21,15 @@ from sparkdl.comm.compression.codecs import ErrorFeedback
 from sparkdl.comm.ps_areas import WorkerAreas, attach
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.errors import ParameterServerError, ProtocolError
+from sparkdl.services.ps.factored import EncodedPush
 from sparkdl.services.ps.protocol import BF16, FLOAT32, Frame, Kind, PsChannel, client_hello, error_of
 from sparkdl.wire.framing import PayloadPlacement, ReusedBuffer
 
 T = TypeVar("T")
+
+
+#: One shard's push: its flat float32 gradient, or a payload already encoded (sufficient factors).
+Gradient = torch.Tensor | EncodedPush
 
 
 @dataclass
@@ -129,14 +134,14 @@ class PsClient:
             raise
         return channel, granted - 1 if granted and self._memory is not None else None
 
-    def push(self, clock: int, rows: int, grads: list[torch.Tensor]) -> None:
+    def push(self, clock: int, rows: int, grads: Sequence[Gradient]) -> None:
         """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel."""
         for result in self._each_shard(self._push_one, [(clock, rows, grad) for grad in grads]):
             self._count_push(*result)  # (bytes, of them through shared memory, staleness)
         self.stats.pushes += 1
 
     def push_pull(
-        self, clock: int, rows: int, grads: list[torch.Tensor], pull_clock: int
+        self, clock: int, rows: int, grads: Sequence[Gradient], pull_clock: int
     ) -> list[tuple[int, torch.Tensor]]:
         """:meth:`push` then :meth:`pull` of ``pull_clock``, each shard's PULL sent right behind
         its PUSH (no wait for the ACK in between: one round trip per shard instead of two)."""
@@ -205,9 +210,13 @@ class PsClient:
         channel.send(Frame(Kind.ABORT, 0, self.rank, self.attempt, payload=reason.encode()[:4000]))
         self._expect(channel, Kind.ACK)
 
-    def _push_frame(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[Frame, int]:
+    def _push_frame(self, shard: int, clock: int, rows: int, grad: Gradient) -> tuple[Frame, int]:
         """The PUSH of ``grad`` (its payload in the frame or in the shard's shared area), and
-        the payload bytes that went through shared memory."""
+        the payload bytes that went through shared memory. A push already encoded (sufficient
+        factors) travels in the frame as it is."""
+        if isinstance(grad, EncodedPush):
+            payload = grad.data.numpy().data
+            return Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, payload, grad.code), 0
         if self.feedback is None:
             dtype, data = FLOAT32, grad.contiguous().view(torch.uint8)
         else:  # one error-feedback stream per shard and thread
@@ -232,7 +241,7 @@ class PsClient:
         return frame, data.numel()
 
     def _send_push(
-        self, shard: int, clock: int, rows: int, grad: torch.Tensor, pull_clock: int | None = None
+        self, shard: int, clock: int, rows: int, grad: Gradient, pull_clock: int | None = None
     ) -> tuple[int, int]:
         """Send shard ``shard``'s PUSH, and the PULL of ``pull_clock`` behind it in the same
         ``sendmsg``; (bytes moved, the payload's wherever it went; of them, through shared memory)."""
@@ -240,14 +249,14 @@ class PsClient:
         frames = (frame,) if pull_clock is None else (frame, self._pull_frame(shard, pull_clock))
         return self._channels[shard].send_many(frames) + shared, shared
 
-    def _push_one(self, shard: int, clock: int, rows: int, grad: torch.Tensor) -> tuple[int, int, int]:
+    def _push_one(self, shard: int, clock: int, rows: int, grad: Gradient) -> tuple[int, int, int]:
         """Runs on a pool thread: (bytes sent, of them through shared memory, staleness the
         server measured)."""
         sent, shared = self._send_push(shard, clock, rows, grad)
         return sent, shared, self._expect(self._channels[shard], Kind.ACK).staleness
 
     def _push_pull_one(
-        self, shard: int, clock: int, rows: int, grad: torch.Tensor, pull_clock: int
+        self, shard: int, clock: int, rows: int, grad: Gradient, pull_clock: int
     ) -> tuple[tuple[int, int, int], tuple[int, int, int, torch.Tensor, int]]:
         """Runs on a pool thread: both requests go out before either answer is read (the
         server answers a connection's requests in order; an ERROR for the push raises here)."""

@@ -35,6 +35,7 @@ from sparkdl.comm.ps_areas import ServerAreas
 from sparkdl.config import PsMode
 from sparkdl.errors import CheckpointError, ParameterServerError, ProtocolError, PushRejected
 from sparkdl.services.ps.connection import Park, WarmBuffers
+from sparkdl.services.ps.factored import FACTORS, FactorLayout
 from sparkdl.services.ps.parking import ParkedPulls
 from sparkdl.services.ps.protocol import BF16, FLOAT32, MAX_ERROR_BYTES, Frame, Kind, error_frame
 from sparkdl.services.ps.served_attempt import StageAttempts
@@ -51,6 +52,7 @@ class RequestHandler:
         stores: one :class:`ShardStore` per shard.
         areas: the server's shared memory (None: payloads travel in the frames).
         codecs: the compressed pushes the server decodes, by their code.
+        layouts: each shard's layout for pushes that carry factors (None: the server takes none).
         timeout_s: how long a pull may wait (``runtime.ps_timeout_s``).
         park_max_values: the largest shard whose pulls through shared memory are parked.
         attempts: the stage attempts, which save the shards' snapshots.
@@ -66,8 +68,10 @@ class RequestHandler:
         park_max_values: int,
         attempts: StageAttempts,
         refusals: Refusals,
+        layouts: Sequence[FactorLayout] | None = None,
     ) -> None:
         self.stores = stores
+        self._layouts = layouts
         self._areas = areas
         self._codecs = codecs
         self._timeout_s = timeout_s
@@ -192,6 +196,8 @@ class RequestHandler:
     def _gradient(self, frame: Frame, numel: int, area: int | None) -> torch.Tensor:
         """The float32 gradient a PUSH carries, plain or compressed (the frame's dtype), in
         the frame or in the connection's shared ``area``."""
+        if frame.dtype == FACTORS:
+            return self._factored(frame, area)
         codec = self._codecs.get(frame.dtype)
         if codec is None and frame.dtype != FLOAT32:
             raise PushRejected(
@@ -217,6 +223,21 @@ class RequestHandler:
             return codec.decode(data, numel)
         except ValueError as exc:  # a malformed payload (a top-k index out of range)
             raise PushRejected(f"push to shard {frame.shard} in {codec.name} does not decode: {exc}") from exc
+
+    def _factored(self, frame: Frame, area: int | None) -> torch.Tensor:
+        """The gradient a PUSH of sufficient factors carries, rebuilt (always in the frame)."""
+        if self._layouts is None:
+            raise PushRejected(
+                f"push to shard {frame.shard} carries sufficient factors, which this server was not "
+                "started to take (runtime.sufficient_factors = 'off' on the driver)"
+            )
+        if area is not None:
+            raise ProtocolError("a PUSH of sufficient factors names a shared area; it travels in the frame")
+        data = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.uint8))
+        try:
+            return self._layouts[frame.shard].decode(data)
+        except ValueError as exc:
+            raise PushRejected(f"push of factors to shard {frame.shard} does not decode: {exc}") from exc
 
 
 def all_finite(values: torch.Tensor) -> bool:

@@ -37,6 +37,7 @@ from sparkdl.comm.compression.codecs import Codec, push_codecs
 from sparkdl.comm.ps_areas import ServerAreas, shared_memory_supported, slot_bytes
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.services.ps.connection import Waiting, WarmBuffers
+from sparkdl.services.ps.factored import FactorLayout
 from sparkdl.services.ps.handling import RequestHandler, all_finite
 from sparkdl.services.ps.protocol import MAX_ERROR_BYTES, PS_WIRE, Frame, PsChannel
 from sparkdl.services.ps.served_attempt import StageAttempts
@@ -90,6 +91,8 @@ class ParameterServer:
             compute on (``parameter_server.ps_torch_threads``).
         shared_memory_bytes: the most shared memory the areas of workers on the driver's
             host may take (0: none, every payload crosses the sockets).
+        factor_layouts: each store's layout, to take pushes of sufficient factors
+            (``runtime.sufficient_factors``; None: the server takes none).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class ParameterServer:
         topk_ratio: float = 0.01,
         torch_threads: int = 1,
         shared_memory_bytes: int = 0,
+        factor_layouts: Sequence[FactorLayout] | None = None,
     ) -> None:
         self.stores = list(stores)
         self._threads = _torch_threads.hold(torch_threads)
@@ -116,7 +120,8 @@ class ParameterServer:
         self.max_payload = max_payload
         codecs = {c.code: c for c in push_codecs(topk_ratio)}
         largest = max((s.numel for s in self.stores), default=0)
-        frame_cap = max(4 * largest, *(c.nbytes(largest) for c in codecs.values()), MAX_ERROR_BYTES)
+        counts = max((layout.max_extra_bytes() for layout in factor_layouts or ()), default=0)
+        frame_cap = max(4 * largest + counts, *(c.nbytes(largest) for c in codecs.values()), MAX_ERROR_BYTES)
         self.encrypt = encrypt
         self.areas: ServerAreas | None = None  # made once the port is bound (a failed bind leaks nothing)
         self._listener = ConnectionListener(
@@ -132,6 +137,7 @@ class ParameterServer:
             PARK_MAX_VALUES,
             self._attempts,
             self._listener.refusals,
+            factor_layouts,
         )
         self._parked = self._requests.parked
         self._sessions = Sessions(self._requests, self._attempts, self.areas, self._listener, frame_cap)
