@@ -79,7 +79,7 @@ class Derived:
 
 
 def _candidate(name: str, exact: bool = False, **settings: Any) -> Candidate:
-    return Candidate(name, {"compression": "none", **settings}, exact)
+    return Candidate(name, {"compression": "none", "sufficient_factors": "off", **settings}, exact)
 
 
 def _ps(name: str, mode: str, exact: bool = False, **settings: Any) -> Candidate:
@@ -104,8 +104,10 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
 
     Exact candidates take single-process SGD's step on the global batch whatever the
     optimizer: all-reduce, fsdp, pipeline, tensor and the synchronous parameter server
-    (fp32 pulls, no backup workers). Weight averaging at tau 1 is exact only with plain SGD, which the
-    advisor cannot see in an ``optimizer_fn``, so it does not count as exact.
+    (fp32 pulls, no backup workers); all-reduce and that server also with sufficient
+    factors (``auto``: on the layers where they send fewer bytes). Weight averaging at tau 1
+    is exact only with plain SGD, which the advisor cannot see in an ``optimizer_fn``, so it
+    does not count as exact.
 
     Args:
         tau: the estimator's ``sync_every`` (modelled besides 8 and 16; 1 and 4 are probed).
@@ -117,10 +119,14 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         _candidate("allreduce", exact=True, strategy="allreduce"),
         _candidate("allreduce fp16", strategy="allreduce", compression="fp16"),
         _candidate("allreduce 1bit", strategy="allreduce", compression="1bit"),
+        _candidate(
+            "allreduce, sufficient factors", exact=True, strategy="allreduce", sufficient_factors="auto"
+        ),
         *(_wa(t, c) for t in (1, FIT_AT) for c in ("none", "1bit")),
         _ps("parameter_server sync", "sync", exact=True),
         _ps("parameter_server sync 1bit", "sync", compression="1bit"),
         _ps("parameter_server sync 1bit, bf16 pulls", "sync", compression="1bit", ps_pull_precision="bf16"),
+        _ps("parameter_server sync, sufficient factors", "sync", exact=True, sufficient_factors="auto"),
         _async_every(1),
         _async_every(FIT_AT),
         _candidate("fsdp", exact=True, strategy="fsdp"),
@@ -397,6 +403,8 @@ def project(
 
 def _settings_text(settings: Mapping[str, Any]) -> str:
     shown = {
-        k: v for k, v in settings.items() if (k, v) not in (("compression", "none"), ("backup_workers", 0))
+        k: v
+        for k, v in settings.items()
+        if (k, v) not in (("compression", "none"), ("backup_workers", 0), ("sufficient_factors", "off"))
     }
     return ", ".join(f"{k}={v!r}" for k, v in shown.items())

@@ -54,6 +54,8 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
     # hierarchy refuses fsdp and compressed all-reduce: skipped, with the configuration's reason
     assert "hierarchy = 'host'" in advice.skipped["fsdp"]
     assert "hierarchy = 'host'" in advice.skipped["allreduce 1bit"]
+    assert "hierarchy = 'host'" in advice.skipped["allreduce, sufficient factors"]
+    assert "hierarchy = 'host'" in advice.skipped["parameter_server sync, sufficient factors"]
     assert "which was not probed" in advice.skipped["weight_averaging tau=8 1bit"]
     # modelled through tau = 1 and 4: c + d / tau, for the run's 160 rows
     tau16 = advice.prediction("weight_averaging tau=16")
@@ -70,16 +72,26 @@ def test_advise_times_every_candidate_on_the_cluster_and_models_the_rest(spark):
 
 def test_advise_probes_model_parallelism_where_the_model_allows_it(spark):
     """TinyNet is no nn.Sequential: no pipeline (skipped, with the fix); its two linear
-    layers are a pair: tensor parallelism is timed, with the bytes its split layers sent."""
+    layers are a pair: tensor parallelism is timed, with the bytes its split layers sent; and
+    all-reduce with sufficient factors, exact too."""
     df = shards_dataframe(spark, make_shards([64, 48]))
     advice = sparkdl.advise(
-        df, estimator(epochs=3), steps=4, budget_s=0.05, strategies=["pipeline", "tensor"]
+        df,
+        estimator(epochs=3),
+        steps=4,
+        budget_s=0.05,
+        strategies=["pipeline", "tensor", "allreduce, sufficient factors"],
     )
     assert "must return an nn.Sequential" in advice.skipped["pipeline"]
     tensor = advice.prediction("tensor")
     assert tensor.source == "measured" and tensor.exact
     # per step: the pair's output (16 rows x 3 classes, float32) all-reduced in a ring of 2
     assert tensor.bytes_per_step == 16 * 3 * 4
+    # sufficient factors ("auto") pay for neither of TinyNet's narrow layers at 8 rows a worker:
+    # both stay in DDP's buckets, and the ring of 2 sends the model once
+    factors = advice.prediction("allreduce, sufficient factors")
+    assert factors.source == "measured" and factors.exact
+    assert factors.bytes_per_step == 4 * TINY_NET_PARAMS
 
 
 def test_advise_refuses_a_probe_too_short_to_time(spark):
