@@ -35,7 +35,7 @@ from sparkdl.services.progress.channel import (
     ProgressServer,
     reporting_to_driver,
 )
-from sparkdl.services.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Heartbeat, Hello, Log
+from sparkdl.services.progress.protocol import MAX_PAYLOAD, PROGRESS_WIRE, Ack, Goodbye, Heartbeat, Hello, Log
 from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, error_frame, error_of
 from sparkdl.wire.framing import (
     PREFIX,
@@ -715,10 +715,10 @@ def test_a_reporter_sends_heartbeats_only_while_it_has_nothing_else_to_say():
     kinds = driver.kinds()
     first_beat = kinds.index("Heartbeat")
     assert set(kinds[:first_beat]) == {"Log"} and first_beat >= 15
-    assert all(
-        isinstance(m, Heartbeat) and (m.rank, m.attempt) == (2, 1) for _, m in driver.messages[first_beat:]
-    )
-    times = [t for t, _ in driver.messages[first_beat - 1 :]]  # the last log, then the beats
+    assert kinds[-1] == "Goodbye"  # close() ends the session
+    beats = driver.messages[first_beat:-1]
+    assert all(isinstance(m, Heartbeat) and (m.rank, m.attempt) == (2, 1) for _, m in beats)
+    times = [t for t, _ in driver.messages[first_beat - 1 : -1]]  # the last log, then the beats
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     assert all(gap > 0.3 for gap in gaps), gaps  # one heartbeat per heartbeat_s of silence
     assert not any(
@@ -782,7 +782,8 @@ def test_reporting_to_driver_passes_the_heartbeat_on_and_stops_it():
             assert not any(t.name.startswith("sparkdl-progress-heartbeat") for t in threading.enumerate())
     finally:
         driver.listener.stop(timeout=5)
-    assert all(isinstance(m, Heartbeat | Log) for _, m in driver.messages)
+    assert all(isinstance(m, Heartbeat | Log | Goodbye) for _, m in driver.messages)
+    assert driver.kinds().count("Goodbye") == 2  # each reporter's session ended by its goodbye
 
 
 @pytest.mark.parametrize("heartbeat_s", [0.0, -1.0])

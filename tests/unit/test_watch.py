@@ -58,3 +58,34 @@ def test_a_worker_that_finished_and_closed_is_not_a_stall():
         assert server.silence() == {}
     finally:
         server.stop()
+
+
+def test_a_connection_that_ends_without_a_goodbye_leaves_its_rank_watched():
+    """A bare EOF (a killed worker, a cut or forged close on the network) is no goodbye: the
+    driver keeps counting the rank's silence, and the watchdog names it. Before, any EOF made
+    the driver forget the rank, hiding it from the watchdog."""
+    secret = secrets.token_bytes(32)
+    now = [0.0]
+    server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", secret, 0.5, clock=lambda: now[0])
+    vanished = socket.create_connection((server.host, server.port), timeout=5)
+    channel = client_hello(vanished, secret, 1, 2)
+    try:
+        assert channel.recv(1 << 16) is not None  # the ACK: rank 1 is in the session
+        deadline = time.monotonic() + 5
+        while 1 not in server.silence() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        vanished.close()  # EOF, no goodbye
+        time.sleep(0.3)
+        now[0] = 9.0
+        assert server.silence() == {1: 9.0}
+        assert find_stall(server.silence(), 5.0) is not None
+        # the same worker's goodbye ends its session: it leaves the watch
+        finished = ProgressReporter(server.endpoint(), rank=0, attempt=2)
+        while 0 not in server.silence() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        finished.close()
+        while 0 in server.silence() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(server.silence()) == {1}
+    finally:
+        server.stop()

@@ -5,10 +5,13 @@ The driver listens on its own address (port chosen by the OS) for the length of 
 progress protocol, :mod:`sparkdl.services.progress.protocol`, on the shared framing of
 :mod:`sparkdl.wire`), then sends REPORT frames at most every ``progress_interval_s``,
 LOG frames for its warnings and errors and, when asked to, a HEARTBEAT whenever it
-sent nothing else for ``heartbeat_s``. Nothing is answered after the HELLO's ACK, so
-a worker never waits on the driver; if the driver cannot be reached, the worker
-trains on without reports. The driver keeps when it last heard from each rank of
-the newest stage attempt (:meth:`ProgressServer.silence`).
+sent nothing else for ``heartbeat_s``; a GOODBYE ends its session. Nothing is answered
+after the HELLO's ACK, so a worker never waits on the driver; if the driver cannot be
+reached, the worker trains on without reports. The driver keeps when it last heard from
+each rank of the newest stage attempt (:meth:`ProgressServer.silence`); a rank leaves it
+only by its GOODBYE, which is authenticated as every frame is: a connection that just
+ends (EOF, a reset, one an attacker on the network cut) leaves the rank's silence
+counting, so the stall watchdog still sees a worker that vanished.
 
 What a worker can make the driver do is bounded: a connection is bound at its HELLO to
 one rank and stage attempt (a frame claiming another closes it), a newer attempt is only
@@ -34,6 +37,7 @@ from sparkdl.services.progress.protocol import (
     MAX_PAYLOAD,
     PROGRESS_WIRE,
     Ack,
+    Goodbye,
     Heartbeat,
     Hello,
     Log,
@@ -143,20 +147,26 @@ class ProgressServer:
                     raise ProtocolError(f"a HELLO of stage attempt {hello.attempt}, which Spark does not run")
             self._heard(hello.rank, hello.attempt)
             channel.send(Ack(hello.rank, hello.attempt))
-            while True:  # until the worker closes (EOF) or stop() closes the socket
-                self._receive(hello, channel.recv(MAX_PAYLOAD))
+            while not self._receive(hello, channel.recv(MAX_PAYLOAD)):
+                pass  # until the worker's GOODBYE, its connection's end or stop()
+            self._forget(hello.rank, hello.attempt)  # the worker is done: its silence means nothing now
         except ConnectionClosed:
-            self._forget(
-                hello.rank, hello.attempt
-            )  # the worker is done (or gone): its silence means nothing now
+            if not self._listener.stopping:  # no GOODBYE: the rank's silence keeps counting
+                log.info(
+                    "rank %d (stage attempt %d): its progress connection ended without a goodbye; "
+                    "the stall watchdog keeps counting its silence",
+                    hello.rank,
+                    hello.attempt,
+                )
         except ProtocolError as exc:
             if not self._listener.stopping:
                 self._listener.refusals.add("frame refused", peer, str(exc))
         except OSError:
             pass  # the worker finished, or stop() closed the socket
 
-    def _receive(self, hello: Hello, message: Message) -> None:
-        """Apply one frame from the worker that said ``hello`` on this connection."""
+    def _receive(self, hello: Hello, message: Message) -> bool:
+        """Apply one frame from the worker that said ``hello`` on this connection; True when it
+        was the worker's GOODBYE."""
         if (message.rank, message.attempt) != (hello.rank, hello.attempt):
             raise ProtocolError(
                 f"a frame of rank {message.rank} attempt {message.attempt} on the connection of "
@@ -172,8 +182,11 @@ class ProgressServer:
         elif isinstance(message, Log):
             level = message.level if logging.DEBUG <= message.level <= logging.CRITICAL else logging.WARNING
             worker_log.log(level, "[rank %d] %s", message.rank, one_line(message.text, MAX_LOG_CHARS))
+        elif isinstance(message, Goodbye):
+            return True
         elif not isinstance(message, Heartbeat):
             raise ProtocolError(f"unexpected {type(message).__name__} from a worker on the progress channel")
+        return False
 
     def _forget(self, rank: int, attempt: int) -> None:
         with self._heard_lock:
@@ -264,11 +277,13 @@ class ProgressReporter:
             self._send(Log(self.rank, self.attempt, level, message[:MAX_LOG_CHARS]))
 
     def close(self) -> None:
-        """Stop and join the heartbeat thread (bounded), then close the connection."""
+        """Stop and join the heartbeat thread (bounded), say GOODBYE (the driver stops
+        counting this rank's silence), then close the connection."""
         self._stopping.set()
         if self._heartbeat is not None:
             self._heartbeat.join(_JOIN_S)
             self._heartbeat = None
+        self._send(Goodbye(self.rank, self.attempt))
         with self._lock:
             if self._channel is not None:
                 close_quietly(self._channel.sock)

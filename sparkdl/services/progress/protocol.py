@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     REPORT = 3
     LOG = 4
     HEARTBEAT = 5
+    GOODBYE = 6
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,17 @@ class Heartbeat:
     attempt: int
 
 
-Message = Hello | Ack | Report | Log | Heartbeat
+@dataclass(frozen=True)
+class Goodbye:
+    """A worker ends its session: it is done, so its silence from now on means nothing. Only
+    this authenticated frame ends a session; a connection that just closes (EOF, a reset)
+    ended abnormally, and the driver keeps counting that rank's silence."""
+
+    rank: int
+    attempt: int
+
+
+Message = Hello | Ack | Report | Log | Heartbeat | Goodbye
 
 
 class _ProgressWire(WireProtocol[Message]):
@@ -104,6 +115,8 @@ class _ProgressWire(WireProtocol[Message]):
             return Kind.HELLO, fields, b""
         if isinstance(message, Ack):
             return Kind.ACK, fields, b""
+        if isinstance(message, Goodbye):
+            return Kind.GOODBYE, fields, b""
         return Kind.HEARTBEAT, fields, b""
 
     def decode(self, kind: int, fields: Fields, payload: bytearray) -> Message:
@@ -126,6 +139,8 @@ class _ProgressWire(WireProtocol[Message]):
             return Hello(rank, attempt)
         if which is Kind.ACK:
             return Ack(rank, attempt)
+        if which is Kind.GOODBYE:
+            return Goodbye(rank, attempt)
         return Heartbeat(rank, attempt)
 
 
