@@ -5,11 +5,13 @@ allocates nothing, and places nothing, before it has proved it holds the secret;
 replayed, reordered or reflected frame, or a piece moved within or between frames, fails
 because its nonce differs (:mod:`sparkdl.wire.keys`).
 
-A plaintext payload is tagged in pieces of ``STREAM_CHUNK`` bytes: the sender tags a piece
-once the kernel holds it and the reader verifies each as it lands, so that neither side's
-hashing waits for the whole payload; an empty payload carries no tag. With ``encrypt``
-the payload is AES-256-GCM ciphertext, the nonce being direction and sequence, the header
-as associated data. A channel is made by the handshake (:mod:`sparkdl.wire.handshake`),
+A payload travels in pieces of ``STREAM_CHUNK`` bytes, each with its tag: the sender tags
+a piece once the kernel holds it and the reader verifies each as it lands, so that neither
+side's hashing waits for the whole payload; an empty payload carries no tag. With
+``encrypt`` each piece is its own AES-256-GCM message (nonced as a tag is, the header as
+associated data), opened into a buffer of the channel's before it is copied where the
+caller asked: a forged piece's plaintext never lands there, and no frame meets AES-GCM's
+limit of 2**31 bytes per message. A channel is made by the handshake (:mod:`sparkdl.wire.handshake`),
 which agrees on the transcript its keys are bound to.
 """
 
@@ -25,7 +27,7 @@ from typing import Any, Generic
 from cryptography.exceptions import InvalidTag
 
 from sparkdl.errors import ProtocolError
-from sparkdl.wire.keys import ProtocolKeys, aead_nonce, tag_nonce
+from sparkdl.wire.keys import ProtocolKeys, tag_nonce
 from sparkdl.wire.layout import (
     FIELDS_INDEX,
     HEADER_TAG_INDEX,
@@ -84,7 +86,8 @@ class Channel(Generic[M]):
         self._poller: select.poll | None = None  # pending(): this socket's readiness
         self._sealed = ReusedBuffer()  # encrypted: the ciphertext sent
         self._tag_read = memoryview(bytearray(TAG_BYTES))  # plain: each payload piece's tag, as it arrives
-        self._opened = ReusedBuffer()  # encrypted: the ciphertext received
+        self._opened = ReusedBuffer()  # encrypted: a piece's ciphertext received
+        self._plain = ReusedBuffer()  # encrypted: that piece opened, before it goes to the caller
 
     @property
     def encrypted(self) -> bool:
@@ -119,17 +122,9 @@ class Channel(Generic[M]):
                 seq = self._send_seq
                 self._send_seq += 1
                 parts += [memoryview(header), self._tag(seq, HEADER_TAG_INDEX, header)]
-                total += frame_bytes(len(header), payload.nbytes, self.encrypted)
+                total += frame_bytes(len(header), payload.nbytes)
                 if self._cipher is not None:
-                    sealed = self._sealed.view(payload.nbytes + TAG_BYTES)
-                    self._cipher.encrypt_into(aead_nonce(self._send_dir, seq), payload, header, sealed)
-                    if index + 1 < len(frames):  # the next frame reuses the buffer: send or copy
-                        if payload.nbytes > STREAM_CHUNK:
-                            send_parts(self.sock, [*parts, sealed])
-                            parts = []
-                            continue
-                        sealed = memoryview(bytes(sealed))
-                    parts.append(sealed)
+                    parts = self._seal(seq, header, payload, parts, last=index + 1 == len(frames))
                 elif payload.nbytes <= STREAM_CHUNK:
                     if payload.nbytes:
                         parts += [payload, self._tag(seq, 0, payload)]
@@ -191,20 +186,41 @@ class Channel(Generic[M]):
         view = memoryview(payload).cast("B")  # the placement's memory, whatever its element type
         if view.nbytes != length:
             raise ValueError(f"a payload of {length} bytes cannot be read into {view.nbytes} bytes")
-        if self._cipher is None:
-            for piece, start in enumerate(range(0, length, STREAM_CHUNK)):  # each verified as it lands
-                chunk = view[start : start + STREAM_CHUNK]
+        for piece, start in enumerate(range(0, length, STREAM_CHUNK)):  # each verified as it lands
+            chunk = view[start : start + STREAM_CHUNK]
+            if self._cipher is None:
                 recv_into(self.sock, [chunk, self._tag_read])
                 self._verify(seq, piece, chunk, self._tag_read)
-        else:
-            sealed = self._opened.view(length + TAG_BYTES)
-            recv_into(self.sock, [sealed])
-            try:
-                self._cipher.decrypt_into(aead_nonce(self._recv_dir, seq), sealed, header, view)
-            except InvalidTag:
-                raise self._refused() from None
+            else:  # opened aside: a forged piece's plaintext never reaches the caller's memory
+                sealed = self._opened.view(chunk.nbytes + TAG_BYTES)
+                recv_into(self.sock, [sealed])
+                opened = self._plain.view(chunk.nbytes)
+                try:
+                    self._cipher.decrypt_into(tag_nonce(self._recv_dir, seq, piece), sealed, header, opened)
+                except InvalidTag:
+                    raise self._refused() from None
+                chunk[:] = opened
         self._recv_seq += 1
         return self.protocol.decode(kind, fields, payload)
+
+    def _seal(
+        self, seq: int, header: bytes, payload: memoryview, parts: list[memoryview], last: bool
+    ) -> list[memoryview]:
+        """Encrypt ``payload`` piece by piece (each ``STREAM_CHUNK`` its own AES-GCM message,
+        nonced as a tag is, the header as associated data) behind ``parts``; return what is
+        left to send. A piece is sent before the buffer is sealed again, unless it is a small
+        frame's only piece: then it leaves with the frames behind it (copied if there are any)."""
+        assert self._cipher is not None
+        for piece, start in enumerate(range(0, payload.nbytes, STREAM_CHUNK)):
+            chunk = payload[start : start + STREAM_CHUNK]
+            sealed = self._sealed.view(chunk.nbytes + TAG_BYTES)
+            self._cipher.encrypt_into(tag_nonce(self._send_dir, seq, piece), chunk, header, sealed)
+            if payload.nbytes > STREAM_CHUNK:  # a stream: each piece leaves at once
+                send_parts(self.sock, [*parts, sealed])
+                parts = []
+            else:
+                parts.append(sealed if last else memoryview(bytes(sealed)))
+        return parts
 
     def _tag(self, seq: int, index: int, data: Payload) -> memoryview:
         """The GMAC tag of ``data`` sent as frame ``seq``'s header (``HEADER_TAG_INDEX``) or its

@@ -40,7 +40,7 @@ PayloadPlacement = Callable[[int, Fields, int], "memoryview | None"]
 SecretLookup = Callable[[Fields], "bytes | None"]
 
 MAGIC = b"SDNT"
-VERSION = 5
+VERSION = 6  # 6: encrypted payloads in pieces, each its own AES-GCM message
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
 CHALLENGE = struct.Struct("<4sBBBx16s")  # magic, version, protocol id, flags, (pad), server nonce
 ENCRYPTED = 1  # the challenge's flag: every payload of the connection is encrypted
@@ -118,10 +118,10 @@ def _members(kinds: type[E]) -> dict[int, E]:
     return {int(m): m for m in kinds}
 
 
-def frame_bytes(header_bytes: int, payload_bytes: int, encrypted: bool = False) -> int:
+def frame_bytes(header_bytes: int, payload_bytes: int) -> int:
     """The bytes a frame takes on the wire: header, its tag, payload and the payload's tags
-    (one per ``STREAM_CHUNK`` piece when plain, none for an empty one; one when encrypted)."""
-    tags = 1 if encrypted else -(-payload_bytes // STREAM_CHUNK)
+    (one per ``STREAM_CHUNK`` piece, plain or encrypted; none for an empty payload)."""
+    tags = -(-payload_bytes // STREAM_CHUNK)
     return header_bytes + TAG_BYTES + payload_bytes + tags * TAG_BYTES
 
 

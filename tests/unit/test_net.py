@@ -375,13 +375,15 @@ def _wire_of(payload, encrypt):
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
-def test_each_frame_takes_the_bytes_frame_bytes_says_and_an_empty_plain_payload_has_no_tag(encrypt):
-    assert frame_bytes(ECHO.header.size, 0, encrypt) == ECHO.header.size + TAG_BYTES * (2 if encrypt else 1)
+def test_each_frame_takes_the_bytes_frame_bytes_says_and_an_empty_payload_has_no_tag(encrypt):
+    assert frame_bytes(ECHO.header.size, 0) == ECHO.header.size + TAG_BYTES
     for n in [0, 1, STREAM_CHUNK, STREAM_CHUNK + 1, 2 * STREAM_CHUNK + 7]:
         payload = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
         wire = _wire_of(payload, encrypt)
-        tags = 1 if encrypt else -(-n // STREAM_CHUNK)
-        assert len(wire) == frame_bytes(ECHO.header.size, n, encrypt)
+        tags = -(-n // STREAM_CHUNK)  # a tag per piece, plain or encrypted
+        assert len(wire) == frame_bytes(ECHO.header.size, n)
+        if encrypt and n:
+            assert payload[: min(n, 64)] not in wire  # ciphertext
         assert len(wire) == ECHO.header.size + n + (1 + tags) * TAG_BYTES
         a, b = socket.socketpair()
         with a, b:
@@ -433,6 +435,49 @@ def test_a_payload_lands_in_a_placement_of_any_element_type(encrypt):
         server.recv(values.nbytes, into=lambda kind, fields, length: memoryview(target))
         sender.join(10)
     assert np.array_equal(target, values)
+
+
+@pytest.mark.parametrize("size", [100, 2 * STREAM_CHUNK + 9], ids=["one piece", "three pieces"])
+def test_a_forged_encrypted_piece_never_lands_in_the_callers_memory(size):
+    """Before, an encrypted payload was opened whole into the caller's memory and its tag
+    checked at the end: a forged frame's plaintext (the ciphertext with a bit flipped, an
+    attacker's edit) sat in the parameter server's weights before the frame was refused.
+    Now each piece is opened aside and copied only once its tag holds: the pieces before the
+    forged one are authentic, the forged one and those after it never arrive."""
+    payload = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
+    wire = bytearray(_wire_of(payload, encrypt=True))
+    start = ECHO.header.size + TAG_BYTES
+    forged = start + (PIECE if size > STREAM_CHUNK else 0) + 7  # in the second piece, or the only one
+    wire[forged] ^= 0x40
+    target = np.full(size, 0xAB, dtype=np.uint8)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=True)
+        feeder = feeding(a, bytes(wire))
+        with pytest.raises(ProtocolError, match="authentication"):
+            server.recv(size, into=lambda kind, fields, length: memoryview(target))
+        b.close()
+        feeder.join(5)
+    authentic = STREAM_CHUNK if size > STREAM_CHUNK else 0
+    assert target[:authentic].tobytes() == payload[:authentic]
+    assert (target[authentic:] == 0xAB).all()  # nothing of the forged piece, or after it
+
+
+def test_encrypted_pieces_moved_within_a_frame_fail():
+    payload = np.random.default_rng(6).integers(0, 256, 2 * STREAM_CHUNK, dtype=np.uint8).tobytes()
+    wire = _wire_of(payload, encrypt=True)
+    start = ECHO.header.size + TAG_BYTES
+    head, first, second = wire[:start], wire[start : start + PIECE], wire[start + PIECE :]
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        server = Channel(b, SECRET, ECHO, NONCE, client=False, encrypt=True)
+        feeder = feeding(a, head + second + first)
+        with pytest.raises(ProtocolError, match="authentication"):
+            server.recv(len(payload))
+        b.close()
+        feeder.join(5)
 
 
 def test_a_payload_whose_piece_would_repeat_the_headers_nonce_is_refused_both_ways(monkeypatch):
@@ -814,7 +859,7 @@ def test_frames_sent_together_arrive_in_order_whatever_their_sizes(encrypt):
         sent = client.send_many(frames)
         reader.join(10)
         assert got == frames
-        assert sent == sum(frame_bytes(ECHO.header.size, n, encrypt) for n in sizes)
+        assert sent == sum(frame_bytes(ECHO.header.size, n) for n in sizes)
         client.send((EchoKind.DATA, (9, 9), b"after"))  # the sequence numbers stayed in step
         assert server.recv(1024)[2] == b"after"
 

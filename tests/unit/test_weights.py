@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sparkdl.errors import ProtocolError, WeightTransferError
+from sparkdl.services.weights import codec
 from sparkdl.services.weights.client import download, upload
 from sparkdl.services.weights.codec import (
     StateAssembler,
@@ -20,7 +21,7 @@ from sparkdl.services.weights.codec import (
     encode_manifest,
     manifest_of,
 )
-from sparkdl.services.weights.server import KEEP_RELEASED, WeightServer
+from sparkdl.services.weights.server import KEEP_RELEASED, WeightServer, default_upload_budget
 from sparkdl.training.factory import module_with_state
 from sparkdl.wire.listener import close_quietly
 
@@ -129,6 +130,30 @@ def test_a_task_downloads_an_offered_state_and_a_fit_uploads_one(server):
     assert received is not None and all(torch.equal(received[k], v) for k, v in state.items())
     assert received["tied_a"] is received["tied_b"]
     assert not server.serves(inbox.endpoint.slot)  # taken: the slot is closed
+
+
+def test_an_upload_over_its_slots_budget_is_refused_before_anything_is_allocated(server, monkeypatch, caplog):
+    """Before, an authenticated task could announce up to the 1 TiB manifest cap per tensor
+    and the driver allocated it all up front; now the slot's budget (half the free memory,
+    or what the driver says) refuses the manifest, and a real upload still lands."""
+    allocated = []
+    real = codec.StateAssembler.__init__
+
+    def watched(self, entries):
+        allocated.append(sum(e.nbytes for e in entries))
+        real(self, entries)
+
+    monkeypatch.setattr(codec.StateAssembler, "__init__", watched)
+    inbox = server.expect_upload(budget=4096)
+    with pytest.raises(WeightTransferError):
+        upload(inbox.endpoint, {"w": torch.zeros(2048)})  # 8 KiB announced
+    assert allocated == []  # refused at the manifest
+    assert "an upload of 8192 bytes, with 0 under way, is over the slot's budget of 4096 bytes" in caplog.text
+    upload(inbox.endpoint, {"w": torch.ones(1024)})  # 4 KiB: within it
+    received = inbox.take()
+    assert received is not None and torch.equal(received["w"], torch.ones(1024))
+    assert allocated == [4096]
+    assert 0 < default_upload_budget()
 
 
 def test_the_same_unchanged_tensors_keep_their_slot_and_changed_ones_get_a_new_one(server):

@@ -21,9 +21,10 @@ Kinds and payloads:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,13 @@ from sparkdl.services.weights.codec import (
     decode_manifest,
     encode_manifest,
     manifest_of,
+    total_bytes,
 )
 from sparkdl.wire.framing import Channel, Fields, Payload, SecretLookup, WireProtocol, member
+
+#: A slot's budget: called with an upload's bytes before any tensor is allocated, it raises
+#: ProtocolError to refuse them; its context lasts the transfer.
+Reserve = Callable[[int], contextlib.AbstractContextManager[None]]
 
 CHUNK_BYTES = 4 * 1024 * 1024
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -172,16 +178,30 @@ def send_state(channel: WeightsChannel, hello: Hello, state: Mapping[str, torch.
     return offset
 
 
-def receive_state(channel: WeightsChannel, hello: Hello) -> tuple[dict[str, torch.Tensor], int]:
+def receive_state(
+    channel: WeightsChannel, hello: Hello, reserve: Reserve | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
     """Receive what :func:`send_state` sends, each chunk copied into its tensor on arrival;
     return the state and the stream's bytes.
 
+    Args:
+        reserve: called with the manifest's bytes before any tensor is allocated; it raises
+            ProtocolError to refuse them, and its context lasts the transfer (a slot's budget).
+
     Raises:
-        ProtocolError: frames out of order, or a stream that disagrees with its manifest.
+        ProtocolError: frames out of order, a stream that disagrees with its manifest, or
+            a manifest over the budget.
     """
     manifest = expect(channel, Manifest, hello)
     assert isinstance(manifest, Manifest)
-    assembler = StateAssembler(decode_manifest(manifest.payload))
+    entries = decode_manifest(manifest.payload)
+    with reserve(total_bytes(entries)) if reserve is not None else contextlib.nullcontext():
+        return _assemble(channel, hello, StateAssembler(entries))
+
+
+def _assemble(
+    channel: WeightsChannel, hello: Hello, assembler: StateAssembler
+) -> tuple[dict[str, torch.Tensor], int]:
     placed = 0  # bytes the socket read straight into the tensors for the current frame
 
     def place(kind: int, fields: Fields, length: int) -> memoryview | None:

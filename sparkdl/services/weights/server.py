@@ -23,12 +23,15 @@ offer dropped since gets an error that says to keep the model referenced.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
+import os
 import secrets
 import threading
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -72,12 +75,25 @@ class _Offer:
 
 @dataclass
 class _Inbox:
-    """A fit's upload slot: the newest complete upload (a re-run stage uploads again)."""
+    """A fit's upload slot: the newest complete upload (a re-run stage uploads again), and
+    its budget: the bytes the uploads under way may hold at once."""
 
     secret: bytes
+    budget: int
     state: dict[str, torch.Tensor] | None = None
     total: int = 0
+    in_flight: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
+
+
+def default_upload_budget() -> int:
+    """Half the memory this host has free now: what one fit's uploads may hold at once,
+    whatever the manifests they announce (a model larger than that could not be held
+    beside the driver's own anyway)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (OSError, ValueError):  # not on this platform: a fixed bound
+        return 64 << 30
 
 
 class Upload:
@@ -147,11 +163,13 @@ class WeightServer:
         weakref.finalize(owner, self._release, slot)
         return self._endpoint(slot, secret)
 
-    def expect_upload(self) -> Upload:
-        """Open a slot for one fit's trained weights."""
+    def expect_upload(self, budget: int | None = None) -> Upload:
+        """Open a slot for one fit's trained weights. ``budget``: the bytes its uploads may
+        hold at once (an upload whose manifest would pass it is refused before anything is
+        allocated); None: :func:`default_upload_budget`."""
         with self._lock:
             slot, secret = next(self._numbers), secrets.token_bytes(32)
-            self._slots[slot] = _Inbox(secret)
+            self._slots[slot] = _Inbox(secret, default_upload_budget() if budget is None else budget)
             self._prune()
         return Upload(self, self._endpoint(slot, secret))
 
@@ -206,6 +224,26 @@ class WeightServer:
 
     # --------------------------------------------------------------- connections
 
+    @contextlib.contextmanager
+    def _reserve(self, inbox: _Inbox, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of ``inbox``'s budget for one upload's length.
+
+        Raises:
+            ProtocolError: the uploads under way would hold more than the budget.
+        """
+        with self._lock:
+            if inbox.in_flight + nbytes > inbox.budget:
+                raise ProtocolError(
+                    f"an upload of {nbytes} bytes, with {inbox.in_flight} under way, is over the slot's "
+                    f"budget of {inbox.budget} bytes"
+                )
+            inbox.in_flight += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                inbox.in_flight -= nbytes
+
     def _serve(self, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
         try:
             channel.sock.settimeout(self._timeout_s)
@@ -218,7 +256,7 @@ class WeightServer:
                 sent = send_state(channel, hello, held.state)
                 log.debug("sent %d bytes of weights (slot %d) to %s", sent, hello.slot, peer)
             elif isinstance(held, _Inbox):
-                state, total = receive_state(channel, hello)
+                state, total = receive_state(channel, hello, functools.partial(self._reserve, held))
                 with self._lock:
                     held.state, held.total = state, total
                 held.arrived.set()
