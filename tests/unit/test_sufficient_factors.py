@@ -186,7 +186,11 @@ def test_a_factored_push_decodes_to_the_whole_gradient():
     [
         (lambda d: d[:-4], "bytes where its counts"),  # one value short
         (lambda d: torch.cat([torch.tensor([-2], dtype=torch.int32).view(torch.uint8), d[4:]]), "below -1"),
-        (lambda d: torch.cat([torch.tensor([10**6], dtype=torch.int32).view(torch.uint8), d[4:]]), "give"),
+        (
+            lambda d: torch.cat([torch.tensor([10**6], dtype=torch.int32).view(torch.uint8), d[4:]]),
+            "no fewer",
+        ),
+        (lambda d: torch.cat([torch.tensor([2], dtype=torch.int32).view(torch.uint8), d[4:]]), "give"),
         (lambda d: d[:7], "cannot hold"),
     ],
 )
@@ -196,6 +200,18 @@ def test_a_malformed_factored_push_is_refused_before_anything_is_built(tamper, e
     push = layout.encode(whole, {2: (torch.zeros(3, 64), torch.zeros(3, 64))})
     with pytest.raises(ValueError, match=error):
         layout.decode(tamper(push.data))
+
+
+def test_factors_no_smaller_than_their_matrix_are_refused_which_bounds_the_servers_rebuild():
+    """A worker sends factors only where r (M + N) < M N; a push past that (a forged one, of
+    a size consistent with its counts) would make the server rebuild more: refused."""
+    _, layout = _shard_of_wide_net()
+    whole = torch.zeros(layout.numel)
+    fits = layout.encode(whole, {2: (torch.zeros(31, 64), torch.zeros(31, 64))})  # 31 x 128 < 64 x 64
+    assert torch.equal(layout.decode(fits.data), whole)
+    too_many = layout.encode(whole, {2: (torch.zeros(32, 64), torch.zeros(32, 64))})  # 32 x 128 = 64 x 64
+    with pytest.raises(ValueError, match="32 rows of factors for a 64 x 64 weight"):
+        layout.decode(too_many.data)
 
 
 def test_the_parameter_server_refuses_factors_with_compression_and_says_which():

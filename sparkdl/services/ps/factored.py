@@ -13,8 +13,10 @@ the same model). Its payload:
             gradients (r x N), already weighted as the whole values are (by rows, clipping)
 
 The server rebuilds ``δᵀ x`` for each such weight and goes on as with a float32 push. A
-worker sends a weight's factors only when they are fewer bytes than its matrix, so a push
-is never larger than the plain one by more than its counts.
+worker sends a weight's factors only when they are fewer values than its matrix, so a push
+is never larger than the plain one by more than its counts; the server refuses a count
+past that, which bounds the rebuilding a push can ask of it (``r M N`` multiply-adds for
+``r (M + N) < M N``) to what an honest push may.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ class FactorLayout:
         """The shard's flat float32 gradient from a payload of :meth:`encode`.
 
         Raises:
-            ValueError: the payload is malformed (a count below -1, or its size is not the one
-                its counts give).
+            ValueError: the payload is malformed (a count below -1 or of no fewer values than
+                its matrix, or its size is not the one its counts give).
         """
         positions = self.factorable
         head = 4 * len(positions)
@@ -103,6 +105,12 @@ class FactorLayout:
         if any(c < -1 for c in counts):
             raise ValueError(f"row counts {counts} below -1")
         rows = dict(zip(positions, counts, strict=True))
+        for i, r in rows.items():  # a worker sends factors only where they are smaller than the matrix:
+            m, n = self.shapes[i] or (0, 0)  # so no push makes the server rebuild more than that
+            if r * (m + n) >= m * n:
+                raise ValueError(
+                    f"{r} rows of factors for a {n} x {m} weight: no fewer values than its matrix"
+                )
         whole_values = sum(size for i, size in enumerate(self.sizes) if rows.get(i, -1) < 0)
         factor_values = 0
         for i, r in rows.items():
