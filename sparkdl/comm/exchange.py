@@ -1,7 +1,7 @@
 """One exchange per worker: the door every strategy's sums and broadcasts go through.
 
 How bytes move between the workers is decided once, when the worker is assembled
-(:func:`form_exchange`), from the settings, the device and where the workers run:
+(:func:`sparkdl.comm.forming.form_exchange`), from the settings, the device and where the workers run:
 
 - :class:`FlatExchange`: the process group over every worker (gloo or NCCL), with the
   run's compression (``runtime.compression``): DDP's hooks for gradients (PyTorch's fp16
@@ -33,12 +33,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from sparkdl.comm.compression.codecs import ErrorFeedback, OneBit, TopK, codec_for
 from sparkdl.comm.compression.collectives import CompressedAllReduce, CompressedAverage, bf16_allreduce_hook
 from sparkdl.comm.compression.powersgd import cpu_powersgd_hook, powersgd_bytes
-from sparkdl.comm.hierarchy import HierarchicalAllReduce, HostGroups, hierarchical_bytes, host_key
-from sparkdl.comm.rendezvous import ProcessGroups
-from sparkdl.comm.shared_memory import SharedMemoryGroup, form_host_group, shared_memory_hook
+from sparkdl.comm.hierarchy import HierarchicalAllReduce, HostGroups, hierarchical_bytes
+from sparkdl.comm.shared_memory import SharedMemoryGroup, shared_memory_hook
 from sparkdl.comm.traffic import ring_allreduce_bytes
 from sparkdl.config import Compression, RuntimeConfig
-from sparkdl.config import Hierarchy as HierarchyLevel
 from sparkdl.errors import ClusterConfigError
 
 log = logging.getLogger(__name__)
@@ -61,7 +59,8 @@ class Traffic:
 
 
 class Exchange(abc.ABC):
-    """The sums and broadcasts of one worker with the others; chosen by :func:`form_exchange`.
+    """The sums and broadcasts of one worker with the others; chosen by
+    :func:`sparkdl.comm.forming.form_exchange`.
 
     Args:
         world_size: the workers.
@@ -340,77 +339,3 @@ class HierarchicalExchange(Exchange):
         if self._hierarchy.shared is not None:  # the groups stay; the next exchange shares afresh
             self._hierarchy.shared.close()
             self._hierarchy.shared = None
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where one worker runs, as far as the exchange cares.
-
-    Attributes:
-        rank, world_size: this worker and the world.
-        peers: every rank's executor address ("host:port"), by rank (for ``runtime.hierarchy``).
-        device: the worker's device (shared memory serves CPUs only).
-    """
-
-    rank: int
-    world_size: int
-    peers: tuple[str, ...]
-    device: torch.device
-
-
-def form_exchange(
-    runtime: RuntimeConfig,
-    where: Where,
-    groups: ProcessGroups,
-    payload_bytes: int,
-    plain_sum: bool,
-    hierarchy: HostGroups | None = None,
-) -> Exchange:
-    """Choose and form this worker's exchange; the same choice on every rank (collective over
-    the control group where shared memory is formed).
-
-    Args:
-        runtime: the run's ``[runtime]`` settings.
-        where: this worker's place.
-        groups: the process groups the workers formed.
-        payload_bytes: what one sum of the model weighs (sizes the shared segment).
-        plain_sum: whether the strategy's exchange is a plain sum of float tensors that one
-            host's shared memory can carry (all-reduce, weight averaging).
-        hierarchy: the two levels :func:`form_hierarchy` formed (None: flat).
-    """
-    shared_ok = runtime.shared_memory and where.device.type == "cpu" and where.world_size > 1
-    if hierarchy is not None:
-        if shared_ok:
-            hierarchy.share_memory(payload_bytes, runtime.collective_timeout_s)
-        return HierarchicalExchange(hierarchy, where.world_size, groups.control)
-    if shared_ok and plain_sum and runtime.compression is Compression.NONE:
-        shared = form_host_group(
-            where.rank, where.world_size, groups.control, payload_bytes, runtime.collective_timeout_s
-        )
-        if shared is not None:
-            return HostMemoryExchange(shared, where.world_size, groups.control)
-    return FlatExchange(where.world_size, groups.control, runtime, on_cpu=where.device.type == "cpu")
-
-
-def form_hierarchy(runtime: RuntimeConfig, where: Where) -> HostGroups | None:
-    """The two levels of ``runtime.hierarchy`` (None: flat, or nothing to gain from two); their
-    process groups, formed by every rank in step, serve every exchange of the worker."""
-    level = runtime.hierarchy
-    if level is HierarchyLevel.NONE:
-        return None
-    if len(where.peers) != where.world_size:
-        raise ClusterConfigError(
-            f"runtime.hierarchy = {level.value!r} needs every task's address; this worker got "
-            f"{len(where.peers)} for {where.world_size} ranks"
-        )
-    keys = [host_key(address, level) for address in where.peers]
-    hierarchy = HostGroups.build(keys, where.rank, runtime.collective_timeout_s)
-    if hierarchy is not None:
-        log.info(
-            "rank %d: host %d of %d, led by rank %d",
-            where.rank,
-            hierarchy.host,
-            hierarchy.hosts,
-            hierarchy.leader,
-        )
-    return hierarchy

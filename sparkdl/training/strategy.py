@@ -87,7 +87,7 @@ class StrategyContext:
         if self.exchange.world_size != self.world_size:
             raise ValueError(
                 f"the exchange serves {self.exchange.world_size} workers, the context {self.world_size}: "
-                "pass the exchange the worker formed (sparkdl.comm.exchange.form_exchange)"
+                "pass the exchange the worker formed (sparkdl.comm.forming.form_exchange)"
             )
 
 

@@ -30,7 +30,8 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Exchange, Where, form_exchange, form_hierarchy
+from sparkdl.comm.exchange import Exchange
+from sparkdl.comm.forming import Where, form_exchange, form_hierarchy
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.comm.exchange import Where, form_exchange
+from sparkdl.comm.forming import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups

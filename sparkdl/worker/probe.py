@@ -35,7 +35,8 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Exchange, Where, form_exchange
+from sparkdl.comm.exchange import Exchange
+from sparkdl.comm.forming import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
