@@ -49,9 +49,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -60,10 +58,25 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
-from sparkdl.data.tensors import Batch, join_batches
+from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
-from sparkdl.strategies.rows import padded, row_counts
+from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups, stage_starts
+from sparkdl.strategies.pipeline_transfer import (
+    StepRows,
+    gather_rows,
+    merged_dicts,
+    merged_optimizer_states,
+    pad_rows,
+    received_tensor,
+    recv_tensor,
+    scatter_rows,
+    send_tensor,
+    to_cpu,
+    with_tensors,
+    without_tensors,
+)
+from sparkdl.strategies.rows import row_counts
 from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
@@ -76,149 +89,6 @@ from sparkdl.training.strategy import (
 )
 
 # ------------------------------------------------------------------ the layout (pure)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """``stages`` consecutive ranks per pipeline, ``replicas`` pipelines."""
-
-    stages: int
-    replicas: int
-
-    @classmethod
-    def of(cls, config: SparkDLConfig, world_size: int) -> Layout:
-        stages = config.pipeline.stages or world_size
-        return cls(stages, world_size // stages)
-
-    def stage_of(self, rank: int) -> int:
-        return rank % self.stages
-
-    def replica_of(self, rank: int) -> int:
-        return rank // self.stages
-
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """The ranks of one pipeline, stage by stage."""
-        return [replica * self.stages + s for s in range(self.stages)]
-
-    def replica_ranks(self, stage: int) -> list[int]:
-        """The ranks that run ``stage``, one per pipeline."""
-        return [r * self.stages + stage for r in range(self.replicas)]
-
-
-def balance(costs: Sequence[int], parts: int) -> list[int]:
-    """Where each of ``parts`` contiguous, non-empty runs of ``costs`` starts, so that the
-    costliest run costs as little as it can. Among equal cuts the latest: a layer without
-    parameters (an activation) stays with the layer before it."""
-    n = len(costs)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} layers into {parts} non-empty stages")
-    prefix = list(itertools.accumulate(costs, initial=0))
-    inf = float("inf")
-    # best[k][i]: the least possible largest run when the first i layers make k runs
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst <= best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
-    starts, i = [], n
-    for k in range(parts, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def stage_starts(
-    names: Sequence[str], costs: Sequence[int], stages: int, split_before: Sequence[str]
-) -> list[int]:
-    """The index of each stage's first layer: given by name, or balanced by ``costs``.
-
-    Raises:
-        ConfigError: a name is not a layer, the names are out of order, or there are not
-            ``stages - 1`` of them.
-    """
-    if len(names) < stages:
-        raise ConfigError(
-            f"the model has {len(names)} top-level layers ({', '.join(names)}); it cannot be cut into "
-            f"{stages} stages: set pipeline.stages to at most {len(names)}, or make the model an "
-            "nn.Sequential of more layers"
-        )
-    if not split_before:
-        return balance(costs, stages)
-    if len(split_before) != stages - 1:
-        raise ConfigError(
-            f"pipeline.split_before names {len(split_before)} layers, {list(split_before)}; {stages} stages "
-            f"need {stages - 1} (the first layer of each stage after the first)"
-        )
-    position = {name: i for i, name in enumerate(names)}
-    missing = [name for name in split_before if name not in position]
-    if missing:
-        raise ConfigError(
-            f"pipeline.split_before names {missing}, not top-level layers of the model; its layers are "
-            f"{', '.join(names)}"
-        )
-    starts = [0] + [position[name] for name in split_before]
-    if any(b <= a for a, b in itertools.pairwise(starts)):
-        raise ConfigError(
-            f"pipeline.split_before = {list(split_before)} must name layers in the model's order, after "
-            f"its first layer ({names[0]!r}), each once"
-        )
-    return starts
-
-
-# ------------------------------------------------------------------ groups and the stage
-
-
-@dataclass(frozen=True)
-class PipelineGroups:
-    """This rank's place in the layout and the process groups it talks in."""
-
-    layout: Layout
-    rank: int
-    pipeline: dist.ProcessGroup  # this rank's pipeline, stage by stage
-    replicas: dist.ProcessGroup | None  # this rank's stage over every pipeline (None: one pipeline)
-    objects: dist.ProcessGroup  # gloo over this rank's pipeline: pickled state dicts
-
-    @property
-    def stage(self) -> int:
-        return self.layout.stage_of(self.rank)
-
-    @property
-    def ranks(self) -> list[int]:
-        return self.layout.pipeline_ranks(self.layout.replica_of(self.rank))
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.layout.stages - 1
-
-    @classmethod
-    def form(cls, layout: Layout, rank: int, timeout_s: float) -> PipelineGroups:
-        """Every rank creates every group, in the same order (``new_group``'s rule), each
-        bounded by ``timeout_s`` (``runtime.collective_timeout_s``)."""
-        gloo = dist.get_backend() == "gloo"
-        timeout = timedelta(seconds=timeout_s)
-        own = layout.replica_of(rank)
-        pipeline = objects = replicas = None
-        for replica in range(layout.replicas):
-            ranks = layout.pipeline_ranks(replica)
-            group = dist.new_group(ranks, timeout=timeout)
-            group_objects = group if gloo else dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if replica == own:
-                pipeline, objects = group, group_objects
-        if layout.replicas > 1:
-            for stage in range(layout.stages):
-                group = dist.new_group(layout.replica_ranks(stage), timeout=timeout)
-                if stage == layout.stage_of(rank):
-                    replicas = group
-        assert pipeline is not None and objects is not None
-        return cls(layout, rank, pipeline, replicas, objects)
 
 
 class StageModule(nn.Sequential):
@@ -254,16 +124,16 @@ class StageModule(nn.Sequential):
         device = x.device
         with torch.no_grad():
             counts = row_counts(len(x), groups.pipeline, device)
-            rows = _gather_rows(x, counts, groups.ranks[0], groups)
+            rows = gather_rows(x, counts, groups.ranks[0], groups)
             if groups.first:
                 received = cast(torch.Tensor, rows)
             else:
-                received = _recv(groups.ranks[groups.stage - 1], groups.pipeline, device)
+                received = recv_tensor(groups.ranks[groups.stage - 1], groups.pipeline, device)
             hidden = self.run_layers(received)
             self.seen = (received, hidden)
             if not groups.last:
-                _send(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
-            return _scatter_rows(hidden if groups.last else None, counts, groups, device)
+                send_tensor(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
+            return scatter_rows(hidden if groups.last else None, counts, groups, device)
 
 
 class _Layers(nn.Module):
@@ -306,7 +176,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._kind = ScheduleGPipe if pipeline.pipeline_schedule is PipelineSchedule.GPIPE else Schedule1F1B
         self._schedule: ScheduleGPipe | Schedule1F1B | None = None  # built at the first step
         self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
-        self._step_state: _StepRows | None = None
+        self._step_state: StepRows | None = None
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # the step's, x rows
 
     @classmethod
@@ -435,10 +305,10 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         rows = rows.to(ctx.device)
         (x,) = rows.inputs.values()
         counts = row_counts(len(rows), groups.pipeline, ctx.device)
-        inputs = _gather_rows(x, counts, groups.ranks[0], groups)
-        labels = _gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
+        inputs = gather_rows(x, counts, groups.ranks[0], groups)
+        labels = gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
         weights = (
-            _gather_rows(rows.weight, counts, groups.ranks[-1], groups) if rows.weight is not None else None
+            gather_rows(rows.weight, counts, groups.ranks[-1], groups) if rows.weight is not None else None
         )
         if not groups.first:  # what this worker sent of its rows (stage 0 keeps its inputs)
             self._layers.sent += x.nbytes
@@ -447,9 +317,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
                 rows.weight.nbytes if rows.weight is not None else 0
             )
         self._loss_sum.zero_()
-        self._step_state = _StepRows(sum(counts), labels, weights, step.global_rows)
+        self._step_state = StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
-            padded = _pad(
+            padded = pad_rows(
                 cast(torch.Tensor, inputs), self._micro_rows * self._microbatches, step.filler, ctx.device
             )
             self._schedule.step(padded, return_outputs=False)
@@ -563,14 +433,14 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The stages of pipeline 0, gathered to rank 0 (every rank calls it; the other
         pipelines hold the same weights and send nothing)."""
-        return self._gather_whole(cpu_state_dict(self.ctx.module), lambda parts: _merged_dicts(parts))
+        return self._gather_whole(cpu_state_dict(self.ctx.module), lambda parts: merged_dicts(parts))
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         stage = cast(StageModule, self.ctx.module)
-        on_cpu = _to_cpu(self.ctx.optimizer.state_dict())  # unpickled on rank 0: not on this GPU
+        on_cpu = to_cpu(self.ctx.optimizer.state_dict())  # unpickled on rank 0: not on this GPU
         local = indexed_to_named(on_cpu, parameter_names(stage, self.ctx.optimizer))
         return self._gather_whole(
-            local, lambda parts: _merged_optimizer_states(parts, stage.whole_parameter_names)
+            local, lambda parts: merged_optimizer_states(parts, stage.whole_parameter_names)
         )
 
     def _gather_whole(self, part: Any, merge: Callable[[list[Any]], Any]) -> Any:
@@ -583,7 +453,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         if groups.layout.replica_of(groups.rank) != 0:
             return {}
         tensors: list[torch.Tensor] = []
-        skeleton = _without_tensors(part, tensors)
+        skeleton = without_tensors(part, tensors)
         skeletons: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
         dist.gather_object(skeleton, skeletons, dst=0, group=groups.objects)
         if groups.rank != 0:
@@ -593,8 +463,8 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         assert skeletons is not None
         parts = [part]
         for stage, received in enumerate(skeletons[1:], start=1):
-            take = functools.partial(_received, src=groups.ranks[stage], groups=groups)
-            parts.append(_with_tensors(received, take))
+            take = functools.partial(received_tensor, src=groups.ranks[stage], groups=groups)
+            parts.append(with_tensors(received, take))
         return merge(parts)
 
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
@@ -614,173 +484,3 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             with torch.no_grad():
                 for tensor in [*stage.parameters(), *stage.buffers()]:
                     dist.broadcast(tensor, src=groups.layout.stage_of(groups.rank), group=groups.replicas)
-
-
-@dataclass(frozen=True)
-class _StepRows:
-    """What the last stage's loss needs during one step."""
-
-    rows: int  # the pipeline's real rows (the rest is padding)
-    labels: torch.Tensor | None
-    weights: torch.Tensor | None
-    global_rows: int
-
-
-# ------------------------------------------------------------------ moving rows
-
-
-def _gather_rows(
-    tensor: torch.Tensor, counts: list[int], dst: int, groups: PipelineGroups
-) -> torch.Tensor | None:
-    """Every worker's rows of ``tensor``, joined in stage order on rank ``dst`` (None elsewhere)."""
-    part = padded(tensor, counts)
-    if groups.rank != dst:
-        dist.gather(part, None, dst=dst, group=groups.pipeline)
-        return None
-    every = [torch.empty_like(part) for _ in counts]
-    dist.gather(part, every, dst=dst, group=groups.pipeline)
-    return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
-
-
-def _scatter_rows(
-    output: torch.Tensor | None, counts: list[int], groups: PipelineGroups, device: torch.device
-) -> torch.Tensor:
-    """The last stage's ``output`` of every worker's rows (joined in stage order), each
-    worker's own rows back to it."""
-    last = groups.ranks[-1]
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    if output is not None:
-        header = _header(output, device)
-    dist.broadcast(header, src=last, group=groups.pipeline)
-    dtype, shape = _shape_of(header)
-    most = max(counts)
-    mine = torch.empty((most, *shape[1:]), dtype=dtype, device=device)
-    parts = None
-    if output is not None:
-        parts, start = [], 0
-        for count in counts:
-            part = mine.new_zeros(mine.shape)
-            part[:count] = output[start : start + count]
-            parts.append(part)
-            start += count
-    dist.scatter(mine, parts, src=last, group=groups.pipeline)
-    return mine[: counts[groups.stage]]
-
-
-_DTYPES = (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
-_HEADER = 10  # dtype, rank of the shape, up to 8 dimensions
-
-
-def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-        raise ConfigError(
-            f"a pipeline stage's output of {tensor.dim()} dimensions ({tensor.dtype}) cannot travel "
-            f"between stages: at most {_HEADER - 2} dimensions of one of {', '.join(map(str, _DTYPES))}"
-        )
-    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)
-
-
-def _shape_of(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
-    dtype, dims, *shape = (int(v) for v in header.tolist())
-    return _DTYPES[dtype], tuple(shape[:dims])
-
-
-def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    dist.send(_header(tensor, tensor.device), dst=dst, group=group)
-    dist.send(tensor.contiguous(), dst=dst, group=group)
-
-
-def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=group)
-    dtype, shape = _shape_of(header)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(tensor, src=src, group=group)
-    return tensor
-
-
-def _pad(rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: torch.device) -> torch.Tensor:
-    """``rows`` with copies of one row seen before up to ``size`` rows (padding the loss leaves out)."""
-    if len(rows) == size:
-        return rows
-    if len(rows) > size:
-        raise RuntimeError(
-            f"a pipeline step holds {len(rows)} rows, more than the {size} its micro-batches were sized "
-            "for; this is a sparkdl bug, please report it"
-        )
-    (template,) = filler().inputs.values()
-    row = template[:1].to(device=device, dtype=rows.dtype)
-    return torch.cat([rows, row.expand(size - len(rows), *row.shape[1:])])
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where a tensor was in a structure sent without it: its shape and dtype."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _without_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with each tensor replaced by a :class:`_Slot`, the tensors appended to
-    ``tensors`` in the order :func:`_with_tensors` fills them back."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return {k: _without_tensors(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_tensors(v, tensors) for v in value]
-    return value
-
-
-def _with_tensors(value: Any, take: Callable[[_Slot], torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return take(value)
-    if isinstance(value, dict):
-        return {k: _with_tensors(v, take) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_with_tensors(v, take) for v in value]
-    return value
-
-
-def _received(slot: _Slot, src: int, groups: PipelineGroups) -> torch.Tensor:
-    tensor = torch.empty(slot.shape, dtype=slot.dtype)
-    dist.recv(tensor, src=src, group=groups.objects)
-    return tensor
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor in it (nested dicts and lists) copied to the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
-
-
-def _merged_dicts(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
-
-
-def _merged_optimizer_states(parts: list[dict[str, Any]], whole_names: list[str]) -> dict[str, Any]:
-    """The stages' optimizer states (keyed by parameter name) as the whole model's optimizer
-    would number them; each param group's hyperparameters from stage 0."""
-    groups = []
-    for i, first in enumerate(parts[0]["param_groups"]):
-        names = [name for part in parts for name in part["param_groups"][i]["params"]]
-        groups.append({**first, "params": names})
-    state = {name: value for part in parts for name, value in part["state"].items()}
-    order = {name: i for i, name in enumerate(whole_names)}
-    for group in groups:
-        group["params"].sort(key=order.__getitem__)
-    return named_to_indexed({"state": state, "param_groups": groups}, whole_names)

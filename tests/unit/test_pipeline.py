@@ -17,7 +17,7 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
-from sparkdl.strategies.pipeline import Layout, balance, stage_starts
+from sparkdl.strategies.pipeline_layout import Layout, balance, stage_starts
 from sparkdl.worker.assembly import TrainSpec
 from tests.reference import (
     make_deep_net,
