@@ -257,7 +257,9 @@ def _average_once(rank, path, out):
         average = CompressedAverage(ErrorFeedback(OneBit()))
         average.remember([("w", start)])
         sent = average([[("w", w)]], own_weight=[0.75, 0.25][rank])  # rows 3:1
-        out.put((rank, w, sent, average._references["w"]))
+        # numpy copies, pickled by value: a tensor would travel as shared memory that the
+        # parent maps only after this process, which exits at once, has gone (a reset)
+        out.put((rank, w.numpy().copy(), sent, average._references["w"].numpy().copy()))
     finally:
         dist.destroy_process_group()
 
@@ -269,7 +271,10 @@ def test_a_compressed_average_leaves_every_worker_with_the_same_weights(tmp_path
     procs = [ctx.Process(target=_average_once, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r, (w, sent, ref)) for r, w, sent, ref in (out.get(timeout=60) for _ in procs))
+    results = {
+        r: (torch.from_numpy(w), sent, torch.from_numpy(ref))
+        for r, w, sent, ref in (out.get(timeout=60) for _ in procs)
+    }
     for p in procs:
         p.join(30)
     (w0, sent0, ref0), (w1, sent1, ref1) = results[0], results[1]
