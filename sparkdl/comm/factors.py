@@ -40,6 +40,12 @@ def factors_pay(rows: int, inputs: int, outputs: int, world: int) -> bool:
     return world > 1 and world * rows * (inputs + outputs) < 2 * inputs * outputs
 
 
+def fewer_values(rows: int, inputs: int, outputs: int) -> bool:
+    """Whether ``rows`` rows of factors are fewer values than the ``outputs x inputs`` matrix:
+    when a parameter server's push carries them (the worker's choice, and the server's bound)."""
+    return rows * (inputs + outputs) < inputs * outputs
+
+
 def factorable(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     """``module``'s fully connected layers whose weight gradient may travel as factors, with
     their weight's parameter name: every ``nn.Linear`` with a trainable weight that no other

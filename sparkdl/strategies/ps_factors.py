@@ -3,7 +3,7 @@
 The worker keeps adding its whole gradient to the push as before; beside it, the factors
 (each row's input and output gradient) of its fully connected layers, weighted the same
 way. At the push each such layer goes as its factors when they are fewer bytes than its
-matrix (``rows (M + N) < M N``), else as the matrix; the server rebuilds the same sum
+matrix (:func:`~sparkdl.comm.factors.fewer_values`), else as the matrix; the server rebuilds the same sum
 (:mod:`sparkdl.services.ps.factored`). With several steps per push (``push_every``) the
 factors of every step go, so they pay only while the rows stay few.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sparkdl.comm.factors import FactorCapture, factorable
+from sparkdl.comm.factors import FactorCapture, factorable, fewer_values
 from sparkdl.services.ps.client import Gradient
 from sparkdl.services.ps.factored import FactorLayout
 
@@ -59,9 +59,8 @@ class FactorPushes:
             for position, chunks in pending.items():
                 shape = layout.shapes[position]
                 assert shape is not None
-                x, delta = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
-                if x.shape[0] * (shape[0] + shape[1]) < shape[0] * shape[1]:
-                    chosen[position] = (x, delta)
+                if fewer_values(sum(x.shape[0] for x, _ in chunks), *shape):  # joined only when sent
+                    chosen[position] = (torch.cat([x for x, _ in chunks]), torch.cat([d for _, d in chunks]))
             pushes.append(layout.encode(flat, chosen) if chosen else flat)
         return pushes
 

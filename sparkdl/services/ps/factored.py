@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from sparkdl.comm.factors import fewer_values
+
 #: A push's encoding (the frame's dtype field) when it carries factors; the codecs use 2-5.
 FACTORS = 9
 
@@ -107,7 +109,7 @@ class FactorLayout:
         rows = dict(zip(positions, counts, strict=True))
         for i, r in rows.items():  # a worker sends factors only where they are smaller than the matrix:
             m, n = self.shapes[i] or (0, 0)  # so no push makes the server rebuild more than that
-            if r * (m + n) >= m * n:
+            if not fewer_values(r, m, n):
                 raise ValueError(
                     f"{r} rows of factors for a {n} x {m} weight: no fewer values than its matrix"
                 )
