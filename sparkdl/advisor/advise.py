@@ -102,6 +102,12 @@ def advise(
         )
     dataset, spec = estimator.training_spec(df)
     config = spec.config
+    if config.optimizer.optimizer.value == "lbfgs":
+        raise ConfigError(
+            "advise compares the strategies of step-wise training; optimizer = 'lbfgs' trains "
+            "full-batch with strategy 'allreduce' only, so there is nothing to choose: fit it, or "
+            "advise with a step-wise optimizer (optimizer = 'sgd', ...)"
+        )
     probed, derived = probe_set(
         config.weight_averaging.sync_every,
         config.parameter_server.staleness,

@@ -119,6 +119,7 @@ class OptimizerName(str, enum.Enum):
     ADAM = "adam"
     ADAMW = "adamw"
     ADAGRAD = "adagrad"
+    LBFGS = "lbfgs"  # full-batch: every iteration a pass over all rows ([lbfgs])
 
 
 class DrillKind(str, enum.Enum):

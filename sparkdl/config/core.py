@@ -66,7 +66,7 @@ from sparkdl.config.strategy_sections import (
     TensorConfig,
     WeightAveragingConfig,
 )
-from sparkdl.config.training_sections import DataConfig, OptimizerConfig, TrainingConfig
+from sparkdl.config.training_sections import DataConfig, LbfgsConfig, OptimizerConfig, TrainingConfig
 from sparkdl.errors import ConfigError
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "DrillKind",
     "FaultDrillSpec",
     "Hierarchy",
+    "LbfgsConfig",
     "LrSchedule",
     "OnError",
     "OptimizerConfig",
@@ -114,6 +115,7 @@ class SparkDLConfig:
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lbfgs: LbfgsConfig = field(default_factory=LbfgsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     weight_averaging: WeightAveragingConfig = field(default_factory=WeightAveragingConfig)

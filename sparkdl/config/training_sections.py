@@ -137,7 +137,8 @@ class OptimizerConfig:
         default=OptimizerName.SGD,
         metadata=about(
             "The optimizer built from this section when TorchEstimator gets no optimizer_fn "
-            "(adam and adamw use PyTorch's fused kernel on a GPU, except under fsdp)."
+            "(adam and adamw use PyTorch's fused kernel on a GPU, except under fsdp); lbfgs trains "
+            "full-batch instead of in steps ([lbfgs]; set lr = 1)."
         ),
     )
     lr: float = field(default=0.1, metadata=about("Learning rate of that optimizer.", bound="> 0"))
@@ -184,6 +185,50 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "optimizer")
+
+
+@dataclass(frozen=True)
+class LbfgsConfig:
+    """``[lbfgs]``: the full-batch optimizer of ``optimizer = "lbfgs"`` (Sandblaster L-BFGS):
+    every iteration a pass over every worker's rows, its step found by a line search that
+    costs passes too. PyTorch's ``torch.optim.LBFGS`` settings, by the same names."""
+
+    max_iterations: int = field(
+        default=100,
+        metadata=about("Iterations at most (they replace epochs: each takes one pass or more).", bound="> 0"),
+    )
+    max_evaluations: int = field(
+        default=0,
+        metadata=about(
+            "Passes over the data at most, the line searches' included; 0 = max_iterations x 5 / 4.",
+            bound=">= 0",
+        ),
+    )
+    history_size: int = field(
+        default=10,
+        metadata=about(
+            "Correction pairs kept (each two vectors of the model's size, on every worker with "
+            "allreduce, on the parameter server's shards with parameter_server).",
+            bound="> 0",
+        ),
+    )
+    line_search: bool = field(
+        default=True,
+        metadata=about(
+            "Strong Wolfe line search (true), or a fixed step of lr along the direction (false)."
+        ),
+    )
+    tolerance_grad: float = field(
+        default=1e-7,
+        metadata=about("Stop once no gradient entry exceeds this in magnitude.", bound=">= 0"),
+    )
+    tolerance_change: float = field(
+        default=1e-9,
+        metadata=about("Stop once the loss or the step changes by less than this.", bound=">= 0"),
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "lbfgs")
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,12 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "scheduler_fn and the lr_schedule / warmup_steps / scale_lr settings both set the "
                 "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
             )
+        if config.optimizer.optimizer.value == "lbfgs" and (self.optimizer_fn or self.scheduler_fn):
+            given = "optimizer_fn" if self.optimizer_fn is not None else "scheduler_fn"
+            raise ConfigError(
+                f"optimizer = 'lbfgs' trains full-batch with sparkdl's L-BFGS, which {given} cannot "
+                f"replace; drop {given}, or choose a step-wise optimizer (optimizer = 'sgd', ...)"
+            )
         if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
             dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)

@@ -178,7 +178,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
             stack.callback(progress.stop)
             spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = stage_input(df, spec.plan.column_names, n)
-        _describe_job(spark, f"sparkdl fit: {n} workers, {config.training.epochs} epochs")
+        _describe_job(spark, f"sparkdl fit: {n} workers, {_length(config)}")
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
         task = functools.partial(train_partition, spec)
@@ -251,9 +251,17 @@ def start_progress_channel(
     if is_connect(spark):
         log.info("Spark Connect session: no live progress; fit's history holds every figure")
         return None
-    board = ProgressBoard(config.training.num_workers, config.training.epochs, show=config.runtime.progress)
+    full_batch = config.optimizer.optimizer.value == "lbfgs"  # an iteration reports as an epoch
+    epochs = config.lbfgs.max_iterations if full_batch else config.training.epochs
+    board = ProgressBoard(config.training.num_workers, epochs, show=config.runtime.progress)
     runtime = config.runtime
     return progress_server(spark, board, runtime.progress_interval_s, runtime.encrypt, attempt_started)
+
+
+def _length(config: SparkDLConfig) -> str:
+    if config.optimizer.optimizer.value == "lbfgs":
+        return f"L-BFGS, at most {config.lbfgs.max_iterations} iterations"
+    return f"{config.training.epochs} epochs"
 
 
 def progress_server(

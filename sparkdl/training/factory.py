@@ -142,4 +142,9 @@ def build_optimizer(
         return torch.optim.AdamW(
             tensors, lr=config.lr, weight_decay=config.weight_decay, fused=_fused_on_gpu(tensors)
         )
-    return torch.optim.Adagrad(tensors, lr=config.lr, weight_decay=config.weight_decay)
+    if name is OptimizerName.ADAGRAD:
+        return torch.optim.Adagrad(tensors, lr=config.lr, weight_decay=config.weight_decay)
+    raise ConfigError(
+        f"optimizer = {name.value!r} trains full-batch, not step by step; it has no step-wise "
+        "optimizer to build (TorchEstimator runs it, sparkdl.worker.full_batch)"
+    )

@@ -29,6 +29,7 @@ from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.training.factory import cpu_state_dict
+from sparkdl.training.full_batch import check_full_batch_settings
 from sparkdl.training.guards import NanGuard
 from sparkdl.training.precision import Precision
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
@@ -445,6 +446,7 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
             f"sufficient_factors = {factors.value!r} with hierarchy = {level.value!r}: a host's sum of "
             "factors is a matrix again, so the two do not combine; set one of them to off / none"
         )
+    check_full_batch_settings(config)
     cls.check_settings(config)
     return config
 

@@ -36,7 +36,7 @@ from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
-from sparkdl.config import OnError, SparkDLConfig
+from sparkdl.config import OnError, OptimizerName, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
@@ -53,11 +53,8 @@ from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
-from sparkdl.training.factory import (
-    ModelFn,
-    OptimizerFn,
-    build_optimizer,
-)
+from sparkdl.training.factory import ModelFn, OptimizerFn, build_optimizer, cpu_state_dict
+from sparkdl.training.full_batch import FullBatchTrainer
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
 from sparkdl.training.hooks import (
     CheckpointHook,
@@ -74,6 +71,7 @@ from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.training.validation import EarlyStopping, Validator
 from sparkdl.worker.device import choose_backend, choose_device
+from sparkdl.worker.full_batch import full_batch_trainer
 from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, release_process_groups, socket_interface
 
 log = logging.getLogger(__name__)
@@ -152,23 +150,36 @@ def run_worker(
             config.runtime, where, groups, payload_bytes(module), kind.plain_sum, hierarchy
         )
         stack.callback(exchange.close)
-        optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
         store = checkpoint_store(config, stack)
-        resume = _resume(store, rank, module, optimizer, groups.control, kind)
-        start = resume.position if resume else Position()
-        context = strategy_context(
-            spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange,
-            resume.strategy_state if resume else None,
-        )  # fmt: skip
-        strategy = create_strategy(context)
-        stack.callback(close_strategy, strategy)
-        feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
-        stack.callback(feed.close)
-        hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
-        trainer = build_trainer(spec, context, strategy, feed, _schedule(config, start, resume), hooks)
-        stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
-        history = trainer.run()
-        state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
+        trainer: Trainer | FullBatchTrainer
+        if config.optimizer.optimizer is OptimizerName.LBFGS:  # full batch: no steps, no strategy
+            feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
+            stack.callback(feed.close)
+            send = _sender(reporter) if reporter is not None else None
+            trainer = full_batch_trainer(
+                config, spec.loss, spec.plan.keyword, _label_name(spec), rank, module, exchange, feed,
+                bool(spec.plan.validation_col), store, send,
+            )  # fmt: skip
+            stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+            history = trainer.run()
+            state = cpu_state_dict(module)
+        else:
+            optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
+            resume = _resume(store, rank, module, optimizer, groups.control, kind)
+            start = resume.position if resume else Position()
+            context = strategy_context(
+                spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange,
+                resume.strategy_state if resume else None,
+            )  # fmt: skip
+            strategy = create_strategy(context)
+            stack.callback(close_strategy, strategy)
+            feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
+            stack.callback(feed.close)
+            hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
+            trainer = build_trainer(spec, context, strategy, feed, _schedule(config, start, resume), hooks)
+            stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+            history = trainer.run()
+            state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
         return WorkerResult(
             rank,
             feed.cached_rows,
@@ -289,10 +300,9 @@ def build_trainer(
     hooks: list[StepHook],
 ) -> Trainer:
     loss_fn, label_kind = resolve_loss(spec.loss)
-    label_name = spec.plan.label.name if spec.plan.label else "label"
     keyword = spec.plan.keyword
     check_labels = (
-        LabelRangeCheck(context.module, context.device, context.rank, label_name, keyword)
+        LabelRangeCheck(context.module, context.device, context.rank, _label_name(spec), keyword)
         if label_kind is LabelKind.CLASS_INDEX
         else no_label_check
     )
@@ -322,6 +332,10 @@ def build_trainer(
         validator,
         early_stopping,
     )
+
+
+def _label_name(spec: TrainSpec) -> str:
+    return spec.plan.label.name if spec.plan.label else "label"
 
 
 def _hooks(
@@ -399,7 +413,7 @@ def chosen_checkpoint(store: CheckpointStore, rank: int, control: dist.ProcessGr
 def feed_options(config: SparkDLConfig, rank: int, device: torch.device) -> FeedOptions:
     return FeedOptions(
         batch_size=config.training.batch_size,
-        shuffle=config.training.shuffle,
+        shuffle=config.training.shuffle and config.optimizer.optimizer is not OptimizerName.LBFGS,
         seed=config.training.seed,
         rank=rank,
         prefetch_batches=config.data.prefetch_batches,

@@ -92,6 +92,11 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
             "training loop yet (the factors are summed by sparkdl's step, after its backward); set "
             "sufficient_factors = 'off', or train with TorchEstimator"
         )
+    if config.optimizer.optimizer.value == "lbfgs":
+        raise ConfigError(
+            "optimizer = 'lbfgs' is TorchEstimator's full-batch training and cannot serve your own "
+            "loop; build torch.optim.LBFGS over ctx.prepare's model yourself, or train with TorchEstimator"
+        )
     if strategy is Strategy.PARAMETER_SERVER:
         _check_served_settings(config)
 

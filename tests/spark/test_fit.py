@@ -73,6 +73,33 @@ def test_fit_equals_single_process_sgd_on_the_union_of_batches(spark, sizes, epo
         assert record["loss"] > 0 and record["seconds"] > 0
 
 
+def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_iteration(spark, tmp_path):
+    from tests.reference import make_learnable_shards
+    from tests.unit.test_lbfgs import softmax_regression, torch_lbfgs, union
+
+    shards = make_learnable_shards([60, 37])
+    settings = {
+        "optimizer": "lbfgs",
+        "lr": 1.0,
+        "weight_decay": 1e-3,
+        "max_iterations": 12,
+        "history_size": 4,
+    }
+    model = estimator(model_fn=softmax_regression, optimizer_fn=None, **settings).fit(
+        shards_dataframe(spark, shards)
+    )
+    expected, optimizer = torch_lbfgs(*union(shards), iterations=12)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-4
+    param = next(iter(optimizer.param_groups[0]["params"]))
+    assert [h["iteration"] for h in model.history] == list(range(1, 13))
+    assert model.history[-1]["passes"] == optimizer.state[param]["func_evals"]
+    assert model.history[-1]["stopped"] == "max_iterations"
+    predictions = model.transform(shards_dataframe(spark, shards)).select("prediction", "label").toPandas()
+    assert (predictions["prediction"] == predictions["label"]).mean() > 0.9  # a linear rule, learned
+    with pytest.raises(ConfigError, match="optimizer_fn cannot replace"):
+        estimator(optimizer="lbfgs").fit(shards_dataframe(spark, shards))
+
+
 @pytest.mark.parametrize(
     "settings", [{"strategy": "allreduce"}, {"strategy": "weight_averaging", "sync_every": 1}]
 )

@@ -1,0 +1,240 @@
+"""optimizer = "lbfgs" (Sandblaster L-BFGS): full-batch iterations whose passes and sums run
+over every worker's partition, taking PyTorch's own iterates on the union of the data."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkdl.comm.exchange import FlatExchange
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.tensors import Batch
+from sparkdl.errors import ConfigError
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies import check_settings
+from sparkdl.training.full_batch import FullBatchTrainer, Objective
+from sparkdl.training.lbfgs import LbfgsSettings, cubic_minimum
+from sparkdl.training.losses import resolve_loss
+from sparkdl.training.precision import Precision
+from tests.reference import make_learnable_shards, make_shards, max_abs_diff
+from tests.unit.test_outer_optimizer import run_workers_failing
+from tests.unit.test_worker_gloo import run_workers
+
+WEIGHT_DECAY = 1e-3
+
+
+def softmax_regression() -> nn.Module:
+    """Multinomial logistic regression on make_shards' 6 features and 3 classes: convex, so
+    iterates stay as close as the sums' rounding however many iterations run."""
+    torch.manual_seed(0)
+    return nn.Linear(6, 3)
+
+
+def torch_lbfgs(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    model_fn=softmax_regression,
+    iterations: int = 12,
+    history: int = 4,
+    line_search: bool = True,
+    weight_decay: float = WEIGHT_DECAY,
+) -> tuple[dict[str, torch.Tensor], torch.optim.LBFGS]:
+    """PyTorch's L-BFGS in one process on every row at once: one ``step`` of ``iterations``."""
+    model = model_fn()
+    optimizer = torch.optim.LBFGS(
+        model.parameters(),
+        lr=1,
+        max_iter=iterations,
+        history_size=history,
+        line_search_fn="strong_wolfe" if line_search else None,
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        penalty = sum(p.square().sum() for p in model.parameters())
+        loss = F.cross_entropy(model(x), y) + weight_decay / 2 * penalty
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, optimizer
+
+
+def union(shards) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.from_numpy(np.concatenate([x for x, _ in shards])),
+        torch.from_numpy(np.concatenate([y for _, y in shards])),
+    )
+
+
+class _Rows:
+    """One process's rows in batches, every pass the same (the feed's replay)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+        self._batches = [
+            Batch({"x": x[i : i + batch_size]}, y[i : i + batch_size]) for i in range(0, len(y), batch_size)
+        ]
+        self.cached_rows = len(y)
+        self.passes: list[int] = []
+
+    def epoch(self, epoch: int):
+        self.passes.append(epoch)
+        return self._batches, "spark" if epoch == 1 else "cache"
+
+
+def one_process_lbfgs(x, y, settings: LbfgsSettings, model_fn=softmax_regression, batch_size=16):
+    model = model_fn()
+    loss_fn, _ = resolve_loss("cross_entropy")
+    rows = _Rows(x, y, batch_size)
+    exchange = FlatExchange(world_size=1)
+    objective = Objective(model, rows, loss_fn, False, exchange, WEIGHT_DECAY, lambda b: None, Precision(), 0)
+    history = FullBatchTrainer(settings, objective, exchange).run()
+    return model, history, rows
+
+
+# --- the algorithm, in one process ---------------------------------------------------------
+
+
+def test_cubic_minimum_finds_a_cubics_minimum_and_keeps_within_bounds():
+    # f(t) = (t - 1)^2 is its own cubic: the minimum at 1 from any two points and slopes
+    f, g = (lambda t: (t - 1) ** 2), (lambda t: 2 * (t - 1))
+    assert cubic_minimum(0.0, f(0.0), g(0.0), 3.0, f(3.0), g(3.0)) == pytest.approx(1.0)
+    assert cubic_minimum(3.0, f(3.0), g(3.0), 0.0, f(0.0), g(0.0)) == pytest.approx(1.0)
+    assert cubic_minimum(0.0, f(0.0), g(0.0), 3.0, f(3.0), g(3.0), bounds=(2.0, 5.0)) == 2.0
+    # no real minimum (the cubic through them has no turning point): the middle of the bounds
+    assert cubic_minimum(0.0, 0.0, -1.0, 1.0, -0.5, -1.0) == pytest.approx(0.5)
+    # an infinite extrapolation is clipped to its bound, as PyTorch's tensors clip it
+    assert cubic_minimum(0.0, 0.0, -1.0, 1.0, -3.0, -5.0, bounds=(1.01, 10.0)) == 10.0
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "iterations", "line_search", "tolerance"),
+    [
+        (softmax_regression, 20, True, 1e-4),  # past history_size: the oldest pairs are dropped
+        (softmax_regression, 10, False, 1e-4),  # a fixed step of lr
+        (
+            lambda: (torch.manual_seed(0), nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))[1],
+            8,
+            True,
+            1e-4,
+        ),
+    ],
+)
+def test_the_iterates_are_pytorchs_lbfgs_on_the_same_rows(model_fn, iterations, line_search, tolerance):
+    # Learnable rows: the objective still changes above float32's rounding for these iterations
+    # (past that, both runs wander within rounding of the optimum, each its own way).
+    x, y = union(make_learnable_shards([70, 41]))
+    settings = LbfgsSettings(lr=1, max_iterations=iterations, history_size=4, line_search=line_search)
+    model, history, rows = one_process_lbfgs(x, y, settings, model_fn)
+    expected, optimizer = torch_lbfgs(x, y, model_fn, iterations, 4, line_search)
+    assert max_abs_diff(model.state_dict(), expected) < tolerance
+    state = optimizer.state[next(iter(optimizer.param_groups[0]["params"]))]
+    assert [r["iteration"] for r in history] == list(range(1, state["n_iter"] + 1))
+    assert history[-1]["passes"] == state["func_evals"] == len(rows.passes)  # one pass per evaluation
+    assert rows.passes == list(range(1, len(rows.passes) + 1))  # pass 1 streams, the rest replay
+    assert history[-1]["stopped"] in ("max_iterations", "max_evaluations")
+    losses = [r["loss"] for r in history]
+    if line_search:  # the strong Wolfe search never accepts a higher loss
+        assert all(b <= a for a, b in itertools.pairwise(losses))
+
+
+def test_it_stops_at_its_tolerances_and_its_evaluation_budget():
+    x, y = union(make_shards([60]))
+    _, history, _ = one_process_lbfgs(x, y, LbfgsSettings(max_iterations=500, tolerance_grad=1e-4))
+    assert history[-1]["stopped"] == "tolerance_grad" and history[-1]["grad_max"] <= 1e-4
+    assert len(history) < 500
+    _, budget, rows = one_process_lbfgs(x, y, LbfgsSettings(max_iterations=500, max_evaluations=7))
+    assert budget[-1]["stopped"] == "max_evaluations" and len(rows.passes) == budget[-1]["passes"] <= 7 + 1
+    _, at_once, _ = one_process_lbfgs(x, y, LbfgsSettings(tolerance_grad=10.0))  # met at the start point
+    assert len(at_once) == 1 and at_once[0]["iteration"] == 0 and at_once[0]["stopped"] == "tolerance_grad"
+
+
+# --- across workers --------------------------------------------------------------------------
+
+LBFGS = {
+    "optimizer": "lbfgs",
+    "lr": 1.0,
+    "weight_decay": WEIGHT_DECAY,
+    "history_size": 4,
+    "batch_size": 16,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[70, 41], [50, 0, 23]])  # uneven; one worker without rows
+def test_workers_take_pytorchs_iterates_on_the_union_of_their_rows(tmp_path, sizes):
+    shards = make_learnable_shards(sizes)
+    state, results = run_workers(
+        shards, tmp_path, optimizer_fn=None, model_fn=softmax_regression, max_iterations=15, **LBFGS
+    )
+    expected, optimizer = torch_lbfgs(*union(shards), iterations=15)
+    assert max_abs_diff(state, expected) < 1e-4
+    histories = [results[r][1] for r in range(len(sizes))]
+    losses = [[e["loss"] for e in h] for h in histories]
+    assert all(other == losses[0] for other in losses[1:])  # every rank took the same decisions
+    first = histories[0]
+    param = next(iter(optimizer.param_groups[0]["params"]))
+    assert first[-1]["passes"] == optimizer.state[param]["func_evals"]
+    assert all(e["samples"] == sum(sizes) * e["evaluations"] for e in first)
+    assert all(e["bytes_sent"] > 0 for e in first)  # every pass's gradient crossed
+
+
+@pytest.mark.slow
+def test_a_failed_worker_resumes_from_the_iteration_checkpointed_with_its_history(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {**LBFGS, "max_iterations": 10, "model_fn": softmax_regression, "optimizer_fn": None}
+    checkpoints = tmp_path / "ckpt"
+    resumable = {**settings, "checkpoint_dir": str(checkpoints), "checkpoint_every": 2}
+    drill = f"raise:1:5:{tmp_path / 'drill'}"
+    failed = run_workers_failing(shards, tmp_path / "failed", fault_injection=drill, **resumable)
+    assert "fault drill: rank 1 raised at step 5" in failed
+    saved = CheckpointStore(str(checkpoints))
+    assert saved.latest() == 4
+    held = saved.load(4)["full_batch"]
+    assert {"x", "g", "d", "g_prev"} <= set(held["vectors"])
+    assert len(held["lbfgs"]["pairs"]) == 3  # iterations 2, 3 and 4 each added a pair
+    resumed, results = run_workers(shards, tmp_path / "resumed", **resumable)
+    history = results[0][1]
+    assert [e["iteration"] for e in history] == list(range(1, 11))  # 1-4 from the checkpoint
+    uninterrupted, again = run_workers(shards, tmp_path / "uninterrupted", **settings)
+    assert max_abs_diff(resumed, uninterrupted) < 1e-6
+    assert [e["loss"] for e in history] == pytest.approx([e["loss"] for e in again[0][1]], abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_label_the_model_has_no_output_for_stops_every_worker_with_the_rank_that_found_it(tmp_path):
+    shards = make_shards([30, 30])
+    shards[1][1][7] = 5  # three outputs: class 5 does not exist
+    failed = run_workers_failing(
+        shards, tmp_path, optimizer_fn=None, model_fn=softmax_regression, max_iterations=3, **LBFGS
+    )
+    assert "label" in failed and "5" in failed
+    assert "another worker rejected its input" in failed  # rank 0 stopped with rank 1
+
+
+# --- settings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        ({"strategy": "weight_averaging"}, "set strategy = 'allreduce'"),
+        ({"precision": "fp16"}, "use 'bf16' or 'fp32'"),
+        ({"compression": "fp16"}, "set compression = 'none'"),
+        ({"sufficient_factors": "auto"}, "set it to 'off'"),
+        ({"accumulate_steps": 2}, "set accumulate_steps = 1"),
+        ({"lr_schedule": "warmup_cosine"}, "leave them at their defaults"),
+        ({"grad_clip_norm": 1.0}, "set it to 0"),
+        ({"early_stopping_patience": 2, "validation_fraction": 0.2}, "set it to 0"),
+    ],
+)
+def test_settings_that_lbfgs_cannot_run_with_are_refused_with_the_fix(settings, fix):
+    with pytest.raises(ConfigError, match="optimizer = 'lbfgs'") as refused:
+        check_settings(SparkDLConfig().replace(optimizer="lbfgs", **settings))
+    assert fix in str(refused.value)
+    check_settings(SparkDLConfig().replace(optimizer="lbfgs", precision="bf16"))  # what it runs with
