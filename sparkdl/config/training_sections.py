@@ -214,9 +214,7 @@ class LbfgsConfig:
     )
     line_search: bool = field(
         default=True,
-        metadata=about(
-            "Strong Wolfe line search (true), or a fixed step of lr along the direction (false)."
-        ),
+        metadata=about("Strong Wolfe line search (true), or a fixed step of lr along the direction (false)."),
     )
     tolerance_grad: float = field(
         default=1e-7,

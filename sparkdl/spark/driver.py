@@ -182,10 +182,19 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         silence = progress.silence if progress is not None else None
         task = functools.partial(train_partition, spec)
-        rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group)
+        coordinator = hosted.coordinator if hosted is not None else None
+        try:
+            rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group)
+        except SparkDLError as exc:  # L-BFGS on the shards: the driver's own error is the cause
+            if coordinator is not None and isinstance(coordinator.error, SparkDLError):
+                raise coordinator.error from exc
+            raise
         upload = servers.upload
         result = _fit_result(rows, n, upload.take() if upload is not None else None)
-        if hosted is not None and "restored_epoch" not in result.history[-1]:
+        if hosted is not None and coordinator is not None:  # the driver ran L-BFGS: its history, point
+            result.history = coordinator.history
+            result.state_dict.update(hosted.parameter_state())
+        elif hosted is not None and "restored_epoch" not in result.history[-1]:
             # the server's weights are the newest (async pushes land after a worker's last pull);
             # after an early stop rank 0's copy of the best epoch wins
             result.state_dict.update(hosted.parameter_state())

@@ -13,13 +13,15 @@ from torch import nn
 
 from sparkdl.comm.factors import factorable
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.config import PsMode, SparkDLConfig, SufficientFactors
+from sparkdl.config import OptimizerName, PsMode, SparkDLConfig, SufficientFactors
 from sparkdl.errors import ClusterConfigError
 from sparkdl.services.ps.factored import FactorLayout
+from sparkdl.services.ps.full_batch import Coordinator, ShardedVectors
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
 from sparkdl.spark.cluster import driver_host, is_connect
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
+from sparkdl.training.full_batch import lbfgs_settings
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.worker.assembly import TrainSpec
@@ -32,6 +34,7 @@ class HostedServer:
     server: ParameterServer
     model: nn.Module  # its parameters are the shards' authoritative weights
     spec: TrainSpec  # the task spec, now carrying the endpoint and secret
+    coordinator: Coordinator | None = None  # optimizer lbfgs: L-BFGS over the shards' vectors
 
     def parameter_state(self) -> dict[str, torch.Tensor]:
         """The server's weights by state-dict key (buffers are not served: rank 0's are kept)."""
@@ -39,6 +42,8 @@ class HostedServer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in names}
 
     def stop(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.stop()
         self.server.stop()
 
 
@@ -85,10 +90,12 @@ def host_parameter_server(
 ) -> HostedServer:
     """Start the server for ``spec`` on ``host`` (port chosen by the OS); a HELLO of a stage
     attempt is believed when ``attempt_started`` says Spark runs it (None: any)."""
-    server, model, endpoint = serve_parameters(
+    server, model, endpoint, coordinator = _serve(
         spec.config, spec.model_fn, spec.optimizer_fn, host, attempt_started, spec.lr, spec.scheduler_fn
     )
-    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint))
+    if coordinator is not None:
+        coordinator.start()
+    return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint), coordinator)
 
 
 def serve_parameters(
@@ -103,6 +110,23 @@ def serve_parameters(
     """Build the initial model with ``model_fn`` (seeded with ``training.seed``), split it into
     shards, and serve them on ``host`` with ``optimizer_fn``'s optimizer (or the
     ``[optimizer]`` settings'): the server, its model, and the endpoint for the workers."""
+    server, model, endpoint, _ = _serve(
+        config, model_fn, optimizer_fn, host, attempt_started, lr, scheduler_fn
+    )
+    return server, model, endpoint
+
+
+def _serve(
+    config: SparkDLConfig,
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: OptimizerFn | None,
+    host: str,
+    attempt_started: Callable[[int], bool] | None,
+    lr: LrPlan,
+    scheduler_fn: SchedulerFn | None,
+) -> tuple[ParameterServer, nn.Module, PsEndpoint, Coordinator | None]:
+    """:func:`serve_parameters`, and with ``optimizer = "lbfgs"`` the coordinator (not yet
+    started) whose shards hold the L-BFGS vectors instead of an optimizer."""
     torch.manual_seed(config.training.seed)
     model = build_model(model_fn)
     params = list(model.parameters())
@@ -111,10 +135,12 @@ def serve_parameters(
     def shard_optimizer(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return build_optimizer(shard, optimizer_fn, config.optimizer)
 
+    full_batch = config.optimizer.optimizer is OptimizerName.LBFGS
+    vectors = ShardedVectors(config.optimizer.weight_decay) if full_batch else None
     stores = [
         ShardStore(
             [params[i] for i in group],
-            shard_optimizer,
+            None if vectors is not None else shard_optimizer,
             config.parameter_server.ps_mode,
             config.training.num_workers,
             config.parameter_server.staleness,
@@ -122,9 +148,14 @@ def serve_parameters(
             scheduler_fn=scheduler_fn,
             steps_per_version=_steps_per_version(config),
             backup_workers=config.parameter_server.backup_workers,
+            handoff=vectors.receive if vectors is not None else None,
         )
         for group in groups
     ]
+    coordinator = None
+    if vectors is not None:  # Sandblaster: the driver coordinates, the shards hold the vectors
+        vectors.attach(stores)
+        coordinator = Coordinator(vectors, stores, lbfgs_settings(config))
     layouts = None
     if config.runtime.sufficient_factors is not SufficientFactors.OFF:
         shapes = {id(layer.weight): (layer.in_features, layer.out_features) for _, layer in factorable(model)}
@@ -155,4 +186,4 @@ def serve_parameters(
         if server.areas is not None
         else "no shared memory",
     )
-    return server, model, server.endpoint(tuple(tuple(g) for g in groups))
+    return server, model, server.endpoint(tuple(tuple(g) for g in groups)), coordinator

@@ -30,6 +30,7 @@ from sparkdl.config import (
     Compression,
     LrSchedule,
     OptimizerName,
+    PsMode,
     SparkDLConfig,
     Strategy,
     SufficientFactors,
@@ -102,7 +103,7 @@ class Objective:
 
     def __call__(self) -> tuple[float, torch.Tensor]:
         """The objective and its gradient (a new flat tensor) at the module's weights."""
-        loss_sum, rows, rejected = self._local_pass()
+        loss_sum, rows, rejected = self.local_pass()
         totals = torch.tensor([loss_sum, float(rows), float(rejected is not None)], dtype=torch.float64)
         self._exchange.sum_control_(totals)
         global_loss, global_rows, rejections = totals.tolist()
@@ -130,7 +131,7 @@ class Objective:
             loss += 0.5 * self._weight_decay * float(weights.double().square().sum())
         return loss, gradient
 
-    def _local_pass(self) -> tuple[float, int, SparkDLError | None]:
+    def local_pass(self) -> tuple[float, int, SparkDLError | None]:
         """This worker's summed loss and rows, its summed gradient left in ``.grad``; the
         error of an input it rejects while streaming (every rank then stops together)."""
         for p in self._params:
@@ -339,6 +340,20 @@ class FullBatchTrainer:
         }
 
 
+def lbfgs_settings(config: SparkDLConfig) -> LbfgsSettings:
+    """The algorithm's settings from ``[lbfgs]`` and ``[optimizer]``."""
+    lbfgs = config.lbfgs
+    return LbfgsSettings(
+        lr=config.optimizer.lr,
+        max_iterations=lbfgs.max_iterations,
+        max_evaluations=lbfgs.max_evaluations,
+        tolerance_grad=lbfgs.tolerance_grad,
+        tolerance_change=lbfgs.tolerance_change,
+        history_size=lbfgs.history_size,
+        line_search=lbfgs.line_search,
+    )
+
+
 def check_full_batch_settings(config: SparkDLConfig) -> None:
     """Refuse, with the fix, what ``optimizer = "lbfgs"`` cannot run with: a pass is the
     whole partition and a step is the line search's, so the settings of steps have no
@@ -350,11 +365,36 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
     training, optimizer, runtime = config.training, config.optimizer, config.runtime
     if optimizer.optimizer is not OptimizerName.LBFGS:
         return
+    ps, served = config.parameter_server, training.strategy is Strategy.PARAMETER_SERVER
     refusals = {
         "strategy": (
-            training.strategy is not Strategy.ALLREDUCE,
+            training.strategy not in (Strategy.ALLREDUCE, Strategy.PARAMETER_SERVER),
             f"strategy = {training.strategy.value!r}: L-BFGS sums every worker's gradient over its whole "
-            "partition each pass; set strategy = 'allreduce'",
+            "partition each pass; set strategy = 'allreduce' (the vectors on every worker) or "
+            "'parameter_server' (on the server's shards)",
+        ),
+        "ps_mode": (
+            served and ps.ps_mode is not PsMode.SYNC,
+            f"ps_mode = {ps.ps_mode.value!r}: every pass must see one point; set ps_mode = 'sync'",
+        ),
+        "backup_workers": (
+            served and bool(ps.backup_workers),
+            f"backup_workers = {ps.backup_workers}: a pass needs every worker's rows; set it to 0",
+        ),
+        "ps_pull_precision": (
+            served and ps.ps_pull_precision.value != "fp32",
+            "ps_pull_precision = 'bf16': the line search needs the point it chose; set it to 'fp32'",
+        ),
+        "hierarchy": (
+            served and runtime.hierarchy.value != "none",
+            f"hierarchy = {runtime.hierarchy.value!r} and strategy 'parameter_server': every worker "
+            "pushes its own pass; set hierarchy = 'none'",
+        ),
+        "checkpoint_dir": (
+            served and bool(config.reliability.checkpoint_dir),
+            "checkpoint_dir and strategy 'parameter_server': the driver's coordinator carries the run "
+            "across re-run stages, and the shards' vectors are not checkpointed yet; unset "
+            "checkpoint_dir, or use strategy 'allreduce' to checkpoint every checkpoint_every iterations",
         ),
         "precision": (
             training.precision.value == "fp16",

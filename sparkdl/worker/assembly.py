@@ -48,6 +48,7 @@ from sparkdl.services.progress.channel import (
     ProgressReporter,
     reporting_to_driver,
 )
+from sparkdl.services.ps.client import PsClient
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.storage.checkpoint_store import CheckpointStore
@@ -71,7 +72,7 @@ from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.training.validation import EarlyStopping, Validator
 from sparkdl.worker.device import choose_backend, choose_device
-from sparkdl.worker.full_batch import full_batch_trainer
+from sparkdl.worker.full_batch import ServedPasses, full_batch_trainer
 from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, release_process_groups, socket_interface
 
 log = logging.getLogger(__name__)
@@ -151,14 +152,17 @@ def run_worker(
         )
         stack.callback(exchange.close)
         store = checkpoint_store(config, stack)
-        trainer: Trainer | FullBatchTrainer
+        trainer: Trainer | FullBatchTrainer | ServedPasses
         if config.optimizer.optimizer is OptimizerName.LBFGS:  # full batch: no steps, no strategy
             feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
             stack.callback(feed.close)
             send = _sender(reporter) if reporter is not None else None
+            served = PsClient(spec.ps, rank, attempt) if spec.ps is not None else None
+            if served is not None:
+                stack.callback(served.close)
             trainer = full_batch_trainer(
                 config, spec.loss, spec.plan.keyword, _label_name(spec), rank, module, exchange, feed,
-                bool(spec.plan.validation_col), store, send,
+                bool(spec.plan.validation_col), store, send, served,
             )  # fmt: skip
             stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
             history = trainer.run()

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,32 +21,18 @@ from sparkdl.comm.exchange import Exchange
 from sparkdl.config import DrillKind, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import PartitionFeed
-from sparkdl.errors import CheckpointError
+from sparkdl.errors import CheckpointError, agreed
+from sparkdl.services.ps.client import PsClient, RunFinished
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved
+from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved, flat_gradient, lbfgs_settings
 from sparkdl.training.guards import LabelRangeCheck, fire_drill, no_label_check
 from sparkdl.training.hooks import ProgressUpdate
-from sparkdl.training.lbfgs import LbfgsSettings
 from sparkdl.training.losses import LossFn, resolve_loss
 from sparkdl.training.precision import Precision
 from sparkdl.training.validation import Validator
 
 log = logging.getLogger(__name__)
-
-
-def lbfgs_settings(config: SparkDLConfig) -> LbfgsSettings:
-    """The algorithm's settings from ``[lbfgs]`` and ``[optimizer]``."""
-    lbfgs = config.lbfgs
-    return LbfgsSettings(
-        lr=config.optimizer.lr,
-        max_iterations=lbfgs.max_iterations,
-        max_evaluations=lbfgs.max_evaluations,
-        tolerance_grad=lbfgs.tolerance_grad,
-        tolerance_change=lbfgs.tolerance_change,
-        history_size=lbfgs.history_size,
-        line_search=lbfgs.line_search,
-    )
 
 
 def full_batch_trainer(
@@ -60,8 +47,10 @@ def full_batch_trainer(
     validation: bool,
     store: CheckpointStore | None,
     send: Callable[[ProgressUpdate], None] | None,
-) -> FullBatchTrainer:
-    """The L-BFGS run of this worker, resumed from the newest checkpoint where there is one.
+    served: PsClient | None = None,
+) -> FullBatchTrainer | ServedPasses:
+    """The L-BFGS run of this worker, resumed from the newest checkpoint where there is one;
+    with a parameter server (``served``), the passes its coordinator asks for.
 
     Args:
         config: the fit's settings.
@@ -76,6 +65,8 @@ def full_batch_trainer(
         store: the checkpoint directory (None: no checkpoints): rank 0 writes one every
             ``checkpoint_every`` iterations (every iteration when it is 0).
         send: reports progress to the driver (None: nobody listens).
+        served: this worker's client of the parameter server whose shards hold the vectors
+            (strategy parameter_server; None: every worker holds them).
     """
     device = next(module.parameters()).device
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -97,6 +88,8 @@ def full_batch_trainer(
         Precision(config.training.precision, device),
         rank,
     )
+    if served is not None:
+        return ServedPasses(objective, served, module, rank)
     validate = None
     if validation:
         validator = Validator(
@@ -190,3 +183,54 @@ def _resume(
     module.load_state_dict(state["model"])
     log.info("rank %d resumed L-BFGS after iteration %d", rank, iteration)
     return Saved.from_dict(state["full_batch"], device)
+
+
+class ServedPasses:
+    """A worker of a full-batch fit whose L-BFGS runs on the driver (strategy parameter_server):
+    it computes passes, nothing else. Each pull brings the point to evaluate; each push
+    carries this worker's summed gradient (shard by shard) and summed loss; a pull answered
+    FINISHED ends the run.
+
+    Args:
+        objective: the passes over this worker's partition.
+        client: this worker's connections to the shards.
+        module: the model (its parameters in the shards' order through ``shard_params``).
+        rank: this worker, for messages.
+    """
+
+    def __init__(self, objective: Objective, client: PsClient, module: torch.nn.Module, rank: int) -> None:
+        self._objective = objective
+        self._client = client
+        params = list(module.parameters())
+        self._shards = [[params[i] for i in shard] for shard in client.endpoint.shard_params]
+        self._rank = rank
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return self._objective.output_shape
+
+    @property
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._objective.input_shapes
+
+    def run(self) -> list[dict[str, Any]]:
+        """Compute passes until the coordinator stops; the history is the driver's."""
+        clock = 0
+        while True:
+            try:
+                pulled = self._client.pull(clock)
+            except RunFinished:
+                return []
+            with torch.no_grad():
+                for shard, (_, weights) in zip(self._shards, pulled, strict=True):
+                    offset = 0
+                    for p in shard:
+                        p.copy_(weights[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+            loss_sum, rows, rejected = self._objective.local_pass()
+            if rejected is not None:
+                self._client.abort(f"{type(rejected).__name__}: {rejected}")
+                raise agreed(rejected)
+            gradients = [flat_gradient(shard).cpu() for shard in self._shards]
+            self._client.push(clock, rows, gradients, loss_sum)
+            clock += 1

@@ -73,7 +73,8 @@ def test_fit_equals_single_process_sgd_on_the_union_of_batches(spark, sizes, epo
         assert record["loss"] > 0 and record["seconds"] > 0
 
 
-def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_iteration(spark, tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])  # the vectors: workers, shards
+def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_iteration(spark, strategy):
     from tests.reference import make_learnable_shards
     from tests.unit.test_lbfgs import softmax_regression, torch_lbfgs, union
 
@@ -84,6 +85,7 @@ def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_it
         "weight_decay": 1e-3,
         "max_iterations": 12,
         "history_size": 4,
+        "strategy": strategy,
     }
     model = estimator(model_fn=softmax_regression, optimizer_fn=None, **settings).fit(
         shards_dataframe(spark, shards)

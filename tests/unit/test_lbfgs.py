@@ -238,3 +238,75 @@ def test_settings_that_lbfgs_cannot_run_with_are_refused_with_the_fix(settings, 
         check_settings(SparkDLConfig().replace(optimizer="lbfgs", **settings))
     assert fix in str(refused.value)
     check_settings(SparkDLConfig().replace(optimizer="lbfgs", precision="bf16"))  # what it runs with
+
+
+# --- on the parameter server's shards -------------------------------------------------------
+
+
+def served_lbfgs(shards, tmp_path, **settings):
+    """The fit of run_workers with the parameter server hosted here: the final weights, the
+    workers' results and the server (its coordinator) for a look afterwards."""
+    from sparkdl.spark.ps_host import host_parameter_server
+    from sparkdl.worker.assembly import TrainSpec
+    from tests.reference import shard_plan
+    from tests.unit.test_worker_gloo import _spawn
+
+    config = SparkDLConfig().replace(
+        num_workers=len(shards), collective_timeout_s=30.0, strategy="parameter_server", **LBFGS, **settings
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, softmax_regression, None, "cross_entropy", plan, template)
+    hosted = host_parameter_server(spec, "127.0.0.1")
+    try:
+        state, results = _spawn(shards, tmp_path, hosted.spec)
+        hosted.coordinator._thread.join(10)
+        state.update(hosted.parameter_state())
+    finally:
+        hosted.stop()
+    return state, results, hosted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[70, 41], [50, 0, 23]])
+def test_with_the_history_on_the_servers_shards_the_iterates_are_pytorchs(tmp_path, sizes):
+    shards = make_learnable_shards(sizes)
+    state, results, hosted = served_lbfgs(shards, tmp_path, max_iterations=15, ps_shards=2)
+    expected, optimizer = torch_lbfgs(*union(shards), iterations=15)
+    assert max_abs_diff(state, expected) < 1e-4
+    coordinator = hosted.coordinator
+    param = next(iter(optimizer.param_groups[0]["params"]))
+    assert [h["iteration"] for h in coordinator.history] == list(range(1, 16))
+    assert coordinator.history[-1]["passes"] == optimizer.state[param]["func_evals"]
+    assert coordinator.history[-1]["stopped"] == "max_iterations"
+    assert all(results[r][1] == [] for r in results)  # the workers only computed passes
+    # Sandblaster's layout: each shard holds its own slice of every vector, the history's 4
+    # pairs included, and no slice is the whole model
+    weight, bias = hosted.model.weight.numel(), hosted.model.bias.numel()
+    sizes_held = sorted(len(s) for s in coordinator.vectors.slices("x"))
+    assert sizes_held == sorted([weight, bias])
+    names = coordinator.vectors.names()
+    assert {"x", "g", "d", "g_prev"} <= names
+    assert len([n for n in names if n[0] in "sy" and n[1:].isdigit()]) == 2 * 4  # history_size pairs
+
+
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        ({"ps_mode": "async"}, "set ps_mode = 'sync'"),
+        ({"backup_workers": 1}, "set it to 0"),
+        ({"ps_pull_precision": "bf16"}, "set it to 'fp32'"),
+        ({"checkpoint_dir": "/tmp/x"}, "unset checkpoint_dir"),
+    ],
+)
+def test_what_lbfgs_on_the_parameter_server_cannot_run_with_is_refused(settings, fix):
+    with pytest.raises(ConfigError, match="optimizer = 'lbfgs'") as refused:
+        check_settings(SparkDLConfig().replace(optimizer="lbfgs", strategy="parameter_server", **settings))
+    assert fix in str(refused.value)
+    check_settings(SparkDLConfig().replace(optimizer="lbfgs", strategy="parameter_server"))
+
+
+def test_own_loop_refuses_lbfgs_with_the_fix():
+    from sparkdl.worker.prepare import check_own_loop_settings
+
+    with pytest.raises(ConfigError, match=r"build torch\.optim\.LBFGS"):
+        check_own_loop_settings(SparkDLConfig().replace(optimizer="lbfgs"))

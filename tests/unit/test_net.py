@@ -558,7 +558,7 @@ def test_frames_of_one_protocol_never_pass_as_the_other():
         accept(raw, challenge, PS_WIRE)
     # a forger that copies the parameter server's id and layout under another name: the
     # keys differ, so neither its HELLO nor its frames verify
-    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQIQ", Kind.HELLO)
+    forged = type(PS_WIRE)("sparkdl-progress", PS_WIRE.ident, "BBHIIQQQQIQQ", Kind.HELLO)
     challenge, raw = answer(forged, Frame(Kind.HELLO))
     with pytest.raises(ProtocolError, match="sparkdl-ps HELLO failed authentication"):
         accept(raw, challenge, PS_WIRE)
@@ -711,7 +711,7 @@ def test_an_authentic_frame_of_an_unknown_kind_or_error_code_is_refused(kind, er
     a, b, client, _ = pair(PS_WIRE)
     with a, b:
         Channel(b, SECRET, Raw(PS_WIRE), NONCE, client=False).send(
-            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0, 0, 0), b"")
+            (kind, (1, error, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), b"")
         )
         with pytest.raises(ProtocolError, match=refusal):
             client.recv(1024)

@@ -32,6 +32,10 @@ T = TypeVar("T")
 Gradient = torch.Tensor | EncodedPush
 
 
+class RunFinished(Exception):
+    """A pull was answered that the full-batch run ended: the driver's coordinator stopped."""
+
+
 @dataclass
 class ClientStats:
     pushes: int = 0
@@ -134,9 +138,10 @@ class PsClient:
             raise
         return channel, granted - 1 if granted and self._memory is not None else None
 
-    def push(self, clock: int, rows: int, grads: Sequence[Gradient]) -> None:
-        """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel."""
-        for result in self._each_shard(self._push_one, [(clock, rows, grad) for grad in grads]):
+    def push(self, clock: int, rows: int, grads: Sequence[Gradient], loss_sum: float = 0.0) -> None:
+        """Send each shard's rows-weighted gradient sum (flat float32 tensors) in parallel;
+        ``loss_sum``: a full-batch pass's summed loss, which every shard's PUSH carries."""
+        for result in self._each_shard(self._push_one, [(clock, rows, grad, loss_sum) for grad in grads]):
             self._count_push(*result)  # (bytes, of them through shared memory, staleness)
         self.stats.pushes += 1
 
@@ -210,7 +215,9 @@ class PsClient:
         channel.send(Frame(Kind.ABORT, 0, self.rank, self.attempt, payload=reason.encode()[:4000]))
         self._expect(channel, Kind.ACK)
 
-    def _push_frame(self, shard: int, clock: int, rows: int, grad: Gradient) -> tuple[Frame, int]:
+    def _push_frame(
+        self, shard: int, clock: int, rows: int, grad: Gradient, loss: float = 0.0
+    ) -> tuple[Frame, int]:
         """The PUSH of ``grad`` (its payload in the frame or in the shard's shared area), and
         the payload bytes that went through shared memory. A push already encoded (sufficient
         factors) travels in the frame as it is."""
@@ -223,7 +230,8 @@ class PsClient:
             dtype, data = self.feedback.codec.code, self.feedback.encode(shard, grad)
         area = self._areas[shard]
         if area is None:
-            return Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, data.numpy().data, dtype), 0
+            payload = data.numpy().data
+            return Frame(Kind.PUSH, shard, self.rank, self.attempt, clock, rows, payload, dtype, loss=loss), 0
         assert self._memory is not None
         self._memory.push_area(area, data.numel()).copy_(data)
         frame = Frame(
@@ -237,22 +245,31 @@ class PsClient:
             dtype,
             area=area + 1,
             area_bytes=data.numel(),
+            loss=loss,
         )
         return frame, data.numel()
 
     def _send_push(
-        self, shard: int, clock: int, rows: int, grad: Gradient, pull_clock: int | None = None
+        self,
+        shard: int,
+        clock: int,
+        rows: int,
+        grad: Gradient,
+        pull_clock: int | None = None,
+        loss: float = 0.0,
     ) -> tuple[int, int]:
         """Send shard ``shard``'s PUSH, and the PULL of ``pull_clock`` behind it in the same
         ``sendmsg``; (bytes moved, the payload's wherever it went; of them, through shared memory)."""
-        frame, shared = self._push_frame(shard, clock, rows, grad)
+        frame, shared = self._push_frame(shard, clock, rows, grad, loss)
         frames = (frame,) if pull_clock is None else (frame, self._pull_frame(shard, pull_clock))
         return self._channels[shard].send_many(frames) + shared, shared
 
-    def _push_one(self, shard: int, clock: int, rows: int, grad: Gradient) -> tuple[int, int, int]:
+    def _push_one(
+        self, shard: int, clock: int, rows: int, grad: Gradient, loss: float = 0.0
+    ) -> tuple[int, int, int]:
         """Runs on a pool thread: (bytes sent, of them through shared memory, staleness the
         server measured)."""
-        sent, shared = self._send_push(shard, clock, rows, grad)
+        sent, shared = self._send_push(shard, clock, rows, grad, loss=loss)
         return sent, shared, self._expect(self._channels[shard], Kind.ACK).staleness
 
     def _push_pull_one(
@@ -333,6 +350,8 @@ class PsClient:
             ) from exc
         if frame.kind is Kind.ERROR:
             raise error_of(frame, self.rank)
+        if frame.kind is Kind.FINISHED and kind is Kind.WEIGHTS:
+            raise RunFinished(f"rank {self.rank}: the full-batch run ended at version {frame.version}")
         if frame.kind is not kind:
             raise ParameterServerError(
                 f"rank {self.rank}: expected {kind.name} from the server, got {frame.kind.name}"

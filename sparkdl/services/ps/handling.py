@@ -128,7 +128,7 @@ class RequestHandler:
                 f"push to shard {frame.shard} at clock {frame.clock} holds NaN or infinite values; "
                 "it was not applied (the worker's own NaN guard should have skipped that step)"
             )
-        staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad)
+        staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss)
         self.parked.answer(frame.shard)
         return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
 
@@ -141,6 +141,7 @@ class RequestHandler:
             or not frame.area
             or store.mode is PsMode.ASYNC
             or store.numel > self._park_max_values
+            or store.coordinated  # its versions come from the coordinator's thread, not a push
         ):
             return self._weights(frame, warm, wait=True)
         return self.parked.park(frame, warm, park)
@@ -173,6 +174,8 @@ class RequestHandler:
             if pulled is None:
                 return None
             version, weights = pulled
+        if store.finished:
+            return Frame(Kind.FINISHED, shard=pull.shard, version=version)
         ahead = store.ahead_of(pull.clock)  # backup workers: the clocks this worker may skip
         if area is not None:
             if pull.dtype == BF16:  # rounded into the area (float32 was pulled straight into it)

@@ -24,6 +24,8 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
                frame (PULL: the worker wants the answer there), 0 otherwise
     area_bytes PUSH, WEIGHTS through an area: the payload's bytes there (checked as a
                frame's length is); 0 otherwise
+    loss       PUSH of a full-batch pass (optimizer lbfgs): the loss summed over the rows it
+               covers, a float64 (the driver's line search needs the objective); 0 otherwise
 
 Errors are data: an ERROR frame carries an :class:`ErrorCode` and the message, and the
 worker raises the class the code names (:func:`error_of`), never deciding from wording.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import socket
+import struct
 from typing import NamedTuple
 
 from sparkdl import wire
@@ -63,6 +66,7 @@ class Kind(enum.IntEnum):
     ERROR = 6  # server -> worker: the request failed: an ErrorCode and the UTF-8 message
     SNAPSHOT = 7  # rank 0 -> server: save the shard as of global step ``clock``; answered by ACK
     ABORT = 8  # worker -> server: this worker stops (payload: why); every later pull and push fails
+    FINISHED = 9  # server -> worker, for a PULL: the full-batch run ended; no pass is left to compute
 
 
 class ErrorCode(enum.IntEnum):
@@ -96,11 +100,16 @@ class Frame(NamedTuple):
     error: ErrorCode = ErrorCode.NONE
     area: int = 0
     area_bytes: int = 0
+    loss: float = 0.0
+
+
+_FLOAT64 = struct.Struct("<d")
+_BITS = struct.Struct("<Q")
 
 
 class _PsWire(WireProtocol[Frame]):
     """Maps :class:`Frame` onto the framing: dtype, error, shard, rank, attempt, clock,
-    rows, version, staleness, area, area_bytes."""
+    rows, version, staleness, area, area_bytes, loss (its float64 bits)."""
 
     def encode(self, message: Frame) -> tuple[int, Fields, Payload]:
         fields = (
@@ -115,11 +124,12 @@ class _PsWire(WireProtocol[Frame]):
             message.staleness,
             message.area,
             message.area_bytes,
+            _BITS.unpack(_FLOAT64.pack(message.loss))[0] if message.loss else 0,
         )
         return int(message.kind), fields, message.payload
 
     def decode(self, kind: int, fields: Fields, payload: bytearray) -> Frame:
-        dtype, error, shard, rank, attempt, clock, rows, version, staleness, area, area_bytes = fields
+        dtype, error, shard, rank, attempt, clock, rows, version, staleness, area, area_bytes, loss = fields
         frame = Frame(
             member(Kind, kind, self.name),
             shard,
@@ -134,6 +144,7 @@ class _PsWire(WireProtocol[Frame]):
             member(ErrorCode, error, self.name),
             area,
             area_bytes,
+            _FLOAT64.unpack(_BITS.pack(loss))[0] if loss else 0.0,
         )
         if (frame.kind is Kind.ERROR) != (frame.error is not ErrorCode.NONE):
             raise ProtocolError(f"{frame.kind.name} frame with error code {frame.error.name}")
@@ -143,7 +154,7 @@ class _PsWire(WireProtocol[Frame]):
 PS_WIRE = _PsWire(
     "sparkdl-ps",
     ident=1,
-    fields="BBHIIQQQQIQ",
+    fields="BBHIIQQQQIQQ",
     hello_kind=Kind.HELLO,
     oversize_hint="raise ps_max_frame_mb if the model's largest shard is bigger",
 )

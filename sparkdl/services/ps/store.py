@@ -26,6 +26,12 @@ checkpoint of global step ``s``); the store is then restored from its snapshot o
 step ``s`` and clocks count from ``s``: a pull of clock ``c`` waits for version
 ``base + c - s`` (``base``: the version when the attempt began).
 
+Coordinated (``optimizer = "lbfgs"``). A store built with a ``handoff`` has no optimizer:
+each complete clock's mean gradient and mean loss go to the driver's L-BFGS coordinator
+(:mod:`sparkdl.services.ps.full_batch`), and the next version exists once the coordinator
+:meth:`~ShardStore.publish`-es the next point to evaluate; :meth:`~ShardStore.finish` then
+answers every pull that the run has ended.
+
 Memory: one copy of the weights and optimizer state per shard, plus one gradient
 accumulator per clock in flight (at most ``staleness + 1``), never one per worker.
 """
@@ -54,6 +60,11 @@ class _Clock:
     grad_sum: torch.Tensor
     rows: int = 0
     pushed: set[int] = field(default_factory=set)
+    loss_sum: float = 0.0
+
+
+#: ``(store, mean gradient, mean loss, rows)``: a complete clock, handed to the coordinator.
+Handoff = Callable[["ShardStore", torch.Tensor, float, int], None]
 
 
 class ShardStore:
@@ -70,12 +81,14 @@ class ShardStore:
         scheduler_fn: the user's LR scheduler over this shard's optimizer, stepped per version.
         steps_per_version: global steps one version stands for (see the host).
         backup_workers: sync: apply a clock once ``num_workers - backup_workers`` pushed it.
+        handoff: coordinated: a complete clock goes here instead of to an optimizer
+            (``optimizer_fn`` is then None), and the next version waits for :meth:`publish`.
     """
 
     def __init__(
         self,
         params: list[nn.Parameter],
-        optimizer_fn: OptimizerFn,
+        optimizer_fn: OptimizerFn | None,
         mode: PsMode,
         num_workers: int,
         staleness: int = 0,
@@ -84,16 +97,23 @@ class ShardStore:
         scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
         steps_per_version: float = 1.0,
         backup_workers: int = 0,
+        handoff: Handoff | None = None,
     ) -> None:
+        if (optimizer_fn is None) == (handoff is None):
+            raise ValueError("a store takes an optimizer_fn, or a handoff to a coordinator: one of them")
         if not 0 <= backup_workers < num_workers:
             raise ValueError(
                 f"backup_workers = {backup_workers} must be >= 0 and < the {num_workers} workers"
             )
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.optimizer = optimizer_fn(params)
-        self._lr = None if lr.is_constant else ScheduledLr(self.optimizer, lr)
-        self._scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None else None
+        self.optimizer = optimizer_fn(params) if optimizer_fn is not None else None
+        self._handoff = handoff
+        self.finished = False  # coordinated: the run ended; every pull is answered so
+        self._lr = None if lr.is_constant or self.optimizer is None else ScheduledLr(self.optimizer, lr)
+        self._scheduler = (
+            scheduler_fn(self.optimizer) if scheduler_fn is not None and self.optimizer is not None else None
+        )
         self._steps_per_version = steps_per_version
         self.mode = mode
         self.num_workers = num_workers
@@ -112,6 +132,11 @@ class ShardStore:
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
+
+    @property
+    def coordinated(self) -> bool:
+        """Whether a coordinator, not an optimizer, makes this store's versions."""
+        return self._handoff is not None
 
     def close(self) -> None:
         """Wake every waiting pull; they fail at once (the server is stopping)."""
@@ -159,10 +184,11 @@ class ShardStore:
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the shard: weights, optimizer state, version (plain tensors)."""
         with self._cond:
+            optimizer = self.optimizer.state_dict() if self.optimizer is not None else {}
             return {
                 "version": self.version,
                 "params": [p.detach().clone() for p in self.params],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "optimizer": copy.deepcopy(optimizer),
             }
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -176,11 +202,15 @@ class ShardStore:
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
 
-    def push(self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor) -> int:
-        """Add a worker's rows-weighted gradient sum; return its staleness (async) or 0.
+    def push(
+        self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor, loss_sum: float = 0.0
+    ) -> int:
+        """Add a worker's rows-weighted gradient sum (and, coordinated, its rows' summed loss);
+        return its staleness (async) or 0.
 
         The store may scale ``grad_sum`` in place, but keeps no reference to it once this
         returns: the caller reads the next push into the same memory.
@@ -207,6 +237,7 @@ class ShardStore:
             else:
                 entry.grad_sum += grad_sum
             entry.rows += rows
+            entry.loss_sum += loss_sum
             entry.pushed.add(rank)
             self._apply_complete_clocks()
             return 0
@@ -260,7 +291,7 @@ class ShardStore:
         attempt was aborted or the server stopped."""
         if self._aborted:
             raise PsAborted(self._aborted)
-        if self.mode is PsMode.ASYNC or self.version >= self._needed(clock):
+        if self.mode is PsMode.ASYNC or self.version >= self._needed(clock) or self.finished:
             return True
         if self._closed:
             raise PsTimeoutError(
@@ -311,6 +342,17 @@ class ShardStore:
             if entry is None or len(entry.pushed) < self.quorum:
                 return
             del self._pending[self.applied_clock]
+            if self._handoff is not None:  # the coordinator takes it; publish() makes the version
+                self._handoff(
+                    self,
+                    entry.grad_sum.div(max(entry.rows, 1)),
+                    entry.loss_sum / max(entry.rows, 1),
+                    entry.rows,
+                )
+                entry.grad_sum.zero_()
+                if len(self._spare) < 2:
+                    self._spare.append(entry.grad_sum)
+                return  # one clock at a time: the next cannot be complete before the next version
             if entry.rows:
                 self._apply(entry.grad_sum.div_(entry.rows))
             else:  # no worker trained a row in this clock (e.g. an evaluation pass): nothing moves
@@ -319,7 +361,31 @@ class ShardStore:
                 self._spare.append(entry.grad_sum)
             self._cond.notify_all()
 
+    def publish(self, point: torch.Tensor) -> None:
+        """Coordinated: the next point to evaluate (flat, this shard's values) becomes the
+        weights of the next version, and the pulls waiting for it are answered."""
+        with torch.no_grad(), self._cond:
+            offset = 0
+            for p in self.params:
+                p.copy_(point[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self.version += 1
+            self._cond.notify_all()
+
+    def finish(self, point: torch.Tensor | None = None) -> None:
+        """Coordinated: the run ended at ``point`` (None: keep the weights); every pull,
+        waiting or later, is answered that no pass is left."""
+        with torch.no_grad(), self._cond:
+            if point is not None:
+                offset = 0
+                for p in self.params:
+                    p.copy_(point[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            self.finished = True
+            self._cond.notify_all()
+
     def _apply(self, grad: torch.Tensor) -> None:
+        assert self.optimizer is not None, "a coordinated store hands its clocks over"
         offset = 0
         for p in self.params:
             view = grad[offset : offset + p.numel()].view_as(p)
