@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.exchange import Exchange
-from sparkdl.config import DrillKind, SparkDLConfig
+from sparkdl.config import DrillKind, FaultDrillSpec, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import PartitionFeed
-from sparkdl.errors import CheckpointError, agreed
+from sparkdl.errors import CheckpointError, SparkDLError, agreed
 from sparkdl.services.ps.client import PsClient, RunFinished
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.factory import cpu_state_dict
@@ -89,7 +89,7 @@ def full_batch_trainer(
         rank,
     )
     if served is not None:
-        return ServedPasses(objective, served, module, rank)
+        return ServedPasses(objective, served, module, rank, config.reliability.drill)
     validate = None
     if validation:
         validator = Validator(
@@ -196,11 +196,21 @@ class ServedPasses:
         client: this worker's connections to the shards.
         module: the model (its parameters in the shards' order through ``shard_params``).
         rank: this worker, for messages.
+        drill: the fault drill (its step counts passes here).
     """
 
-    def __init__(self, objective: Objective, client: PsClient, module: torch.nn.Module, rank: int) -> None:
+    def __init__(
+        self,
+        objective: Objective,
+        client: PsClient,
+        module: torch.nn.Module,
+        rank: int,
+        drill: FaultDrillSpec | None = None,
+    ) -> None:
         self._objective = objective
         self._client = client
+        self._module = module
+        self._drill = drill
         params = list(module.parameters())
         self._shards = [[params[i] for i in shard] for shard in client.endpoint.shard_params]
         self._rank = rank
@@ -214,13 +224,34 @@ class ServedPasses:
         return self._objective.input_shapes
 
     def run(self) -> list[dict[str, Any]]:
-        """Compute passes until the coordinator stops; the history is the driver's."""
+        """Compute passes until the coordinator stops; the history is the driver's. A failure
+        here is told to the server first, so that the other workers stop at their next pull
+        instead of waiting for this one's push."""
+        try:
+            self._passes()
+        except RunFinished:
+            return []
+        except SparkDLError as exc:
+            if not getattr(exc, "agreed_by_all_ranks", False):  # an agreed stop is every rank's already
+                self._tell_server(exc)
+            raise
+        except BaseException as exc:
+            self._tell_server(exc)
+            raise
+        return []
+
+    def _tell_server(self, exc: BaseException) -> None:
+        try:
+            self._client.abort(f"{type(exc).__name__}: {exc}")
+        except Exception:  # the server may be what failed: the original error wins
+            log.warning("rank %d could not tell the parameter server that it stopped", self._rank)
+
+    def _passes(self) -> None:
         clock = 0
         while True:
-            try:
-                pulled = self._client.pull(clock)
-            except RunFinished:
-                return []
+            pulled = self._client.pull(clock)
+            if self._drill is not None and self._drill.kind is not DrillKind.SLOW:
+                fire_drill(self._drill, self._rank, clock, self._module)  # the drill's step: a pass
             with torch.no_grad():
                 for shard, (_, weights) in zip(self._shards, pulled, strict=True):
                     offset = 0
@@ -229,7 +260,7 @@ class ServedPasses:
                         offset += p.numel()
             loss_sum, rows, rejected = self._objective.local_pass()
             if rejected is not None:
-                self._client.abort(f"{type(rejected).__name__}: {rejected}")
+                self._tell_server(rejected)
                 raise agreed(rejected)
             gradients = [flat_gradient(shard).cpu() for shard in self._shards]
             self._client.push(clock, rows, gradients, loss_sum)

@@ -310,3 +310,70 @@ def test_own_loop_refuses_lbfgs_with_the_fix():
 
     with pytest.raises(ConfigError, match=r"build torch\.optim\.LBFGS"):
         check_own_loop_settings(SparkDLConfig().replace(optimizer="lbfgs"))
+
+
+def _worker_of_attempt(rank, world, shards, spec, store_path, out, attempt):
+    """test_worker_gloo's worker, as stage attempt ``attempt`` runs it (Spark's task attempt id)."""
+    import os
+
+    from sparkdl.worker.assembly import Placement, run_worker
+    from tests.reference import shard_to_batch
+    from tests.unit.test_worker_gloo import _file_all_gather
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    x, y = shards[rank]
+    batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
+    try:
+        placement = Placement(rank, world, "127.0.0.1", task_attempt=attempt)
+        result = run_worker(spec, batches, placement, _file_all_gather(store_path, rank, world))
+        out.put((rank, result.state, result.history, None))
+    except Exception as exc:
+        out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.slow
+def test_a_stage_rerun_after_a_failed_worker_continues_from_the_coordinators_point(tmp_path):
+    from sparkdl.spark.ps_host import host_parameter_server
+    from sparkdl.worker.assembly import TrainSpec
+    from tests.reference import shard_plan
+    from tests.workers import worker_context
+
+    shards = make_learnable_shards([50, 37])
+    config = SparkDLConfig().replace(
+        num_workers=2,
+        collective_timeout_s=30.0,
+        strategy="parameter_server",
+        max_iterations=12,
+        fault_injection=f"raise:1:6:{tmp_path / 'drill'}",  # rank 1 fails before its 7th pass
+        **LBFGS,
+    )
+    plan, template = shard_plan(shards)
+    spec = TrainSpec(config, softmax_regression, None, "cross_entropy", plan, template)
+    hosted = host_parameter_server(spec, "127.0.0.1")
+    ctx = worker_context()
+    try:
+        outcomes = []
+        for attempt in (0, 1):  # the failed stage, then Spark's re-run of it
+            out = ctx.Queue()
+            store = tmp_path / f"store{attempt}"
+            procs = [
+                ctx.Process(
+                    target=_worker_of_attempt, args=(r, 2, shards, hosted.spec, str(store), out, attempt)
+                )
+                for r in range(2)
+            ]
+            for p in procs:
+                p.start()
+            outcomes.append(dict(out.get(timeout=90)[::3] for _ in procs))  # rank -> error
+            for p in procs:
+                p.join(30)
+        hosted.coordinator._thread.join(10)
+        state = {k: v.clone() for k, v in hosted.parameter_state().items()}
+    finally:
+        hosted.stop()
+    assert "fault drill: rank 1 raised at step 6" in outcomes[0][1]
+    assert "stopped" in outcomes[0][0]  # rank 0 stopped with it at its next pull, not at a timeout
+    assert outcomes[1] == {0: None, 1: None}
+    expected, _ = torch_lbfgs(*union(shards), iterations=12)
+    assert max_abs_diff(state, expected) < 1e-4  # no pass was lost or counted twice
+    assert [h["iteration"] for h in hosted.coordinator.history] == list(range(1, 13))

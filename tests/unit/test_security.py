@@ -180,7 +180,7 @@ def test_thousands_of_idle_and_half_open_connections_cost_no_thread_and_lock_no_
     ps = parameter_server()
     threads_before = threading.active_count()
     attackers: list[socket.socket] = []
-    partial_hello = PS_WIRE.pack(int(Kind.HELLO), (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 16)[:20]
+    partial_hello = PS_WIRE.pack(int(Kind.HELLO), (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 16)[:20]
     try:
         for i in range(2000):
             sock = socket.create_connection((ps.host, ps.port), timeout=10)
