@@ -17,6 +17,7 @@ collective hands every rank the same reduced numbers.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from sparkdl.config import (
     SufficientFactors,
 )
 from sparkdl.data.tensors import Batch, call_model
-from sparkdl.errors import BadDataError, ConfigError, PeerStopped, SparkDLError, agreed
+from sparkdl.errors import BadDataError, ConfigError, PeerStopped, SparkDLError, TrainingFailedError, agreed
 from sparkdl.training.lbfgs import Iteration, Lbfgs, LbfgsSettings, LbfgsState
 from sparkdl.training.losses import LossFn
 from sparkdl.training.precision import Precision
@@ -129,6 +130,7 @@ class Objective:
             weights = torch.cat([p.detach().reshape(-1) for p in self._params])
             gradient.add_(weights, alpha=self._weight_decay)
             loss += 0.5 * self._weight_decay * float(weights.double().square().sum())
+        check_finite(loss, gradient, self.passes)  # every rank sees the same sums: all stop alike
         return loss, gradient
 
     def local_pass(self) -> tuple[float, int, SparkDLError | None]:
@@ -167,6 +169,23 @@ class Objective:
             if not self.output_shape:
                 self.output_shape, self.input_shapes = tuple(output.shape[1:]), batch.shapes()
             return self._loss_fn(output, batch.label, batch.weight).float()
+
+
+def check_finite(loss: float, gradient: torch.Tensor, passes: int) -> None:
+    """Stop the run, with the fix, at an objective or gradient that is not finite (the line
+    search cannot compare it). Raised alike by every rank, which sees the same sums.
+
+    Raises:
+        TrainingFailedError: naming the pass and the loss.
+    """
+    if math.isfinite(loss) and bool(torch.isfinite(gradient).all()):
+        return
+    raise agreed(
+        TrainingFailedError(
+            f"L-BFGS's pass {passes} gave a non-finite objective or gradient (loss {loss:.4g}); lower "
+            "lr (the line search's first step), scale the inputs, or add weight_decay"
+        )
+    )
 
 
 def flat_gradient(params: list[nn.Parameter]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from sparkdl.comm.exchange import FlatExchange
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, TrainingFailedError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
 from sparkdl.training.full_batch import FullBatchTrainer, Objective
@@ -377,3 +377,11 @@ def test_a_stage_rerun_after_a_failed_worker_continues_from_the_coordinators_poi
     expected, _ = torch_lbfgs(*union(shards), iterations=12)
     assert max_abs_diff(state, expected) < 1e-4  # no pass was lost or counted twice
     assert [h["iteration"] for h in hosted.coordinator.history] == list(range(1, 13))
+
+
+def test_a_non_finite_objective_stops_the_run_with_the_fix():
+    x, y = union(make_learnable_shards([40]))
+    x[3, 2] = float("inf")
+    with pytest.raises(TrainingFailedError, match="pass 1 gave a non-finite objective") as stopped:
+        one_process_lbfgs(x, y, LbfgsSettings(max_iterations=3))
+    assert "scale the inputs" in str(stopped.value)

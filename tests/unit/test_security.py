@@ -303,18 +303,22 @@ def test_a_frame_claiming_another_rank_than_its_hello_closes_the_connection():
         ps.stop()
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_a_non_finite_push_is_refused_counted_and_not_applied(bad):
+@pytest.mark.parametrize(
+    ("bad", "in_loss"),
+    [(math.nan, False), (math.inf, False), (-math.inf, False), (math.nan, True), (math.inf, True)],
+)
+def test_a_non_finite_push_is_refused_counted_and_not_applied(bad, in_loss):
     ps = parameter_server()
     try:
         channel = authenticated(ps, rank=0)
         with channel.sock:
             assert channel.recv(1 << 20).kind is Kind.ACK
-            grad = np.array([1.0, bad], np.float32)
-            channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=grad.data))
+            grad = np.array([1.0, 2.0 if in_loss else bad], np.float32)
+            loss = bad if in_loss else 0.0  # a full-batch pass's loss: the driver's line search reads it
+            channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=grad.data, loss=loss))
             reply = channel.recv(1 << 20)
             assert reply.kind is Kind.ERROR and reply.error is ErrorCode.REJECTED
-            assert b"NaN or infinite" in bytes(reply.payload)
+            assert (b"carries a loss of" if in_loss else b"NaN or infinite") in bytes(reply.payload)
         assert ps.nonfinite_pushes == 1 and ps.rejected_pushes == 1
         two_workers_train(ps.host, ps.port)  # the bad push never counted towards clock 0
     finally:

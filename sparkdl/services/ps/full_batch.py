@@ -30,6 +30,7 @@ import torch
 
 from sparkdl.errors import BadDataError
 from sparkdl.services.ps.store import ShardStore
+from sparkdl.training.full_batch import check_finite
 from sparkdl.training.lbfgs import Iteration, Lbfgs, LbfgsSettings
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class ShardedVectors:
                 gradient.add_(point, alpha=self._weight_decay)
                 loss += 0.5 * self._weight_decay * float(point.double().square().sum())
             each[out] = gradient
+        for each in self._slices:  # slice by slice: the driver never joins them
+            check_finite(loss, each[out], self._evaluations)
         return loss
 
     def _wait(self) -> list[tuple[torch.Tensor, float, int]]:

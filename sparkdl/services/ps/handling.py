@@ -128,6 +128,12 @@ class RequestHandler:
                 f"push to shard {frame.shard} at clock {frame.clock} holds NaN or infinite values; "
                 "it was not applied (the worker's own NaN guard should have skipped that step)"
             )
+        if not math.isfinite(frame.loss):
+            self.nonfinite_pushes += 1
+            raise PushRejected(
+                f"push to shard {frame.shard} at clock {frame.clock} carries a loss of {frame.loss}; it was "
+                "not applied (the line search cannot compare a non-finite objective)"
+            )
         staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss)
         self.parked.answer(frame.shard)
         return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
