@@ -21,7 +21,7 @@ from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
 from sparkdl.spark.cluster import driver_host, is_connect
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
-from sparkdl.training.full_batch import lbfgs_settings
+from sparkdl.training.full_batch_settings import lbfgs_settings
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.worker.assembly import TrainSpec

@@ -27,17 +27,8 @@ import torch
 from torch import nn
 
 from sparkdl.comm.exchange import Exchange
-from sparkdl.config import (
-    Compression,
-    LrSchedule,
-    OptimizerName,
-    PsMode,
-    SparkDLConfig,
-    Strategy,
-    SufficientFactors,
-)
 from sparkdl.data.tensors import Batch, call_model
-from sparkdl.errors import BadDataError, ConfigError, PeerStopped, SparkDLError, TrainingFailedError, agreed
+from sparkdl.errors import BadDataError, PeerStopped, SparkDLError, TrainingFailedError, agreed
 from sparkdl.training.lbfgs import Iteration, Lbfgs, LbfgsSettings, LbfgsState
 from sparkdl.training.losses import LossFn
 from sparkdl.training.precision import Precision
@@ -357,97 +348,3 @@ class FullBatchTrainer:
             "samples_per_s": rows * iteration.evaluations / seconds if seconds > 0 else 0.0,
             "bytes_sent": traffic.bytes_sent,
         }
-
-
-def lbfgs_settings(config: SparkDLConfig) -> LbfgsSettings:
-    """The algorithm's settings from ``[lbfgs]`` and ``[optimizer]``."""
-    lbfgs = config.lbfgs
-    return LbfgsSettings(
-        lr=config.optimizer.lr,
-        max_iterations=lbfgs.max_iterations,
-        max_evaluations=lbfgs.max_evaluations,
-        tolerance_grad=lbfgs.tolerance_grad,
-        tolerance_change=lbfgs.tolerance_change,
-        history_size=lbfgs.history_size,
-        line_search=lbfgs.line_search,
-    )
-
-
-def check_full_batch_settings(config: SparkDLConfig) -> None:
-    """Refuse, with the fix, what ``optimizer = "lbfgs"`` cannot run with: a pass is the
-    whole partition and a step is the line search's, so the settings of steps have no
-    meaning here, and a lossy or scaled sum would mislead the line search.
-
-    Raises:
-        ConfigError: naming the setting and what to set instead.
-    """
-    training, optimizer, runtime = config.training, config.optimizer, config.runtime
-    if optimizer.optimizer is not OptimizerName.LBFGS:
-        return
-    ps, served = config.parameter_server, training.strategy is Strategy.PARAMETER_SERVER
-    refusals = {
-        "strategy": (
-            training.strategy not in (Strategy.ALLREDUCE, Strategy.PARAMETER_SERVER),
-            f"strategy = {training.strategy.value!r}: L-BFGS sums every worker's gradient over its whole "
-            "partition each pass; set strategy = 'allreduce' (the vectors on every worker) or "
-            "'parameter_server' (on the server's shards)",
-        ),
-        "ps_mode": (
-            served and ps.ps_mode is not PsMode.SYNC,
-            f"ps_mode = {ps.ps_mode.value!r}: every pass must see one point; set ps_mode = 'sync'",
-        ),
-        "backup_workers": (
-            served and bool(ps.backup_workers),
-            f"backup_workers = {ps.backup_workers}: a pass needs every worker's rows; set it to 0",
-        ),
-        "ps_pull_precision": (
-            served and ps.ps_pull_precision.value != "fp32",
-            "ps_pull_precision = 'bf16': the line search needs the point it chose; set it to 'fp32'",
-        ),
-        "hierarchy": (
-            served and runtime.hierarchy.value != "none",
-            f"hierarchy = {runtime.hierarchy.value!r} and strategy 'parameter_server': every worker "
-            "pushes its own pass; set hierarchy = 'none'",
-        ),
-        "checkpoint_dir": (
-            served and bool(config.reliability.checkpoint_dir),
-            "checkpoint_dir and strategy 'parameter_server': the driver's coordinator carries the run "
-            "across re-run stages, and the shards' vectors are not checkpointed yet; unset "
-            "checkpoint_dir, or use strategy 'allreduce' to checkpoint every checkpoint_every iterations",
-        ),
-        "precision": (
-            training.precision.value == "fp16",
-            "precision = 'fp16' scales the loss step by step; use 'bf16' or 'fp32'",
-        ),
-        "compression": (
-            runtime.compression is not Compression.NONE,
-            f"compression = {runtime.compression.value!r}: a lossy gradient misleads the line search; "
-            "set compression = 'none'",
-        ),
-        "sufficient_factors": (
-            runtime.sufficient_factors is not SufficientFactors.OFF,
-            "sufficient_factors: a pass's gradient sums every row, so factors never pay; set it to 'off'",
-        ),
-        "accumulate_steps": (
-            training.accumulate_steps != 1,
-            f"accumulate_steps = {training.accumulate_steps}: every pass sums the whole partition "
-            "(batch_size only sets the rows of one forward); set accumulate_steps = 1",
-        ),
-        "lr_schedule": (
-            optimizer.lr_schedule is not LrSchedule.CONSTANT or optimizer.warmup_steps or optimizer.scale_lr,
-            "lr_schedule, warmup_steps and scale_lr: the line search chooses each step's length; "
-            "leave them at their defaults",
-        ),
-        "grad_clip_norm": (
-            bool(optimizer.grad_clip_norm),
-            f"grad_clip_norm = {optimizer.grad_clip_norm}: the line search bounds the step; set it to 0",
-        ),
-        "early_stopping_patience": (
-            bool(training.early_stopping_patience),
-            "early_stopping_patience: L-BFGS stops by tolerance_grad, tolerance_change and "
-            "max_iterations; set it to 0",
-        ),
-    }
-    for clash, message in refusals.values():
-        if clash:
-            raise ConfigError(f"optimizer = 'lbfgs' with {message}")

@@ -21,49 +21,13 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from sparkdl.training.line_search import Vectors, strong_wolfe
+
+__all__ = ["Iteration", "Lbfgs", "LbfgsSettings", "LbfgsState", "Stop", "Vectors"]
 
 _CURVATURE_MIN = 1e-10  # a history pair is kept only where y.s exceeds this (PyTorch's)
-_C1, _C2 = 1e-4, 0.9  # sufficient decrease and curvature constants of the strong Wolfe search
-
-
-class Vectors(Protocol):
-    """The vectors L-BFGS combines, by name, wherever they are held.
-
-    ``"x"`` is the model's parameters as a point, ``"d"`` the search direction; every other
-    name is created by :meth:`copy` or :meth:`evaluate` and released by :meth:`delete`.
-    """
-
-    def evaluate(self, t: float, out: str) -> float:
-        """The objective at ``x + t * d`` (``t = 0``: at x; ``"d"`` need not exist then); its
-        gradient there becomes vector ``out``. One distributed pass over every row."""
-        ...
-
-    def move(self, t: float) -> None:
-        """``x <- x + t * d``: the step the line search chose (the model follows)."""
-        ...
-
-    def dot(self, a: str, b: str) -> float: ...
-
-    def axpy(self, alpha: float, x: str, y: str) -> None:
-        """``y <- y + alpha * x``."""
-        ...
-
-    def scale(self, v: str, alpha: float) -> None: ...
-
-    def copy(self, src: str, dst: str) -> None:
-        """``dst <- src``, ``dst`` created if new."""
-        ...
-
-    def rename(self, src: str, dst: str) -> None:
-        """``dst`` becomes ``src``'s numbers (no copy); ``src`` is gone."""
-        ...
-
-    def delete(self, v: str) -> None: ...
-
-    def abs_max(self, v: str) -> float: ...
-
-    def abs_sum(self, v: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -221,7 +185,8 @@ class Lbfgs:
             return Stop.CHANGE, None  # not a descent direction any more: nothing to gain along it
         budget = settings.evaluation_budget
         if settings.line_search:
-            s.loss, t, used = self._strong_wolfe(t, s.loss, gtd, budget - s.evaluations)
+            left = budget - s.evaluations
+            s.loss, t, used = strong_wolfe(v, t, s.loss, gtd, left, settings.tolerance_change)
             v.move(t)
         else:
             v.move(t)
@@ -283,131 +248,3 @@ class Lbfgs:
         for i, (s_i, y_i) in enumerate(s.pairs):
             beta = v.dot(y_i, "d") * s.rho[i]
             v.axpy(alphas[i] - beta, s_i, "d")
-
-    def _strong_wolfe(self, t: float, f: float, gtd: float, max_ls: int) -> tuple[float, float, int]:
-        """A step along ``d`` meeting the strong Wolfe conditions (or the best found within
-        ``max_ls`` evaluations): its loss and length, and the evaluations spent. Its gradient
-        becomes ``"g"``. Nocedal & Wright's algorithms 3.5 and 3.6, as PyTorch runs them."""
-        v = self._v
-        d_norm = v.abs_max("d")
-        trials = _Trials(v)
-        f_new, g_new = trials.evaluate(t)
-        evals = 1
-        gtd_new = v.dot(g_new, "d")
-        t_prev, f_prev, g_prev, gtd_prev = 0.0, f, "g", gtd
-        done = False
-        ls_iter = 0
-        bracket: list[float] = []
-        b_f: list[float] = []
-        b_g: list[str] = []
-        b_gtd: list[float] = []
-        while ls_iter < max_ls:
-            if f_new > f + _C1 * t * gtd or (ls_iter > 1 and f_new >= f_prev):
-                bracket, b_f, b_g, b_gtd = [t_prev, t], [f_prev, f_new], [g_prev, g_new], [gtd_prev, gtd_new]
-                break
-            if abs(gtd_new) <= -_C2 * gtd:
-                bracket, b_f, b_g, b_gtd = [t], [f_new], [g_new], [gtd_new]
-                done = True
-                break
-            if gtd_new >= 0:
-                bracket, b_f, b_g, b_gtd = [t_prev, t], [f_prev, f_new], [g_prev, g_new], [gtd_prev, gtd_new]
-                break
-            # extrapolate: between 1.01 and 10 times the step
-            low, high = t + 0.01 * (t - t_prev), t * 10
-            previous = t
-            t = cubic_minimum(t_prev, f_prev, gtd_prev, t, f_new, gtd_new, (low, high))
-            t_prev, f_prev, g_prev, gtd_prev = previous, f_new, g_new, gtd_new
-            f_new, g_new = trials.evaluate(t)
-            evals += 1
-            gtd_new = v.dot(g_new, "d")
-            ls_iter += 1
-        if ls_iter == max_ls:
-            bracket, b_f, b_g, b_gtd = [0.0, t], [f, f_new], ["g", g_new], [gtd, gtd_new]
-        insufficient = False
-        low_pos, high_pos = (0, 1) if b_f[0] <= b_f[-1] else (1, 0)
-        while not done and ls_iter < max_ls:
-            if abs(bracket[1] - bracket[0]) * d_norm < self._settings.tolerance_change:
-                break
-            t = cubic_minimum(bracket[0], b_f[0], b_gtd[0], bracket[1], b_f[1], b_gtd[1])
-            # keep away from the bracket's ends: a tenth of its width, once progress stalls
-            edge = 0.1 * (max(bracket) - min(bracket))
-            if min(max(bracket) - t, t - min(bracket)) < edge:
-                if insufficient or t >= max(bracket) or t <= min(bracket):
-                    near_high = abs(t - max(bracket)) < abs(t - min(bracket))
-                    t = max(bracket) - edge if near_high else min(bracket) + edge
-                    insufficient = False
-                else:
-                    insufficient = True
-            else:
-                insufficient = False
-            f_new, g_new = trials.evaluate(t)
-            evals += 1
-            gtd_new = v.dot(g_new, "d")
-            ls_iter += 1
-            if f_new > f + _C1 * t * gtd or f_new >= b_f[low_pos]:
-                bracket[high_pos], b_f[high_pos], b_g[high_pos], b_gtd[high_pos] = t, f_new, g_new, gtd_new
-                low_pos, high_pos = (0, 1) if b_f[0] <= b_f[1] else (1, 0)
-            else:
-                if abs(gtd_new) <= -_C2 * gtd:
-                    done = True
-                elif gtd_new * (bracket[high_pos] - bracket[low_pos]) >= 0:
-                    bracket[high_pos], b_f[high_pos] = bracket[low_pos], b_f[low_pos]
-                    b_g[high_pos], b_gtd[high_pos] = b_g[low_pos], b_gtd[low_pos]
-                bracket[low_pos], b_f[low_pos], b_g[low_pos], b_gtd[low_pos] = t, f_new, g_new, gtd_new
-        trials.keep(b_g[low_pos])
-        return b_f[low_pos], bracket[low_pos], evals
-
-
-class _Trials:
-    """The line search's trial gradients, each a vector of its own until one is kept as "g"."""
-
-    def __init__(self, vectors: Vectors) -> None:
-        self._v = vectors
-        self._names: list[str] = []
-
-    def evaluate(self, t: float) -> tuple[float, str]:
-        name = f"trial{len(self._names)}"
-        self._names.append(name)
-        return self._v.evaluate(t, name), name
-
-    def keep(self, chosen: str) -> None:
-        """``chosen`` becomes "g" (it may be "g" already); every other trial is released."""
-        if chosen != "g":
-            self._v.rename(chosen, "g")
-        for name in self._names:
-            if name != chosen:
-                self._v.delete(name)
-
-
-def cubic_minimum(
-    x1: float,
-    f1: float,
-    g1: float,
-    x2: float,
-    f2: float,
-    g2: float,
-    bounds: tuple[float, float] | None = None,
-) -> float:
-    """The minimum of the cubic through two points with their slopes, kept within ``bounds``
-    (default: between the points); their middle where the cubic has no minimum."""
-    low, high = bounds if bounds is not None else (min(x1, x2), max(x1, x2))
-    d1 = g1 + g2 - 3 * (f1 - f2) / (x1 - x2)
-    square = d1 * d1 - g1 * g2
-    if square < 0:
-        return (low + high) / 2.0
-    d2 = math.sqrt(square)
-    if x1 <= x2:
-        point = x2 - (x2 - x1) * _ratio(g2 + d2 - d1, g2 - g1 + 2 * d2)
-    else:
-        point = x1 - (x1 - x2) * _ratio(g1 + d2 - d1, g1 - g2 + 2 * d2)
-    if math.isnan(point):
-        return (low + high) / 2.0
-    return min(max(point, low), high)
-
-
-def _ratio(a: float, b: float) -> float:
-    """``a / b`` as IEEE floats divide (a zero ``b`` gives an infinity, which the bounds then
-    clip; PyTorch's tensors do the same)."""
-    if b == 0:
-        return math.copysign(math.inf, a) * math.copysign(1.0, b) if a else math.nan
-    return a / b

@@ -29,7 +29,7 @@ from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.full_batch import check_full_batch_settings
+from sparkdl.training.full_batch_settings import check_full_batch_settings
 from sparkdl.training.guards import NanGuard
 from sparkdl.training.precision import Precision
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr

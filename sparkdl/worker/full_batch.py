@@ -25,7 +25,8 @@ from sparkdl.errors import CheckpointError, SparkDLError, agreed
 from sparkdl.services.ps.client import PsClient, RunFinished
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved, flat_gradient, lbfgs_settings
+from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved, flat_gradient
+from sparkdl.training.full_batch_settings import lbfgs_settings
 from sparkdl.training.guards import LabelRangeCheck, fire_drill, no_label_check
 from sparkdl.training.hooks import ProgressUpdate
 from sparkdl.training.losses import LossFn, resolve_loss

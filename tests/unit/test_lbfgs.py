@@ -18,7 +18,8 @@ from sparkdl.errors import ConfigError, TrainingFailedError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
 from sparkdl.training.full_batch import FullBatchTrainer, Objective
-from sparkdl.training.lbfgs import LbfgsSettings, cubic_minimum
+from sparkdl.training.lbfgs import LbfgsSettings
+from sparkdl.training.line_search import cubic_minimum
 from sparkdl.training.losses import resolve_loss
 from sparkdl.training.precision import Precision
 from tests.reference import make_learnable_shards, make_shards, max_abs_diff
