@@ -12,6 +12,7 @@ through ``allGather`` and results come back in the result rows.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.server import Upload, weight_server
 from sparkdl.spark.attempts import AttemptPublisher
 from sparkdl.spark.cluster import driver_host, is_connect
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ def stage_servers(spark: object, group: str, timeout_s: float, encrypt: bool) ->
         yield StageServers(None, None)
         return
     host = driver_host(spark)
+    if encrypt:
+        warn_if_tasks_travel_in_the_clear(spark)
     with contextlib.ExitStack() as stack:
         upload = weight_server(host, encrypt).expect_upload()
         stack.callback(upload.close)
@@ -60,3 +65,19 @@ def stage_servers(spark: object, group: str, timeout_s: float, encrypt: bool) ->
         attempts = AttemptPublisher(spark.sparkContext, group, meeting.publish)  # type: ignore[attr-defined]
         stack.callback(attempts.close)
         yield StageServers(upload, meeting.endpoint)
+
+
+def warn_if_tasks_travel_in_the_clear(spark: object) -> None:
+    """``runtime.encrypt`` seals the driver's connections, but the fit's secret reaches the
+    executors inside the task, which Spark sends in the clear unless its own RPC encryption
+    is on. Forward secrecy keeps a passive listener who reads it out of every session (the
+    session keys also hang on ephemeral keys it never sees); an active one could still
+    present it as a worker. Warn, once per stage run, naming the two settings."""
+    conf = spark.sparkContext.getConf()  # type: ignore[attr-defined]
+    if conf.get("spark.network.crypto.enabled", "false").lower() == "true":
+        return
+    log.warning(
+        "runtime.encrypt is on, but Spark sends tasks, and with them this fit's secret, in the clear: "
+        "set spark.authenticate=true and spark.network.crypto.enabled=true so that no one on the "
+        "network can read the secret and act as a worker (recorded sessions stay sealed either way)"
+    )

@@ -149,6 +149,8 @@ class Lbfgs:
         s, v, settings = self.state, self._v, self._settings
         if s.stopped:
             return Stop(s.stopped)
+        if s.iteration >= settings.max_iterations:  # resumed by a run that allows no more
+            return self._stop(Stop.ITERATIONS)
         if s.iteration == 0 and s.evaluations == 0:
             s.loss = v.evaluate(0.0, "g")
             s.evaluations = 1
@@ -156,10 +158,12 @@ class Lbfgs:
                 return self._stop(Stop.GRADIENT)
         while True:
             stop, record = self._iterate()
+            if stop is not None:  # decided first: a checkpoint taken in on_iteration knows it
+                self._stop(stop)
             if record is not None:
                 on_iteration(record)
             if stop is not None:
-                return self._stop(stop)
+                return stop
 
     def _stop(self, why: Stop) -> Stop:
         self.state.stopped = why.value
@@ -198,7 +202,7 @@ class Lbfgs:
         s.evaluations += used
         grad_max = v.abs_max("g")
         record = Iteration(s.iteration, s.loss, grad_max, t, used, s.evaluations)
-        if s.iteration == settings.max_iterations:
+        if s.iteration >= settings.max_iterations:
             return Stop.ITERATIONS, record
         if s.evaluations >= budget:
             return Stop.EVALUATIONS, record

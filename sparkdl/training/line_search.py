@@ -111,6 +111,7 @@ class _Search:
             t = cubic_minimum(t_prev, f_prev, gtd_prev, t, f_new, gtd_new, (low, high))
             t_prev, f_prev, g_prev, gtd_prev = previous, f_new, g_new, gtd_new
             f_new, g_new, gtd_new = self._evaluate(t)
+            self._trials.prune({g_prev, g_new})  # at most two trial gradients held at a time
             self.ls_iter += 1
         self._set([0.0, t], [f, f_new], ["g", g_new], [gtd, gtd_new])  # out of evaluations
         return False
@@ -147,6 +148,7 @@ class _Search:
                 elif gtd_new * (b_t[high] - b_t[low]) >= 0:
                     b_t[high], b_f[high], b_g[high], b_gtd[high] = b_t[low], b_f[low], b_g[low], b_gtd[low]
                 b_t[low], b_f[low], b_g[low], b_gtd[low] = t, f_new, g_new, gtd_new
+            self._trials.prune(set(b_g))  # the bracket's ends: two trial gradients at most
         self.low = low
 
     def result(self) -> tuple[float, float, int]:
@@ -159,12 +161,20 @@ class _Trials:
 
     def __init__(self, vectors: Vectors) -> None:
         self._v = vectors
-        self._names: list[str] = []
+        self._names: list[str] = []  # the trials held now
+        self._made = 0
 
     def evaluate(self, t: float) -> tuple[float, str]:
-        name = f"trial{len(self._names)}"
+        name = f"trial{self._made}"
+        self._made += 1
         self._names.append(name)
         return self._v.evaluate(t, name), name
+
+    def prune(self, live: set[str]) -> None:
+        """Release the trials no longer named in the search (the bracket's ends, the last two)."""
+        for name in [n for n in self._names if n not in live]:
+            self._v.delete(name)
+            self._names.remove(name)
 
     def keep(self, chosen: str) -> None:
         """``chosen`` becomes "g" (it may be "g" already); every other trial is released."""
@@ -187,6 +197,8 @@ def cubic_minimum(
     """The minimum of the cubic through two points with their slopes, kept within ``bounds``
     (default: between the points); their middle where the cubic has no minimum."""
     low, high = bounds if bounds is not None else (min(x1, x2), max(x1, x2))
+    if x1 == x2:  # a bracket that collapsed (tolerance_change = 0): nothing to interpolate
+        return min(max(x1, low), high)
     d1 = g1 + g2 - 3 * (f1 - f2) / (x1 - x2)
     square = d1 * d1 - g1 * g2
     if square < 0:

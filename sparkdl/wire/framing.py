@@ -21,7 +21,7 @@ gathered from the modules that hold them, each of which says why it is built as 
 """
 
 from sparkdl.wire.channel import MAX_POLL_MS, Channel
-from sparkdl.wire.handshake import accept_hello, client_hello, server_challenge, server_hello
+from sparkdl.wire.handshake import Challenge, accept_hello, client_hello, server_challenge, server_hello
 from sparkdl.wire.layout import (
     CHALLENGE,
     ENCRYPTED,
@@ -56,6 +56,7 @@ __all__ = [
     "STREAM_CHUNK",
     "TAG_BYTES",
     "VERSION",
+    "Challenge",
     "Channel",
     "Fields",
     "Payload",

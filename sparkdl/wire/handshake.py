@@ -1,12 +1,16 @@
 """The handshake that opens every framed connection and agrees on its transcript.
 
-The server speaks first: a CHALLENGE with a fresh 16-byte nonce, and whether the
-connection is encrypted. The client answers with a HELLO carrying its own fresh nonce,
-tagged with HMAC-SHA256 under the hello key over the HELLO and the whole challenge
-(:class:`sparkdl.wire.keys.ProtocolKeys`). The session's transcript is both nonces, so a
-recorded HELLO, or any frame after it, verifies on no other connection: the server's
-nonce differs. Each side then holds a :class:`~sparkdl.wire.channel.Channel` keyed by
-that transcript.
+The server speaks first: a CHALLENGE with a fresh 16-byte nonce, a fresh (ephemeral)
+X25519 public key, and whether the connection is encrypted. The client answers with a
+HELLO carrying its own fresh nonce and ephemeral public key, tagged with HMAC-SHA256 under
+the hello key over the HELLO and the whole challenge (:class:`sparkdl.wire.keys.ProtocolKeys`):
+the fit's secret authenticates both ephemeral keys, as in Noise's NNpsk0 pattern. The
+session's transcript is both nonces and the X25519 shared secret of the two ephemeral
+keys, so a recorded HELLO, or any frame after it, verifies on no other connection (the
+server's nonce differs), and a recorded session cannot be decrypted later, even by
+someone who learns the fit's secret: the ephemeral private keys never leave memory and
+die with the handshake (forward secrecy). Each side then holds a
+:class:`~sparkdl.wire.channel.Channel` keyed by that transcript.
 
 A HELLO's header fields may name the resource it asks for (a lookup then chooses the
 secret), but they are trusted only once its tag verified under that secret.
@@ -17,6 +21,10 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from sparkdl.errors import ConnectionClosed, ProtocolError
 from sparkdl.wire.channel import Channel
@@ -25,6 +33,7 @@ from sparkdl.wire.layout import (
     CHALLENGE,
     ENCRYPTED,
     FIELDS_INDEX,
+    HELLO_PAYLOAD_BYTES,
     KIND_INDEX,
     LENGTH_INDEX,
     MAGIC,
@@ -39,12 +48,43 @@ from sparkdl.wire.layout import (
 from sparkdl.wire.socket_io import recv_exactly
 
 
-def server_challenge(protocol: WireProtocol, encrypt: bool = False) -> bytes:
-    """The CHALLENGE a server sends first on a new connection: a fresh nonce, and whether
-    the connection is encrypted."""
-    return CHALLENGE.pack(
-        MAGIC, VERSION, protocol.ident, ENCRYPTED if encrypt else 0, os.urandom(NONCE_BYTES)
+@dataclass(frozen=True)
+class Challenge:
+    """A server's CHALLENGE as sent, and the private half of its ephemeral key (kept only
+    until the HELLO is verified)."""
+
+    data: bytes
+    ephemeral: X25519PrivateKey
+
+
+def server_challenge(protocol: WireProtocol, encrypt: bool = False) -> Challenge:
+    """The CHALLENGE a server sends first on a new connection: a fresh nonce, a fresh
+    ephemeral key, and whether the connection is encrypted."""
+    ephemeral = X25519PrivateKey.generate()
+    data = CHALLENGE.pack(
+        MAGIC,
+        VERSION,
+        protocol.ident,
+        ENCRYPTED if encrypt else 0,
+        os.urandom(NONCE_BYTES),
+        _public(ephemeral),
     )
+    return Challenge(data, ephemeral)
+
+
+def _public(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def _shared(own: X25519PrivateKey, peer_public: bytes, protocol: WireProtocol) -> bytes:
+    """The X25519 shared secret with the peer's public key (a key of low order, which would
+    make it all zeros, is refused)."""
+    try:
+        return own.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as exc:
+        raise ProtocolError(
+            f"{protocol.name} handshake: the peer's ephemeral key is unusable ({exc})"
+        ) from None
 
 
 def client_hello(
@@ -67,7 +107,7 @@ def client_hello(
             f"the {protocol.name} server closed the connection before its challenge: it refused it "
             "(over its connection cap, or shutting down)"
         ) from None
-    magic, version, ident, flags, server_nonce = CHALLENGE.unpack(challenge)
+    magic, version, ident, flags, server_nonce, server_public = CHALLENGE.unpack(challenge)
     check_identity(magic, version, ident, protocol)
     if bool(flags & ENCRYPTED) != encrypt:
         raise ProtocolError(
@@ -75,16 +115,19 @@ def client_hello(
             f"but this worker was told {'to' if encrypt else 'not to'}: the driver and the executors "
             "disagree about runtime.encrypt"
         )
-    nonce = os.urandom(NONCE_BYTES)
-    header = protocol.pack(kind, fields, NONCE_BYTES)
-    sock.sendall(header + nonce + ProtocolKeys(secret, protocol).hello_tag(header + nonce, challenge))
-    return Channel(sock, secret, protocol, nonce + server_nonce, client=True, encrypt=encrypt)
+    ephemeral = X25519PrivateKey.generate()
+    shared = _shared(ephemeral, server_public, protocol)
+    offer = os.urandom(NONCE_BYTES) + _public(ephemeral)  # the HELLO's payload: nonce, public key
+    header = protocol.pack(kind, fields, HELLO_PAYLOAD_BYTES)
+    sock.sendall(header + offer + ProtocolKeys(secret, protocol).hello_tag(header + offer, challenge))
+    transcript = offer[:NONCE_BYTES] + server_nonce + shared
+    return Channel(sock, secret, protocol, transcript, client=True, encrypt=encrypt)
 
 
 def accept_hello(
     sock: socket.socket,
     raw: bytes | bytearray,
-    challenge: bytes,
+    challenge: Challenge,
     secret: bytes | SecretLookup,
     protocol: WireProtocol[M],
 ) -> tuple[M, Channel[M]]:
@@ -100,23 +143,23 @@ def accept_hello(
     """
     raw = bytes(raw)
     size = protocol.header.size
-    header, nonce, tag = raw[:size], raw[size : size + NONCE_BYTES], raw[size + NONCE_BYTES :]
+    header, offer, tag = raw[:size], raw[size : size + HELLO_PAYLOAD_BYTES], raw[size + HELLO_PAYLOAD_BYTES :]
     check_prefix(header, protocol)
     values = protocol.header.unpack(header)
-    if values[KIND_INDEX] != protocol.hello_kind or values[LENGTH_INDEX] != NONCE_BYTES:
+    if values[KIND_INDEX] != protocol.hello_kind or values[LENGTH_INDEX] != HELLO_PAYLOAD_BYTES:
         raise ProtocolError(f"first {protocol.name} frame was of kind {values[KIND_INDEX]}, expected a HELLO")
     key = secret if isinstance(secret, bytes) else secret(values[FIELDS_INDEX:])
     if key is None or not hmac.compare_digest(
-        tag, ProtocolKeys(key, protocol).hello_tag(header + nonce, challenge)
+        tag, ProtocolKeys(key, protocol).hello_tag(header + offer, challenge.data)
     ):
         raise ProtocolError(
             f"{protocol.name} HELLO failed authentication (wrong or missing job secret, or a replayed HELLO)"
         )
     hello = protocol.decode(values[KIND_INDEX], values[FIELDS_INDEX:], bytearray())
-    encrypt = bool(CHALLENGE.unpack(challenge)[3] & ENCRYPTED)
-    return hello, Channel(
-        sock, key, protocol, nonce + challenge[-NONCE_BYTES:], client=False, encrypt=encrypt
-    )
+    _, _, _, flags, server_nonce, _ = CHALLENGE.unpack(challenge.data)
+    shared = _shared(challenge.ephemeral, offer[NONCE_BYTES:], protocol)  # only once authenticated
+    transcript = offer[:NONCE_BYTES] + server_nonce + shared
+    return hello, Channel(sock, key, protocol, transcript, client=False, encrypt=bool(flags & ENCRYPTED))
 
 
 def server_hello(
@@ -131,6 +174,6 @@ def server_hello(
         ProtocolError: not a HELLO of ``protocol`` under ``secret``.
     """
     challenge = server_challenge(protocol, encrypt)
-    sock.sendall(challenge)
+    sock.sendall(challenge.data)
     raw = recv_exactly(sock, protocol.hello_size, at_frame_start=True)
     return accept_hello(sock, raw, challenge, secret, protocol)

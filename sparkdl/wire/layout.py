@@ -40,11 +40,14 @@ PayloadPlacement = Callable[[int, Fields, int], "memoryview | None"]
 SecretLookup = Callable[[Fields], "bytes | None"]
 
 MAGIC = b"SDNT"
-VERSION = 6  # 6: encrypted payloads in pieces, each its own AES-GCM message
+VERSION = 7  # 7: an X25519 key exchange in the handshake; 6: encrypted payloads in pieces
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
-CHALLENGE = struct.Struct("<4sBBBx16s")  # magic, version, protocol id, flags, (pad), server nonce
+# magic, version, protocol id, flags, (pad), server nonce, server's ephemeral X25519 public key
+CHALLENGE = struct.Struct("<4sBBBx16s32s")
 ENCRYPTED = 1  # the challenge's flag: every payload of the connection is encrypted
 NONCE_BYTES = 16
+KEY_BYTES = 32  # an X25519 public key
+HELLO_PAYLOAD_BYTES = NONCE_BYTES + KEY_BYTES  # a HELLO's payload: the client's nonce and public key
 HELLO_TAG_BYTES = 32  # HMAC-SHA256
 TAG_BYTES = 16  # a GMAC tag, or the AES-GCM one
 KIND_INDEX = 3  # index of the kind in an unpacked header
@@ -84,8 +87,8 @@ class WireProtocol(abc.ABC, Generic[M]):
 
     @property
     def hello_size(self) -> int:
-        """The bytes of a HELLO: header, client nonce, tag (the same for every HELLO)."""
-        return self.header.size + NONCE_BYTES + HELLO_TAG_BYTES
+        """The bytes of a HELLO: header, client nonce and public key, tag (the same for every HELLO)."""
+        return self.header.size + HELLO_PAYLOAD_BYTES + HELLO_TAG_BYTES
 
     @abc.abstractmethod
     def encode(self, message: M) -> tuple[int, Fields, Payload]:

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from sparkdl.errors import ProtocolError
-from sparkdl.wire.framing import Channel, SecretLookup, WireProtocol, accept_hello, server_challenge
+from sparkdl.wire.framing import (
+    Challenge,
+    Channel,
+    SecretLookup,
+    WireProtocol,
+    accept_hello,
+    server_challenge,
+)
 
 M = TypeVar("M")
 
@@ -113,7 +120,7 @@ class _Pending:
 
     sock: socket.socket
     peer: tuple[str, int]
-    challenge: bytes
+    challenge: Challenge
     deadline: float
     hello: bytearray
     received: int = 0
@@ -304,7 +311,7 @@ class ConnectionListener(Generic[M]):
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if sock.send(challenge) != len(challenge):  # a fresh socket's buffer takes 24 bytes
+            if sock.send(challenge.data) != len(challenge.data):  # a fresh socket's buffer takes 56 bytes
                 raise OSError("the challenge did not fit the socket's buffer")
         except OSError:
             close_quietly(sock)

@@ -386,3 +386,59 @@ def test_a_non_finite_objective_stops_the_run_with_the_fix():
     with pytest.raises(TrainingFailedError, match="pass 1 gave a non-finite objective") as stopped:
         one_process_lbfgs(x, y, LbfgsSettings(max_iterations=3))
     assert "scale the inputs" in str(stopped.value)
+
+
+class _Counting:
+    """ReplicatedVectors that records the most vectors it ever held at once."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.most = 0
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def call(*args):
+            result = method(*args)
+            self.most = max(self.most, len(self._inner.tensors))
+            return result
+
+        return call
+
+
+def test_a_long_line_search_holds_two_trial_gradients_at_most():
+    from sparkdl.training.full_batch import ReplicatedVectors
+    from sparkdl.training.lbfgs import Lbfgs
+
+    x, y = union(make_learnable_shards([60]))
+    loss_fn, _ = resolve_loss("cross_entropy")
+    model = softmax_regression()
+    exchange = FlatExchange(world_size=1)
+    objective = Objective(
+        model, _Rows(x, y, 64), loss_fn, False, exchange, 0.0, lambda b: None, Precision(), 0
+    )
+    vectors = _Counting(ReplicatedVectors(objective))
+    # lr 1e6: every line search starts far too long and zooms back over many evaluations
+    Lbfgs(vectors, LbfgsSettings(lr=1e6, max_iterations=4, max_evaluations=60, history_size=2)).run()
+    assert objective.passes > 12  # long searches did happen
+    assert vectors.most <= 4 + 2 * 2 + 2  # x, g, d, g_prev, two pairs, two trials
+
+
+def test_a_run_resumed_from_its_last_iterations_checkpoint_stops_at_once():
+    from sparkdl.training.full_batch import Saved
+
+    x, y = union(make_learnable_shards([60]))
+    saved = []
+    model = softmax_regression()
+    loss_fn, _ = resolve_loss("cross_entropy")
+    exchange = FlatExchange(world_size=1)
+    objective = Objective(
+        model, _Rows(x, y, 64), loss_fn, False, exchange, 0.0, lambda b: None, Precision(), 0
+    )
+    settings = LbfgsSettings(max_iterations=3, max_evaluations=50)
+    FullBatchTrainer(settings, objective, exchange, after_iteration=lambda s: saved.append(s.to_dict())).run()
+    last = Saved.from_dict(saved[-1], torch.device("cpu"))
+    assert last.state.stopped == "max_iterations"  # the checkpoint knows the run is over
+    again = Objective(model, _Rows(x, y, 64), loss_fn, False, exchange, 0.0, lambda b: None, Precision(), 0)
+    history = FullBatchTrainer(settings, again, exchange, resumed=last).run()
+    assert again.passes == 0 and [h["iteration"] for h in history] == [1, 2, 3]

@@ -33,7 +33,7 @@ from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import PsMode, ShardStore
 from sparkdl.services.weights.client import download, upload
 from sparkdl.services.weights.server import WeightServer
-from sparkdl.wire.framing import TAG_BYTES, Channel
+from sparkdl.wire.framing import CHALLENGE, TAG_BYTES, Channel
 from sparkdl.wire.listener import one_line
 
 SECRET = b"k" * 32
@@ -143,7 +143,7 @@ def test_a_recorded_parameter_server_session_replayed_applies_nothing_and_is_log
         with caplog.at_level(logging.WARNING, logger="sparkdl.services.ps"):
             answered = replay(ps.host, ps.port, bytes(relay.from_client))
             assert wait_until(lambda: ps.refusals)
-        assert len(answered) == 24  # its own fresh challenge, then the close
+        assert len(answered) == CHALLENGE.size  # its own fresh challenge, then the close
         assert store.version == version and torch.equal(store.flat_weights(), weights)
         assert ps.refusals == {"HELLO refused": 1}
         lines = [r.getMessage() for r in caplog.records]
@@ -180,7 +180,7 @@ def test_thousands_of_idle_and_half_open_connections_cost_no_thread_and_lock_no_
     ps = parameter_server()
     threads_before = threading.active_count()
     attackers: list[socket.socket] = []
-    partial_hello = PS_WIRE.pack(int(Kind.HELLO), (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 16)[:20]
+    partial_hello = PS_WIRE.pack(int(Kind.HELLO), (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 48)[:20]
     try:
         for i in range(2000):
             sock = socket.create_connection((ps.host, ps.port), timeout=10)
@@ -225,7 +225,7 @@ def test_a_connection_that_never_finishes_its_hello_is_closed_after_the_timeout(
                     sock.sendall(b"S")
                 except ConnectionResetError:
                     closed = True
-            assert closed and received[:4] == b"SDNT" and len(received) == 24
+            assert closed and received[:4] == b"SDNT" and len(received) == CHALLENGE.size
             assert 0.4 < time.monotonic() - started < 3
         assert listener.refusals.counts == {"no HELLO within 0.5 s": 1}
     finally:
@@ -530,3 +530,21 @@ def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_hands
         assert listener.refusals.counts["evicted: 2 connections were waiting for their HELLO"] >= 400
     finally:
         listener.stop()
+
+
+def test_encrypt_without_sparks_rpc_encryption_warns_naming_both_settings(caplog):
+    from sparkdl.spark.stage_servers import warn_if_tasks_travel_in_the_clear
+
+    class Session:
+        def __init__(self, conf):
+            self.sparkContext = self
+            self._conf = conf
+
+        def getConf(self):  # SparkContext's name
+            return self._conf
+
+    with caplog.at_level(logging.WARNING, logger="sparkdl.spark.stage_servers"):
+        warn_if_tasks_travel_in_the_clear(Session({}))
+        warn_if_tasks_travel_in_the_clear(Session({"spark.network.crypto.enabled": "true"}))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "spark.authenticate=true" in warning and "spark.network.crypto.enabled=true" in warning
