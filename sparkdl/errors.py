@@ -179,6 +179,11 @@ class PsAborted(ParameterServerError):
     """A worker stopped training (e.g. a non-finite loss); the others must stop too."""
 
 
+class CoordinatorFailed(ParameterServerError):
+    """The driver's full-batch coordinator (``optimizer = "lbfgs"`` on the parameter server)
+    failed: no worker can go on, and a re-run stage would fail alike."""
+
+
 class WeightTransferError(SparkDLError):
     """Model weights could not be moved between the driver and an executor."""
 

@@ -54,6 +54,7 @@ from sparkdl.spark.inference import (
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.training.factory import ModelFn, OptimizerFn, module_with_state
+from sparkdl.training.full_batch_settings import check_full_batch_inputs
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
 from sparkdl.training.strategy import SchedulerFn, check_settings
@@ -294,15 +295,10 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "scheduler_fn and the lr_schedule / warmup_steps / scale_lr settings both set the "
                 "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
             )
-        if config.optimizer.optimizer.value == "lbfgs" and (self.optimizer_fn or self.scheduler_fn):
-            given = "optimizer_fn" if self.optimizer_fn is not None else "scheduler_fn"
-            raise ConfigError(
-                f"optimizer = 'lbfgs' trains full-batch with sparkdl's L-BFGS, which {given} cannot "
-                f"replace; drop {given}, or choose a step-wise optimizer (optimizer = 'sgd', ...)"
-            )
         if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
             dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
+        check_full_batch_inputs(config, self.optimizer_fn, self.scheduler_fn, bool(validation_col))
         plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
         spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)
         return dataset, spec

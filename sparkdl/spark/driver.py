@@ -185,12 +185,12 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         coordinator = hosted.coordinator if hosted is not None else None
         try:
             rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group)
+            upload = servers.upload
+            result = _fit_result(rows, n, upload.take() if upload is not None else None)
         except SparkDLError as exc:  # L-BFGS on the shards: the driver's own error is the cause
-            if coordinator is not None and isinstance(coordinator.error, SparkDLError):
-                raise coordinator.error from exc
+            if coordinator is not None and coordinator.error is not None:
+                raise coordinator_error(coordinator.error) from exc
             raise
-        upload = servers.upload
-        result = _fit_result(rows, n, upload.take() if upload is not None else None)
         if hosted is not None and coordinator is not None:  # the driver ran L-BFGS: its history, point
             result.history = coordinator.history
             result.state_dict.update(hosted.parameter_state())
@@ -265,6 +265,14 @@ def start_progress_channel(
     board = ProgressBoard(config.training.num_workers, epochs, show=config.runtime.progress)
     runtime = config.runtime
     return progress_server(spark, board, runtime.progress_interval_s, runtime.encrypt, attempt_started)
+
+
+def coordinator_error(error: BaseException) -> SparkDLError:
+    """The error a fit raises for its L-BFGS coordinator's: the coordinator's own when it is
+    sparkdl's (no rows, a non-finite objective), else wrapped with its type and text."""
+    if isinstance(error, SparkDLError):
+        return error
+    return TrainingFailedError(f"the driver's L-BFGS coordinator failed: {type(error).__name__}: {error}")
 
 
 def _length(config: SparkDLConfig) -> str:

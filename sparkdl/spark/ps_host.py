@@ -175,6 +175,7 @@ def _serve(
         torch_threads=config.parameter_server.ps_torch_threads,
         shared_memory_bytes=_shared_memory_bytes(config),
         factor_layouts=layouts,
+        attempt_lock=vectors.attempt_lock if vectors is not None else None,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards, %s",

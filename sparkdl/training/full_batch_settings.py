@@ -68,6 +68,12 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
             f"hierarchy = {runtime.hierarchy.value!r} and strategy 'parameter_server': every worker "
             "pushes its own pass; set hierarchy = 'none'",
         ),
+        "validation": (
+            served and bool(training.validation_fraction or training.validation_col),
+            "validation and strategy 'parameter_server': the driver's coordinator measures no "
+            "held-out rows yet; use strategy 'allreduce' (validated after every iteration), or "
+            "unset validation_fraction and validation_col",
+        ),
         "checkpoint_dir": (
             served and bool(config.reliability.checkpoint_dir),
             "checkpoint_dir and strategy 'parameter_server': the driver's coordinator carries the run "
@@ -110,3 +116,28 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
     for clash, message in refusals.values():
         if clash:
             raise ConfigError(f"optimizer = 'lbfgs' with {message}")
+
+
+def check_full_batch_inputs(
+    config: SparkDLConfig, optimizer_fn: object, scheduler_fn: object, validation: bool
+) -> None:
+    """Refuse what a TorchEstimator gives besides its settings that ``optimizer = "lbfgs"``
+    cannot use: its own optimizer or scheduler (the line search decides every step), and,
+    on the parameter server, held-out rows (its coordinator measures none yet).
+
+    Raises:
+        ConfigError: naming what was given and what to do instead.
+    """
+    if config.optimizer.optimizer is not OptimizerName.LBFGS:
+        return
+    if optimizer_fn is not None or scheduler_fn is not None:
+        given = "optimizer_fn" if optimizer_fn is not None else "scheduler_fn"
+        raise ConfigError(
+            f"optimizer = 'lbfgs' trains full-batch with sparkdl's L-BFGS, which {given} cannot "
+            f"replace; drop {given}, or choose a step-wise optimizer (optimizer = 'sgd', ...)"
+        )
+    if validation and config.training.strategy is Strategy.PARAMETER_SERVER:
+        raise ConfigError(
+            "optimizer = 'lbfgs' with strategy 'parameter_server' measures no held-out rows yet; "
+            "use strategy 'allreduce' (validated after every iteration), or drop the validation"
+        )

@@ -25,7 +25,7 @@ from sparkdl.errors import CheckpointError, SparkDLError, agreed
 from sparkdl.services.ps.client import PsClient, RunFinished
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved, flat_gradient
+from sparkdl.training.full_batch import FullBatchTrainer, Objective, Saved, check_finite, flat_gradient
 from sparkdl.training.full_batch_settings import lbfgs_settings
 from sparkdl.training.guards import LabelRangeCheck, fire_drill, no_label_check
 from sparkdl.training.hooks import ProgressUpdate
@@ -264,5 +264,11 @@ class ServedPasses:
                 self._tell_server(rejected)
                 raise agreed(rejected)
             gradients = [flat_gradient(shard).cpu() for shard in self._shards]
+            try:  # this worker's sums already make the objective non-finite: stop every rank now
+                for gradient in gradients:
+                    check_finite(loss_sum, gradient, clock + 1)
+            except SparkDLError as exc:
+                self._tell_server(exc)
+                raise
             self._client.push(clock, rows, gradients, loss_sum)
             clock += 1

@@ -244,7 +244,7 @@ def test_settings_that_lbfgs_cannot_run_with_are_refused_with_the_fix(settings, 
 # --- on the parameter server's shards -------------------------------------------------------
 
 
-def served_lbfgs(shards, tmp_path, **settings):
+def served_lbfgs(shards, tmp_path, model_fn=softmax_regression, **settings):
     """The fit of run_workers with the parameter server hosted here: the final weights, the
     workers' results and the server (its coordinator) for a look afterwards."""
     from sparkdl.spark.ps_host import host_parameter_server
@@ -253,10 +253,13 @@ def served_lbfgs(shards, tmp_path, **settings):
     from tests.unit.test_worker_gloo import _spawn
 
     config = SparkDLConfig().replace(
-        num_workers=len(shards), collective_timeout_s=30.0, strategy="parameter_server", **LBFGS, **settings
+        num_workers=len(shards),
+        collective_timeout_s=30.0,
+        strategy="parameter_server",
+        **{**LBFGS, **settings},
     )
     plan, template = shard_plan(shards)
-    spec = TrainSpec(config, softmax_regression, None, "cross_entropy", plan, template)
+    spec = TrainSpec(config, model_fn, None, "cross_entropy", plan, template)
     hosted = host_parameter_server(spec, "127.0.0.1")
     try:
         state, results = _spawn(shards, tmp_path, hosted.spec)
@@ -442,3 +445,81 @@ def test_a_run_resumed_from_its_last_iterations_checkpoint_stops_at_once():
     again = Objective(model, _Rows(x, y, 64), loss_fn, False, exchange, 0.0, lambda b: None, Precision(), 0)
     history = FullBatchTrainer(settings, again, exchange, resumed=last).run()
     assert again.passes == 0 and [h["iteration"] for h in history] == [1, 2, 3]
+
+
+def head_on_a_frozen_layer() -> nn.Module:
+    """A head trained on a frozen random projection (fine-tuning a head on frozen features)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.slow
+def test_a_frozen_layer_stays_put_on_the_shards_as_on_every_worker(tmp_path):
+    shards = make_learnable_shards([40, 33])
+    settings = {"max_iterations": 8, "weight_decay": 0.05}
+    served, _, _ = served_lbfgs(shards, tmp_path / "served", head_on_a_frozen_layer, ps_shards=2, **settings)
+    replicated, _ = run_workers(
+        shards,
+        tmp_path / "replicated",
+        optimizer_fn=None,
+        model_fn=head_on_a_frozen_layer,
+        **{**LBFGS, **settings},
+    )
+    frozen = head_on_a_frozen_layer()
+    assert torch.equal(served["0.weight"], frozen[0].weight) and torch.equal(served["0.bias"], frozen[0].bias)
+    assert max_abs_diff(served, replicated) < 1e-4  # the same objective: no decay on what is frozen
+
+
+def test_a_failed_coordinator_fails_every_attempt_for_good_and_workers_stop_as_one():
+    from sparkdl.errors import CoordinatorFailed
+    from sparkdl.services.ps.protocol import error_frame, error_of
+    from sparkdl.services.ps.store import PsMode, ShardStore
+
+    store = ShardStore([nn.Parameter(torch.zeros(3))], None, PsMode.SYNC, 2, handoff=lambda *a: None)
+    store.begin_attempt(0)
+    store.fail("the driver's L-BFGS coordinator failed: BadDataError: no rows")
+    with pytest.raises(CoordinatorFailed, match="no rows"):
+        store.pull(0, 0, timeout_s=1.0)
+    store.begin_attempt(1)  # Spark's re-run: still failed, at once
+    with pytest.raises(CoordinatorFailed):
+        store.push(0, 1, 0, 4, torch.zeros(3))
+    try:
+        store.pull(1, 0, timeout_s=1.0)
+    except CoordinatorFailed as exc:
+        seen = error_of(error_frame(exc), rank=1)
+    assert isinstance(seen, CoordinatorFailed) and seen.agreed_by_all_ranks  # no re-run of the stage
+
+
+def test_shards_that_saw_different_passes_stop_the_coordinator():
+    import threading
+
+    from sparkdl.errors import CoordinatorFailed
+    from sparkdl.services.ps.full_batch import ShardedVectors
+    from sparkdl.services.ps.store import PsMode, ShardStore
+
+    vectors = ShardedVectors(weight_decay=0.0)
+    stores = [
+        ShardStore([nn.Parameter(torch.zeros(2))], None, PsMode.SYNC, 1, handoff=vectors.receive)
+        for _ in range(2)
+    ]
+    vectors.attach(stores)
+    for store in stores:
+        store.begin_attempt(0)
+    failure = []
+    evaluation = threading.Thread(target=lambda: failure.append(_raised(lambda: vectors.evaluate(0.0, "g"))))
+    evaluation.start()
+    stores[0].push(0, 0, 0, 10, torch.ones(2), loss_sum=5.0)
+    stores[1].push(0, 0, 0, 11, torch.ones(2), loss_sum=5.0)  # a forged row count on one shard
+    evaluation.join(5)
+    vectors.stop()
+    assert isinstance(failure[0], CoordinatorFailed) and "[10, 11] rows" in str(failure[0])
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sparkdl.errors import BadDataError
+from sparkdl.errors import BadDataError, CoordinatorFailed
 from sparkdl.services.ps.store import ShardStore
 from sparkdl.training.full_batch import check_finite
 from sparkdl.training.lbfgs import Iteration, Lbfgs, LbfgsSettings
@@ -47,7 +47,8 @@ class ShardedVectors:
     :meth:`attach` gives it the stores, whose weights are the starting point.
 
     Args:
-        weight_decay: the objective's L2 term, ``weight_decay / 2 * |w|^2``.
+        weight_decay: the objective's L2 term, ``weight_decay / 2 * |w|^2`` over the
+            parameters that train.
     """
 
     def __init__(self, weight_decay: float) -> None:
@@ -55,6 +56,10 @@ class ShardedVectors:
         self._index: dict[int, int] = {}
         self._weight_decay = weight_decay
         self._slices: list[dict[str, torch.Tensor]] = []
+        self._decayed: list[torch.Tensor | None] = []  # per shard: 1 where a value trains (None: all)
+        #: a new stage attempt begins under this lock (the server's StageAttempts), and every
+        #: shard's next point is published under it: an attempt never starts between two shards
+        self.attempt_lock = threading.Lock()
         self._cond = threading.Condition()
         self._arrived: dict[int, tuple[torch.Tensor, float, int]] = {}
         self._evaluations = 0
@@ -62,9 +67,19 @@ class ShardedVectors:
         self.rows = 0  # every worker's rows, once the first pass counted them
 
     def attach(self, stores: Sequence[ShardStore]) -> None:
+        """The shards, their weights the starting point. A frozen parameter
+        (``requires_grad=False``) takes no weight decay: its gradient is zero, so with none
+        its direction stays zero and it never moves, as in the all-reduce variant."""
         self._stores = list(stores)
         self._index = {id(store): i for i, store in enumerate(self._stores)}
         self._slices = [{"x": store.flat_weights().clone()} for store in self._stores]
+        self._decayed = []
+        for store in self._stores:
+            if all(p.requires_grad for p in store.params):
+                self._decayed.append(None)
+            else:
+                masks = [torch.full((p.numel(),), float(p.requires_grad)) for p in store.params]
+                self._decayed.append(torch.cat(masks))
 
     def receive(self, store: ShardStore, gradient: torch.Tensor, loss: float, rows: int) -> None:
         """A shard's complete clock (the store's handoff, under its lock: only records it)."""
@@ -83,27 +98,50 @@ class ShardedVectors:
     def evaluate(self, t: float, out: str) -> float:
         points = [each["x"] if t == 0.0 else each["x"].add(each["d"], alpha=t) for each in self._slices]
         if self._evaluations:  # the first evaluation is of the weights the shards started with
-            for store, point in zip(self._stores, points, strict=True):
-                store.publish(point)
+            with self.attempt_lock:
+                for store, point in zip(self._stores, points, strict=True):
+                    store.publish(point)
         self._evaluations += 1
         arrived = self._wait()
+        loss = self._agreed_loss(arrived)
+        for each, point, decayed, (gradient, _, _) in zip(
+            self._slices, points, self._decayed, arrived, strict=True
+        ):
+            if self._weight_decay:
+                trains = point if decayed is None else point * decayed
+                gradient.add_(trains, alpha=self._weight_decay)
+                loss += 0.5 * self._weight_decay * float(trains.double().square().sum())
+            each[out] = gradient
+        for each in self._slices:  # slice by slice: the driver never joins them
+            check_finite(loss, each[out], self._evaluations)
+        return loss
+
+    def _agreed_loss(self, arrived: list[tuple[torch.Tensor, float, int]]) -> float:
+        """The pass's mean loss, once every shard saw the same rows and loss (every worker
+        pushes both to every shard) and as many rows as every earlier pass.
+
+        Raises:
+            BadDataError: no worker had a row.
+            CoordinatorFailed: the shards disagree (a worker pushed different passes to
+                different shards, or a pass of a different size).
+        """
         rows = {entry[2] for entry in arrived}
+        losses = [entry[1] for entry in arrived]
         if rows == {0}:
             raise BadDataError(
                 "the DataFrame given to fit has no rows: every partition was empty. Check the filters "
                 "and joins upstream of fit",
                 bad_rows=0,
             )
-        self.rows = max(rows)
-        loss = arrived[0][1]
-        for each, point, (gradient, _, _) in zip(self._slices, points, arrived, strict=True):
-            if self._weight_decay:
-                gradient.add_(point, alpha=self._weight_decay)
-                loss += 0.5 * self._weight_decay * float(point.double().square().sum())
-            each[out] = gradient
-        for each in self._slices:  # slice by slice: the driver never joins them
-            check_finite(loss, each[out], self._evaluations)
-        return loss
+        spread = max(losses) - min(losses)
+        if len(rows) > 1 or spread > 1e-9 * max(1.0, abs(losses[0])) or self.rows not in (0, *rows):
+            raise CoordinatorFailed(
+                f"pass {self._evaluations}: the shards received {sorted(rows)} rows and losses "
+                f"{losses} (every earlier pass: {self.rows} rows); every worker must push one pass of "
+                "its whole partition to every shard"
+            )
+        self.rows = rows.pop()
+        return losses[0]
 
     def _wait(self) -> list[tuple[torch.Tensor, float, int]]:
         with self._cond:
@@ -189,11 +227,11 @@ class Coordinator:
             stop = self._lbfgs.run(self._record)
         except _Stopped:
             return
-        except BaseException as exc:  # the workers stop with it: their next pull fails
+        except BaseException as exc:  # every worker stops with it, this attempt and any re-run
             self.error = exc
             log.error("L-BFGS coordinator failed: %s: %s", type(exc).__name__, exc)
             for store in self._stores:
-                store.abort(f"the driver's L-BFGS coordinator failed: {type(exc).__name__}: {exc}")
+                store.fail(f"the driver's L-BFGS coordinator failed: {type(exc).__name__}: {exc}")
             return
         if not self.history:  # the start point already met a tolerance
             state = self._lbfgs.state

@@ -41,6 +41,7 @@ from typing import NamedTuple
 from sparkdl import wire
 from sparkdl.errors import (
     CheckpointError,
+    CoordinatorFailed,
     ParameterServerError,
     PeerStopped,
     ProtocolError,
@@ -78,6 +79,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 3  # a pull waited past ps_timeout_s: PsTimeoutError
     ABORTED = 4  # a worker stopped training; the others stop with it: PeerStopped (agreed)
     CHECKPOINT = 5  # a snapshot could not be saved or restored: CheckpointError
+    FAILED = 6  # the driver's full-batch coordinator failed; every worker stops: CoordinatorFailed (agreed)
 
 
 class Frame(NamedTuple):
@@ -185,6 +187,7 @@ def client_hello(
 
 _CODES: tuple[tuple[type[SparkDLError], ErrorCode], ...] = (
     (PsAborted, ErrorCode.ABORTED),
+    (CoordinatorFailed, ErrorCode.FAILED),
     (PsTimeoutError, ErrorCode.TIMEOUT),
     (PushRejected, ErrorCode.REJECTED),
     (CheckpointError, ErrorCode.CHECKPOINT),
@@ -212,6 +215,8 @@ def error_of(frame: Frame, rank: int) -> SparkDLError:
     message = bytes(frame.payload).decode(errors="replace")
     if frame.error is ErrorCode.ABORTED:
         return agreed(PeerStopped(f"rank {rank}: {message}"))
+    if frame.error is ErrorCode.FAILED:  # the driver's error is the cause: Spark must not re-run
+        return agreed(CoordinatorFailed(f"rank {rank}: {message}"))
     if frame.error is ErrorCode.TIMEOUT:
         return PsTimeoutError(message, setting="parameter_server.ps_timeout_s")
     cls = _CLASSES.get(frame.error, ParameterServerError)

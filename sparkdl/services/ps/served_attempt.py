@@ -39,6 +39,8 @@ class StageAttempts:
         snapshot_dir: where shards write their snapshots ("" = snapshots refused).
         attempt_started: whether Spark really started the stage attempt a HELLO claims
             (None believes any newer attempt: for servers outside a Spark driver).
+        lock: the lock a new attempt begins under (a full-batch coordinator's, which it
+            publishes under too; None: one of its own).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class StageAttempts:
         stores: Sequence[ShardStore],
         snapshot_dir: str,
         attempt_started: Callable[[int], bool] | None,
+        lock: threading.Lock | None = None,
     ) -> None:
         self._stores = stores
         self._snapshots = [
@@ -54,7 +57,9 @@ class StageAttempts:
         ]
         self._attempt: int | None = None  # the stage attempt the stores serve now
         self._pushers = 0  # ... and how many push to them (0: every worker)
-        self._lock = threading.Lock()
+        # a full-batch coordinator publishes every shard's next point under this same lock,
+        # so that a new attempt's clocks start from one version on every shard
+        self._lock = lock or threading.Lock()
         self._attempt_started = attempt_started
 
     def begin(self, attempt: int, start_clock: int, pushers: int = 0) -> None:

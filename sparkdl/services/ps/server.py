@@ -93,6 +93,8 @@ class ParameterServer:
             host may take (0: none, every payload crosses the sockets).
         factor_layouts: each store's layout, to take pushes of sufficient factors
             (``runtime.sufficient_factors``; None: the server takes none).
+        attempt_lock: the lock a new stage attempt begins under (a full-batch coordinator's:
+            it publishes every shard's next point under it; None: the server's own).
     """
 
     def __init__(
@@ -111,10 +113,11 @@ class ParameterServer:
         torch_threads: int = 1,
         shared_memory_bytes: int = 0,
         factor_layouts: Sequence[FactorLayout] | None = None,
+        attempt_lock: threading.Lock | None = None,
     ) -> None:
         self.stores = list(stores)
         self._threads = _torch_threads.hold(torch_threads)
-        self._attempts = StageAttempts(self.stores, snapshot_dir, attempt_started)
+        self._attempts = StageAttempts(self.stores, snapshot_dir, attempt_started, attempt_lock)
         self.secret = secret
         self.timeout_s = timeout_s
         self.max_payload = max_payload

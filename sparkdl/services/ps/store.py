@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import PsMode
-from sparkdl.errors import PsAborted, PsTimeoutError, PushRejected
+from sparkdl.errors import CoordinatorFailed, PsAborted, PsTimeoutError, PushRejected
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
 
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -132,6 +132,7 @@ class ShardStore:
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
+        self._failed = ""  # coordinated: why the coordinator failed (every attempt, for good)
 
     @property
     def coordinated(self) -> bool:
@@ -148,6 +149,13 @@ class ShardStore:
         """A worker stopped: fail every waiting and later pull and push of this attempt."""
         with self._cond:
             self._aborted = reason
+            self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """Coordinated: the coordinator failed; every pull and push, of this attempt and of
+        any later one, fails with ``reason`` (:class:`CoordinatorFailed`)."""
+        with self._cond:
+            self._failed = reason
             self._cond.notify_all()
 
     def begin_attempt(
@@ -216,6 +224,8 @@ class ShardStore:
         returns: the caller reads the next push into the same memory.
         """
         with self._cond:
+            if self._failed:
+                raise CoordinatorFailed(self._failed)
             if self._aborted:
                 raise PsAborted(self._aborted)
             self._check_push(rank, attempt, clock, grad_sum)
@@ -270,6 +280,15 @@ class ShardStore:
             clock_needed = self._start_clock + self._clocks_needed(clock)
             behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
             at = [self._next_clock[r] for r in behind]
+        if self.coordinated:
+            return PsTimeoutError(
+                f"rank {rank}: pull of pass {clock} waited {timeout_s:.0f}s for worker(s) {behind} to "
+                "push their pass; with optimizer 'lbfgs' a pull waits for every worker's whole pass "
+                "(the first streams from Spark): raise parameter_server.ps_timeout_s, or give the "
+                "workers equal partitions",
+                setting="parameter_server.ps_timeout_s",
+                limit_s=timeout_s,
+            )
         return PsTimeoutError(
             f"rank {rank}: pull of clock {clock} waited {timeout_s:.0f}s for worker(s) {behind} "
             f"(next clocks {at}) to push clock {clock_needed - 1}; a worker is stuck or slow. "
@@ -288,7 +307,9 @@ class ShardStore:
 
     def _ready(self, rank: int, clock: int) -> bool:
         """Whether a pull of ``clock`` is answered now (under the lock); raises once the
-        attempt was aborted or the server stopped."""
+        attempt was aborted, the coordinator failed or the server stopped."""
+        if self._failed:
+            raise CoordinatorFailed(self._failed)
         if self._aborted:
             raise PsAborted(self._aborted)
         if self.mode is PsMode.ASYNC or self.version >= self._needed(clock) or self.finished:
