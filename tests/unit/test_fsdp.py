@@ -365,6 +365,9 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+_PEAKS: dict[str, float] = {}  # rank 1's peak MiB by strategy: all-reduce's is measured once for both
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
 def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(
     tmp_path, monkeypatch, strategy
@@ -394,8 +397,10 @@ def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_wor
         )
     plan, template = shard_plan(shards)
     parts = [[shard_to_batch(x, y)] for x, y in shards]
-    peaks = {}
+    peaks = _PEAKS
     for run in ("allreduce", strategy):
+        if run in peaks:  # the all-reduce baseline of the other parametrization (same workload)
+            continue
         config = SparkDLConfig().replace(
             num_workers=2, collective_timeout_s=30.0, strategy=run, batch_size=8, epochs=1, shuffle=False
         )
