@@ -159,6 +159,11 @@ class ProtocolError(SparkDLError):
     or out of order."""
 
 
+class ServerBusy(ProtocolError):
+    """The server turned a handshake away (its pending handshakes were full: a flood at its
+    port); a later one gets in, so the client tries again."""
+
+
 class ConnectionClosed(ProtocolError):
     """The peer closed the connection cleanly between two frames."""
 

@@ -25,6 +25,7 @@ from sparkdl.wire.handshake import Challenge, accept_hello, client_hello, server
 from sparkdl.wire.layout import (
     CHALLENGE,
     ENCRYPTED,
+    HELLO_PAYLOAD_BYTES,
     HELLO_TAG_BYTES,
     MAGIC,
     MAX_FRAME_PAYLOAD,
@@ -47,6 +48,7 @@ from sparkdl.wire.socket_io import ReusedBuffer
 __all__ = [
     "CHALLENGE",
     "ENCRYPTED",
+    "HELLO_PAYLOAD_BYTES",
     "HELLO_TAG_BYTES",
     "MAGIC",
     "MAX_FRAME_PAYLOAD",

@@ -19,14 +19,18 @@ secret), but they are trusted only once its tag verified under that secret.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from sparkdl.errors import ConnectionClosed, ProtocolError
+from sparkdl.errors import ConnectionClosed, ProtocolError, ServerBusy
 from sparkdl.wire.channel import Channel
 from sparkdl.wire.keys import ProtocolKeys
 from sparkdl.wire.layout import (
@@ -46,6 +50,9 @@ from sparkdl.wire.layout import (
     check_prefix,
 )
 from sparkdl.wire.socket_io import recv_exactly
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ def client_hello(
     try:
         challenge = bytes(recv_exactly(sock, CHALLENGE.size, at_frame_start=True))
     except ConnectionClosed:
-        raise ProtocolError(
+        raise ConnectionClosed(
             f"the {protocol.name} server closed the connection before its challenge: it refused it "
             "(over its connection cap, or shutting down)"
         ) from None
@@ -122,6 +129,46 @@ def client_hello(
     sock.sendall(header + offer + ProtocolKeys(secret, protocol).hello_tag(header + offer, challenge))
     transcript = offer[:NONCE_BYTES] + server_nonce + shared
     return Channel(sock, secret, protocol, transcript, client=True, encrypt=encrypt)
+
+
+#: How long a client retries a handshake the server closed before answering it (a flood of
+#: connections evicted it, or the server was at its cap), and its first and longest waits:
+#: longer than a listener's HELLO timeout (5 s), after which the handshakes in progress that
+#: held every place are gone; short, since a HELLO under a wrong secret is closed alike.
+HANDSHAKE_RETRY_S = 8.0
+_RETRY_FIRST_S, _RETRY_MOST_S = 0.05, 1.0
+
+
+def with_retries(open_: Callable[[], T], what: str, deadline_s: float = HANDSHAKE_RETRY_S) -> T:
+    """``open_()`` (connect, HELLO, and the server's first answer), tried again, with a
+    backoff doubling from 50 ms to 1 s, while the server turns the handshake away (it says
+    :data:`~sparkdl.wire.socket_io.BUSY`: its pending handshakes were full, a flood at its
+    port) or resets it, for at most ``deadline_s``: a later try gets in. A HELLO the server
+    refused (a wrong secret) is closed without a word and fails at once.
+
+    Raises:
+        ServerBusy, OSError: the last try's error, once the deadline is past.
+    """
+    deadline = time.monotonic() + deadline_s
+    wait = _RETRY_FIRST_S
+    tries = 1
+    while True:
+        try:
+            return open_()
+        except (ServerBusy, ConnectionResetError, BrokenPipeError) as exc:
+            if time.monotonic() + wait > deadline:
+                raise type(exc)(
+                    f"{exc} ({what}: {tries} handshakes closed by the server in {deadline_s:g} s)"
+                ) from exc
+            log.info(
+                "%s: the server closed handshake %d before answering (%s); again in %.2f s",
+                what,
+                tries,
+                exc,
+                wait,
+            )
+            time.sleep(wait)
+            wait, tries = min(2 * wait, _RETRY_MOST_S), tries + 1
 
 
 def accept_hello(

@@ -8,8 +8,13 @@ so until a peer has proved it holds the secret it gets, from here:
 - one file descriptor and a ~100-byte buffer, in one thread (a selector) shared by every
   connection still in its handshake: no thread, no allocation it chooses;
 - ``hello_timeout_s`` to send its HELLO, counted from the accept, not per read;
-- a place among at most ``max_pending`` such connections: a new one evicts the oldest, so
-  a flood of idle connections delays a real worker by one handshake, not for ever;
+- a place among at most ``max_pending`` such connections, at most half of them from one
+  address: when they are full, a newcomer evicts the oldest connection that has not begun
+  its HELLO from the address holding the most (its own, when that is the flooder's), and
+  is refused where that would cost a HELLO in progress (bytes a HELLO of the protocol
+  starts with); so a flood from one address
+  evicts its own connections, never a worker's from another, and a worker whose HELLO is
+  on its way is not evicted by newcomers (its client retries a refused handshake anyway);
 - no log line of its own: refusals are counted by reason, the first of each reason logged,
   then one line per reason and ``every_s`` with the count (:class:`Refusals`).
 
@@ -21,6 +26,7 @@ thread's end removes it. :meth:`ConnectionListener.stop` closes everything in bo
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import selectors
@@ -33,6 +39,10 @@ from typing import Generic, TypeVar
 
 from sparkdl.errors import ProtocolError
 from sparkdl.wire.framing import (
+    HELLO_PAYLOAD_BYTES,
+    MAGIC,
+    PREFIX,
+    VERSION,
     Challenge,
     Channel,
     SecretLookup,
@@ -40,6 +50,7 @@ from sparkdl.wire.framing import (
     accept_hello,
     server_challenge,
 )
+from sparkdl.wire.socket_io import BUSY
 
 M = TypeVar("M")
 
@@ -50,6 +61,21 @@ _POLL_S = 0.2  # how often the loop looks at stop() and at expired handshakes, a
 _ACCEPT_BATCH = 64  # accepts per wake-up, so that reading HELLOs is never starved
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _BACKOFF_S = 0.05  # an accept failed and nothing could be freed: wait this long
+
+
+def hello_prefix(protocol: WireProtocol) -> bytes:
+    """The bytes every HELLO of ``protocol`` starts with: its header's fixed prefix."""
+    return PREFIX.pack(MAGIC, VERSION, protocol.ident, protocol.hello_kind, HELLO_PAYLOAD_BYTES)
+
+
+def turn_away(sock: socket.socket) -> None:
+    """Tell a handshake it was turned away for want of room (:data:`BUSY`: its client tries
+    again), and close it; best effort, never blocking."""
+    try:
+        sock.send(BUSY)
+    except OSError:
+        pass
+    close_quietly(sock)
 
 
 def one_line(text: str, limit: int = 8000) -> str:
@@ -148,7 +174,8 @@ class ConnectionListener(Generic[M]):
         logger: where refusals are logged.
         encrypt: every connection's payloads are encrypted.
         hello_timeout_s: the time from accept to a complete HELLO.
-        max_pending: connections in their handshake at once (a new one evicts the oldest).
+        max_pending: connections in their handshake at once (at most half of them from one
+            address; see the module's docstring for whom a newcomer evicts).
         max_sessions: authenticated connections at once (one more is refused).
     """
 
@@ -186,6 +213,9 @@ class ConnectionListener(Generic[M]):
         self._selector.register(self._wake, selectors.EVENT_READ, _WAKE)
         self._accepting = True
         self._pending: dict[socket.socket, _Pending] = {}  # oldest first
+        self._per_address: collections.Counter[str] = collections.Counter()  # pending, by address
+        self._max_per_address = max(1, max_pending // 2)
+        self._hello_prefix = hello_prefix(protocol)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._sessions: list[_Session] = []
@@ -297,7 +327,8 @@ class ConnectionListener(Generic[M]):
                     )
                     if not self._pending:
                         return False
-                    self._drop(next(iter(self._pending.values())))
+                    victim = self._idlest(self._per_address.most_common(1)[0][0])
+                    self._drop(victim or next(iter(self._pending.values())))
                     continue
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
                     continue
@@ -311,17 +342,14 @@ class ConnectionListener(Generic[M]):
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self._make_room(peer):
+                turn_away(sock)
+                return
             if sock.send(challenge.data) != len(challenge.data):  # a fresh socket's buffer takes 56 bytes
                 raise OSError("the challenge did not fit the socket's buffer")
         except OSError:
             close_quietly(sock)
             return
-        if len(self._pending) >= self._max_pending:
-            oldest = next(iter(self._pending.values()))
-            self.refusals.add(
-                f"evicted: {self._max_pending} connections were waiting for their HELLO", oldest.peer
-            )
-            self._drop(oldest)
         pending = _Pending(
             sock,
             peer,
@@ -330,7 +358,46 @@ class ConnectionListener(Generic[M]):
             bytearray(self._protocol.hello_size),
         )
         self._pending[sock] = pending
+        self._per_address[peer[0]] += 1
         self._selector.register(sock, selectors.EVENT_READ, pending)
+
+    def _make_room(self, peer: tuple[str, int]) -> bool:
+        """Whether a connection from ``peer`` may wait for its HELLO, after evicting another
+        where the pending are full: the oldest not yet begun from the address holding the
+        most (``peer``'s own when it holds as many, or has half the places already)."""
+        address = peer[0]
+        own = self._per_address[address] + 1  # with the newcomer
+        if own <= self._max_per_address and len(self._pending) < self._max_pending:
+            return True
+        top, held = self._per_address.most_common(1)[0] if self._per_address else (address, 0)
+        source = address if own > self._max_per_address or own >= held else top
+        victim = self._idlest(source)
+        if victim is None:  # every one of them has begun its HELLO: the newcomer waits its turn
+            self.refusals.add(
+                f"refused: {self._max_pending} connections were waiting for their HELLO, each begun",
+                peer,
+                f"{self._per_address[source]} of them from {source}",
+            )
+            return False
+        self.refusals.add(
+            f"evicted: {self._max_pending} connections were waiting for their HELLO",
+            victim.peer,
+            f"{self._per_address[source]} of them from {source}",
+        )
+        self._drop(victim, close=False)
+        turn_away(victim.sock)
+        return True
+
+    def _idlest(self, address: str) -> _Pending | None:
+        """``address``'s oldest pending connection that has not begun a HELLO of this
+        protocol (nothing sent, or bytes no HELLO starts with)."""
+        return next((p for p in self._pending.values() if p.peer[0] == address and not self._begun(p)), None)
+
+    def _begun(self, pending: _Pending) -> bool:
+        """Whether ``pending`` has sent the first bytes of a HELLO of this protocol, as far as
+        they go (its header's prefix is fixed: magic, version, protocol, kind, length)."""
+        n = min(pending.received, len(self._hello_prefix))
+        return n > 0 and pending.hello[:n] == self._hello_prefix[:n]
 
     def _read_hello(self, pending: _Pending) -> None:
         try:
@@ -397,6 +464,9 @@ class ConnectionListener(Generic[M]):
         one already forgotten does nothing."""
         if self._pending.pop(pending.sock, None) is None:
             return
+        self._per_address[pending.peer[0]] -= 1
+        if not self._per_address[pending.peer[0]]:
+            del self._per_address[pending.peer[0]]
         self._selector.unregister(pending.sock)
         if close:
             close_quietly(pending.sock)

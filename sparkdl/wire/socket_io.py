@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import socket
 
-from sparkdl.errors import ConnectionClosed, ProtocolError
+from sparkdl.errors import ConnectionClosed, ProtocolError, ServerBusy
+
+#: What a listener sends, then closes, to a handshake it turns away (its pending handshakes
+#: full): never the start of a challenge or a frame (their magic is b"SDNT"), so a client
+#: knows to try again rather than take it for a refused HELLO.
+BUSY = b"SDBZ"
 
 
 class ReusedBuffer:
@@ -56,16 +61,20 @@ def recv_into(sock: socket.socket, views: list[memoryview], at_frame_start: bool
 
     Raises:
         ConnectionClosed: the peer closed before the first byte, where ``at_frame_start``.
+        ServerBusy: the peer sent :data:`BUSY` and closed, where ``at_frame_start``.
         ProtocolError: the peer closed part way (a truncated frame).
     """
     count = sum(v.nbytes for v in views)
     views = [v for v in views if v.nbytes]
+    first = views[0] if views else memoryview(b"")
     received = 0
     while views:
         n = sock.recvmsg_into(views)[0] if len(views) > 1 else sock.recv_into(views[0])
         if n == 0:
             if received == 0 and at_frame_start:
                 raise ConnectionClosed("the peer closed the connection")
+            if at_frame_start and received == len(BUSY) and bytes(first[: len(BUSY)]) == BUSY:
+                raise ServerBusy("the server turned the handshake away: its pending handshakes were full")
             raise ProtocolError(
                 f"connection closed after {received} of the {count} bytes expected next (truncated frame)"
             )

@@ -45,6 +45,7 @@ from sparkdl.services.progress.protocol import (
     ProgressChannel,
     client_hello,
 )
+from sparkdl.wire.handshake import with_retries
 from sparkdl.wire.listener import ConnectionListener, close_quietly, one_line
 
 log = logging.getLogger(__name__)
@@ -244,23 +245,27 @@ class ProgressReporter:
             self._heartbeat.start()
 
     def _connect(self, endpoint: ProgressEndpoint) -> ProgressChannel | None:
-        """The channel to the driver after its ACK, or None (logged) when it cannot be reached."""
+        """The channel to the driver after its ACK, or None (logged) when it cannot be reached;
+        a handshake the driver closed before answering (a flood at its port) is tried again."""
         try:
-            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=10)
-        except OSError as exc:
-            log.warning("rank %d: no progress reports, the driver is not reachable: %s", self.rank, exc)
+            channel = with_retries(lambda: self._open(endpoint), f"rank {self.rank}: progress channel")
+        except (OSError, ProtocolError) as exc:
+            log.warning("rank %d: no progress reports, the driver refused the channel: %s", self.rank, exc)
             return None
+        self._last_sent = time.monotonic()
+        return channel
+
+    def _open(self, endpoint: ProgressEndpoint) -> ProgressChannel:
+        sock = socket.create_connection((endpoint.host, endpoint.port), timeout=10)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             channel = client_hello(sock, endpoint.secret, self.rank, self.attempt, endpoint.encrypt)
             if isinstance(channel.recv(MAX_PAYLOAD), Ack):
-                self._last_sent = time.monotonic()
                 return channel
             raise ProtocolError("the driver answered the HELLO with something other than an ACK")
-        except (OSError, ProtocolError) as exc:
-            log.warning("rank %d: no progress reports, the driver refused the channel: %s", self.rank, exc)
+        except BaseException:
             close_quietly(sock)
-            return None
+            raise
 
     def due(self) -> bool:
         """Whether ``interval_s`` has passed since the last report (cheap: call every step)."""

@@ -20,10 +20,11 @@ import torch
 from sparkdl.comm.compression.codecs import ErrorFeedback
 from sparkdl.comm.ps_areas import WorkerAreas, attach
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.errors import ParameterServerError, ProtocolError
+from sparkdl.errors import ParameterServerError, ProtocolError, ServerBusy
 from sparkdl.services.ps.factored import EncodedPush
 from sparkdl.services.ps.protocol import BF16, FLOAT32, Frame, Kind, PsChannel, client_hello, error_of
 from sparkdl.wire.framing import PayloadPlacement, ReusedBuffer
+from sparkdl.wire.handshake import with_retries
 
 T = TypeVar("T")
 
@@ -110,7 +111,18 @@ class PsClient:
         return sum(area is not None for area in self._areas)
 
     def _connect(self) -> tuple[PsChannel, int | None]:
-        """A connection that said HELLO, and the shared area the server granted it (or None)."""
+        """A connection that said HELLO, and the shared area the server granted it (or None);
+        a handshake the server closed before answering (a flood at its port) is tried again."""
+        try:
+            return with_retries(self._open, f"rank {self.rank}: parameter server")
+        except (ServerBusy, OSError) as exc:
+            raise ParameterServerError(
+                f"rank {self.rank}: the parameter server at {self.endpoint.host}:{self.endpoint.port} "
+                f"turned every handshake away ({exc}): its pending handshakes stayed full, something "
+                "floods the driver's ports"
+            ) from exc
+
+    def _open(self) -> tuple[PsChannel, int | None]:
         try:
             sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=30)
         except OSError as exc:
@@ -132,7 +144,7 @@ class PsClient:
                 self.pushers,
                 want_area=self._memory is not None,
             )
-            granted = self._expect(channel, Kind.ACK).area
+            granted = self._expect(channel, Kind.ACK, handshake=True).area
         except BaseException:
             sock.close()
             raise
@@ -340,11 +352,18 @@ class PsClient:
             weights = self._widened[shard].copy_(half)
         return sent, received, reply.version, weights, reply.staleness
 
-    def _expect(self, channel: PsChannel, kind: Kind, into: PayloadPlacement | None = None) -> Frame:
-        """The server's answer of ``kind``; an ERROR frame raises the class its code names."""
+    def _expect(
+        self, channel: PsChannel, kind: Kind, into: PayloadPlacement | None = None, handshake: bool = False
+    ) -> Frame:
+        """The server's answer of ``kind``; an ERROR frame raises the class its code names.
+        ``handshake``: the answer to a HELLO, whose closed connection is raised as it is (to
+        be tried again)."""
         try:
             frame = channel.recv(self.endpoint.max_payload, into)
         except (ProtocolError, OSError) as exc:
+            if handshake and isinstance(exc, ServerBusy | ConnectionResetError | BrokenPipeError):
+                raise  # turned away: with_retries tries again
+
             raise ParameterServerError(
                 f"rank {self.rank}: parameter server connection failed: {exc}"
             ) from exc

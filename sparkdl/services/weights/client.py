@@ -10,7 +10,17 @@ import torch
 
 from sparkdl.errors import ConnectionClosed, ProtocolError, WeightTransferError
 from sparkdl.services.weights.endpoint import WeightsEndpoint
-from sparkdl.services.weights.protocol import Ack, Hello, Op, client_hello, expect, receive_state, send_state
+from sparkdl.services.weights.protocol import (
+    Ack,
+    Hello,
+    Op,
+    WeightsChannel,
+    client_hello,
+    expect,
+    receive_state,
+    send_state,
+)
+from sparkdl.wire.handshake import with_retries
 from sparkdl.wire.listener import close_quietly
 
 
@@ -20,11 +30,25 @@ def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor]) -> int:
     Raises:
         WeightTransferError: the driver could not be reached, or did not confirm the upload.
     """
-    sock = _connect(endpoint)
+    hello = Hello(Op.UPLOAD, endpoint.slot)
+
+    def open_upload() -> tuple[socket.socket, WeightsChannel]:
+        sock = _connect(endpoint)
+        try:
+            channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
+            expect(channel, Ack, hello)
+        except BaseException:
+            close_quietly(sock)
+            raise
+        return sock, channel
+
+    try:  # a handshake the driver closed before answering (a flood at its port) is tried again
+        sock, channel = with_retries(open_upload, "rank 0: weights upload")
+    except (ProtocolError, OSError) as exc:
+        raise WeightTransferError(
+            f"the driver's weights server at {endpoint.host}:{endpoint.port} closed every handshake: {exc}"
+        ) from exc
     try:
-        hello = Hello(Op.UPLOAD, endpoint.slot)
-        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
-        expect(channel, Ack, hello)
         sent = send_state(channel, hello, state)
         confirmed = expect(channel, Ack, hello)
         assert isinstance(confirmed, Ack)
