@@ -121,7 +121,6 @@ class Objective:
             weights = torch.cat([p.detach().reshape(-1) for p in self._params])
             gradient.add_(weights, alpha=self._weight_decay)
             loss += 0.5 * self._weight_decay * float(weights.double().square().sum())
-        check_finite(loss, gradient, self.passes)  # every rank sees the same sums: all stop alike
         return loss, gradient
 
     def local_pass(self) -> tuple[float, int, SparkDLError | None]:
@@ -163,8 +162,8 @@ class Objective:
 
 
 def check_finite(loss: float, gradient: torch.Tensor, passes: int) -> None:
-    """Stop the run, with the fix, at an objective or gradient that is not finite (the line
-    search cannot compare it). Raised alike by every rank, which sees the same sums.
+    """Stop the run, with the fix, where it stands on an objective or gradient that is not
+    finite. Raised alike by every rank, which sees the same sums.
 
     Raises:
         TrainingFailedError: naming the pass and the loss.
@@ -173,8 +172,8 @@ def check_finite(loss: float, gradient: torch.Tensor, passes: int) -> None:
         return
     raise agreed(
         TrainingFailedError(
-            f"L-BFGS's pass {passes} gave a non-finite objective or gradient (loss {loss:.4g}); lower "
-            "lr (the line search's first step), scale the inputs, or add weight_decay"
+            f"L-BFGS reached a non-finite objective or gradient at pass {passes} (loss {loss:.4g}); "
+            "lower lr (the line search's first step), scale the inputs, or add weight_decay"
         )
     )
 
@@ -297,7 +296,8 @@ class FullBatchTrainer:
         self._objective = objective
         self._exchange = exchange
         self._vectors = ReplicatedVectors(objective, resumed.vectors if resumed else None)
-        self._lbfgs = Lbfgs(self._vectors, settings, resumed.state if resumed else None)
+        accept = lambda loss: check_finite(loss, self._vectors.tensors["g"], objective.passes)  # noqa: E731
+        self._lbfgs = Lbfgs(self._vectors, settings, resumed.state if resumed else None, accept)
         self._history = list(resumed.history) if resumed else []
         self._validate = validate
         self._after = after_iteration

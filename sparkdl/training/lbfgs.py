@@ -136,11 +136,22 @@ class Lbfgs:
         vectors: where the vectors live and how the objective is evaluated.
         settings: the iteration, budget and tolerance settings.
         state: a resumed run's scalars (its vectors already restored in ``vectors``).
+        accept: sees the objective at every point the run stands on (the start, each
+            iteration's; its gradient is ``"g"``) and may stop the run there (a holder's
+            check that it is finite). A trial point of the line search is not one: an
+            overflow there only shortens the step, as in PyTorch.
     """
 
-    def __init__(self, vectors: Vectors, settings: LbfgsSettings, state: LbfgsState | None = None) -> None:
+    def __init__(
+        self,
+        vectors: Vectors,
+        settings: LbfgsSettings,
+        state: LbfgsState | None = None,
+        accept: Callable[[float], None] = lambda _: None,
+    ) -> None:
         self._v = vectors
         self._settings = settings
+        self._accept = accept
         self.state = state or LbfgsState()
 
     def run(self, on_iteration: Callable[[Iteration], None] = lambda _: None) -> Stop:
@@ -154,6 +165,7 @@ class Lbfgs:
         if s.iteration == 0 and s.evaluations == 0:
             s.loss = v.evaluate(0.0, "g")
             s.evaluations = 1
+            self._accept(s.loss)
             if v.abs_max("g") <= settings.tolerance_grad:
                 return self._stop(Stop.GRADIENT)
         while True:
@@ -200,6 +212,8 @@ class Lbfgs:
                 used = 1
         s.t = t
         s.evaluations += used
+        if used:
+            self._accept(s.loss)
         grad_max = v.abs_max("g")
         record = Iteration(s.iteration, s.loss, grad_max, t, used, s.evaluations)
         if s.iteration >= settings.max_iterations:

@@ -4,6 +4,7 @@ over every worker's partition, taking PyTorch's own iterates on the union of the
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -386,7 +387,7 @@ def test_a_stage_rerun_after_a_failed_worker_continues_from_the_coordinators_poi
 def test_a_non_finite_objective_stops_the_run_with_the_fix():
     x, y = union(make_learnable_shards([40]))
     x[3, 2] = float("inf")
-    with pytest.raises(TrainingFailedError, match="pass 1 gave a non-finite objective") as stopped:
+    with pytest.raises(TrainingFailedError, match="non-finite objective or gradient at pass 1") as stopped:
         one_process_lbfgs(x, y, LbfgsSettings(max_iterations=3))
     assert "scale the inputs" in str(stopped.value)
 
@@ -523,3 +524,51 @@ def _raised(call):
     except Exception as exc:
         return exc
     return None
+
+
+class _Exponential(nn.Module):
+    """exp(w.x): a trial step that goes too far overflows the loss to infinity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return torch.exp(self.linear(x)).squeeze(-1)
+
+
+def test_a_trial_step_that_overflows_only_shortens_the_step():
+    # (torch.optim.LBFGS, the same settings on the same rows, ends with NaN weights here)
+    x, _ = union(make_learnable_shards([60]))
+    y = torch.exp(x[:, 0] * 0.5)  # a target the model can reach: weight [0.5, 0, ...], bias 0
+    settings = LbfgsSettings(lr=80.0, max_iterations=12, max_evaluations=60)
+    model = _Exponential()
+    loss_fn, _ = resolve_loss("mse")
+    exchange = FlatExchange(world_size=1)
+    objective = Objective(
+        model, _Rows(x, y, 64), loss_fn, False, exchange, 0.0, lambda b: None, Precision(), 0
+    )
+    seen: list[float] = []
+    history = FullBatchTrainer(settings, _Watched(objective, seen), exchange).run()
+    assert any(not math.isfinite(loss) for loss in seen)  # a trial overflowed...
+    assert all(math.isfinite(h["loss"]) for h in history)  # ...no iteration stood on one...
+    assert (
+        history[-1]["loss"] < 1e-3 and abs(float(model.linear.weight[0, 0]) - 0.5) < 0.02
+    )  # ...and it got there
+
+
+class _Watched:
+    """An objective whose every loss is recorded."""
+
+    def __init__(self, objective, seen):
+        self._objective = objective
+        self._seen = seen
+
+    def __getattr__(self, name):
+        return getattr(self._objective, name)
+
+    def __call__(self):
+        loss, gradient = self._objective()
+        self._seen.append(loss)
+        return loss, gradient
