@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
+from sparkdl.spark.tracking import check_tracking, log_run
 from sparkdl.spark.watch import MARGIN_S, fit_job_group
 from sparkdl.strategies import check_settings
 from sparkdl.training.factory import OptimizerFn
@@ -50,11 +52,14 @@ class RunResult:
             loaded ``weights_only``; anything else cloudpickled).
         history: rank 0's ``ctx.report`` records, in order.
         worker_devices: per rank, the device it ran on and its host.
+        mlflow_run_id: the MLflow run that logged the settings and ``history`` (with a
+            tracking URI set, as for ``TorchEstimator``; None: not logged).
     """
 
     value: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     worker_devices: list[dict[str, Any]] = field(default_factory=list)
+    mlflow_run_id: str | None = None  # the MLflow run that logged it (None: not logged)
 
 
 def run(
@@ -106,6 +111,7 @@ def run(
             "strategy = 'parameter_server' hosts the model on the driver: pass model_fn= (the function "
             "that builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
         )
+    check_tracking(config)  # a store MLflow refuses fails now, not after the run
     name, payload = pickled_call(train_fn, args, {}, "sparkdl.run")
     if spark is None:
         if df is not None:
@@ -120,8 +126,11 @@ def run(
         plan = plan_inputs(df, config.data, _label_kind(df, label), transform_fn, with_label=bool(label))
         sample = sample_batch(df, plan)
         spec = dataclasses.replace(spec, plan=plan, template=sample.head(2) if sample is not None else None)
+    started = time.perf_counter()
     with showing_worker_output():
-        return _run_stage(spark, df, spec, model_fn, optimizer_fn)
+        result = _run_stage(spark, df, spec, model_fn, optimizer_fn)
+    result.mlflow_run_id = log_run(config, result.history, time.perf_counter() - started)
+    return result
 
 
 def _label_kind(df: Any, label: str) -> LabelKind:

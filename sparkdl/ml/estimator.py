@@ -42,7 +42,6 @@ from sparkdl.ml.persistence import (
     TorchModelReader,
     TorchModelWriter,
 )
-from sparkdl.ml.tracking import check_tracking, log_fit
 from sparkdl.spark.driver import plan_inputs, run_training, vectors_as_arrays, with_validation
 from sparkdl.spark.inference import (
     OutputCols,
@@ -53,6 +52,7 @@ from sparkdl.spark.inference import (
     prediction_schema,
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
+from sparkdl.spark.tracking import check_tracking, log_fit
 from sparkdl.training.factory import ModelFn, OptimizerFn, module_with_state
 from sparkdl.training.full_batch_settings import check_full_batch_inputs
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight

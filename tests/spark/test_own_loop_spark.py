@@ -56,9 +56,14 @@ def resumable_loop(ctx: Any, fail_marker: str = "") -> dict[str, torch.Tensor]:
     return inner.state_dict()
 
 
-def test_an_own_loop_on_uneven_partitions_is_single_process_sgd(spark: Any) -> None:
+def test_an_own_loop_on_uneven_partitions_is_single_process_sgd_and_logs_to_mlflow(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import sparkdl
 
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     shards = make_shards([50, 21])
     result = sparkdl.run(
         resumable_loop,
@@ -72,6 +77,12 @@ def test_an_own_loop_on_uneven_partitions_is_single_process_sgd(spark: Any) -> N
     assert max_abs_diff(result.value, expected) < 1e-5
     assert len(result.history) == 2 * 7 and all("loss" in h for h in result.history)
     assert [d["device"] for d in result.worker_devices] == ["cpu", "cpu"]
+    # the run's settings and rank 0's reports, logged as a fit's are
+    client = mlflow.tracking.MlflowClient()
+    run = client.get_run(result.mlflow_run_id)
+    assert run.data.params["strategy"] == "allreduce" and run.data.params["batch_size"] == "8"
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(result.mlflow_run_id, "loss"))
+    assert logged == [(h["step"], pytest.approx(h["loss"])) for h in result.history]
 
 
 def test_a_lost_worker_resumes_from_the_loops_checkpoint(spark: Any, tmp_path: Path) -> None:

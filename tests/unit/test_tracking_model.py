@@ -13,7 +13,7 @@ from torch import nn
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
 from sparkdl.ml.estimator import TorchModel
-from sparkdl.ml.tracking import _log_model, check_tracking, log_fit
+from sparkdl.spark.tracking import _log_model, check_tracking, log_fit
 
 
 class DataDependent(nn.Module):
@@ -93,8 +93,8 @@ def test_a_failure_while_logging_a_trained_model_warns_and_keeps_it(tmp_path, mo
     shutil.rmtree(store)
     store.write_text("a file where the store's directory was")  # ... and is broken after it
     model = TorchModel(module=nn.Linear(4, 3), model_fn=lambda: nn.Linear(4, 3))
-    with caplog.at_level(logging.WARNING, logger="sparkdl.ml.tracking"):
+    with caplog.at_level(logging.WARNING, logger="sparkdl.spark.tracking"):
         assert log_fit(SparkDLConfig(), model, fit_seconds=1.0) is None
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sparkdl.ml.tracking"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sparkdl.spark.tracking"]
     assert f"the fit was trained but logging it to {uri} failed (" in warning
     assert "save it with model.save(path)" in warning

@@ -237,6 +237,11 @@ class ShardStore:
                 self._cond.notify_all()
                 return staleness
             late = self.applied_clock - clock
+            if late > 0 and self.coordinated:  # every pass counts: none may be dropped unseen
+                raise PushRejected(
+                    f"rank {rank} pushed pass {clock}, which this shard already handed over; the "
+                    "coordinator's passes and this attempt's clocks disagree"
+                )
             if late > 0:  # backup workers: this clock went ahead without it
                 self.dropped += 1
                 return late

@@ -1,4 +1,5 @@
-"""MLflow logging of a fit, on the driver, when MLflow is installed and pointed somewhere.
+"""MLflow logging of a fit (``TorchEstimator``) or a run (``sparkdl.run``), on the driver,
+when MLflow is installed and pointed somewhere.
 
 Logged: every setting as a param, each epoch's figures as metrics (step = epoch), and
 the trained model through ``mlflow.pytorch`` in the ``pt2`` graph format when the model
@@ -14,7 +15,9 @@ creates an ``mlruns`` directory a user did not ask for.
 
 Logging never costs the trained model: :func:`check_tracking` opens the store before
 training (a store MLflow refuses fails the fit at once, naming the URI and the fix), and
-:func:`log_fit` turns a failure while logging into a warning.
+:func:`log_fit` turns a failure while logging into a warning. A ``sparkdl.run`` logs its
+settings and rank 0's ``ctx.report`` records (:func:`log_run`); what ``train_fn`` returns
+is the user's to log.
 """
 
 from __future__ import annotations
@@ -156,19 +159,56 @@ def log_fit(config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> s
         return None
 
 
-def _log(mlflow: Any, config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str:
+def log_run(config: SparkDLConfig, history: list[dict[str, Any]], run_seconds: float) -> str | None:
+    """Log a ``sparkdl.run`` to MLflow if configured: every setting as a param, each of
+    ``history``'s records (rank 0's ``ctx.report``) as metrics at its global step, and the
+    run's seconds; return the run id (None: not logged). A failure is a warning."""
+    mlflow = mlflow_if_configured(config)
+    if mlflow is None:
+        return None
+    try:
+        with _started_run(mlflow, config) as run:
+            mlflow.log_params({name: _param(value) for name, value in config.flat().items()})
+            for i, record in enumerate(history):
+                step = int(record.get("step", i))
+                metrics = {
+                    k: float(v)
+                    for k, v in record.items()
+                    if k not in ("epoch", "step") and isinstance(v, int | float) and not isinstance(v, bool)
+                }
+                if metrics:
+                    mlflow.log_metrics(metrics, step=step)
+            mlflow.log_metric("run_seconds", run_seconds)
+            return str(run.info.run_id)
+    except Exception as exc:  # the store or the network: never worth the run's result
+        log.warning(
+            "MLflow: the run finished but logging it to %s failed (%s: %s); its result is returned unlogged",
+            mlflow.get_tracking_uri(),
+            type(exc).__name__,
+            str(exc)[:500],
+        )
+        return None
+
+
+def _started_run(mlflow: Any, config: SparkDLConfig) -> Any:
+    """A new MLflow run for this fit or run: nested inside an active one (a notebook's, a
+    pipeline's), else in ``mlflow_experiment``, without changing the caller's process-wide
+    MLflow state (``mlflow.set_experiment`` would)."""
     tracking = config.tracking
     nested = mlflow.active_run() is not None
-    # The experiment is chosen for this run only: mlflow.set_experiment would change the
-    # caller's process-wide MLflow state (and MLFLOW_EXPERIMENT_ID) behind their back.
     experiment_id = (
         _experiment_id(mlflow, tracking.mlflow_experiment)
         if tracking.mlflow_experiment and not nested
         else None
     )
-    with mlflow.start_run(
+    return mlflow.start_run(
         run_name=tracking.mlflow_run_name or None, nested=nested, experiment_id=experiment_id
-    ) as run:
+    )
+
+
+def _log(mlflow: Any, config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str:
+    tracking = config.tracking
+    with _started_run(mlflow, config) as run:
         params = {name: _param(value) for name, value in config.flat().items()}
         mlflow.log_params(params)
         for record in model.history:
