@@ -18,6 +18,7 @@ same points. A rank that does not join waits at most ``collective_timeout_s``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,6 +35,7 @@ from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.loop import next_batch
 from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
+from sparkdl.training.precision import Precision
 from sparkdl.worker.assembly import chosen_checkpoint
 from sparkdl.worker.prepare import Preparer, StepRows
 
@@ -91,6 +93,13 @@ class TrainContext:
     def process_group(self) -> dist.ProcessGroup:
         """The run's default process group (gloo, or NCCL on GPUs), for your own collectives."""
         return dist.group.WORLD  # type: ignore[return-value]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Run your forward and loss under this: ``training.precision`` as a setting (``bf16``:
+        autocast to bfloat16 on the worker's device, weights and optimizer staying float32;
+        ``fp32``: nothing changes). ``fp16`` is refused for your own loop: its gradient scaler
+        belongs in your step (``torch.amp.GradScaler``)."""
+        return Precision(self.config.training.precision, self.device).autocast()
 
     @property
     def epochs(self) -> range:

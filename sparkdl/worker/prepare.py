@@ -92,6 +92,12 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
             "training loop yet (the factors are summed by sparkdl's step, after its backward); set "
             "sufficient_factors = 'off', or train with TorchEstimator"
         )
+    if config.training.precision.value == "fp16":
+        raise ConfigError(
+            "precision = 'fp16' needs a gradient scaler in the optimizer step, which your own loop "
+            "takes itself: use precision = 'bf16' with ctx.autocast() (no scaler needed), or "
+            "torch.autocast and torch.amp.GradScaler in your loop with precision = 'fp32'"
+        )
     if config.optimizer.optimizer.value == "lbfgs":
         raise ConfigError(
             "optimizer = 'lbfgs' is TorchEstimator's full-batch training and cannot serve your own "

@@ -453,3 +453,21 @@ def test_a_rank_that_leaves_the_collectives_early_is_named(tmp_path):
     error = results[0][2]
     assert isinstance(error, CollectiveError) and error.agreed_by_all_ranks
     assert "rank 0 was still training" in error.message and "rank 1 at step 4" in error.message
+
+
+def test_precision_is_a_setting_of_the_own_loop_through_ctx_autocast():
+    from sparkdl.config import SparkDLConfig
+    from sparkdl.errors import ConfigError
+    from sparkdl.worker.context import TrainContext
+    from sparkdl.worker.prepare import check_own_loop_settings
+
+    layer, x = torch.nn.Linear(4, 3), torch.randn(5, 4)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        config = SparkDLConfig().replace(precision=precision)
+        check_own_loop_settings(config)
+        ctx = TrainContext(config, 0, 1, torch.device("cpu"), None, None, None)  # type: ignore[arg-type]
+        with ctx.autocast():
+            assert layer(x).dtype is dtype
+        assert layer.weight.dtype is torch.float32  # the weights stay float32
+    with pytest.raises(ConfigError, match="GradScaler"):
+        check_own_loop_settings(SparkDLConfig().replace(precision="fp16"))
