@@ -102,6 +102,64 @@ def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_it
         estimator(optimizer="lbfgs").fit(shards_dataframe(spark, shards))
 
 
+def test_a_flood_at_the_parameter_servers_port_during_a_fits_start_does_not_fail_it(spark, monkeypatch):
+    """Issue 35: 2,000 idle connections from another address, opened as the server starts
+    and held until the fit is over, while the workers connect: the fit gives the reference
+    answer, and the flood only evicted its own connections."""
+    import socket
+    import threading
+
+    import sparkdl.spark.driver as driver
+
+    start = driver.start_parameter_server
+    floods = []
+
+    def flood(host, port, stop, opened):
+        held = []
+        try:
+            for _ in range(2000):
+                if stop.is_set():
+                    break
+                try:
+                    held.append(
+                        socket.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
+                    )
+                except OSError:
+                    time.sleep(0.001)
+                opened.append(1)
+            stop.wait(120)  # held open until the fit is over (bounded)
+        finally:
+            for sock in held:
+                sock.close()
+
+    def flooded(*args, **kwargs):
+        hosted = start(*args, **kwargs)
+        stop, opened = threading.Event(), []
+        thread = threading.Thread(target=flood, args=(hosted.server.host, hosted.server.port, stop, opened))
+        thread.start()
+        floods.append((hosted, stop, thread))
+        deadline = time.monotonic() + 30
+        while len(opened) < 500 and time.monotonic() < deadline:  # under way before any worker
+            time.sleep(0.01)
+        return hosted
+
+    monkeypatch.setattr(driver, "start_parameter_server", flooded)
+    shards = make_shards([48, 48])
+    try:
+        model = estimator(strategy="parameter_server", ps_mode="sync").fit(shards_dataframe(spark, shards))
+    finally:
+        for _, stop, thread in floods:
+            stop.set()
+            thread.join(60)
+    expected = reference_sgd(shards, 8, 1, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+    ((hosted, _, _),) = floods
+    evicted = sum(
+        n for reason, n in hosted.server.refusals.items() if reason.startswith(("evicted", "refused"))
+    )
+    assert evicted > 300  # the flood was there (its own connections evicted or turned away)
+
+
 @pytest.mark.parametrize(
     "settings", [{"strategy": "allreduce"}, {"strategy": "weight_averaging", "sync_every": 1}]
 )
