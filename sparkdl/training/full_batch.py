@@ -75,6 +75,7 @@ class Objective:
     ) -> None:
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._device = next(module.parameters()).device
         self._source = source
         self._loss_fn = loss_fn
         self._keyword = keyword
@@ -131,7 +132,7 @@ class Objective:
         self.passes += 1
         batches, source = self._source.epoch(self.passes)
         streaming = source == "spark"
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)  # read once, at the end
         rows = 0
         self._module.train()
         iterator = iter(batches)
@@ -148,17 +149,35 @@ class Objective:
                 return 0.0, rows, rejected
             loss = self._batch_loss(batch)
             (loss * len(batch)).backward()
-            loss_sum += loss.detach().double().cpu() * len(batch)
+            loss_sum += loss.detach().double() * len(batch)
             rows += len(batch)
         return float(loss_sum), rows, None
 
     def _batch_loss(self, batch: Batch) -> torch.Tensor:
-        batch = batch.to(next(iter(self._params)).device) if self._params else batch
+        batch = batch.to(self._device)
         with self._precision.autocast():
             output = call_model(self._module, batch, self._keyword)
             if not self.output_shape:
                 self.output_shape, self.input_shapes = tuple(output.shape[1:]), batch.shapes()
             return self._loss_fn(output, batch.label, batch.weight).float()
+
+
+def iteration_record(iteration: Iteration, rows: int, seconds: float) -> dict[str, Any]:
+    """One iteration's entry of ``history`` (every layout's): its figures, and the samples
+    its passes read over every worker's ``rows``, in ``seconds``."""
+    samples = rows * iteration.evaluations
+    return {
+        "epoch": iteration.iteration,
+        "iteration": iteration.iteration,
+        "loss": iteration.loss,
+        "grad_max": iteration.grad_max,
+        "step_length": iteration.step,
+        "evaluations": iteration.evaluations,
+        "passes": iteration.total_evaluations,
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+    }
 
 
 def check_finite(loss: float, gradient: torch.Tensor, passes: int) -> None:
@@ -329,22 +348,12 @@ class FullBatchTrainer:
         self._after(Saved(self._lbfgs.state, self._vectors.tensors, self._history))
 
     def _entry(self, iteration: Iteration) -> dict[str, Any]:
-        traffic = self._exchange.take_traffic()
         now = time.perf_counter()
         seconds, self._started = now - self._started, now
-        rows = self._objective.rows
-        return {
-            "epoch": iteration.iteration,
-            "iteration": iteration.iteration,
-            "loss": iteration.loss,
-            "grad_max": iteration.grad_max,
-            "step_length": iteration.step,
-            "evaluations": iteration.evaluations,
-            "passes": iteration.total_evaluations,
-            "samples": rows * iteration.evaluations,
-            "local_samples": self._objective.local_rows * iteration.evaluations,
-            "nan_skips": 0,
-            "seconds": seconds,
-            "samples_per_s": rows * iteration.evaluations / seconds if seconds > 0 else 0.0,
-            "bytes_sent": traffic.bytes_sent,
-        }
+        entry = iteration_record(iteration, self._objective.rows, seconds)
+        entry.update(
+            local_samples=self._objective.local_rows * iteration.evaluations,
+            nan_skips=0,
+            bytes_sent=self._exchange.take_traffic().bytes_sent,
+        )
+        return entry

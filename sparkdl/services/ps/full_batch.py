@@ -30,7 +30,7 @@ import torch
 
 from sparkdl.errors import BadDataError, CoordinatorFailed
 from sparkdl.services.ps.store import ShardStore
-from sparkdl.training.full_batch import check_finite
+from sparkdl.training.full_batch import check_finite, iteration_record
 from sparkdl.training.lbfgs import Iteration, Lbfgs, LbfgsSettings
 
 log = logging.getLogger(__name__)
@@ -244,19 +244,6 @@ class Coordinator:
     def _record(self, iteration: Iteration) -> None:
         now = time.perf_counter()
         seconds, self._started = now - self._started, now
-        rows = self.vectors.rows
-        self.history.append(
-            {
-                "epoch": iteration.iteration,
-                "iteration": iteration.iteration,
-                "loss": iteration.loss,
-                "grad_max": iteration.grad_max,
-                "step_length": iteration.step,
-                "evaluations": iteration.evaluations,
-                "passes": iteration.total_evaluations,
-                "samples": rows * iteration.evaluations,
-                "seconds": seconds,
-                "samples_per_s": rows * iteration.evaluations / seconds if seconds > 0 else 0.0,
-                "vectors_per_shard": len(self.vectors.names()),
-            }
-        )
+        entry = iteration_record(iteration, self.vectors.rows, seconds)
+        entry["vectors_per_shard"] = len(self.vectors.names())
+        self.history.append(entry)

@@ -375,7 +375,6 @@ class ShardStore:
                     entry.loss_sum / max(entry.rows, 1),
                     entry.rows,
                 )
-                entry.grad_sum.zero_()
                 if len(self._spare) < 2:
                     self._spare.append(entry.grad_sum)
                 return  # one clock at a time: the next cannot be complete before the next version
