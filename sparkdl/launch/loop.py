@@ -82,8 +82,8 @@ def run(
             :class:`~sparkdl.worker.context.TrainContext`.
         df: the DataFrame to train on (None: no feed; bring your own data).
         num_workers: the workers (one barrier task each).
-        strategy: how the prepared models stay in sync: ``"allreduce"``, ``"weight_averaging"``
-            or ``"parameter_server"``.
+        strategy: how the prepared models stay in sync: ``"allreduce"``, ``"fsdp"``,
+            ``"weight_averaging"`` or ``"parameter_server"`` (``ps_mode`` sync, ssp or async).
         transform_fn: decodes what no built-in decoder reads, as for ``TorchEstimator``.
         model_fn, optimizer_fn: with ``"parameter_server"``, the model the server hosts (the
             one ``train_fn`` prepares) and the optimizer it runs (default: the

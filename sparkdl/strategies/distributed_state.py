@@ -41,9 +41,8 @@ class DistributedState(SyncStrategy):
         optimizer_state: dict[str, Any],
     ) -> None:
         """Every rank holds the full checkpoint; each keeps its own part of it."""
-        set_model_state_dict(module, cast(dict[str, Any], model_state), options=FULL)
-        by_name = indexed_to_named(optimizer_state, parameter_names(module, optimizer))
-        set_optimizer_state_dict(module, optimizer, by_name, options=FULL)
+        load_whole_model(module, model_state)
+        load_whole_optimizer(module, optimizer, optimizer_state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Gathered to rank 0 (a collective); ``{}`` on the other ranks."""
@@ -59,6 +58,24 @@ class DistributedState(SyncStrategy):
             return {}
         return named_to_indexed(by_name, parameter_names(module, optimizer))
 
+    def load_whole_model(self, state: dict[str, torch.Tensor]) -> None:
+        load_whole_model(self.ctx.module, state)
+
+    def load_whole_optimizer(self, state: dict[str, Any]) -> None:
+        load_whole_optimizer(self.ctx.module, self.ctx.optimizer, state)
+
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's full state, broadcast and spread into every rank's part (a collective)."""
         set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=FROM_RANK0)
+
+
+def load_whole_model(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``state``, the whole model's (held by every rank), into each rank's part of ``module``."""
+    set_model_state_dict(module, cast(dict[str, Any], state), options=FULL)
+
+
+def load_whole_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``state``, the whole optimizer's as ``optimizer.state_dict()`` numbers it (held by every
+    rank), into each rank's part of ``optimizer`` over ``module``."""
+    by_name = indexed_to_named(state, parameter_names(module, optimizer))
+    set_optimizer_state_dict(module, optimizer, by_name, options=FULL)

@@ -43,7 +43,7 @@ each rank keeps its own; rank 0's are saved and returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -74,6 +74,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
 
     name = Strategy.FSDP
     shares_gradients = True
+    shards_parameters = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -148,6 +149,34 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._step_bytes * self._micro_batches
         return self._step_on_shared_gradients(step, loss)
+
+
+class ScaledReduceScatter:
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) with this rank's
+    gradient first scaled by ``scale()``: a user's own loop, whose loss sparkdl does not see,
+    weights each rank's gradient by its share of the step's rows here. A share of 0 (a
+    filler) zeroes the gradient rather than multiplying it (an infinity would become NaN)."""
+
+    def __init__(self, scale: Callable[[], float]) -> None:
+        self._scale = scale
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        scale = self._scale()
+        if scale == 0.0:
+            input_tensor.zero_()
+        elif scale != 1.0:
+            input_tensor.mul_(scale)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _shard(module: nn.Module, device: torch.device) -> None:

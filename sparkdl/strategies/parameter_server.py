@@ -201,6 +201,17 @@ class ParameterServerStrategy(SyncStrategy):
         elif self._rows:
             self._exchange(-1, None)
 
+    def settle(self, steps: int) -> None:
+        """Pull the server's final weights, once every worker's :meth:`finish` returned (the
+        caller's barrier between): a user's own loop, whose workers each end holding the model
+        the server trained. ``steps``: the clocks of the run. In ``sync`` mode the last pull
+        already brought them; ``ssp`` waits for every clock to be applied; ``async`` pulls
+        what the server holds now, every push being in."""
+        if self._mode is PsMode.SYNC:
+            return
+        staleness = self.ctx.config.parameter_server.staleness if self._mode is PsMode.SSP else 0
+        self._exchange(None, steps + staleness)
+
     def end_epoch(self) -> SyncStats:
         if self._client is None:  # a hierarchy's member: its traffic stays on its host
             stats = SyncStats(

@@ -188,6 +188,9 @@ class SyncStrategy(abc.ABC):
     #: Whether the strategy can send fully connected layers' gradients as sufficient factors
     #: (``runtime.sufficient_factors``).
     takes_sufficient_factors: ClassVar[bool] = False
+    #: Whether :meth:`prepare_module` replaces the module's parameters with new ones (their
+    #: shards): an optimizer built before over the old ones must be pointed at the new.
+    shards_parameters: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -275,6 +278,16 @@ class SyncStrategy(abc.ABC):
         ``torch.optim.Optimizer.state_dict()``), ``{}`` elsewhere; same contract as
         :meth:`full_state_dict`."""
         return self.ctx.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+    def load_whole_model(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the model to ``state``, the whole model's, held by every rank (a collective
+        where parameters are spread: each rank keeps its part)."""
+        self.ctx.module.load_state_dict(state)
+
+    def load_whole_optimizer(self, state: dict[str, Any]) -> None:
+        """Set the optimizer to ``state`` (as ``optimizer.state_dict()`` numbers it), held by
+        every rank; same contract as :meth:`load_whole_model`."""
+        self.ctx.optimizer.load_state_dict(state)
 
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Set the model to ``state``, the full state held by rank 0 (``{}`` on the other

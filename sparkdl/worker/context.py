@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
@@ -33,6 +34,8 @@ from sparkdl.errors import BadDataError, ConfigError, agreed
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies.parameter_server import ParameterServerStrategy
+from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.loop import next_batch
 from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
 from sparkdl.training.precision import Precision
@@ -176,9 +179,12 @@ class TrainContext:
         if coordinator.streaming:
             self._counts = exchange_row_counts(self.rank, self.world_size, self._feed.cached_rows, sum_)
         self._open_epoch, self._epoch_done = 0, True
+        if epoch == self.config.training.epochs:  # the code after the loop sees the final weights
+            self._preparer.finish(self.global_step)
 
     def finish(self) -> None:
-        """The function returned: the strategies' last sync (every rank together).
+        """The function returned: the strategies' last sync (every rank together), as at the
+        end of the configured last epoch (again: steps since then, e.g. more epochs, count).
 
         Raises:
             ConfigError: the function left ``ctx.batches`` before the end of an epoch.
@@ -191,7 +197,7 @@ class TrainContext:
                     "out of it"
                 )
             )
-        self._preparer.finish()
+        self._preparer.finish(self.global_step)
 
     def _sum(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
@@ -205,6 +211,47 @@ class TrainContext:
         when one is given). Call it once per model, on every rank."""
         prepared = self._preparer.prepare(*objects)
         return prepared[0] if len(prepared) == 1 else prepared
+
+    def state_dict(self, thing: Any) -> dict[str, Any]:
+        """The whole state of a prepared model or optimizer, as the plain one would give it
+        (no DDP prefix; an optimizer's numbered as ``optimizer.state_dict()`` numbers it), as
+        CPU tensors on rank 0 and ``{}`` on the other ranks. Every rank calls it at the same
+        point: under fsdp it gathers the shards (a collective). Save it with
+        :meth:`save_checkpoint`, return it from ``train_fn``: it loads into a plain model, and
+        with :meth:`load_state_dict` under any strategy and number of workers.
+
+        Raises:
+            ConfigError: ``thing`` was never prepared.
+        """
+        strategy = self._preparer.strategy_of(thing)
+        if strategy is None:  # a model prepared without an optimizer: the same on every rank
+            return cpu_state_dict(thing) if self.rank == 0 else {}
+        if isinstance(thing, nn.Module):
+            return strategy.full_state_dict()
+        return strategy.full_optimizer_state_dict()
+
+    def load_state_dict(self, thing: Any, state: Mapping[str, Any]) -> None:
+        """Load ``state``, a whole state as :meth:`state_dict` (or a plain model or optimizer)
+        gives it, into a prepared model or optimizer; every rank calls it with the same state
+        (what :meth:`load_checkpoint` returns): under fsdp each rank keeps its shards.
+
+        Raises:
+            ConfigError: ``thing`` was never prepared; the parameter server's model (the
+                server holds its weights).
+        """
+        strategy = self._preparer.strategy_of(thing)
+        if strategy is None:
+            thing.load_state_dict(state)
+        elif isinstance(strategy, ParameterServerStrategy):
+            raise ConfigError(
+                "ctx.load_state_dict on the parameter server's model or optimizer: the server on the "
+                "driver holds its weights and runs its optimizer, and the next pull would undo the load; "
+                "start the server from your weights in model_fn instead"
+            )
+        elif isinstance(thing, nn.Module):
+            strategy.load_whole_model(dict(state))
+        else:
+            strategy.load_whole_optimizer(dict(state))
 
     # -- progress ---------------------------------------------------------------------------------
 

@@ -16,7 +16,16 @@ memory as the settings say):
   from its weights, and the optimizer comes back as a :class:`ServerStep`, whose ``step()``
   adds the gradients, weighted by the step's rows, to the next push. Every step of
   ``ctx.batches`` pushes and pulls (sync and ssp), or as ``push_every``/``pull_every`` say
-  (async): exactly all-reduce SGD over every row of the step in sync mode.
+  (async): exactly all-reduce SGD over every row of the step in sync mode. When the loop
+  returns, every worker's last push goes in and each pulls the server's final weights
+  (ssp and async: the last pull of the loop may be stale).
+- ``fsdp``: every rank starts from rank 0's weights, then the model is sharded in place
+  with FSDP2 (the units :func:`~sparkdl.strategies.fsdp.shard_units` picks, then the root),
+  and the optimizer given with it is pointed at the shards (it must not have stepped yet),
+  so each rank keeps 1/N of the parameters, gradients and optimizer state. Each rank's
+  gradient is scaled by the step's share inside the reduce-scatter (FSDP's own hook for a
+  custom reduce-scatter), so uneven partitions are exact as under all-reduce.
+  :meth:`~sparkdl.worker.context.TrainContext.state_dict` gathers the whole model to rank 0.
 - ``weight_averaging``: the model comes back as it is; after every ``sync_every`` steps of
   ``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
   weighted by the rows its optimizer trained since the last average (an optimizer step
@@ -32,7 +41,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,7 +50,7 @@ from sparkdl.comm.forming import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import ProcessGroups
-from sparkdl.config import LrSchedule, PsMode, SparkDLConfig, Strategy, SufficientFactors
+from sparkdl.config import LrSchedule, SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.strategies.parameter_server import ParameterServerStrategy
@@ -50,7 +59,12 @@ from sparkdl.worker.assembly import payload_bytes
 from sparkdl.worker.teardown import close_strategy
 
 #: The strategies a user's own loop can run with today.
-OWN_LOOP_STRATEGIES = (Strategy.ALLREDUCE, Strategy.WEIGHT_AVERAGING, Strategy.PARAMETER_SERVER)
+OWN_LOOP_STRATEGIES = (
+    Strategy.ALLREDUCE,
+    Strategy.FSDP,
+    Strategy.WEIGHT_AVERAGING,
+    Strategy.PARAMETER_SERVER,
+)
 
 
 @dataclass
@@ -109,12 +123,7 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
 
 def _check_served_settings(config: SparkDLConfig) -> None:
     """What the parameter server cannot do in a user's own loop yet."""
-    settings, optimizer = config.parameter_server, config.optimizer
-    if settings.ps_mode is not PsMode.SYNC:
-        raise ConfigError(
-            f"ps_mode = {settings.ps_mode.value!r} in your own loop: only 'sync' ends with every worker "
-            "holding the server's weights for now; use ps_mode = 'sync', or train with TorchEstimator"
-        )
+    optimizer = config.optimizer
     if optimizer.lr_schedule is not LrSchedule.CONSTANT or optimizer.warmup_steps:
         raise ConfigError(
             "lr_schedule and warmup_steps with the parameter server in your own loop: the server runs "
@@ -156,6 +165,7 @@ class Preparer:
         self._stack = stack
         self._ps = ps
         self._seen: set[int] = set()
+        self._kept: dict[int, SyncStrategy | None] = {}  # prepared objects, given and returned
         self._strategies: list[SyncStrategy] = []
         self._steppers: list[_Period | ServerStep] = []  # what each step of ctx.batches moves on
         self._served = False  # the server's model is prepared (it hosts one)
@@ -165,8 +175,22 @@ class Preparer:
     @property
     def needs_fillers(self) -> bool:
         """Whether a worker whose rows ran out must still step (on a filler batch): under
-        all-reduce every step is a collective; weight averaging's steps are local."""
-        return self._config.training.strategy is Strategy.ALLREDUCE
+        all-reduce and fsdp every step is a collective; weight averaging's steps are local."""
+        return self._config.training.strategy in (Strategy.ALLREDUCE, Strategy.FSDP)
+
+    def strategy_of(self, thing: object) -> SyncStrategy | None:
+        """The strategy that keeps ``thing`` (a model or optimizer given to or returned by
+        :meth:`prepare`) in sync; None for a model prepared without an optimizer.
+
+        Raises:
+            ConfigError: ``thing`` was never prepared.
+        """
+        if id(thing) not in self._kept:
+            raise ConfigError(
+                f"a {type(thing).__name__} that ctx.prepare never saw: pass the model or optimizer "
+                "given to ctx.prepare, or the one it returned"
+            )
+        return self._kept[id(thing)]
 
     def step_done(self, step: int, rows: int) -> None:
         """Step ``step`` of ``ctx.batches`` is over on this worker, which had ``rows`` rows in
@@ -216,13 +240,24 @@ class Preparer:
             ready[id(module)], stand_in = self._ready(module, module_optimizers)
             if stand_in is not None:
                 ready[id(module_optimizers[0])] = stand_in
+            strategy = self._strategies[-1] if module_optimizers else None
+            for thing in (module, ready[id(module)], *module_optimizers, stand_in):
+                if thing is not None:
+                    self._kept[id(thing)] = strategy
         return tuple(ready.get(id(o), o) for o in objects)
 
-    def finish(self) -> None:
-        """The run is over: leave every worker with the same weights (a last average)."""
+    def finish(self, steps: int) -> None:
+        """The run is over after ``steps`` steps of ``ctx.batches``: leave every worker with
+        the same weights (a last average; the server's final weights, pulled once every
+        worker's last push is in)."""
         self.epoch_begins()  # weights loaded since the last epoch are the strategies' start
         for strategy in self._strategies:
             strategy.finish()
+        served = [s for s in self._strategies if isinstance(s, ParameterServerStrategy)]
+        if served and self._where.world_size > 1:
+            torch.distributed.barrier(group=self._groups.control)
+        for strategy in served:
+            strategy.settle(steps)
 
     def _check(
         self,
@@ -260,12 +295,15 @@ class Preparer:
             )
         if self._ps is not None:
             self._check_served(module)
+        kind = strategy_class(self._config.training.strategy)
+        if kind.shards_parameters:
+            _shard_for(module, optimizers[0], self._config, where)
         exchange = form_exchange(
             self._config.runtime,
             where,
             self._groups,
             payload_bytes(module),
-            strategy_class(self._config.training.strategy).plain_sum,
+            kind.plain_sum,
             self._hierarchy,
         )
         self._stack.callback(exchange.close)
@@ -295,6 +333,8 @@ class Preparer:
             self._steppers.append(stand_in)
             self._served = True
             return strategy.model, stand_in
+        elif kind.shards_parameters:
+            _scale_reduce_scatter(module, self._step)
         elif where.world_size > 1:
             _scale_gradients(module, self._step)
         return strategy.model, None
@@ -420,6 +460,41 @@ def _from_rank0(module: nn.Module, world_size: int) -> None:
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 torch.distributed.broadcast(tensor.data, src=0)
+
+
+def _shard_for(
+    module: nn.Module, optimizer: torch.optim.Optimizer, config: SparkDLConfig, where: Where
+) -> None:
+    """Shard ``module`` in place (every rank from rank 0's weights) and point ``optimizer``,
+    built over its whole parameters, at the shards that replaced them (by name).
+
+    Raises:
+        ConfigError: the optimizer has stepped already (its state is of the whole parameters).
+    """
+    if optimizer.state:
+        raise ConfigError(
+            f"ctx.prepare got a {type(optimizer).__name__} that has stepped already; with strategy = "
+            f"{config.training.strategy.value!r} its state must be built over the shards: prepare the "
+            "model and optimizer before the first step (load a checkpoint with ctx.load_state_dict after)"
+        )
+    names = {id(p): name for name, p in module.named_parameters()}
+    strategy_class(config.training.strategy).prepare_module(module, config, where.device)
+    shards = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [shards[names[id(p)]] for p in group["params"]]
+
+
+def _scale_reduce_scatter(module: nn.Module, step: StepRows) -> None:
+    """Scale each rank's gradient by the step's share as FSDP reduce-scatters it (before the
+    sum: the mean FSDP takes is then the mean over every row of the step)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from sparkdl.strategies.fsdp import ScaledReduceScatter
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            # FSDP's ReduceScatter interface, by its two methods (torch exports no name for it)
+            unit.set_custom_reduce_scatter(cast(Any, ScaledReduceScatter(lambda: step.scale)))
 
 
 def _scale_gradients(module: nn.Module, step: StepRows) -> None:

@@ -1,5 +1,6 @@
 """sparkdl.run on real Spark (local[2]): a user's own loop with ctx gives the reference
-answer from a DataFrame with uneven partitions, and a lost worker mid-run resumes from
+answer from a DataFrame with uneven partitions under all-reduce, fsdp, weight averaging
+(every step) and the synchronous parameter server, and a lost worker mid-run resumes from
 ctx's checkpoint with the same answer."""
 
 from __future__ import annotations
@@ -19,22 +20,21 @@ pytestmark = pytest.mark.spark
 LR, MOMENTUM = 0.1, 0.9
 
 
-def resumable_loop(ctx: Any, fail_marker: str = "") -> dict[str, torch.Tensor]:
+def resumable_loop(ctx: Any, fail_marker: str = "", momentum: float = MOMENTUM) -> dict[str, torch.Tensor]:
     """A user's loop that checkpoints every 2 steps and resumes after a re-run; with
     ``fail_marker``, rank 1's process dies at step 3 of the first attempt."""
     import os
 
     torch.manual_seed(0)
     model = make_tiny_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     model, optimizer = ctx.prepare(model, optimizer)
-    inner = getattr(model, "module", model)
     done = 0
     if ctx.config.reliability.checkpoint_dir:
         state = ctx.load_checkpoint()
         if state is not None:
-            inner.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            ctx.load_state_dict(model, state["model"])
+            ctx.load_state_dict(optimizer, state["optimizer"])
             done = ctx.resumed_from
             ctx.report(resumed_from=done)
     for epoch in ctx.epochs:
@@ -52,8 +52,9 @@ def resumable_loop(ctx: Any, fail_marker: str = "") -> dict[str, torch.Tensor]:
             optimizer.step()
             ctx.report(loss=loss.item())
             if ctx.config.reliability.checkpoint_dir and step % 2 == 0:
-                ctx.save_checkpoint({"model": inner.state_dict(), "optimizer": optimizer.state_dict()}, step)
-    return inner.state_dict()
+                whole = {"model": ctx.state_dict(model), "optimizer": ctx.state_dict(optimizer)}
+                ctx.save_checkpoint(whole, step)
+    return ctx.state_dict(model)
 
 
 def test_an_own_loop_on_uneven_partitions_is_single_process_sgd_and_logs_to_mlflow(
@@ -131,4 +132,23 @@ def test_an_own_loop_under_the_parameter_server_is_single_process_sgd(spark: Any
         shuffle=False,
     )
     expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(result.value, expected) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("strategy", "momentum", "settings"),
+    [("weight_averaging", 0.0, {"sync_every": 1}), ("fsdp", MOMENTUM, {})],
+    ids=["weight_averaging", "fsdp"],
+)
+def test_an_own_loop_under_weight_averaging_and_fsdp_is_single_process_sgd(
+    spark: Any, strategy: str, momentum: float, settings: dict[str, Any]
+) -> None:
+    import sparkdl
+
+    shards = make_shards([50, 21])
+    result = sparkdl.run(
+        resumable_loop, "", momentum, df=shards_dataframe(spark, shards), num_workers=2,
+        strategy=strategy, batch_size=8, epochs=2, shuffle=False, **settings,
+    )  # fmt: skip
+    expected = reference_sgd(shards, 8, 2, 0, LR, momentum, False)
     assert max_abs_diff(result.value, expected) < 1e-5

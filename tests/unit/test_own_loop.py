@@ -65,19 +65,23 @@ def _worker(rank, world, shards, spec, store_path, out):
         out.put((rank, b"", [], exc))
 
 
-def run_loop(shards, tmp_path, function, *args, **settings):
+def run_loop(shards, tmp_path, function, *args, served=None, **settings):
     """Every worker of ``function`` in a process of its own; with strategy parameter_server,
-    the server hosted here (make_tiny_net's model, SGD with LR and MOMENTUM)."""
+    the server hosted here (make_tiny_net's model, SGD with LR and MOMENTUM), its final
+    weights put in ``served`` (a dict) when given."""
     config = SparkDLConfig().replace(num_workers=len(shards), collective_timeout_s=30.0, **settings)
     plan, template = shard_plan(shards)
     spec = LoopSpec(config, cloudpickle.dumps((function, args, {})), function.__name__, plan, template)
     if config.training.strategy.value != "parameter_server":
         return _run_workers(shards, tmp_path, spec)
-    server, _, endpoint = serve_parameters(config, make_tiny_net, _sgd, "127.0.0.1")
+    server, model, endpoint = serve_parameters(config, make_tiny_net, _sgd, "127.0.0.1")
     try:
-        return _run_workers(shards, tmp_path, dataclasses.replace(spec, ps=endpoint))
+        results = _run_workers(shards, tmp_path, dataclasses.replace(spec, ps=endpoint))
     finally:
         server.stop()
+    if served is not None:
+        served.update({name: value.detach().clone() for name, value in model.state_dict().items()})
+    return results
 
 
 def _sgd(params):
@@ -164,6 +168,102 @@ def test_own_loop_with_the_synchronous_parameter_server_is_single_process_sgd(tm
     assert max_abs_diff(_state(results), expected) < 1e-5
 
 
+def portable_loop(ctx, lr: float, momentum: float, stop_after: int = 0):
+    """plain_loop through ctx.state_dict and ctx.load_state_dict, so that it runs unchanged
+    under every strategy (fsdp's shards too); with a checkpoint_dir it saves every epoch and
+    resumes from the newest, returning after epoch ``stop_after`` (0: the last)."""
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, optimizer = ctx.prepare(model, optimizer)
+    checkpoints = bool(ctx.config.reliability.checkpoint_dir)
+    saved = ctx.load_checkpoint() if checkpoints else None
+    if saved is not None:
+        ctx.load_state_dict(model, saved["model"])
+        ctx.load_state_dict(optimizer, saved["optimizer"])
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            if ctx.global_step <= ctx.resumed_from:
+                continue  # trained before the checkpoint
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if checkpoints and ctx.global_step > ctx.resumed_from:
+            ctx.save_checkpoint({"model": ctx.state_dict(model), "optimizer": ctx.state_dict(optimizer)})
+        if epoch == stop_after:
+            break
+    return ctx.state_dict(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[64, 64], [50, 21], [40, 0, 17]])
+def test_own_loop_with_fsdp_is_single_process_sgd(tmp_path, sizes):
+    """The optimizer built over the whole parameters is pointed at the shards; each rank's
+    gradient is weighted by its rows inside FSDP's reduce-scatter; ctx.state_dict gathers."""
+    shards = make_shards(sizes)
+    results = run_loop(
+        shards, tmp_path, portable_loop, LR, MOMENTUM, strategy="fsdp", batch_size=8, epochs=2, shuffle=True
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True)
+    assert max_abs_diff(_state(results), expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_the_own_loop_resumes_under_allreduce(tmp_path):
+    """ctx.state_dict's checkpoint is whole: two epochs under fsdp, the third under all-reduce
+    from it, give single-process SGD's three epochs (momentum buffers included)."""
+    shards = make_shards([50, 21])
+    settings = dict(batch_size=8, epochs=3, shuffle=True, checkpoint_dir=str(tmp_path / "ckpt"))
+    run_loop(shards, tmp_path / "fsdp", portable_loop, LR, MOMENTUM, 2, strategy="fsdp", **settings)
+    resumed = run_loop(shards, tmp_path / "allreduce", portable_loop, LR, MOMENTUM, **settings)
+    expected = reference_sgd(shards, 8, 3, 0, LR, MOMENTUM, True)
+    assert max_abs_diff(_state(resumed), expected) < 1e-5
+
+
+def keeps_every_ranks_weights(ctx, folder: str):
+    """plain_loop (SGD, no momentum) that saves each rank's weights right after ctx.epochs."""
+    import os
+
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss=loss.item())
+    torch.save(model.state_dict(), os.path.join(folder, f"{ctx.rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings",
+    [dict(ps_mode="async", push_every=1, pull_every=3), dict(ps_mode="ssp", staleness=2)],
+    ids=["async", "ssp"],
+)
+def test_after_the_last_epoch_every_worker_holds_the_servers_final_weights(tmp_path, settings):
+    """async and ssp: the loop's last pulls may be stale; after ctx.epochs every worker's last
+    push is in and each pulled the server's final weights (what the loop then evaluates or
+    returns)."""
+    shards = make_shards([64, 40])
+    served: dict[str, torch.Tensor] = {}
+    results = run_loop(
+        shards, tmp_path, keeps_every_ranks_weights, str(tmp_path), strategy="parameter_server",
+        batch_size=8, epochs=2, served=served, **settings,
+    )  # fmt: skip
+    assert not [e for _, _, e in results.values() if e]
+    for rank in range(2):
+        held = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
+        assert max_abs_diff(held, served) == 0.0, rank
+    torch.manual_seed(SparkDLConfig().training.seed)  # the server's initial model
+    assert max_abs_diff(served, make_tiny_net().state_dict()) > 1e-2  # every push was applied
+
+
 def loop_then_evaluate(ctx, lr: float, momentum: float):
     """plain_loop, then one more pass over ctx.batches that only evaluates (no step)."""
     state = plain_loop(ctx, lr, momentum)
@@ -209,34 +309,6 @@ def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_a
     assert max_abs_diff(_state(results), estimator) < 1e-5
 
 
-def resumable_loop(ctx, lr: float, momentum: float, stop_after: int):
-    """A loop that checkpoints at the end of every epoch and resumes from the newest,
-    loading the weights after ``ctx.prepare`` (the strategy must rebase on them); it returns
-    after epoch ``stop_after`` (a stand-in for a lost worker)."""
-    torch.manual_seed(0)
-    model = make_tiny_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    model, optimizer = ctx.prepare(model, optimizer)
-    saved = ctx.load_checkpoint()
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-    for epoch in ctx.epochs:
-        for batch in ctx.batches(epoch):
-            if ctx.global_step <= ctx.resumed_from:
-                continue  # trained before the checkpoint
-            (x,) = batch.inputs.values()
-            loss = F.cross_entropy(model(x), batch.label)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        if ctx.global_step > ctx.resumed_from:
-            ctx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        if epoch == stop_after:
-            break
-    return model.state_dict()
-
-
 @pytest.mark.slow
 def test_own_loop_resumes_the_outer_optimizers_momentum_from_ctxs_checkpoint(tmp_path):
     shards = make_shards([48, 32])  # 6 steps an epoch: each epoch ends right after an average
@@ -244,10 +316,10 @@ def test_own_loop_resumes_the_outer_optimizers_momentum_from_ctxs_checkpoint(tmp
         strategy="weight_averaging", sync_every=3, batch_size=8, epochs=3, shuffle=True,
         outer_optimizer="nesterov", checkpoint_dir=str(tmp_path / "ckpt"),
     )  # fmt: skip
-    run_loop(shards, tmp_path / "first", resumable_loop, LR, MOMENTUM, 2, **settings)  # epochs 1-2
-    resumed = _state(run_loop(shards, tmp_path / "resumed", resumable_loop, LR, MOMENTUM, 3, **settings))
+    run_loop(shards, tmp_path / "first", portable_loop, LR, MOMENTUM, 2, **settings)  # epochs 1-2
+    resumed = _state(run_loop(shards, tmp_path / "resumed", portable_loop, LR, MOMENTUM, 3, **settings))
     settings["checkpoint_dir"] = str(tmp_path / "other")
-    whole = _state(run_loop(shards, tmp_path / "whole", resumable_loop, LR, MOMENTUM, 3, **settings))
+    whole = _state(run_loop(shards, tmp_path / "whole", portable_loop, LR, MOMENTUM, 3, **settings))
     assert max_abs_diff(resumed, whole) < 1e-6
 
 
@@ -315,6 +387,20 @@ def fails_after_the_loop_on_rank_0(ctx):
         raise KeyError("metrics")  # the peers returned: still this error, not a collective mismatch
 
 
+def stepped_before_prepare(ctx):
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(1, 6)).sum().backward()
+    optimizer.step()  # momentum buffers of the whole parameters: fsdp's shards cannot take them
+    ctx.prepare(model, optimizer)
+
+
+def state_of_a_stranger(ctx):
+    model = make_tiny_net()
+    ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ctx.state_dict(make_tiny_net())
+
+
 def test_bad_use_fails_clearly(tmp_path):
     from sparkdl.errors import ConfigError, PeerStopped, TrainFunctionError
 
@@ -328,6 +414,10 @@ def test_bad_use_fails_clearly(tmp_path):
     ps = dict(strategy="parameter_server", batch_size=4)
     error = _driver_error(run_loop(shards, tmp_path / "original", keeps_the_original_optimizer, **ps))
     assert isinstance(error, ConfigError) and "use the optimizer ctx.prepare returned" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "stepped", stepped_before_prepare, strategy="fsdp"))
+    assert isinstance(error, ConfigError) and "SGD that has stepped already" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "stranger", state_of_a_stranger))
+    assert isinstance(error, ConfigError) and "a TinyNet that ctx.prepare never saw" in str(error)
     results = run_loop(shards, tmp_path / "after", fails_after_the_loop_on_rank_0, batch_size=4)
     assert isinstance(results[0][2], TrainFunctionError) and results[0][2].python_type == "KeyError"
     results = run_loop(shards, tmp_path / "first", first_failure_wins, batch_size=4)
