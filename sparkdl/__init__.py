@@ -23,6 +23,7 @@ _PUBLIC = {
     "SchemaError": "sparkdl.errors",
     "SparkDLError": "sparkdl.errors",
     "StageStalledError": "sparkdl.errors",
+    "WorkersLostError": "sparkdl.errors",
     "TrainingFailedError": "sparkdl.errors",
     "SparkDLConfig": "sparkdl.config",
     "load_config": "sparkdl.config",
@@ -57,6 +58,7 @@ __all__ = [
     "TorchModel",
     "TrainFunctionError",
     "TrainingFailedError",
+    "WorkersLostError",
     "advise",
     "load_config",
     "loading",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
         StageStalledError,
         TrainFunctionError,
         TrainingFailedError,
+        WorkersLostError,
     )
     from sparkdl.launch.distributor import TorchDistributor
     from sparkdl.launch.loop import RunResult, run

@@ -126,7 +126,7 @@ class WaitTimeout(SparkDLError):
         limit_s: the bound that ran out, in seconds (None where the raising side does not know it).
     """
 
-    fields = ("setting", "limit_s")
+    fields: ClassVar[tuple[str, ...]] = ("setting", "limit_s")
 
     def __init__(self, message: str, setting: str = "", limit_s: float | None = None) -> None:
         super().__init__(message)
@@ -148,6 +148,30 @@ class TeardownError(SparkDLError):
 
 class StageStalledError(WaitTimeout):
     """The training stage made no progress for longer than its bound; fit cancelled it."""
+
+
+class WorkersLostError(WaitTimeout):
+    """The cluster kept fewer task slots than the training stage's workers for longer than
+    ``runtime.executor_wait_timeout_s`` (executors lost for good), and fewer than
+    ``reliability.min_workers`` to go on with; or fit cancelled the stage to go on with fewer.
+
+    Attributes:
+        available: the task slots the cluster had.
+        required: the workers the stage needed.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("setting", "limit_s", "available", "required")
+
+    def __init__(
+        self,
+        message: str,
+        setting: str = "",
+        limit_s: float | None = None,
+        available: int = 0,
+        required: int = 0,
+    ) -> None:
+        super().__init__(message, setting, limit_s)
+        self.available, self.required = available, required
 
 
 class CheckpointError(SparkDLError):

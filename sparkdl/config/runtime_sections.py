@@ -201,6 +201,14 @@ class ReliabilityConfig:
         default=10,
         metadata=about("With on_nan_loss = skip: stop after this many skipped steps in a row.", bound=">= 0"),
     )
+    min_workers: int = field(
+        default=0,
+        metadata=about(
+            "Fewest workers to go on with after executors are lost for good: the fit resumes from its "
+            "last checkpoint on the slots left; 0 = num_workers (never shrink).",
+            bound=">= 0",
+        ),
+    )
     fault_injection: str = field(
         default="",
         metadata=about(

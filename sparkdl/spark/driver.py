@@ -14,9 +14,11 @@ import functools
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import pyarrow as pa
@@ -26,18 +28,26 @@ from sparkdl.config import DataConfig, SparkDLConfig, Strategy
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import ErrorRecord, SchemaError, SparkDLError, StageStalledError, TrainingFailedError
+from sparkdl.errors import (
+    ErrorRecord,
+    SchemaError,
+    SparkDLError,
+    StageStalledError,
+    TrainingFailedError,
+    WorkersLostError,
+)
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressServer
 from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, driver_host, is_connect
+from sparkdl.spark.cluster import check_cluster, driver_host, is_connect, max_concurrent_tasks
 from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
+from sparkdl.spark.resize import Resize, note_resizes, workers_after_loss
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
-from sparkdl.spark.watch import MARGIN_S, collect_watched, fit_job_group
+from sparkdl.spark.watch import MARGIN_S, SlotWatch, collect_watched, fit_job_group
 from sparkdl.strategies import check_settings
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
@@ -56,6 +66,7 @@ class FitResult:
     worker_devices: list[dict[str, Any]]  # per rank: the device it trained on, the GPUs Spark gave it
     worker_rows: list[int]
     bad_rows_skipped: int = 0
+    resizes: list[Resize] = dataclass_field(default_factory=list)  # restarts on fewer workers (min_workers)
 
 
 def plan_inputs(
@@ -148,7 +159,9 @@ def arrow_schema(df: Any) -> pa.Schema:
 
 
 def run_training(df: Any, spec: TrainSpec) -> FitResult:
-    """Train on ``df`` with one barrier task per worker; return rank 0's weights and history."""
+    """Train on ``df`` with one barrier task per worker; return rank 0's weights and history.
+    With ``reliability.min_workers`` below ``num_workers``, a stage whose executors were lost
+    for good starts again on the slots left, from the checkpoint (:mod:`sparkdl.spark.resize`)."""
     config = check_settings(spec.config)
     n = config.training.num_workers
     spark = df.sparkSession
@@ -162,7 +175,50 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     )
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
-    runtime = config.runtime
+    floor = config.reliability.min_workers
+    resizes: list[Resize] = []
+    while True:
+        slots = None
+        if group and 0 < floor < n:
+            probe = functools.partial(max_concurrent_tasks, spark.sparkContext, profile)
+            slots = SlotWatch(probe, n, config.runtime.executor_wait_timeout_s)
+        try:
+            result = _train(df, spec, profile, group, attempt_started, slots)
+        except SparkDLError as exc:
+            if slots is None or len(resizes) > config.training.num_workers:
+                raise
+            wait_s = 0.0 if isinstance(exc, WorkersLostError) else config.runtime.executor_wait_timeout_s
+            try:
+                workers = workers_after_loss(slots.probe, n, floor, wait_s)
+            except WorkersLostError as lost:
+                raise lost from exc
+            if workers is None:
+                raise
+            resizes.append(Resize(n, workers, time.time(), f"{type(exc).__name__}: {exc}"))
+            log.warning(
+                "the training stage of %d workers ended (%s); going on with %d from the last checkpoint",
+                n, type(exc).__name__, workers,
+            )  # fmt: skip
+            n = workers
+            resized = spec.config.replace(num_workers=n)
+            spec = dataclasses.replace(spec, config=resized, lr=_lr_plan(df, resized))
+            continue
+        note_resizes(result.history, resizes)
+        result.resizes = resizes
+        return result
+
+
+def _train(
+    df: Any,
+    spec: TrainSpec,
+    profile: Any,
+    group: str,
+    attempt_started: Callable[[int], bool] | None,
+    slots: SlotWatch | None,
+) -> FitResult:
+    """One training stage of ``spec.config``'s workers, with its servers."""
+    config = spec.config
+    n, runtime, spark = config.training.num_workers, config.runtime, df.sparkSession
     hosted = None
     with contextlib.ExitStack() as stack:
         if config.training.strategy is Strategy.PARAMETER_SERVER:
@@ -184,7 +240,7 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         task = functools.partial(train_partition, spec)
         coordinator = hosted.coordinator if hosted is not None else None
         try:
-            rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group)
+            rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group, slots)
             upload = servers.upload
             result = _fit_result(rows, n, upload.take() if upload is not None else None)
         except SparkDLError as exc:  # L-BFGS on the shards: the driver's own error is the cause
@@ -359,19 +415,21 @@ def run_barrier_stage(
     silence: Callable[[], dict[int, float]] | None,
     bound_s: float,
     group: str,
+    slots: SlotWatch | None = None,
 ) -> list[Any]:
     """The rows of ``data.mapInArrow(task, schema, barrier=True)``, collected after a shuffle
     (so that Spark re-runs the stage after a failed task instead of aborting the job), in job
-    group ``group``, watched for silent ranks.
+    group ``group``, watched for silent ranks (and, with ``slots``, for lost slots).
 
     Raises:
         StageStalledError: a rank went silent for longer than ``bound_s``.
+        WorkersLostError: the cluster lost the stage's slots for good (with ``slots``).
         SparkDLError: the error a worker raised, rebuilt from its record (:func:`translate_failure`).
     """
     stage = data.mapInArrow(task, schema, barrier=True, profile=profile)
     try:
-        return collect_watched(data.sparkSession, stage.repartition(1), silence, bound_s, group)
-    except StageStalledError:
+        return collect_watched(data.sparkSession, stage.repartition(1), silence, bound_s, group, slots)
+    except (StageStalledError, WorkersLostError):
         raise
     except Exception as exc:
         raise translate_failure(exc) from exc

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.errors import StageStalledError
+from sparkdl.errors import StageStalledError, WorkersLostError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,39 @@ class Stall:
         )
 
 
+@dataclass
+class SlotWatch:
+    """Whether the cluster has lost the slots a stage needs for good: fewer than
+    ``required`` task slots (``probe``) for longer than ``wait_s`` in a row. A barrier
+    stage re-run by Spark then waits for slots that will not return, so fit cancels it
+    and goes on with fewer workers (``reliability.min_workers``)."""
+
+    probe: Callable[[], int]
+    required: int
+    wait_s: float
+    short_since: float | None = None
+
+    def lost(self, now: float) -> WorkersLostError | None:
+        """The error to stop with, once the slots have been short for ``wait_s``."""
+        available = self.probe()
+        if available >= self.required:
+            self.short_since = None
+            return None
+        if self.short_since is None:
+            self.short_since = now
+        if now - self.short_since < self.wait_s:
+            return None
+        return WorkersLostError(
+            f"the cluster has had {available} task slot(s) for the training stage's {self.required} "
+            f"workers for {now - self.short_since:.0f}s (runtime.executor_wait_timeout_s): executors "
+            "were lost and did not come back; fit cancelled the stage",
+            setting="runtime.executor_wait_timeout_s",
+            limit_s=self.wait_s,
+            available=available,
+            required=self.required,
+        )
+
+
 def find_stall(silence: dict[int, float], bound_s: float) -> Stall | None:
     """The stall, if any rank has been silent for longer than ``bound_s`` (pure)."""
     silent = {rank: seconds for rank, seconds in silence.items() if seconds > bound_s}
@@ -58,6 +92,7 @@ class StallMonitor:
         bound_s: how long a rank may be silent.
         cancel: stops the stage (e.g. ``sc.cancelJobGroup``).
         poll_s: how often to look.
+        slots: also cancels once the cluster has lost the stage's slots for good.
     """
 
     def __init__(
@@ -66,13 +101,16 @@ class StallMonitor:
         bound_s: float,
         cancel: Callable[[], None],
         poll_s: float = 1.0,
+        slots: SlotWatch | None = None,
     ) -> None:
         self._silence = silence
         self._bound_s = bound_s
         self._cancel = cancel
         self._poll_s = poll_s
+        self._slots = slots
         self._stopped = threading.Event()
         self.stall: Stall | None = None
+        self.lost: WorkersLostError | None = None
         self._thread = threading.Thread(target=self._run, name="sparkdl-stall-monitor", daemon=True)
 
     def __enter__(self) -> StallMonitor:
@@ -91,6 +129,12 @@ class StallMonitor:
                 log.error("%s", stall.error())
                 self._cancel()
                 return
+            lost = self._slots.lost(time.monotonic()) if self._slots is not None else None
+            if lost is not None:
+                self.lost = lost
+                log.warning("%s", lost)
+                self._cancel()
+                return
 
 
 def fit_job_group(spark: Any) -> str:
@@ -102,13 +146,19 @@ def fit_job_group(spark: Any) -> str:
 
 
 def collect_watched(
-    spark: Any, stage: Any, silence: Callable[[], dict[int, float]] | None, bound_s: float, group: str
+    spark: Any,
+    stage: Any,
+    silence: Callable[[], dict[int, float]] | None,
+    bound_s: float,
+    group: str,
+    slots: SlotWatch | None = None,
 ) -> list[Any]:
     """``stage.collect()`` in job group ``group``, cancelled when a worker goes silent for
-    longer than ``bound_s``.
+    longer than ``bound_s`` (or, with ``slots``, when the cluster lost the stage's slots).
 
     Raises:
         StageStalledError: the stage was cancelled because a rank stopped reporting.
+        WorkersLostError: the stage was cancelled because its slots did not come back.
     """
     if silence is None:  # no progress channel (Spark Connect): Spark's own timeouts only
         return list(stage.collect())
@@ -118,12 +168,14 @@ def collect_watched(
     sc.setLocalProperty("spark.jobGroup.id", group)
     sc.setLocalProperty("spark.job.interruptOnCancel", "true")
     try:
-        with StallMonitor(silence, bound_s, lambda: sc.cancelJobGroup(group)) as monitor:
+        with StallMonitor(silence, bound_s, lambda: sc.cancelJobGroup(group), slots=slots) as monitor:
             try:
                 return list(stage.collect())
             except Exception as exc:
                 if monitor.stall is not None:
                     raise monitor.stall.error() from exc
+                if monitor.lost is not None:
+                    raise monitor.lost from exc
                 raise
     finally:
         sc.setLocalProperty("spark.jobGroup.id", users_group)

@@ -62,6 +62,7 @@ class ParameterServerStrategy(SyncStrategy):
     """Gradients to the driver, weights back, by clock (sync / ssp) or as they come (async)."""
 
     name = Strategy.PARAMETER_SERVER
+    resizes = False
     pattern = Pattern.STAR
     takes_sufficient_factors = True
 

@@ -161,6 +161,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     """w_s <- w_s - lr * mean over the step's rows of dL/dw_s, stage s on its own worker."""
 
     name = Strategy.PIPELINE
+    resizes = False
     shares_gradients = True
 
     def __init__(self, ctx: StrategyContext) -> None:

@@ -112,6 +112,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with each pair of linear layers split over a group."""
 
     name = Strategy.TENSOR
+    resizes = False
     shares_gradients = True
 
     def __init__(self, ctx: StrategyContext) -> None:

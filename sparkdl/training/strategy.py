@@ -191,6 +191,8 @@ class SyncStrategy(abc.ABC):
     #: Whether :meth:`prepare_module` replaces the module's parameters with new ones (their
     #: shards): an optimizer built before over the old ones must be pointed at the new.
     shards_parameters: ClassVar[bool] = False
+    #: Whether a fit may go on with fewer workers from its checkpoint (``min_workers``).
+    resizes: ClassVar[bool] = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -459,9 +461,25 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
             f"sufficient_factors = {factors.value!r} with hierarchy = {level.value!r}: a host's sum of "
             "factors is a matrix again, so the two do not combine; set one of them to off / none"
         )
+    _check_min_workers(config, cls)
     check_full_batch_settings(config)
     cls.check_settings(config)
     return config
+
+
+def _check_min_workers(config: SparkDLConfig, cls: type[SyncStrategy]) -> None:
+    floor, n = config.reliability.min_workers, config.training.num_workers
+    if floor > n:
+        raise ConfigError(
+            f"min_workers = {floor} is more than num_workers = {n}; set min_workers to at most "
+            f"{n} (0: never go on with fewer workers)"
+        )
+    if 0 < floor < n and not cls.resizes:
+        raise ConfigError(
+            f"min_workers = {floor} < num_workers = {n} with strategy {cls.name.value!r}, whose layout "
+            "num_workers fixes (the parameter server's clocks count its workers; pipeline stages and "
+            "tensor groups divide them); set min_workers = 0, or use allreduce, fsdp or weight_averaging"
+        )
 
 
 def create_strategy(ctx: StrategyContext) -> SyncStrategy:

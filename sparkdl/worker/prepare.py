@@ -100,6 +100,12 @@ def check_own_loop_settings(config: SparkDLConfig) -> None:
             "backup workers cannot serve your own training loop (a worker cannot skip steps the "
             "loop takes itself); set wa_backup_workers = 0 and backup_workers = 0"
         )
+    if 0 < config.reliability.min_workers < config.training.num_workers:
+        raise ConfigError(
+            f"min_workers = {config.reliability.min_workers} cannot serve your own training loop yet (it "
+            "would rerun train_fn on fewer workers, which your loop may not expect); set min_workers = 0, "
+            "or train with TorchEstimator"
+        )
     if config.runtime.sufficient_factors is not SufficientFactors.OFF:
         raise ConfigError(
             f"sufficient_factors = {config.runtime.sufficient_factors.value!r} cannot serve your own "

@@ -19,3 +19,21 @@ def test_losing_an_executor_jvm_resumes_from_the_checkpoint_with_identical_weigh
         f"FIGURE executor-loss redone={resumed['steps_redone']} recovery_s={resumed['recovery_s']:.2f} "
         f"clean_s={result['clean_s']:.2f} drilled_s={result['drilled_s']:.2f}"
     )
+
+
+def test_a_worker_lost_for_good_leaves_the_fit_to_go_on_with_the_one_left(tmp_path):
+    """A standalone worker killed after the checkpoint of step 8 (min_workers = 1): fit
+    cancels the stage that waits for its slot, resumes from the checkpoint on one worker,
+    and says so in the history."""
+    result = run_drill("shrink_drill.py", tmp_path)
+    assert result["killed_at_s"] is not None
+    history = result["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    (resized,) = [h for h in history if "lost_workers" in h]
+    assert resized["workers"] == 1 and resized["lost_workers"] == 1
+    assert resized["resumed_from_step"] >= 8
+    assert len(result["devices"]) == 1  # the last stage ran on the worker left
+    # the rest of epoch 1 (the checkpoint's 8 steps skipped: 24 - 8 steps of 8 rows), then
+    # every row on the one worker
+    assert [h["worker_samples"] for h in history] == [[128], [192], [192]]
+    print(f"FIGURE shrink killed_at_s={result['killed_at_s']:.1f} fit_s={result['fit_s']:.1f}")

@@ -38,6 +38,8 @@ def sample(cls: type[SparkDLError]) -> SparkDLError:
         "python_type": "KeyError",
         "exit_code": 3,
         "output_tail": "Traceback ...\nKeyError: 'label_map'",
+        "available": 1,
+        "required": 2,
     }
     return cls(f"{cls.__name__} happened", *(values[name] for name in cls.fields))
 
@@ -140,6 +142,7 @@ def test_every_timeout_shares_one_base_that_names_the_setting_to_raise():
         "PsTimeoutError",
         "StageStalledError",
         "RunTimeout",
+        "WorkersLostError",
     }
     # each is also of its kind: a handler of RendezvousError or CollectiveError catches its timeout
     assert issubclass(errors.RendezvousTimeout, errors.RendezvousError)
