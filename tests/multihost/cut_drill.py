@@ -170,6 +170,67 @@ def cut_and_resume(spark, out: Path) -> dict[str, object]:
     }
 
 
+class Unplugger(threading.Thread):
+    """Unplugs host ``CUT_HOST`` for good once the checkpoint of ``CUT_AFTER_STEP`` exists
+    (the caller plugs it back after the fit)."""
+
+    def __init__(self, checkpoints: Path) -> None:
+        super().__init__(daemon=True)
+        self.checkpoints = checkpoints
+        self.cut_at = 0.0
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            latest = CheckpointStore(str(self.checkpoints)).latest() if self.checkpoints.exists() else None
+            if latest is not None and latest >= CUT_AFTER_STEP:
+                subprocess.run(["netlab", "cut", str(CUT_HOST)], check=True)
+                self.cut_at = time.monotonic()
+                return
+            time.sleep(0.05)
+
+
+#: Long enough for Spark to drop the unplugged host's executors, short enough for the drill.
+LOST_WAIT_S = 10.0
+
+
+def lose_a_host(spark, out: Path) -> dict[str, object]:
+    """Fit with ``min_workers = 2`` of 4 while host ``CUT_HOST`` is unplugged for good after
+    the checkpoint of ``CUT_AFTER_STEP``: once Spark has dropped its executors and the slots
+    stayed short for ``LOST_WAIT_S``, the fit must go on with the other host's 2 workers from
+    the checkpoint."""
+    shards = make_shards([80, 80, 80, 80])  # 10 steps an epoch on 4 workers, 20 on 2
+    df = shards_dataframe(spark, shards).cache()
+    df.count()
+    checkpoints = out / "lost-checkpoints"
+    unplugger = Unplugger(checkpoints)
+    unplugger.start()
+    started = time.monotonic()
+    try:
+        model = estimator(
+            model_fn=slow_tiny_net,
+            num_workers=4,
+            min_workers=2,
+            epochs=3,
+            hierarchy="host",
+            checkpoint_dir=str(checkpoints),
+            checkpoint_every=CHECKPOINT_EVERY,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+            executor_wait_timeout_s=LOST_WAIT_S,
+            progress=False,
+        ).fit(df)
+        finished = time.monotonic()
+    finally:
+        unplugger.join(timeout=60)
+        subprocess.run(["netlab", "heal", str(CUT_HOST)], check=True)
+    return {
+        "cut_at_s": unplugger.cut_at - started if unplugger.cut_at else None,
+        "fit_s": finished - started,
+        "history": model.history,
+        "devices": model.worker_devices,
+    }
+
+
 def main(out: Path) -> None:
     cluster = start_cluster(out)
     logging.getLogger("sparkdl").setLevel(logging.DEBUG if "--debug" in sys.argv else logging.WARNING)

@@ -47,11 +47,22 @@ SESSION = {
     # the executors run this interpreter, which has sparkdl: its daemon forks workers with torch
     # imported, as the clusters guide says to set (a stage re-run then starts in ~1 s, not ~8 s)
     "spark.python.daemon.module": "sparkdl.spark.daemon",
+    # an unplugged host's executors are dropped within ~25 s (heartbeats every 2 s, looked at
+    # every 5 s); a 15 s cut keeps them (at most 17 s without a heartbeat)
+    "spark.network.timeout": "25s",
+    "spark.executor.heartbeatInterval": "2s",
+    "spark.network.timeoutInterval": "5s",
 }
 
 
 def cut_and_resume(spark, out: Path) -> dict[str, object]:
     from tests.multihost.cut_drill import cut_and_resume as drill
+
+    return drill(spark, out)
+
+
+def lose_a_host(spark, out: Path) -> dict[str, object]:
+    from tests.multihost.cut_drill import lose_a_host as drill
 
     return drill(spark, out)
 
@@ -115,8 +126,10 @@ def main(out: Path) -> None:
                     for r in range(4)
                 ],
             }
-        # last, as it unplugs a host: a cut past the collective timeout, and the resume
+        # last, as they unplug a host: a cut past the collective timeout, and the resume;
+        # then a host lost for good, and the fit going on with the other
         result["cut"] = cut_and_resume(spark, out)
+        result["lost"] = lose_a_host(spark, out)
         spark.stop()
     finally:
         stop_cluster(cluster)

@@ -69,6 +69,7 @@ def test_across_hosts_every_rank_binds_its_address_trains_the_reference_and_surv
     across = result["allreduce host"]["across"]
     assert sum(1 for b in across if b > 0) == 2, across
     assert_cut_is_detected_in_bounded_time_and_resumed(result["cut"], hosts)
+    assert_a_lost_host_leaves_the_fit_to_the_other(result["lost"], hosts)
 
 
 def assert_cut_is_detected_in_bounded_time_and_resumed(cut: dict, hosts: list[str]) -> None:
@@ -95,4 +96,21 @@ def assert_cut_is_detected_in_bounded_time_and_resumed(cut: dict, hosts: list[st
         f"FIGURE netlab cut: detected {detected_s:.1f}s after the cut (timeout {timeout:g}s), healed "
         f"at {cut['healed_at_s']:.1f}s, fit done at {cut['fit_s']:.1f}s, resumed from step "
         f"{resumed['resumed_from_step']} ({resumed['steps_redone']} steps redone)"
+    )
+
+
+def assert_a_lost_host_leaves_the_fit_to_the_other(lost: dict, hosts: list[str]) -> None:
+    """Host 2 unplugged for good after the checkpoint of step 8, min_workers = 2 of 4: the
+    fit goes on with host 1's two workers from the checkpoint, every row trained in each
+    epoch after, and says so in its history."""
+    assert lost["cut_at_s"] is not None, lost
+    history = lost["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3], history
+    (resized,) = [h for h in history if "lost_workers" in h]
+    assert resized["workers"] == 2 and resized["lost_workers"] == 2, resized
+    assert resized["resumed_from_step"] >= 8, resized
+    assert {d["host"] for d in lost["devices"]} == {hosts[1]}, lost["devices"]
+    assert [sum(h["worker_samples"]) for h in history[1:]] == [320, 320], history
+    print(
+        f"FIGURE netlab lost host: cut at {lost['cut_at_s']:.1f}s, done at {lost['fit_s']:.1f}s on 2 workers"
     )
