@@ -45,11 +45,11 @@ def slow_tiny_net():
 
 
 class Cutter(threading.Thread):
-    """Unplugs host ``CUT_HOST`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for ``CUT_S``."""
+    """Unplugs host ``CUT_HOST`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for ``cut_s``."""
 
-    def __init__(self, checkpoints: Path) -> None:
+    def __init__(self, checkpoints: Path, cut_s: float = CUT_S) -> None:
         super().__init__(daemon=True)
-        self.checkpoints = checkpoints
+        self.checkpoints, self.cut_s = checkpoints, cut_s
         self.cut_at = self.healed_at = 0.0
 
     def run(self) -> None:
@@ -63,7 +63,7 @@ class Cutter(threading.Thread):
             return
         subprocess.run(["netlab", "cut", str(CUT_HOST)], check=True)
         self.cut_at = time.monotonic()
-        time.sleep(CUT_S)
+        time.sleep(self.cut_s)
         subprocess.run(["netlab", "heal", str(CUT_HOST)], check=True)
         self.healed_at = time.monotonic()
 
@@ -166,6 +166,46 @@ def cut_and_resume(spark, out: Path) -> dict[str, object]:
         "resumed": resumed[0] if resumed else None,
         "devices": model.worker_devices,
         "logs": [(round(at - started, 1), message[:600]) for at, message in logs],
+        "stages": stage_attempts(spark, started),
+    }
+
+
+#: Shorter than every timeout of the fit: TCP retransmits across it, nothing should notice.
+BRIEF_CUT_S = 4.0
+
+
+def brief_cut(spark, out: Path) -> dict[str, object]:
+    """A synchronous parameter server fit (its workers' pushes and pulls cross the switch to
+    the driver's host) while host ``CUT_HOST`` is unplugged for ``BRIEF_CUT_S``, shorter than
+    the collective, the server's and the stall timeouts: the fit must go on in the same stage
+    attempt and every push be applied exactly once (the reference answer)."""
+    shards = make_shards([80, 80, 80, 80])
+    df = shards_dataframe(spark, shards).cache()
+    df.count()
+    checkpoints = out / "brief-checkpoints"  # only the cutter's clock: nothing resumes from them
+    cutter = Cutter(checkpoints, BRIEF_CUT_S)
+    cutter.start()
+    started = time.monotonic()
+    model = estimator(
+        model_fn=slow_tiny_net,
+        num_workers=4,
+        epochs=3,
+        strategy="parameter_server",
+        checkpoint_dir=str(checkpoints),
+        checkpoint_every=CHECKPOINT_EVERY,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        executor_wait_timeout_s=120.0,
+        progress=False,
+    ).fit(df)
+    finished = time.monotonic()
+    cutter.join(timeout=60)
+    expected = reference_sgd(shards, 8, 3, 0, LR, MOMENTUM, False)
+    return {
+        "cut_at_s": cutter.cut_at - started if cutter.cut_at else None,
+        "healed_at_s": cutter.healed_at - started if cutter.healed_at else None,
+        "fit_s": finished - started,
+        "max_abs_diff": max_abs_diff(model.module.state_dict(), expected),
+        "resumed": [h for h in model.history if "resumed_from_step" in h],
         "stages": stage_attempts(spark, started),
     }
 

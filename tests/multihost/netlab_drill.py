@@ -61,6 +61,12 @@ def cut_and_resume(spark, out: Path) -> dict[str, object]:
     return drill(spark, out)
 
 
+def brief_cut(spark, out: Path) -> dict[str, object]:
+    from tests.multihost.cut_drill import brief_cut as drill
+
+    return drill(spark, out)
+
+
 def lose_a_host(spark, out: Path) -> dict[str, object]:
     from tests.multihost.cut_drill import lose_a_host as drill
 
@@ -128,6 +134,7 @@ def main(out: Path) -> None:
             }
         # last, as they unplug a host: a cut past the collective timeout, and the resume;
         # then a host lost for good, and the fit going on with the other
+        result["brief"] = brief_cut(spark, out)
         result["cut"] = cut_and_resume(spark, out)
         result["lost"] = lose_a_host(spark, out)
         spark.stop()
