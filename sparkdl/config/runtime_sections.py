@@ -50,7 +50,9 @@ class RuntimeConfig:
     executor_wait_timeout_s: float = field(
         default=30.0,
         metadata=about(
-            "How long fit waits for enough free task slots (executors still starting).", bound=">= 0"
+            "How long fit waits for enough free task slots (executors still starting); with "
+            "min_workers, how long lost slots may stay away before the fit goes on with fewer.",
+            bound=">= 0",
         ),
     )
     torch_threads: int = field(

@@ -43,7 +43,7 @@ def check_cluster(
             "spark.dynamicAllocation.enabled = true, but barrier-mode training needs a fixed set "
             "of executors; start the session with spark.dynamicAllocation.enabled=false"
         )
-    barrier_timeout = _parse_seconds(conf.get(BARRIER_TIMEOUT_KEY, "365d"))
+    barrier_timeout = parse_seconds(conf.get(BARRIER_TIMEOUT_KEY, "365d"))
     if barrier_timeout > 10 * collective_timeout_s:
         log.warning(
             "%s is %ss: a worker stuck before a barrier is only noticed after that long; "
@@ -107,7 +107,8 @@ def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:
     return int(jsc.maxNumConcurrentTasks(java_profile))
 
 
-def _parse_seconds(text: str) -> float:
+def parse_seconds(text: str) -> float:
+    """A Spark duration (``120s``, ``2min``, ``500ms``, ``365d``, plain seconds) in seconds."""
     units = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
     text = text.strip().lower()
     for unit in sorted(units, key=len, reverse=True):

@@ -29,6 +29,7 @@ from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import (
+    ConfigError,
     ErrorRecord,
     SchemaError,
     SparkDLError,
@@ -43,7 +44,7 @@ from sparkdl.spark.cluster import check_cluster, driver_host, is_connect, max_co
 from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
-from sparkdl.spark.resize import Resize, note_resizes, workers_after_loss
+from sparkdl.spark.resize import Resize, check_resizable, next_size, note_resizes
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
@@ -175,11 +176,13 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     )
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
-    floor = config.reliability.min_workers
+    floor = config.reliability.min_workers if 0 < config.reliability.min_workers < n else 0
+    if floor:
+        check_resizable(spark, config)
     resizes: list[Resize] = []
     while True:
         slots = None
-        if group and 0 < floor < n:
+        if floor:  # watched at every size, the last one too: a further loss says so
             probe = functools.partial(max_concurrent_tasks, spark.sparkContext, profile)
             slots = SlotWatch(probe, n, config.runtime.executor_wait_timeout_s)
         try:
@@ -187,25 +190,42 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         except SparkDLError as exc:
             if slots is None or len(resizes) > config.training.num_workers:
                 raise
-            wait_s = 0.0 if isinstance(exc, WorkersLostError) else config.runtime.executor_wait_timeout_s
             try:
-                workers = workers_after_loss(slots.probe, n, floor, wait_s)
+                workers = next_size(exc, slots.probe, n, floor, config.runtime.executor_wait_timeout_s)
             except WorkersLostError as lost:
                 raise lost from exc
             if workers is None:
                 raise
+            spec = _resized(df, spec, n, workers, exc)
             resizes.append(Resize(n, workers, time.time(), f"{type(exc).__name__}: {exc}"))
-            log.warning(
-                "the training stage of %d workers ended (%s); going on with %d from the last checkpoint",
-                n, type(exc).__name__, workers,
-            )  # fmt: skip
             n = workers
-            resized = spec.config.replace(num_workers=n)
-            spec = dataclasses.replace(spec, config=resized, lr=_lr_plan(df, resized))
             continue
         note_resizes(result.history, resizes)
         result.resizes = resizes
         return result
+
+
+def _resized(df: Any, spec: TrainSpec, n: int, workers: int, cause: SparkDLError) -> TrainSpec:
+    """``spec`` for a stage of ``workers`` workers, its settings checked again (a rule of the
+    strategy may not hold for fewer workers, e.g. backup workers against the quorum).
+
+    Raises:
+        WorkersLostError: the settings do not hold for ``workers`` workers.
+    """
+    try:
+        resized = check_settings(spec.config.replace(num_workers=workers))
+    except ConfigError as refused:
+        raise WorkersLostError(
+            f"executors were lost: {workers} of {n} workers are left, and the settings do not hold for "
+            f"{workers}: {refused}",
+            available=workers,
+            required=n,
+        ) from cause
+    log.warning(
+        "the training stage of %d workers ended (%s); going on with %d from the last checkpoint",
+        n, type(cause).__name__, workers,
+    )  # fmt: skip
+    return dataclasses.replace(spec, config=resized, lr=_lr_plan(df, resized))
 
 
 def _train(

@@ -12,8 +12,8 @@ fit starts again from the beginning.
 What changes under a smaller world (the training guide says it to users): each step sees
 ``batch_size x workers`` rows, so the steps per epoch grow and the learning rate is left
 as it was (no rescaling: linear-scaling rules are the user's choice); the interrupted
-epoch resumes at the checkpoint's step count, so on the new split some of its rows may
-train twice and none is left out.
+epoch starts over on the new split from the checkpoint's weights (the rows it had trained
+train again, none is left out: :func:`~sparkdl.training.checkpointing.restore`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.errors import WorkersLostError
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ClusterConfigError, WorkersLostError
+from sparkdl.spark.cluster import is_connect, parse_seconds
+from sparkdl.spark.watch import MARGIN_S
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,38 @@ class Resize:
     def record(self) -> dict[str, Any]:
         """What the history's resumed epoch says of it."""
         return {"workers": self.after, "lost_workers": self.before - self.after, "resized_at": self.at}
+
+
+def check_resizable(spark: Any, config: SparkDLConfig) -> None:
+    """Refuse ``min_workers`` where fit cannot watch the slots (Spark Connect); warn where
+    it would not help: no checkpoint to go on from, or a stall bound shorter than Spark's
+    time to drop an unreachable host's executors (the stall would end the fit first).
+
+    Raises:
+        ClusterConfigError: a Spark Connect session.
+    """
+    floor, n = config.reliability.min_workers, config.training.num_workers
+    if is_connect(spark):
+        raise ClusterConfigError(
+            f"min_workers = {floor} < num_workers = {n} needs fit to watch the cluster's task slots from "
+            "the driver, which a Spark Connect client cannot; set min_workers = 0, or fit from the driver"
+        )
+    if not config.reliability.checkpoint_dir:
+        log.warning(
+            "min_workers = %d without checkpoint_dir: a fit that goes on with fewer workers starts "
+            "again from the beginning; set checkpoint_dir to go on from the last checkpoint", floor
+        )  # fmt: skip
+    runtime = config.runtime
+    network_s = parse_seconds(spark.sparkContext.getConf().get("spark.network.timeout", "120s"))
+    stall_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
+    if network_s + runtime.executor_wait_timeout_s > stall_s:
+        log.warning(
+            "min_workers: Spark drops an unreachable host's executors after spark.network.timeout = "
+            "%.0fs, and fit then waits executor_wait_timeout_s = %.0fs; a stage whose ranks are silent "
+            "for %.0fs (collective_timeout_s + teardown_timeout_s + %.0fs) is cancelled before, and the "
+            "fit fails instead of going on with fewer workers. Raise collective_timeout_s or lower "
+            "spark.network.timeout", network_s, runtime.executor_wait_timeout_s, stall_s, MARGIN_S,
+        )  # fmt: skip
 
 
 def workers_after_loss(
@@ -80,6 +115,40 @@ def workers_after_loss(
         available=available,
         required=required,
     )
+
+
+def next_size(
+    error: BaseException,
+    probe: Callable[[], int],
+    required: int,
+    min_workers: int,
+    wait_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int | None:
+    """How many workers to start the training stage again with, after it ended with
+    ``error``; None: ``error`` stands (raise it).
+
+    The watch's own :class:`WorkersLostError` (it cancelled the stage: the slots had been
+    short for ``wait_s`` already) restarts at full size if the slots are back by now, else on
+    those left. Any other failure restarts only on a real loss: the slots still short after
+    ``wait_s`` (an executor that a standalone worker relaunches comes back, and the failure
+    was not a lost host). A probe that fails (the context stopping) leaves ``error`` standing.
+
+    Raises:
+        WorkersLostError: fewer than ``min_workers`` slots are left.
+    """
+    ours = isinstance(error, WorkersLostError)
+    try:
+        workers = workers_after_loss(probe, required, min_workers, 0.0 if ours else wait_s, clock, sleep)
+    except WorkersLostError:
+        raise
+    except Exception as exc:  # py4j: the JVM is going away
+        log.warning("cannot count the cluster's task slots after the stage failed: %s", exc)
+        return None
+    if ours:
+        return required if workers is None else workers
+    return workers if workers is not None and workers < required else None
 
 
 def note_resizes(history: list[dict[str, Any]], resizes: list[Resize]) -> None:

@@ -129,7 +129,11 @@ class StallMonitor:
                 log.error("%s", stall.error())
                 self._cancel()
                 return
-            lost = self._slots.lost(time.monotonic()) if self._slots is not None else None
+            try:
+                lost = self._slots.lost(time.monotonic()) if self._slots is not None else None
+            except Exception as exc:  # py4j: the JVM busy or going away; the silence watch goes on
+                log.warning("cannot count the cluster's task slots: %s", exc)
+                continue
             if lost is not None:
                 self.lost = lost
                 log.warning("%s", lost)

@@ -112,6 +112,7 @@ class Checkpointer:
             "epoch": position.epoch,
             "epoch_steps_done": position.epoch_steps_done,
             "global_steps_done": position.global_steps_done,
+            "world_size": self.strategy.ctx.world_size,
             "history": json.dumps(self.history),
         }
         self.store.save(position.global_steps_done, state)
@@ -152,10 +153,14 @@ def restore(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     load: StateLoader | None = None,
+    world_size: int | None = None,
 ) -> Resume:
     """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank),
     with ``load`` (the strategy's :meth:`~SyncStrategy.load_full_state`; by default
-    ``load_state_dict`` on both)."""
+    ``load_state_dict`` on both). A checkpoint written by another number of workers
+    (``world_size``: this run's) resumes its epoch from its first step: the data is split
+    anew, so the rows its first steps trained are not the new split's first rows (some
+    rows of that epoch train twice, none is left out)."""
     started = time.time()
     state = store.load(global_steps_done)
     kernels = kernel_choice(optimizer)
@@ -166,6 +171,9 @@ def restore(
         load(module, optimizer, state["model"], state["optimizer"])
     keep_kernel_choice(optimizer, kernels)
     position = Position(int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"]))
+    saved_world = state.get("world_size")
+    if world_size is not None and saved_world is not None and int(saved_world) != world_size:
+        position = Position(position.epoch, 0, position.global_steps_done)
     history = json.loads(state["history"])
     progress = store.progress()
     redone = max(progress.step - position.global_steps_done, 0) if progress else 0

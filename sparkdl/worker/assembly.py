@@ -399,7 +399,10 @@ def _resume(
     if store is None:
         return None
     step = chosen_checkpoint(store, rank, control)
-    return restore(store, step, rank, module, optimizer, kind.load_full_state) if step is not None else None
+    if step is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return restore(store, step, rank, module, optimizer, kind.load_full_state, world)
 
 
 def chosen_checkpoint(store: CheckpointStore, rank: int, control: dist.ProcessGroup | None) -> int | None:

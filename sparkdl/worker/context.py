@@ -228,7 +228,14 @@ class TrainContext:
             return cpu_state_dict(thing) if self.rank == 0 else {}
         if isinstance(thing, nn.Module):
             return strategy.full_state_dict()
-        return strategy.full_optimizer_state_dict()
+        if isinstance(strategy, ParameterServerStrategy):
+            raise ConfigError(
+                "ctx.state_dict of the parameter server's optimizer: the server on the driver runs it and "
+                "holds its state; save the model's state (ctx.state_dict(model)) instead"
+            )
+        if strategy.shards_parameters:  # one optimizer per model: the strategy's
+            return strategy.full_optimizer_state_dict()
+        return dict(thing.state_dict()) if self.rank == 0 else {}  # this one, of a model's several
 
     def load_state_dict(self, thing: Any, state: Mapping[str, Any]) -> None:
         """Load ``state``, a whole state as :meth:`state_dict` (or a plain model or optimizer)
@@ -250,8 +257,11 @@ class TrainContext:
             )
         elif isinstance(thing, nn.Module):
             strategy.load_whole_model(dict(state))
-        else:
+            self._preparer.weights_loaded()
+        elif strategy.shards_parameters:
             strategy.load_whole_optimizer(dict(state))
+        else:
+            thing.load_state_dict(dict(state))
 
     # -- progress ---------------------------------------------------------------------------------
 

@@ -218,6 +218,11 @@ class Preparer:
         models in between)."""
         self._resumed, self._rebase_due = list(entries), True
 
+    def weights_loaded(self) -> None:
+        """The loop loaded weights into a prepared model (``ctx.load_state_dict``): every
+        strategy takes the weights as its starting point when the next epoch begins."""
+        self._rebase_due = True
+
     def epoch_begins(self) -> None:
         """``ctx.batches`` starts an epoch (every rank): after a checkpoint was loaded, each
         strategy rebases on the weights the loop loaded."""
@@ -440,12 +445,21 @@ def _owners(
     """Each model's optimizers: those holding its parameters.
 
     Raises:
-        ConfigError: an optimizer holds parameters of none of the models.
+        ConfigError: an optimizer holds parameters of none of the models, of several, or some
+            of no model.
     """
     by_parameter = {id(p): id(m) for m in modules for p in m.parameters()}
     owners: dict[int, list[torch.optim.Optimizer]] = {}
     for optimizer in optimizers:
-        held = {by_parameter.get(id(p)) for g in optimizer.param_groups for p in g["params"]} - {None}
+        owned = [by_parameter.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+        stray = owned.count(None)
+        if 0 < stray < len(owned):  # none at all: refused below, as over none of the models
+            raise ConfigError(
+                f"ctx.prepare got a {type(optimizer).__name__} holding {stray} parameter(s) of no model "
+                "given with it (a learnable scale kept outside the model?); the strategy keeps only a "
+                "model's parameters in sync: make them nn.Parameter attributes of the model and prepare it"
+            )
+        held = set(owned) - {None}
         if not held:
             raise ConfigError(
                 f"ctx.prepare got a {type(optimizer).__name__} over none of the models given with it; "
@@ -479,15 +493,33 @@ def _shard_for(
     """
     if optimizer.state:
         raise ConfigError(
-            f"ctx.prepare got a {type(optimizer).__name__} that has stepped already; with strategy = "
+            f"ctx.prepare got a {type(optimizer).__name__} that holds state already (it stepped, or it "
+            f"builds its state when constructed, as Adagrad does); with strategy = "
             f"{config.training.strategy.value!r} its state must be built over the shards: prepare the "
-            "model and optimizer before the first step (load a checkpoint with ctx.load_state_dict after)"
+            "model and optimizer before the first step (load a checkpoint with ctx.load_state_dict after), "
+            "or use an optimizer that builds its state at its first step"
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise ConfigError(
+            f"strategy = 'fsdp' in your own loop needs FSDPModule.set_custom_reduce_scatter, which torch "
+            f"{torch.__version__} lacks; install a newer torch, or use allreduce"
         )
     names = {id(p): name for name, p in module.named_parameters()}
     strategy_class(config.training.strategy).prepare_module(module, config, where.device)
     shards = dict(module.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [shards[names[id(p)]] for p in group["params"]]
+    cast(Any, module).set_requires_gradient_sync = _deferred_sync_refused
+
+
+def _deferred_sync_refused(*_: object, **__: object) -> None:
+    raise ConfigError(
+        "set_requires_gradient_sync on a model ctx.prepare sharded: sparkdl weights each step's gradient "
+        "by its rows as FSDP reduce-scatters it, so a reduction deferred over several steps would weight "
+        "them all by the last one; accumulate by calling backward on each micro-batch (each reduces at once)"
+    )
 
 
 def _scale_reduce_scatter(module: nn.Module, step: StepRows) -> None:

@@ -90,3 +90,27 @@ def test_a_resumed_optimizer_keeps_the_kernels_this_run_built_it_with(saved_fuse
     model(torch.ones(4, 3)).square().sum().backward()
     optimizer.step()  # the run's own kernel takes the loaded state
     assert all(s["step"].item() == 3.0 for s in optimizer.state.values())
+
+
+@pytest.mark.parametrize(("saved_world", "world", "skip"), [(2, 2, 8), (4, 2, 0), (None, 2, 8)])
+def test_a_checkpoint_of_another_world_resumes_its_epoch_from_the_first_step(
+    tmp_path, saved_world, world, skip
+):
+    """The data is split anew for another number of workers: the steps a checkpoint of 4
+    workers skipped are not the first steps of 2 workers' partitions, so the epoch starts
+    over on the checkpoint's weights (a checkpoint from before world_size was saved: as is)."""
+    from sparkdl.training.checkpointing import restore
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {
+        "format": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 2,
+        "epoch_steps_done": 8, "global_steps_done": 20, "history": "[]", "world_size": saved_world,
+    }  # fmt: skip
+    if saved_world is None:
+        del saved["world_size"]
+    store = CheckpointStore(str(tmp_path))
+    store.save(20, saved)
+    resumed = restore(store, 20, 0, model, optimizer, world_size=world)
+    assert (resumed.position.epoch, resumed.position.epoch_steps_done) == (2, skip)
+    assert resumed.position.global_steps_done == 20

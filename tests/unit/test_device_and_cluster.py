@@ -6,7 +6,7 @@ import torch
 from sparkdl import ClusterConfigError
 from sparkdl.config import Backend, UseGpu
 from sparkdl.errors import BadDataError, TrainingFailedError
-from sparkdl.spark.cluster import _parse_seconds, wait_for_slots
+from sparkdl.spark.cluster import parse_seconds, wait_for_slots
 from sparkdl.worker.device import choose_backend, choose_device
 
 
@@ -91,8 +91,8 @@ def test_local_mode_fails_at_once_its_slots_never_grow(master):
 
 
 def test_spark_durations_parse():
-    assert _parse_seconds("60s") == 60 and _parse_seconds("365d") == 365 * 86400
-    assert _parse_seconds("2min") == 120 and _parse_seconds("1500ms") == 1.5
+    assert parse_seconds("60s") == 60 and parse_seconds("365d") == 365 * 86400
+    assert parse_seconds("2min") == 120 and parse_seconds("1500ms") == 1.5
 
 
 def test_errors_pickle_with_their_fields():

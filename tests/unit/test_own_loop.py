@@ -210,6 +210,34 @@ def test_own_loop_with_fsdp_is_single_process_sgd(tmp_path, sizes):
     assert max_abs_diff(_state(results), expected) < 1e-5
 
 
+def two_optimizers(ctx):
+    """Two optimizers over one model (its layers split between them) under all-reduce:
+    ctx.state_dict and ctx.load_state_dict act on the one named, not the model's first."""
+    model = make_tiny_net()
+    first = torch.optim.SGD(model.body[0].parameters(), lr=0.1, momentum=0.9)
+    second = torch.optim.Adam(model.body[2].parameters(), lr=0.01)
+    model, first, second = ctx.prepare(model, first, second)
+    for batch in ctx.batches(1):
+        (x,) = batch.inputs.values()
+        loss = F.cross_entropy(model(x), batch.label)
+        first.zero_grad()
+        second.zero_grad()
+        loss.backward()
+        first.step()
+        second.step()
+    state = ctx.state_dict(second)
+    if ctx.rank == 0:
+        assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}, state["state"][0]
+        ctx.load_state_dict(second, state)
+        assert torch.equal(second.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    return {"first": torch.tensor(len(ctx.state_dict(first).get("state", {})))}
+
+
+def test_state_dict_takes_the_optimizer_it_is_given_of_a_models_several(tmp_path):
+    results = run_loop(make_shards([16, 16]), tmp_path, two_optimizers, batch_size=8)
+    assert _state(results)["first"].item() == 2  # SGD's momentum buffers: weight and bias of body.0
+
+
 @pytest.mark.slow
 def test_an_fsdp_checkpoint_of_the_own_loop_resumes_under_allreduce(tmp_path):
     """ctx.state_dict's checkpoint is whole: two epochs under fsdp, the third under all-reduce
@@ -362,8 +390,11 @@ def _driver_error(results):
     """What the driver raises: the first failure, not a peer's stop (spark/driver.py)."""
     errors = [e for _, _, e in results.values() if e is not None]
     assert len(errors) == len(results) and all(e.agreed_by_all_ranks for e in errors)
-    (first,) = [e for e in errors if type(e).__name__ != "PeerStopped"]
-    return first
+    # the first to claim the failure; a rank whose claim found rank 0's store gone already
+    # (the same refusal raised on every rank at once) reports its own, of the same kind
+    firsts = [e for e in errors if type(e).__name__ != "PeerStopped"]
+    assert firsts and len({type(e) for e in firsts}) == 1, errors
+    return firsts[0]
 
 
 def keeps_the_original_optimizer(ctx):
@@ -401,6 +432,18 @@ def state_of_a_stranger(ctx):
     ctx.state_dict(make_tiny_net())
 
 
+def stray_parameter(ctx):
+    model = make_tiny_net()
+    temperature = torch.nn.Parameter(torch.ones(()))  # outside the model: nothing would sync it
+    ctx.prepare(model, torch.optim.SGD([*model.parameters(), temperature], lr=0.1))
+
+
+def deferred_sync(ctx):
+    model = make_tiny_net()
+    model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.set_requires_gradient_sync(False)
+
+
 def test_bad_use_fails_clearly(tmp_path):
     from sparkdl.errors import ConfigError, PeerStopped, TrainFunctionError
 
@@ -415,7 +458,11 @@ def test_bad_use_fails_clearly(tmp_path):
     error = _driver_error(run_loop(shards, tmp_path / "original", keeps_the_original_optimizer, **ps))
     assert isinstance(error, ConfigError) and "use the optimizer ctx.prepare returned" in str(error)
     error = _driver_error(run_loop(shards, tmp_path / "stepped", stepped_before_prepare, strategy="fsdp"))
-    assert isinstance(error, ConfigError) and "SGD that has stepped already" in str(error)
+    assert isinstance(error, ConfigError) and "SGD that holds state already (it stepped" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "stray", stray_parameter))
+    assert isinstance(error, ConfigError) and "holding 1 parameter(s) of no model" in str(error)
+    error = _driver_error(run_loop(shards, tmp_path / "deferred", deferred_sync, strategy="fsdp"))
+    assert isinstance(error, ConfigError) and "set_requires_gradient_sync" in str(error)
     error = _driver_error(run_loop(shards, tmp_path / "stranger", state_of_a_stranger))
     assert isinstance(error, ConfigError) and "a TinyNet that ctx.prepare never saw" in str(error)
     results = run_loop(shards, tmp_path / "after", fails_after_the_loop_on_rank_0, batch_size=4)

@@ -9,7 +9,7 @@ import pytest
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError, WorkersLostError
-from sparkdl.spark.resize import Resize, note_resizes, workers_after_loss
+from sparkdl.spark.resize import Resize, next_size, note_resizes, workers_after_loss
 from sparkdl.spark.watch import SlotWatch
 from sparkdl.strategies import check_settings
 from sparkdl.worker.prepare import check_own_loop_settings
@@ -59,6 +59,28 @@ def test_fewer_slots_than_min_workers_fail_naming_both_counts_and_the_settings()
     assert "1 task slot(s) left for 4 workers" in str(error) and "min_workers = 2" in str(error)
     with pytest.raises(WorkersLostError):
         decide([0], floor=0)  # no slot at all: never zero workers
+
+
+def after(error: BaseException, slots: list[int], required: int = 4, floor: int = 2) -> int | None:
+    time = FakeTime(slots)
+    return next_size(error, time.probe, required, floor, 10.0, time.clock, time.sleep)
+
+
+def test_only_a_real_loss_restarts_the_stage():
+    lost = WorkersLostError("the watch cancelled the stage", available=3, required=4)
+    failed = RuntimeError("a worker's own error")
+    assert after(lost, [4]) == 4  # the watch cancelled, the slots are back by now: full size
+    assert after(lost, [3]) == 3  # still short: on the slots left, at once (the watch waited)
+    assert after(failed, [4]) is None  # nothing lost: the error stands
+    assert after(failed, [3, 3, 4]) is None  # an executor relaunched: the error stands, no rerun
+    assert after(failed, [3]) == 3  # a host gone for good, found after the stall: go on with 3
+    with pytest.raises(WorkersLostError):
+        after(failed, [1])
+
+    def broken() -> int:
+        raise RuntimeError("py4j: the JVM is gone")
+
+    assert next_size(failed, broken, 4, 2, 10.0) is None  # the original error stands
 
 
 def test_the_watch_cancels_only_after_the_slots_were_short_for_the_whole_wait():
