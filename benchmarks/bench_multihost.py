@@ -113,7 +113,8 @@ def fit(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> tupl
         "fit_s": seconds,
         "samples_per_s_epochs_2plus": sum(h["samples"] for h in later) / sum(h["seconds"] for h in later),
         "test_accuracy": sum(int(r[0] == r[1]) for r in rows) / len(rows),
-        "bytes_across_hosts_reported": sum(across),
+        "bytes_across_hosts_reported": sum(across),  # hierarchy and the parameter server count it
+        "bytes_sent_reported": sum(h["bytes_sent"] for h in model.history) * 4,  # rank 0's, times the workers
         "bytes_switch_counted": sum(after[k] - before[k] for k in after),
         "exchange": sorted({d.get("exchange", "") for d in model.worker_devices}),
         "hosts": sorted({d["host"] for d in model.worker_devices}),
