@@ -45,9 +45,10 @@ def slow_tiny_net():
 
 
 class Cutter(threading.Thread):
-    """Unplugs host ``CUT_HOST`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for ``cut_s``."""
+    """Unplugs host ``CUT_HOST`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for
+    ``cut_s`` (None: for good; the caller plugs it back after the fit)."""
 
-    def __init__(self, checkpoints: Path, cut_s: float = CUT_S) -> None:
+    def __init__(self, checkpoints: Path, cut_s: float | None = CUT_S) -> None:
         super().__init__(daemon=True)
         self.checkpoints, self.cut_s = checkpoints, cut_s
         self.cut_at = self.healed_at = 0.0
@@ -63,9 +64,26 @@ class Cutter(threading.Thread):
             return
         subprocess.run(["netlab", "cut", str(CUT_HOST)], check=True)
         self.cut_at = time.monotonic()
+        if self.cut_s is None:
+            return
         time.sleep(self.cut_s)
         subprocess.run(["netlab", "heal", str(CUT_HOST)], check=True)
         self.healed_at = time.monotonic()
+
+
+def drill_fit(df, checkpoints: Path, **settings):
+    """The drills' fit: the slow TinyNet on 4 workers for 3 epochs, checkpoints every
+    ``CHECKPOINT_EVERY`` steps, the drills' timeouts; ``settings`` on top."""
+    return estimator(
+        model_fn=slow_tiny_net,
+        num_workers=4,
+        epochs=3,
+        checkpoint_dir=str(checkpoints),
+        checkpoint_every=CHECKPOINT_EVERY,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        progress=False,
+        **{"executor_wait_timeout_s": 120.0, **settings},
+    ).fit(df)
 
 
 def stage_attempts(spark, started: float) -> list[dict[str, object]]:
@@ -138,17 +156,7 @@ def cut_and_resume(spark, out: Path) -> dict[str, object]:
         cutter = Cutter(checkpoints)
         cutter.start()
         started = time.monotonic()
-        model = estimator(
-            model_fn=slow_tiny_net,
-            num_workers=4,
-            epochs=3,
-            hierarchy="host",
-            checkpoint_dir=str(checkpoints),
-            checkpoint_every=CHECKPOINT_EVERY,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            executor_wait_timeout_s=120.0,
-            progress=False,
-        ).fit(df)
+        model = drill_fit(df, checkpoints, hierarchy="host")
         finished = time.monotonic()
         cutter.join(timeout=60)
     finally:
@@ -186,17 +194,7 @@ def brief_cut(spark, out: Path) -> dict[str, object]:
     cutter = Cutter(checkpoints, BRIEF_CUT_S)
     cutter.start()
     started = time.monotonic()
-    model = estimator(
-        model_fn=slow_tiny_net,
-        num_workers=4,
-        epochs=3,
-        strategy="parameter_server",
-        checkpoint_dir=str(checkpoints),
-        checkpoint_every=CHECKPOINT_EVERY,
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-        executor_wait_timeout_s=120.0,
-        progress=False,
-    ).fit(df)
+    model = drill_fit(df, checkpoints, strategy="parameter_server")
     finished = time.monotonic()
     cutter.join(timeout=60)
     expected = reference_sgd(shards, 8, 3, 0, LR, MOMENTUM, False)
@@ -208,26 +206,6 @@ def brief_cut(spark, out: Path) -> dict[str, object]:
         "resumed": [h for h in model.history if "resumed_from_step" in h],
         "stages": stage_attempts(spark, started),
     }
-
-
-class Unplugger(threading.Thread):
-    """Unplugs host ``CUT_HOST`` for good once the checkpoint of ``CUT_AFTER_STEP`` exists
-    (the caller plugs it back after the fit)."""
-
-    def __init__(self, checkpoints: Path) -> None:
-        super().__init__(daemon=True)
-        self.checkpoints = checkpoints
-        self.cut_at = 0.0
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            latest = CheckpointStore(str(self.checkpoints)).latest() if self.checkpoints.exists() else None
-            if latest is not None and latest >= CUT_AFTER_STEP:
-                subprocess.run(["netlab", "cut", str(CUT_HOST)], check=True)
-                self.cut_at = time.monotonic()
-                return
-            time.sleep(0.05)
 
 
 #: Long enough for Spark to drop the unplugged host's executors, short enough for the drill.
@@ -243,22 +221,13 @@ def lose_a_host(spark, out: Path) -> dict[str, object]:
     df = shards_dataframe(spark, shards).cache()
     df.count()
     checkpoints = out / "lost-checkpoints"
-    unplugger = Unplugger(checkpoints)
+    unplugger = Cutter(checkpoints, cut_s=None)
     unplugger.start()
     started = time.monotonic()
     try:
-        model = estimator(
-            model_fn=slow_tiny_net,
-            num_workers=4,
-            min_workers=2,
-            epochs=3,
-            hierarchy="host",
-            checkpoint_dir=str(checkpoints),
-            checkpoint_every=CHECKPOINT_EVERY,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            executor_wait_timeout_s=LOST_WAIT_S,
-            progress=False,
-        ).fit(df)
+        model = drill_fit(
+            df, checkpoints, min_workers=2, hierarchy="host", executor_wait_timeout_s=LOST_WAIT_S
+        )
         finished = time.monotonic()
     finally:
         unplugger.join(timeout=60)
