@@ -187,8 +187,9 @@ def test_a_new_fit_on_the_same_checkpoint_dir_resumes_after_the_application_fail
     _check_resume_record(model, 10)
 
 
-def _python_listening_ports() -> set[int]:
-    """Listening TCP ports of Python processes forked from a PySpark daemon (task workers).
+def _python_listening_ports(jvm: int) -> set[int]:
+    """Listening TCP ports of Python processes forked from a PySpark daemon (task workers)
+    of the Spark JVM ``jvm`` (this session's: a test in the other pytest process has its own).
 
     The daemons themselves (children of the JVM) keep their own listening socket for
     the life of the session; a task's worker must not keep one after its task ends.
@@ -197,22 +198,39 @@ def _python_listening_ports() -> set[int]:
     ports = set()
     for line in out.splitlines():
         match = re.search(r'"python[^"]*",pid=(\d+)', line)
-        if match and _parent_is_python(int(match.group(1))):
+        if match and _parent_is_python(int(match.group(1))) and _descends_from(int(match.group(1)), jvm):
             ports.add(int(line.split()[3].rsplit(":", 1)[1]))
     return ports
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _parent_is_python(pid: int) -> bool:
     try:
-        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        return "python" in Path(f"/proc/{parent}/comm").read_text()
+        return "python" in Path(f"/proc/{_parent(pid)}/comm").read_text()
     except OSError:
         return False
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    try:
+        for _ in range(64):  # bounded: a process tree is never that deep here
+            if pid <= 1:
+                return False
+            pid = _parent(pid)
+            if pid == ancestor:
+                return True
+    except OSError:
+        return False
+    return False
+
+
 def test_cancelling_the_job_ends_the_tasks_and_closes_their_ports(spark, tmp_path):
     spark.range(4).mapInArrow(lambda batches: batches, "id long").collect()  # Python workers up
-    before = _python_listening_ports()
+    jvm = spark.sparkContext._gateway.proc.pid  # this session's JVM: the daemons are its children
+    before = _python_listening_ports(jvm)
     progress = CheckpointStore(str(tmp_path / "ckpt"))
     timeout = 10.0
     est = estimator(
@@ -232,7 +250,7 @@ def test_cancelling_the_job_ends_the_tasks_and_closes_their_ports(spark, tmp_pat
     while (progress.progress() is None or progress.progress().step < 20) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert progress.progress() is not None, "training never started"
-    assert _python_listening_ports() - before, "training opened no port: the check below would be vacuous"
+    assert _python_listening_ports(jvm) - before, "training opened no port: the check below would be vacuous"
     cancelled = time.monotonic()
     spark.sparkContext.cancelAllJobs()
     thread.join(60)
@@ -248,10 +266,10 @@ def test_cancelling_the_job_ends_the_tasks_and_closes_their_ports(spark, tmp_pat
     ended_after = still_since - cancelled
     assert time.monotonic() - still_since >= 3, "a worker was still training 30 s after the cancel"
     # A rank left waiting on a killed peer gives up at the collective timeout at the latest.
-    while _python_listening_ports() - before and time.monotonic() - cancelled < timeout + 15:
+    while _python_listening_ports(jvm) - before and time.monotonic() - cancelled < timeout + 15:
         time.sleep(0.5)
     ports_closed_after = time.monotonic() - cancelled
-    assert not _python_listening_ports() - before, "a port opened by training is still open"
+    assert not _python_listening_ports(jvm) - before, "a port opened by training is still open"
     print(f"FIGURE cancel tasks_ended_s={ended_after:.2f} ports_closed_s={ports_closed_after:.2f}")
 
 
