@@ -67,26 +67,41 @@ def wait_for_slots(
 ) -> int:
     """Poll ``probe`` until it reports ``required`` slots or ``wait_s`` passes (local
     mode at once: its slots are fixed when the session starts)."""
+    local = is_local_mode(master)
+    available = poll_slots(probe, required, wait_s, clock, sleep, stop=lambda _: local)
+    if available >= required:
+        return available
+    if local:
+        raise ClusterConfigError(
+            f"num_workers = {required} but local mode ({master}) has only {available} free task "
+            f"slot(s), and its slots never grow; barrier mode needs all workers at once. Lower "
+            f"num_workers to {max(available, 1)}, or start the session with local[{required}] "
+            f"(or more)"
+        )
+    raise ClusterConfigError(
+        f"num_workers = {required} but the cluster ({master}) has only {available} free "
+        f"task slot(s) after waiting {wait_s:.0f}s; barrier mode needs all workers at "
+        f"once. Lower num_workers to {max(available, 1)}, add executors/cores, lower "
+        "spark.task.cpus, or raise runtime.executor_wait_timeout_s if executors are "
+        "still starting"
+    )
+
+
+def poll_slots(
+    probe: Callable[[], int],
+    required: int,
+    wait_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    stop: Callable[[int], bool] = lambda _: False,
+) -> int:
+    """The slots ``probe`` counts, polled every 0.5 s until they reach ``required``,
+    ``stop(available)`` holds, or ``wait_s`` passes: the last count."""
     deadline = clock() + wait_s
     while True:
         available = probe()
-        if available >= required:
+        if available >= required or stop(available) or clock() >= deadline:
             return available
-        if is_local_mode(master):
-            raise ClusterConfigError(
-                f"num_workers = {required} but local mode ({master}) has only {available} free task "
-                f"slot(s), and its slots never grow; barrier mode needs all workers at once. Lower "
-                f"num_workers to {max(available, 1)}, or start the session with local[{required}] "
-                f"(or more)"
-            )
-        if clock() >= deadline:
-            raise ClusterConfigError(
-                f"num_workers = {required} but the cluster ({master}) has only {available} free "
-                f"task slot(s) after waiting {wait_s:.0f}s; barrier mode needs all workers at "
-                f"once. Lower num_workers to {max(available, 1)}, add executors/cores, lower "
-                "spark.task.cpus, or raise runtime.executor_wait_timeout_s if executors are "
-                "still starting"
-            )
         sleep(min(0.5, max(deadline - clock(), 0.0)))
 
 

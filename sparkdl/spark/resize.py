@@ -26,7 +26,7 @@ from typing import Any
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ClusterConfigError, WorkersLostError
-from sparkdl.spark.cluster import is_connect, parse_seconds
+from sparkdl.spark.cluster import is_connect, parse_seconds, poll_slots
 from sparkdl.spark.watch import MARGIN_S
 
 log = logging.getLogger(__name__)
@@ -94,13 +94,9 @@ def workers_after_loss(
     Raises:
         WorkersLostError: fewer than ``min_workers`` slots are left after ``wait_s``.
     """
-    available = probe()
-    if available >= required:
+    if probe() >= required:
         return None
-    deadline = clock() + wait_s
-    while available < required and clock() < deadline:
-        sleep(min(0.5, max(deadline - clock(), 0.0)))
-        available = probe()
+    available = poll_slots(probe, required, wait_s, clock, sleep)
     if available >= required:
         return required
     if available >= max(min_workers, 1):
