@@ -11,7 +11,10 @@ Then ``torchrun --nnodes 2 --nproc_per_node 2`` runs benchmarks/ddp_baseline.py 
 and 2 (gloo over their eth0), on the same rows, batch and epochs.
 
     ../shared/tools/netlab --hosts 3 --rate 1gbit --isolate -- \\
-        .venv/bin/python benchmarks/bench_multihost.py --rate 1gbit [--rows 40000] [--only ...]
+        .venv/bin/python benchmarks/bench_multihost.py --rate 1gbit [--rows 40000] [--only ...] [--advise]
+
+``--advise`` first runs ``sparkdl.advise`` on the same cluster and data, and puts its predicted
+samples/s beside each measured one (issue 32, item 4).
 """
 
 from __future__ import annotations
@@ -96,14 +99,50 @@ def switch_bytes() -> dict[str, int]:
     return counts
 
 
-def fit(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> tuple[dict, dict]:
-    before = switch_bytes()
-    started = time.perf_counter()
-    model = TorchEstimator(
+def bench_estimator(epochs: int, batch_size: int, **settings) -> TorchEstimator:
+    return TorchEstimator(
         model_fn=make_model, feature_cols=["features"], num_workers=4, batch_size=batch_size, epochs=epochs,
         seed=0, optimizer="sgd", lr=0.05, momentum=0.0, shuffle=False, progress=False,
         collective_timeout_s=120.0, executor_wait_timeout_s=120.0, **settings,
-    ).fit(train_df)  # fmt: skip
+    )  # fmt: skip
+
+
+#: The bench's variants as the advisor's rows name them (the advisor has no hierarchy rows: it
+#: probes with the estimator's own hierarchy, the default "auto")
+ADVISOR_ROWS = {
+    "allreduce": "allreduce",
+    "allreduce 1bit": "allreduce 1bit",
+    "fsdp": "fsdp",
+    "weight_averaging tau=4 1bit": "weight_averaging tau=4 1bit",
+    "parameter_server sync": "parameter_server sync",
+    "parameter_server ssp s=2": "parameter_server ssp s=2",
+    "parameter_server async": "parameter_server async",
+}
+
+
+def advise_across_hosts(train_df, epochs: int, batch_size: int) -> dict:
+    """``sparkdl.advise`` on the cluster, with the bench's model and settings: its
+    predicted samples/s for the variants it has a row for, and what it recommends."""
+    from sparkdl import advise
+
+    started = time.perf_counter()
+    advice = advise(train_df, bench_estimator(epochs, batch_size))
+    print(advice, flush=True)
+    return {
+        "probe_s": time.perf_counter() - started,
+        "recommended": advice.recommended.name,
+        "fastest": advice.fastest.name,
+        "predicted_samples_per_s": {
+            variant: advice.prediction(row).samples_per_s for variant, row in ADVISOR_ROWS.items()
+        },
+        "advice": advice.to_dict(),
+    }
+
+
+def fit(train_df, test_df, settings: dict, epochs: int, batch_size: int) -> tuple[dict, dict]:
+    before = switch_bytes()
+    started = time.perf_counter()
+    model = bench_estimator(epochs, batch_size, **settings).fit(train_df)
     seconds = time.perf_counter() - started
     after = switch_bytes()
     later = model.history[1:]
@@ -156,6 +195,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--only", default="", help="comma-separated variant names (allreduce always runs)")
     parser.add_argument("--slow-port", action="store_true", help="also fit with host 2's port at 1/10")
+    parser.add_argument("--advise", action="store_true", help="first, the advisor's predictions")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
     wanted = {EXACT, *filter(None, args.only.split(","))}
@@ -169,6 +209,7 @@ def main() -> None:
         spark.sparkContext.setLogLevel("ERROR")
         spark.sparkContext.addPyFile(str(HERE / "common.py"))
         train_df, test_df = dataframe(spark, args.rows, seed=0), dataframe(spark, 4000, seed=1)
+        advice = advise_across_hosts(train_df, args.epochs, args.batch_size) if args.advise else None
         exact_state = None
         for name, settings, exact in VARIANTS:
             if args.only and name not in wanted:
@@ -194,10 +235,14 @@ def main() -> None:
     finally:
         stop_cluster(cluster)
     baseline = torchrun_baseline(args.rows, args.epochs, args.batch_size)
-    for result in results.values():
+    for name, result in results.items():
         result["samples_per_s_vs_torchrun_ddp"] = (
             result["samples_per_s_epochs_2plus"] / baseline["samples_per_s"]
         )
+        if advice is not None and name in advice["predicted_samples_per_s"]:
+            predicted = advice["predicted_samples_per_s"][name]
+            result["advisor_predicted_samples_per_s"] = predicted
+            result["advisor_predicted_over_measured"] = predicted / result["samples_per_s_epochs_2plus"]
     save_report(
         str(out),
         setup={
@@ -210,6 +255,7 @@ def main() -> None:
             "model": "MLP 64-256-256-10 (benchmarks/common.py), SGD lr 0.05",
         },
         torchrun_ddp=baseline,
+        advisor=advice,
         results=results,
     )
 

@@ -50,8 +50,8 @@ class RuntimeConfig:
     executor_wait_timeout_s: float = field(
         default=30.0,
         metadata=about(
-            "How long fit waits for enough free task slots (executors still starting); with "
-            "min_workers, how long lost slots may stay away before the fit goes on with fewer.",
+            "How long fit waits for enough free task slots (executors still starting), and how long "
+            "slots lost while it trains may stay away before it goes on with fewer (min_workers) or fails.",
             bound=">= 0",
         ),
     )

@@ -161,8 +161,13 @@ def arrow_schema(df: Any) -> pa.Schema:
 
 def run_training(df: Any, spec: TrainSpec) -> FitResult:
     """Train on ``df`` with one barrier task per worker; return rank 0's weights and history.
-    With ``reliability.min_workers`` below ``num_workers``, a stage whose executors were lost
-    for good starts again on the slots left, from the checkpoint (:mod:`sparkdl.spark.resize`)."""
+
+    The cluster's task slots are watched while the stage runs: once they have been short of
+    ``num_workers`` for ``executor_wait_timeout_s`` (executors lost: their hosts gone, or the
+    network between them and the driver cut), the stage is cancelled, as Spark would wait for
+    them forever. With ``reliability.min_workers`` below ``num_workers`` it then starts again
+    on the slots left, from the checkpoint (:mod:`sparkdl.spark.resize`); else fit raises
+    :class:`WorkersLostError`."""
     config = check_settings(spec.config)
     n = config.training.num_workers
     spark = df.sparkSession
@@ -182,13 +187,13 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     resizes: list[Resize] = []
     while True:
         slots = None
-        if floor:  # watched at every size, the last one too: a further loss says so
+        if group:  # watched at every size, the last one too: a further loss says so
             probe = functools.partial(max_concurrent_tasks, spark.sparkContext, profile)
-            slots = SlotWatch(probe, n, config.runtime.executor_wait_timeout_s)
+            slots = SlotWatch(probe, n, config.runtime.executor_wait_timeout_s, resizes=bool(floor))
         try:
             result = _train(df, spec, profile, group, attempt_started, slots)
         except SparkDLError as exc:
-            if slots is None or len(resizes) > config.training.num_workers:
+            if slots is None or not floor or len(resizes) > config.training.num_workers:
                 raise
             try:
                 workers = next_size(exc, slots.probe, n, floor, config.runtime.executor_wait_timeout_s)

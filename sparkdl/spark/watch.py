@@ -49,12 +49,13 @@ class Stall:
 class SlotWatch:
     """Whether the cluster has lost the slots a stage needs for good: fewer than
     ``required`` task slots (``probe``) for longer than ``wait_s`` in a row. A barrier
-    stage re-run by Spark then waits for slots that will not return, so fit cancels it
-    and goes on with fewer workers (``reliability.min_workers``)."""
+    stage re-run by Spark then waits for slots that will not return, so fit cancels it,
+    and goes on with fewer workers where it ``resizes`` (``reliability.min_workers``)."""
 
     probe: Callable[[], int]
     required: int
     wait_s: float
+    resizes: bool = False  # fit goes on with fewer workers after (reliability.min_workers)
     short_since: float | None = None
 
     def lost(self, now: float) -> WorkersLostError | None:
@@ -67,10 +68,23 @@ class SlotWatch:
             self.short_since = now
         if now - self.short_since < self.wait_s:
             return None
+        if self.resizes:
+            then = "It goes on with fewer workers (reliability.min_workers)"
+        elif available == 0:
+            then = (
+                "No executor is left: check that their hosts are up and reach spark.driver.host; "
+                "fit again then (with checkpoint_dir it resumes from the last checkpoint)"
+            )
+        else:
+            then = (
+                "Set reliability.min_workers to go on with the workers left, or fit again once they are "
+                "back (with checkpoint_dir it resumes from the last checkpoint)"
+            )
         return WorkersLostError(
             f"the cluster has had {available} task slot(s) for the training stage's {self.required} "
             f"workers for {now - self.short_since:.0f}s (runtime.executor_wait_timeout_s): executors "
-            "were lost and did not come back; fit cancelled the stage",
+            "were lost (their hosts stopped, or the network between them and the driver failed) and "
+            f"did not come back; fit cancelled the stage. {then}",
             setting="runtime.executor_wait_timeout_s",
             limit_s=self.wait_s,
             available=available,

@@ -1,4 +1,5 @@
-"""A worker host's cable cut mid-training, for longer than the collective timeout.
+"""A worker host's cable cut mid-training, for longer than the collective timeout; and
+(``--driver``) the driver's own host cut from the workers.
 
 Run inside ``../shared/tools/netlab --hosts 3 --isolate``, on host 0 (the driver's and the
 master's), with a standalone worker of 2 slots on each of hosts 1 and 2 (as netlab_drill.py):
@@ -7,13 +8,15 @@ and plugged back. The ranks wait in a collective for a peer that cannot answer: 
 fail within ``collective_timeout_s``, Spark must re-run the stage once the host is back, and
 the run must resume from its checkpoint to the reference answer.
 
-    python tests/multihost/cut_drill.py OUT_DIR     # writes OUT_DIR/result.json
+    python tests/multihost/cut_drill.py OUT_DIR [--driver]   # writes OUT_DIR/result.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -35,6 +38,9 @@ CUT_S = 15.0  # longer than the collective timeout below
 COLLECTIVE_TIMEOUT_S = 10.0
 CUT_AFTER_STEP = 8
 CHECKPOINT_EVERY = 4
+PS_TIMEOUT_S = 10.0  # the drills' parameter server: a pull waits this long for the others
+DRIVER_HOST = 0  # the driver's and the master's
+DRIVER_CUT_WAIT_S = 10.0  # executor_wait_timeout_s of the driver's cut: lost slots fail the fit after it
 STEP_S = 0.1  # each forward sleeps this long: the fit lasts long enough to be cut in the middle
 
 
@@ -45,12 +51,12 @@ def slow_tiny_net():
 
 
 class Cutter(threading.Thread):
-    """Unplugs host ``CUT_HOST`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for
+    """Unplugs ``host`` once the checkpoint of ``CUT_AFTER_STEP`` exists, for
     ``cut_s`` (None: for good; the caller plugs it back after the fit)."""
 
-    def __init__(self, checkpoints: Path, cut_s: float | None = CUT_S) -> None:
+    def __init__(self, checkpoints: Path, cut_s: float | None = CUT_S, host: int = CUT_HOST) -> None:
         super().__init__(daemon=True)
-        self.checkpoints, self.cut_s = checkpoints, cut_s
+        self.checkpoints, self.cut_s, self.host = checkpoints, cut_s, host
         self.cut_at = self.healed_at = 0.0
 
     def run(self) -> None:
@@ -62,12 +68,12 @@ class Cutter(threading.Thread):
             time.sleep(0.05)
         else:
             return
-        subprocess.run(["netlab", "cut", str(CUT_HOST)], check=True)
+        subprocess.run(["netlab", "cut", str(self.host)], check=True)
         self.cut_at = time.monotonic()
         if self.cut_s is None:
             return
         time.sleep(self.cut_s)
-        subprocess.run(["netlab", "heal", str(CUT_HOST)], check=True)
+        subprocess.run(["netlab", "heal", str(self.host)], check=True)
         self.healed_at = time.monotonic()
 
 
@@ -240,6 +246,108 @@ def lose_a_host(spark, out: Path) -> dict[str, object]:
     }
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (its sockets' inodes matched to the table of
+    its network namespace)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def python_connections_to(host: int, address: str) -> list[str]:
+    """The established TCP connections that Python processes on netlab host ``host`` hold to
+    ``address`` (one line of ``ss`` each). Host 0's view of /proc sees every host's processes."""
+    namespace = f"{os.environ['NETLAB_PREFIX']}-h{host}"
+    listed = subprocess.run(
+        ["ip", "netns", "exec", namespace, "ss", "-tnpH", "state", "established"],
+        capture_output=True, text=True, check=True, timeout=10,
+    ).stdout  # fmt: skip
+    held = []
+    for line in listed.splitlines():  # Recv-Q Send-Q Local:Port Peer:Port users:(("name",pid=..))
+        fields = line.split()
+        if len(fields) > 4 and fields[3].rsplit(":", 1)[0] == address and '(("python' in fields[4]:
+            held.append(line)
+    return held
+
+
+class Holders(threading.Thread):
+    """From the cut on, counts every half second the connections the worker hosts' Python
+    processes (the training tasks) still hold to the driver's host; ``released_at`` is when
+    none is left (bounded: ``limit_s``)."""
+
+    def __init__(self, cutter: Cutter, limit_s: float = 240.0) -> None:
+        super().__init__(daemon=True)
+        self.cutter, self.limit_s = cutter, limit_s
+        self.released_at = 0.0
+        self.held: list[tuple[float, int]] = []  # (monotonic time, connections)
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        while not self.cutter.cut_at and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while time.monotonic() < deadline:
+            held = sum(len(python_connections_to(h, HOSTS[0])) for h in (1, 2))
+            self.held.append((time.monotonic(), held))
+            if held == 0:
+                self.released_at = time.monotonic()
+                return
+            time.sleep(0.5)
+
+
+def cut_the_driver(spark, out: Path) -> dict[str, object]:
+    """A synchronous parameter server fit (every step of every worker crosses to the driver's
+    host) while host 0, the driver's and the master's, is unplugged for good after the
+    checkpoint of ``CUT_AFTER_STEP``: ``fit`` must raise within a bound, the driver's servers
+    of the fit must close, and no task on the worker hosts may go on holding a connection to
+    the driver (nothing hangs). The cable is plugged back after."""
+    from sparkdl.services.weights.server import weight_server
+    from sparkdl.spark.cluster import driver_host
+
+    shards = make_shards([80, 80, 80, 80])
+    df = shards_dataframe(spark, shards).cache()
+    df.count()
+    weight_server(driver_host(spark))  # process-wide, open from the first fit on: not the fit's to close
+    before = listening_ports(os.getpid())
+    checkpoints = out / "driver-checkpoints"
+    cutter = Cutter(checkpoints, cut_s=None, host=DRIVER_HOST)
+    holders = Holders(cutter)
+    cutter.start()
+    holders.start()
+    started = time.monotonic()
+    error: BaseException | None = None
+    try:
+        drill_fit(
+            df, checkpoints, strategy="parameter_server", ps_timeout_s=PS_TIMEOUT_S,
+            executor_wait_timeout_s=DRIVER_CUT_WAIT_S,
+        )  # fmt: skip
+    except Exception as exc:
+        error = exc
+    raised = time.monotonic()
+    after = listening_ports(os.getpid())
+    holders.join(timeout=holders.limit_s + 10)
+    subprocess.run(["netlab", "heal", str(DRIVER_HOST)], check=True)
+    cutter.join(timeout=10)
+    since_cut = lambda at: round(at - cutter.cut_at, 1) if at and cutter.cut_at else None  # noqa: E731
+    return {
+        "cut_at_s": cutter.cut_at - started if cutter.cut_at else None,
+        "raised_after_cut_s": since_cut(raised),
+        "error": f"{type(error).__name__}: {error}"[:1500] if error else None,
+        "ports_left_open": sorted(after - before),
+        "released_after_cut_s": since_cut(holders.released_at),
+        "held": [(since_cut(at), n) for at, n in holders.held],
+    }
+
+
 def main(out: Path) -> None:
     cluster = start_cluster(out)
     logging.getLogger("sparkdl").setLevel(logging.DEBUG if "--debug" in sys.argv else logging.WARNING)
@@ -251,7 +359,8 @@ def main(out: Path) -> None:
             {**SESSION, **UI},
         )
         spark.sparkContext.setLogLevel("ERROR")
-        result = {"hosts": HOSTS, "cut": cut_and_resume(spark, out)}
+        drill = cut_the_driver if "--driver" in sys.argv else cut_and_resume
+        result = {"hosts": HOSTS, drill.__name__: drill(spark, out)}
         spark.stop()
     finally:
         stop_cluster(cluster)
@@ -259,4 +368,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))  # --debug: every sparkdl record of the driver and the workers
+    main(Path(sys.argv[1]))  # --debug: every sparkdl record; --driver: cut the driver's host instead

@@ -38,19 +38,25 @@ def netlab_missing() -> str:
     return ""
 
 
-@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
-def test_across_hosts_every_rank_binds_its_address_trains_the_reference_and_survives_a_cut_host(tmp_path):
+def netlab_env() -> dict[str, str]:
+    """The drills' environment: this interpreter for the executors, the repository on the path,
+    and nothing that names a network interface (the workers must find it)."""
     env = {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SPARK_LOCAL_IP"):
-        env.pop(name, None)  # nothing names the interface: the worker must find it
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
+def test_across_hosts_every_rank_binds_its_address_trains_the_reference_and_survives_a_cut_host(tmp_path):
     done = subprocess.run(
         [str(NETLAB), "--hosts", "3", "--rate", "1gbit", "--isolate", "--",
          sys.executable, str(ROOT / "tests/multihost/netlab_drill.py"), str(tmp_path)],
-        env=env,
+        env=netlab_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -128,4 +134,37 @@ def assert_a_lost_host_leaves_the_fit_to_the_other(lost: dict, hosts: list[str])
     assert lost["fit_s"] - lost["cut_at_s"] < 90, lost  # the watch, not the stall bound (100 s)
     print(
         f"FIGURE netlab lost host: cut at {lost['cut_at_s']:.1f}s, done at {lost['fit_s']:.1f}s on 2 workers"
+    )
+
+
+@pytest.mark.fault_drill
+@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
+def test_cutting_the_drivers_host_fails_the_fit_in_bounded_time_and_leaves_nothing_running(tmp_path):
+    """Host 0 (the driver's and the master's) unplugged for good after the checkpoint of step 8
+    of a synchronous parameter server fit: Spark drops the executors it no longer hears, the
+    driver's slot watch ends the fit ``executor_wait_timeout_s`` later naming the lost
+    executors, the fit's servers close, and every task on the worker hosts lets go of the
+    driver within the parameter server's bound (``ps_timeout_s + 30``). Not in the default
+    run (about 90 s): ``pytest -m fault_drill tests/multihost``."""
+    done = subprocess.run(
+        [str(NETLAB), "--hosts", "3", "--rate", "1gbit", "--isolate", "--",
+         sys.executable, str(ROOT / "tests/multihost/cut_drill.py"), str(tmp_path), "--driver"],
+        env=netlab_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    cut = json.loads((tmp_path / "result.json").read_text())["cut_the_driver"]
+    assert cut["cut_at_s"] is not None, cut
+    assert cut["error"].startswith("WorkersLostError") and "No executor is left" in cut["error"], cut["error"]
+    # Spark drops an executor it has not heard from for spark.network.timeout (25 s here, heartbeats
+    # every 2 s, looked at every 5 s); the watch then waits executor_wait_timeout_s (10 s)
+    assert cut["raised_after_cut_s"] < 25 + 5 + 10 + 10, cut["raised_after_cut_s"]
+    assert cut["ports_left_open"] == [], cut["ports_left_open"]  # the fit's servers closed
+    assert cut["held"][0][1] > 0, cut["held"]  # the workers were connected when the cable went
+    assert cut["released_after_cut_s"] is not None and cut["released_after_cut_s"] < 10 + 30 + 5, cut
+    print(
+        f"FIGURE netlab driver cut: fit raised {cut['raised_after_cut_s']:.1f}s after the cut, the "
+        f"workers let go of the driver after {cut['released_after_cut_s']:.1f}s"
     )

@@ -95,7 +95,11 @@ def test_the_watch_cancels_only_after_the_slots_were_short_for_the_whole_wait():
     assert watch.lost(7.0) is None and watch.lost(11.9) is None
     lost = watch.lost(12.0)
     assert isinstance(lost, WorkersLostError) and (lost.available, lost.required) == (1, 2)
-    assert "for 5s" in str(lost)
+    assert "for 5s" in str(lost) and "Set reliability.min_workers to go on" in str(lost)
+    going_on = SlotWatch(lambda: 1, required=2, wait_s=0.0, resizes=True).lost(0.0)
+    assert going_on is not None and "It goes on with fewer workers" in str(going_on)
+    none_left = SlotWatch(lambda: 0, required=2, wait_s=0.0).lost(0.0)
+    assert none_left is not None and "No executor is left" in str(none_left)
 
 
 def test_the_history_marks_the_epoch_the_last_resize_resumed_in():
