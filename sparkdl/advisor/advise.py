@@ -30,9 +30,9 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.config import Strategy
+from sparkdl.config import Hierarchy, Strategy
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
-from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
+from sparkdl.spark.cluster import check_cluster, described, driver_host, executor_hosts, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
 from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import HostedServer, host_parameter_server
@@ -108,10 +108,12 @@ def advise(
             "full-batch with strategy 'allreduce' only, so there is nothing to choose: fit it, or "
             "advise with a step-wise optimizer (optimizer = 'sgd', ...)"
         )
+    spread = config.runtime.hierarchy is Hierarchy.NONE and not is_connect(df.sparkSession)
     probed, derived = probe_set(
         config.weight_averaging.sync_every,
         config.parameter_server.staleness,
         config.parameter_server.push_every,
+        hosts=len(executor_hosts(df.sparkSession.sparkContext)) if spread else 1,
     )
     if strategies:
         probed, derived = chosen_candidates(probed, derived, strategies)

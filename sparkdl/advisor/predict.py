@@ -47,7 +47,9 @@ FIT_AT = 4
 #: PREFERENCE among them is recommended: all-reduce (the default, nothing else to run),
 #: fsdp (no server either), the synchronous parameter server (a server on the driver).
 TIE = 0.1
-PREFERENCE = ("allreduce", "fsdp", "parameter_server sync")
+PREFERENCE = ("allreduce", "allreduce hierarchy=host", "fsdp", "parameter_server sync")
+#: The all-reduce row that aggregates within each host first (probed on clusters of several hosts).
+HOST_HIERARCHY = "allreduce hierarchy=host"
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def _async_every(k: int) -> Candidate:
     return _ps(name, "async", push_every=k, pull_every=k)
 
 
-def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], list[Derived]]:
+def probe_set(tau: int, staleness: int, every: int, hosts: int = 1) -> tuple[list[Candidate], list[Derived]]:
     """The candidates the probe trains, and those modelled from them.
 
     Exact candidates take single-process SGD's step on the global batch whatever the
@@ -113,7 +115,13 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         tau: the estimator's ``sync_every`` (modelled besides 8 and 16; 1 and 4 are probed).
         staleness: the estimator's ``staleness`` (the ssp row's bound; 0 counts as 2).
         every: the estimator's ``push_every`` (a modelled async row when not 1 or 4, probed).
+        hosts: the hosts the workers span; on more than one, all-reduce is also probed with
+            ``hierarchy = "host"`` (each host's workers sum in its shared memory, one leader per
+            host crosses the network: 1.4-1.6x flat across 2 hosts, BENCHMARKS.md).
     """
+    host_level = [_candidate(HOST_HIERARCHY, exact=True, strategy="allreduce", hierarchy="host")]
+    if hosts < 2:
+        host_level = []
     probed = [
         _candidate(LOCAL, strategy="weight_averaging", sync_every=1 << 30, wa_backup_workers=0),
         _candidate("allreduce", exact=True, strategy="allreduce"),
@@ -129,6 +137,7 @@ def probe_set(tau: int, staleness: int, every: int) -> tuple[list[Candidate], li
         _ps("parameter_server sync, sufficient factors", "sync", exact=True, sufficient_factors="auto"),
         _async_every(1),
         _async_every(FIT_AT),
+        *host_level,
         _candidate("fsdp", exact=True, strategy="fsdp"),
         _candidate("pipeline", exact=True, strategy="pipeline"),
         _candidate("tensor", exact=True, strategy="tensor"),

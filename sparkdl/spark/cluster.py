@@ -122,6 +122,18 @@ def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:
     return int(jsc.maxNumConcurrentTasks(java_profile))
 
 
+def executor_hosts(sc: Any) -> set[str]:
+    """The hosts the cluster's executors run on (none in local mode, where the driver's own
+    block manager, left out, is the only one)."""
+    jsc = sc._jsc.sc()
+    driver = jsc.env().blockManager().blockManagerId()
+    return {
+        str(info.host())
+        for info in jsc.statusTracker().getExecutorInfos()
+        if (info.host(), info.port()) != (driver.host(), driver.port())
+    }
+
+
 def parse_seconds(text: str) -> float:
     """A Spark duration (``120s``, ``2min``, ``500ms``, ``365d``, plain seconds) in seconds."""
     units = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}

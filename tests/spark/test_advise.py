@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparkdl
+from sparkdl.spark.cluster import executor_hosts
 from tests.reference import make_shards
 from tests.spark.test_fit import estimator, shards_dataframe
 
@@ -92,6 +93,9 @@ def test_advise_probes_model_parallelism_where_the_model_allows_it(spark):
     factors = advice.prediction("allreduce, sufficient factors")
     assert factors.source == "measured" and factors.exact
     assert factors.bytes_per_step == 4 * TINY_NET_PARAMS
+    # one host (local mode: the driver runs the tasks): no host-level all-reduce row to probe
+    assert executor_hosts(spark.sparkContext) == set()
+    assert "allreduce hierarchy=host" not in {row.name for row in advice.rows} | set(advice.skipped)
 
 
 def test_advise_refuses_a_probe_too_short_to_time(spark):

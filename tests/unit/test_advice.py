@@ -96,6 +96,21 @@ def test_the_recommendation_is_the_fastest_exact_candidate_and_names_a_much_fast
     assert "check its accuracy" in summary
 
 
+def test_across_hosts_all_reduce_is_also_probed_through_each_hosts_shared_memory_and_wins_if_faster():
+    one_host = {c.name for c in probe_set(tau=8, staleness=0, every=8)[0]}
+    probed, derived = probe_set(tau=8, staleness=0, every=8, hosts=2)
+    assert {c.name for c in probed} - one_host == {"allreduce hierarchy=host"}
+    (host_level,) = [c for c in probed if c.name == "allreduce hierarchy=host"]
+    assert host_level.exact and host_level.settings["hierarchy"] == "host"
+    assert host_level.settings["compression"] == "none"  # a hierarchy sums uncompressed
+    faster = _probe(**{**TIMINGS, "allreduce hierarchy=host": Timing(0.0028, 0.06, MODEL_BYTES)})
+    advice = predict(faster, probed, derived, 256_000, patterns=PATTERNS)
+    assert advice.recommended.name == "allreduce hierarchy=host"  # 30% faster than flat, the same step
+    assert advice.recommended.settings["hierarchy"] == "host"
+    tied = _probe(**{**TIMINGS, "allreduce hierarchy=host": Timing(0.0039, 0.06, MODEL_BYTES)})
+    assert predict(tied, probed, derived, 256_000, patterns=PATTERNS).recommended.name == "allreduce"
+
+
 def test_an_exact_candidate_within_a_tenth_of_the_fastest_gives_way_to_all_reduce():
     tied = _advice(**{"parameter_server sync": Timing(0.0038, 0.06, 2 * MODEL_BYTES)})
     assert tied.rows.index(tied.prediction("parameter_server sync")) < tied.rows.index(
