@@ -112,6 +112,13 @@ class PipelineSchedule(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"  # one forward, one backward in the steady state: at most `stages` held
 
 
+class PipelineBalance(str, enum.Enum):
+    """What a pipeline's automatic cut evens out between its stages."""
+
+    PARAMETERS = "parameters"  # the same number of parameters (memory) in every stage
+    TIME = "time"  # the same forward + backward time, measured on the driver before training
+
+
 class OptimizerName(str, enum.Enum):
     """Optimizers that can be named in a config file (``optimizer_fn`` takes any)."""
 

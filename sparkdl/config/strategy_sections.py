@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparkdl.config.choices import OuterOptimizer, PipelineSchedule, Precision, PsMode
+from sparkdl.config.choices import OuterOptimizer, PipelineBalance, PipelineSchedule, Precision, PsMode
 from sparkdl.config.loading import about, check_bounds
 from sparkdl.errors import ConfigError
 
@@ -188,8 +188,17 @@ class PipelineConfig:
         default=(),
         metadata=about(
             "Names of the model's top-level layers (its nn.Sequential children) that begin stages 2, 3, "
-            "...; empty: cut where each stage gets about the same number of parameters.",
+            "...; empty: cut automatically, as pipeline_balance says.",
             valid="stages - 1 layer names, in the model's order",
+        ),
+    )
+    pipeline_balance: PipelineBalance = field(
+        default=PipelineBalance.PARAMETERS,
+        metadata=about(
+            "The automatic cut (no split_before): parameters gives each stage about the same number of "
+            "parameters (memory); time about the same forward + backward time, each layer timed on the "
+            "driver on a micro-batch of the first rows before training (on its device: a CPU driver "
+            "ranks a GPU cluster's layers as a CPU runs them)."
         ),
     )
 

@@ -50,6 +50,7 @@ from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.watch import MARGIN_S, SlotWatch, collect_watched, fit_job_group
 from sparkdl.strategies import check_settings
+from sparkdl.strategies.pipeline_timing import cut_by_time
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
 
@@ -177,7 +178,10 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     )
     sample = _preflight(df, spec)
     spec = dataclasses.replace(
-        spec, template=sample.head(2) if sample is not None else None, lr=_lr_plan(df, config)
+        spec,
+        config=cut_by_time(spec.config, spec.model_fn, sample),  # pipeline_balance = "time"
+        template=sample.head(2) if sample is not None else None,
+        lr=_lr_plan(df, config),
     )
     group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None

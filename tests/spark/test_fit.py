@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -249,14 +250,22 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
     assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
 
 
-@pytest.mark.parametrize("settings", [{"strategy": "pipeline", "microbatches": 4}, {"strategy": "tensor"}])
-def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_one(spark, tmp_path, settings):
-    """Each worker held one stage (pipeline) or half of each layer pair (tensor); the
-    driver's model is the whole one, gathered."""
+@pytest.mark.parametrize(
+    "settings",
+    [{"strategy": "pipeline", "microbatches": 4, "pipeline_balance": "time"}, {"strategy": "tensor"}],
+)
+def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_one(
+    spark, tmp_path, settings, caplog
+):
+    """Each worker held one stage (pipeline, cut where the layers' measured time is even)
+    or half of each layer pair (tensor); the driver's model is the whole one, gathered."""
     shards = make_shards([40, 23])
     df = shards_dataframe(spark, shards)
     est = estimator(model_fn=make_deep_net, epochs=2, shuffle=True, **settings)
-    model = est.fit(df)
+    with caplog.at_level(logging.INFO, logger="sparkdl.strategies.pipeline_timing"):
+        model = est.fit(df)
+    timed = [r.getMessage() for r in caplog.records if "pipeline cut by measured time" in r.getMessage()]
+    assert len(timed) == (settings["strategy"] == "pipeline"), timed
     expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_deep_net)
     assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
     assert [h["samples"] for h in model.history] == [63, 63]

@@ -6,8 +6,10 @@ strategies, resume after a lost worker, validation and the refusals. The cut its
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -64,6 +66,57 @@ def test_stage_starts_by_name_and_what_it_refuses():
         stage_starts(names, costs, 3, ("block1",))
     with pytest.raises(ConfigError, match=r"4 top-level layers.*cannot be cut into 5 stages"):
         stage_starts(names, costs, 5, ())
+
+
+class Sleepy(nn.Module):
+    """A layer of few parameters that takes long: its forward sleeps ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.linear, self.seconds = nn.Linear(6, 6), seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def sleepy_net() -> nn.Sequential:
+    """Four layers of 42 parameters each and their activations; the first takes 30 ms a
+    pass, the others microseconds: by parameters the cut of 2 stages falls in the middle,
+    by time right after the slow layer."""
+    linear = functools.partial(nn.Linear, 6, 6)
+    return nn.Sequential(Sleepy(0.03), nn.Tanh(), linear(), nn.Tanh(), linear(), linear())
+
+
+def test_a_cut_by_time_gives_a_slow_layer_a_stage_of_its_own_where_parameters_would_not():
+    from sparkdl.data.tensors import Batch
+    from sparkdl.strategies.pipeline_timing import cut_by_time, layer_seconds, timed_split
+
+    whole = sleepy_net()
+    seconds = layer_seconds(list(whole), torch.randn(8, 6), repeats=2)
+    assert seconds[0] >= 0.03 and max(seconds[1:]) < 0.01, seconds
+    names = [name for name, _ in whole.named_children()]
+    costs = [sum(p.numel() for p in layer.parameters()) for layer in whole]
+    assert [names[i] for i in balance(costs, 2)] == ["0", "4"]  # 84 parameters on either side
+    split, per_stage = timed_split(whole, torch.randn(8, 6), 2)
+    assert split == ("2",)  # the slow layer and its activation alone; the activation stays with it
+    assert per_stage[0] > 10 * per_stage[1], per_stage
+    with pytest.raises(ConfigError, match=r"3 top-level layers with trainable parameters; .* into 4"):
+        timed_split(sleepy_net()[:5], torch.randn(8, 6), 4)
+
+    timed = SparkDLConfig().replace(
+        strategy="pipeline", num_workers=2, pipeline_balance="time", microbatches=4
+    )
+    rows = Batch({"features": torch.randn(3, 6)}, torch.zeros(3))
+    assert cut_by_time(timed, sleepy_net, rows).pipeline.split_before == ("2",)
+    named = timed.replace(split_before=("4",))
+    assert cut_by_time(named, sleepy_net, rows) is named  # the user's cut stands
+    assert cut_by_time(SparkDLConfig(), sleepy_net, rows).pipeline.split_before == ()
+    with pytest.raises(ConfigError, match=r"pipeline_balance = 'time' times the layers on the DataFrame's"):
+        cut_by_time(timed, sleepy_net, None)
+    two_inputs = Batch({"a": torch.randn(3, 6), "b": torch.randn(3, 6)}, torch.zeros(3))
+    with pytest.raises(ConfigError, match=r"feeds the first layer one tensor, but the rows have 2 inputs"):
+        cut_by_time(timed, sleepy_net, two_inputs)
 
 
 def test_layout_puts_a_pipeline_on_consecutive_ranks():
