@@ -1,4 +1,4 @@
-"""Tensor parallelism: large linear layers split across the workers of a group, with
+"""Tensor parallelism: large linear layers (and embeddings) split across the workers of a group, with
 PyTorch's DTensor (``parallelize_module``), as Megatron splits a transformer's MLP.
 
 The plan (:func:`megatron_plan`): in every module, each ``nn.Linear`` followed (past
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -53,7 +54,7 @@ from sparkdl.strategies.rows import padded, row_counts
 from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
-COLUMNS, ROWS = "columns", "rows"
+COLUMNS, ROWS, VOCABULARY = "columns", "rows", "vocabulary"
 
 
 #: Layers that act on each value alone (or pass it through): a split pair may have them
@@ -66,13 +67,20 @@ ELEMENTWISE = (
 
 
 def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
-    """Which linear layers to split, and how: ``{name: "columns" | "rows"}``. A pair is,
+    """Which layers to split, and how: ``{name: "columns" | "rows" | "vocabulary"}``. A pair is,
     inside an ``nn.Sequential`` (whose order is the data's path), a ``Linear`` then, past
     element-wise layers only (:data:`ELEMENTWISE`: a softmax or a norm over the features
     would see one worker's slice), a ``Linear`` taking its output; the hidden width must
     divide by ``size`` (a pair that does not is left whole). A PReLU with one weight per
-    feature is not element-wise across a split and ends a pair."""
+    feature is not element-wise across a split and ends a pair. An ``nn.Embedding`` is
+    split by its rows, Megatron's vocabulary-parallel embedding: each worker holds a slice of
+    the vocabulary, looks up the ids that fall in it, and one all-reduce sums the lookups
+    (its vocabulary must divide by ``size``; one with ``max_norm`` or sparse gradients,
+    which a slice cannot honour, stays whole)."""
     plan: dict[str, str] = {}
+    for name, node in module.named_modules():
+        if isinstance(node, nn.Embedding) and _splits(node, size):
+            plan[name] = VOCABULARY
     for parent, node in module.named_modules():
         if not isinstance(node, nn.Sequential):
             continue
@@ -96,6 +104,10 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
                     continue
             i += 1
     return plan
+
+
+def _splits(embedding: nn.Embedding, size: int) -> bool:
+    return embedding.num_embeddings % size == 0 and embedding.max_norm is None and not embedding.sparse
 
 
 def _elementwise(layer: nn.Module) -> bool:
@@ -164,13 +176,18 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         plan = cls._plan(module, size)
         mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
         styles: dict[str, ParallelStyle] = {
-            name: ColwiseParallel() if how == COLUMNS else RowwiseParallel() for name, how in plan.items()
+            name: {
+                COLUMNS: ColwiseParallel(),
+                ROWS: RowwiseParallel(),
+                VOCABULARY: RowwiseParallel(input_layouts=Replicate()),  # every worker sees every id
+            }[how]
+            for name, how in plan.items()
         }
         parallelize_module(module, mesh["tp"], styles)
         groups = _Groups(mesh)
         for name, how in plan.items():
             layer = module.get_submodule(name)
-            if how == ROWS:  # forward: the partial outputs summed
+            if how in (ROWS, VOCABULARY):  # forward: the partial outputs summed
                 layer.register_forward_hook(groups.count_output)
             else:  # backward: the input's partial gradients summed (where it has one)
                 layer.register_forward_pre_hook(groups.count_input_gradient)
@@ -193,9 +210,10 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         plan = megatron_plan(module, size)
         if not plan:
             raise ConfigError(
-                "strategy = 'tensor' found no pair of linear layers to split in the model (an nn.Linear "
-                f"followed by one that takes its output, a hidden width divisible by tp_size = {size}); "
-                "use strategy = 'fsdp' or 'pipeline' for this model"
+                "strategy = 'tensor' found nothing to split in the model: no pair of linear layers (an "
+                "nn.Linear followed by one that takes its output, a hidden width divisible by tp_size = "
+                f"{size}) and no nn.Embedding whose vocabulary divides by it; use strategy = 'fsdp' or "
+                "'pipeline' for this model"
             )
         return plan
 

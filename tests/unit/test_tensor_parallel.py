@@ -45,6 +45,21 @@ def make_block_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), Block(), Block(), nn.Linear(8, 3))
 
 
+class Buckets(nn.Module):
+    """Each feature as an id: which of 12 buckets of width 0.5 it falls in (none trained)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x + 3.0) * 2.0).floor().long().clamp(0, 11)
+
+
+def make_embedding_net() -> nn.Module:
+    """Ids looked up in an embedding of 12 rows (split by rows: a slice of the vocabulary on
+    each worker), then a pair of linear layers."""
+    return nn.Sequential(
+        Buckets(), nn.Embedding(12, 4), nn.Flatten(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
 def test_the_plan_pairs_a_linear_with_the_next_that_takes_its_output():
     assert megatron_plan(make_deep_net(), 2) == {"0": "columns", "2": "rows", "4": "columns", "6": "rows"}
     # the blocks' own pairs; the outer layers have no Linear right after them
@@ -100,6 +115,26 @@ def test_split_layers_give_single_process_sgds_weights(tmp_path, sizes, settings
     history = results[0][0]
     assert [h["samples"] for h in history] == [sum(sizes)] * 2
     assert all(h["bytes_sent"] > 0 for h in history)  # the split layers' partial sums
+
+
+def test_an_embedding_is_split_by_its_vocabulary_where_it_divides():
+    split = {"1": "vocabulary", "3": "columns", "5": "rows"}
+    assert megatron_plan(make_embedding_net(), 2) == split
+    assert megatron_plan(make_embedding_net(), 4) == split
+    assert megatron_plan(make_embedding_net(), 5) == {}  # 12 ids and 16 features: neither divides
+    assert megatron_plan(nn.Sequential(nn.Embedding(12, 4, max_norm=1.0)), 2) == {}
+    assert megatron_plan(nn.Sequential(nn.Embedding(12, 4, sparse=True)), 2) == {}
+
+
+@pytest.mark.slow
+def test_a_split_embedding_gives_single_process_sgds_weights(tmp_path):
+    """Each of 2 workers looks up the ids of its half of the vocabulary (the other half's rows
+    come back zero) and the all-reduce sums them: the same lookups, the same gradients."""
+    shards = make_shards([40, 23])
+    state, _ = train(shards, tmp_path, model_fn=make_embedding_net, batch_size=8, epochs=2, shuffle=True)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_embedding_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert state["1.weight"].shape == (12, 4)  # gathered whole
 
 
 @pytest.mark.slow
@@ -194,6 +229,6 @@ def test_a_model_with_no_pair_to_split_is_refused_on_the_driver():
     from sparkdl.strategies.tensor import TensorParallelStrategy
 
     config = SparkDLConfig().replace(strategy="tensor", num_workers=2)
-    with pytest.raises(ConfigError, match=r"no pair of linear layers to split.*tp_size = 2"):
+    with pytest.raises(ConfigError, match=r"nothing to split in the model: no pair of linear .*tp_size = 2"):
         TensorParallelStrategy.check_model(nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 3)), config)
     TensorParallelStrategy.check_model(make_deep_net(), config)
