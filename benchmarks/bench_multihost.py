@@ -107,10 +107,11 @@ def bench_estimator(epochs: int, batch_size: int, **settings) -> TorchEstimator:
     )  # fmt: skip
 
 
-#: The bench's variants as the advisor's rows name them (the advisor has no hierarchy rows: it
-#: probes with the estimator's own hierarchy, the default "auto")
+#: The bench's variants as the advisor's rows name them (with the estimator's hierarchy, none,
+#: across hosts it probes all-reduce through the host level too)
 ADVISOR_ROWS = {
     "allreduce": "allreduce",
+    "allreduce hierarchy=host": "allreduce hierarchy=host",
     "allreduce 1bit": "allreduce 1bit",
     "fsdp": "fsdp",
     "weight_averaging tau=4 1bit": "weight_averaging tau=4 1bit",

@@ -123,15 +123,11 @@ def max_concurrent_tasks(sc: Any, profile: Any = None) -> int:
 
 
 def executor_hosts(sc: Any) -> set[str]:
-    """The hosts the cluster's executors run on (none in local mode, where the driver's own
-    block manager, left out, is the only one)."""
-    jsc = sc._jsc.sc()
-    driver = jsc.env().blockManager().blockManagerId()
-    return {
-        str(info.host())
-        for info in jsc.statusTracker().getExecutorInfos()
-        if (info.host(), info.port()) != (driver.host(), driver.port())
-    }
+    """The hosts the cluster's live executors run on, as Spark's status store lists them (none
+    in local mode, where the driver, left out, runs the tasks)."""
+    executors = sc._jsc.sc().statusStore().executorList(True)  # active only
+    summaries = [executors.apply(i) for i in range(executors.size())]
+    return {str(e.hostPort()).rsplit(":", 1)[0] for e in summaries if str(e.id()) != "driver"}
 
 
 def parse_seconds(text: str) -> float:
