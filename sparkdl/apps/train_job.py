@@ -176,16 +176,24 @@ def stop_job_session() -> None:
     spark.stop()
 
 
-def run_advise_job(config: JobConfig, output_dir: str | Path, spark: Any | None = None) -> dict[str, Any]:
+def run_advise_job(
+    config: JobConfig,
+    output_dir: str | Path,
+    spark: Any | None = None,
+    steps: int = 64,
+    budget_s: float = 0.5,
+) -> dict[str, Any]:
     """Probe the cluster with the main job's data, model and settings; print the advisor's
-    table (:func:`sparkdl.advise`) and write it to ``advice.json`` under ``output_dir``.
-    Returns the recommendation."""
+    table (:func:`sparkdl.advise`, ``steps`` batches per worker and ``budget_s`` timed seconds
+    per candidate and pass) and write it to ``advice.json`` under ``output_dir``. Returns the
+    recommendation."""
     from sparkdl.advisor.advise import advise
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     inputs = _job_inputs(config, spark)
-    advice = advise(inputs.train_df, inputs.estimator, project_to=(8, 32, 128))
+    estimator = inputs.estimator
+    advice = advise(inputs.train_df, estimator, steps=steps, budget_s=budget_s, project_to=(8, 32, 128))
     print(advice)
     (out / "advice.json").write_text(json.dumps(advice.to_dict(), indent=2))
     best = advice.recommended

@@ -40,7 +40,7 @@ def test_main_job_reaches_95_percent_held_out_accuracy_on_digits(spark, tmp_path
 @pytest.mark.slow
 def test_the_main_job_advises_a_strategy_instead_of_training(spark, tmp_path):
     config = load_job_config(ROOT / "conf/local.toml")
-    summary = run_advise_job(config, tmp_path, spark=spark)
+    summary = run_advise_job(config, tmp_path, spark=spark, steps=8, budget_s=0.05)  # a short probe
     advice = json.loads((tmp_path / "advice.json").read_text())
     assert summary["recommended"] == advice["recommended"]
     names = {row["name"] for row in advice["rows"]}
