@@ -51,7 +51,8 @@ class Traffic:
 
     Attributes:
         bytes_sent: onto any link or into shared memory, by every collective but control messages.
-        bytes_across_hosts: ``runtime.hierarchy``: the part of it that left this worker's host.
+        bytes_across_hosts: the part of it that left this worker's host (a hierarchy's leaders,
+            a flat gloo ring's rank whose successor runs on another host).
     """
 
     bytes_sent: int = 0
@@ -183,7 +184,12 @@ class Exchange(abc.ABC):
 
 
 class FlatExchange(Exchange):
-    """Every worker's collectives on the process group, compressed as ``runtime`` says."""
+    """Every worker's collectives on the process group, compressed as ``runtime`` says.
+
+    ``successor_elsewhere``: the next rank of the ring (``rank + 1`` mod the world) runs on
+    another host. gloo's ring all-reduce and all-gather send each worker's counted bytes to
+    that successor, so then all of them leave this host and count as ``bytes_across_hosts``
+    (NCCL picks its own ring order from the topology: not counted there)."""
 
     def __init__(
         self,
@@ -191,8 +197,10 @@ class FlatExchange(Exchange):
         control: dist.ProcessGroup | None = None,
         runtime: RuntimeConfig | None = None,
         on_cpu: bool = True,
+        successor_elsewhere: bool = False,
     ) -> None:
         super().__init__(world_size, control)
+        self._successor_elsewhere = successor_elsewhere
         self._runtime = runtime or RuntimeConfig()
         self._on_cpu = on_cpu
         self.name = dist.get_backend() if dist.is_initialized() else "none"
@@ -222,6 +230,12 @@ class FlatExchange(Exchange):
 
     def sum_bytes(self, payload: int) -> int:
         return ring_allreduce_bytes(payload, self.world_size)
+
+    def take_traffic(self) -> Traffic:
+        taken = super().take_traffic()
+        if self._successor_elsewhere and self.name == "gloo":
+            taken.bytes_across_hosts = taken.bytes_sent
+        return taken
 
     def _sum_flats_(self, flats: list[torch.Tensor]) -> None:
         if self.world_size > 1:

@@ -67,7 +67,17 @@ def form_exchange(
         )
         if shared is not None:
             return HostMemoryExchange(shared, where.world_size, groups.control)
-    return FlatExchange(where.world_size, groups.control, runtime, on_cpu=where.device.type == "cpu")
+    on_cpu = where.device.type == "cpu"
+    return FlatExchange(where.world_size, groups.control, runtime, on_cpu, successor_elsewhere(where))
+
+
+def successor_elsewhere(where: Where) -> bool:
+    """Whether the next rank of a ring (``rank + 1`` mod the world) runs on another host than
+    this one (False where the addresses are unknown)."""
+    if len(where.peers) != where.world_size or where.world_size < 2:
+        return False
+    successor = where.peers[(where.rank + 1) % where.world_size]
+    return host_key(where.peers[where.rank], HierarchyLevel.HOST) != host_key(successor, HierarchyLevel.HOST)
 
 
 def form_hierarchy(runtime: RuntimeConfig, where: Where) -> HostGroups | None:

@@ -34,13 +34,13 @@ def test_one_workers_exchange_moves_nothing_and_counts_nothing():
     assert exchange.take_traffic() == Traffic()
 
 
-def _two_workers(rank: int, path: str, compression: str, out) -> None:
+def _two_workers(rank: int, path: str, compression: str, out, elsewhere: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
         runtime = SparkDLConfig().replace(compression=compression).runtime
-        exchange = FlatExchange(2, None, runtime)
+        exchange = FlatExchange(2, None, runtime, successor_elsewhere=elsewhere and rank == 1)
         start = torch.zeros(1000)
         exchange.remember([("w", start.clone())])
         w = torch.full((1000,), float(rank + 1))  # rank 0 holds 1s, rank 1 holds 2s
@@ -53,11 +53,12 @@ def _two_workers(rank: int, path: str, compression: str, out) -> None:
         dist.destroy_process_group()
 
 
-def _run_two(tmp_path, compression):
+def _run_two(tmp_path, compression, elsewhere=False):
     ctx = worker_context()
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_two_workers, args=(r, str(tmp_path / "s"), compression, out)) for r in range(2)
+        ctx.Process(target=_two_workers, args=(r, str(tmp_path / "s"), compression, out, elsewhere))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
@@ -73,6 +74,23 @@ def test_a_weighted_sum_is_the_weighted_mean_on_both_workers_and_counts_a_ring_a
         w, b, control, traffic = results[rank]
         assert w == [1.25] * 3 and b == [12.5] * 3 and control == 3.0  # 0.75 * 1 + 0.25 * 2, ...
         assert traffic == Traffic(bytes_sent=1010 * 4)  # ring of 2: each sends its whole payload once
+
+
+def test_a_flat_ring_counts_what_a_rank_sends_to_a_successor_on_another_host_as_across_hosts(tmp_path):
+    from sparkdl.comm.forming import Where, successor_elsewhere
+
+    def where(rank: int, peers: tuple[str, ...]) -> Where:
+        return Where(rank, len(peers), peers, torch.device("cpu"))
+
+    two_hosts = ("10.0.0.1:7001", "10.0.0.1:7002", "10.0.0.2:7001", "10.0.0.2:7002")
+    # the ring 0 -> 1 -> 2 -> 3 -> 0 crosses between hosts after ranks 1 and 3
+    assert [successor_elsewhere(where(r, two_hosts)) for r in range(4)] == [False, True, False, True]
+    assert not successor_elsewhere(where(0, ("10.0.0.1:7001", "10.0.0.1:7002")))  # one host
+    assert not successor_elsewhere(where(0, ()))  # addresses unknown
+    # rank 1 of 2 sends its ring share to rank 0 on another host: all of it leaves the host
+    results = _run_two(tmp_path, "none", elsewhere=True)
+    assert results[0][3] == Traffic(bytes_sent=1010 * 4)
+    assert results[1][3] == Traffic(bytes_sent=1010 * 4, bytes_across_hosts=1010 * 4)
 
 
 def test_a_compressed_weighted_sum_leaves_both_workers_with_the_same_bits_and_sends_less(tmp_path):
