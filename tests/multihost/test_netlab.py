@@ -51,18 +51,24 @@ def netlab_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
-def test_across_hosts_every_rank_binds_its_address_trains_the_reference_and_survives_a_cut_host(tmp_path):
+def run_in_netlab(drill: str, out: Path, *args: str, timeout_s: float) -> dict:
+    """Run ``tests/multihost/DRILL OUT ARGS`` on host 0 of a 3-host netlab (1 Gbit/s, isolated
+    hosts); its ``result.json``."""
     done = subprocess.run(
         [str(NETLAB), "--hosts", "3", "--rate", "1gbit", "--isolate", "--",
-         sys.executable, str(ROOT / "tests/multihost/netlab_drill.py"), str(tmp_path)],
+         sys.executable, str(ROOT / "tests/multihost" / drill), str(out), *args],
         env=netlab_env(),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout_s,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
+def test_across_hosts_every_rank_binds_its_address_trains_the_reference_and_survives_a_cut_host(tmp_path):
+    result = run_in_netlab("netlab_drill.py", tmp_path, timeout_s=900)
     hosts = result["hosts"]
     for name in ("allreduce host", "parameter_server sync"):
         run = result[name]
@@ -146,16 +152,7 @@ def test_cutting_the_drivers_host_fails_the_fit_in_bounded_time_and_leaves_nothi
     executors, the fit's servers close, and every task on the worker hosts lets go of the
     driver within the parameter server's bound (``ps_timeout_s + 30``). Not in the default
     run (about 90 s): ``pytest -m fault_drill tests/multihost``."""
-    done = subprocess.run(
-        [str(NETLAB), "--hosts", "3", "--rate", "1gbit", "--isolate", "--",
-         sys.executable, str(ROOT / "tests/multihost/cut_drill.py"), str(tmp_path), "--driver"],
-        env=netlab_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    cut = json.loads((tmp_path / "result.json").read_text())["cut_the_driver"]
+    cut = run_in_netlab("cut_drill.py", tmp_path, "--driver", timeout_s=600)["cut_the_driver"]
     assert cut["cut_at_s"] is not None, cut
     assert cut["error"].startswith("WorkersLostError") and "No executor is left" in cut["error"], cut["error"]
     # Spark drops an executor it has not heard from for spark.network.timeout (25 s here, heartbeats
