@@ -219,6 +219,16 @@ class TensorConfig:
             bound=">= 0",
         ),
     )
+    tensor_plan: tuple[str, ...] = field(
+        default=(),
+        metadata=about(
+            "Your own split, for models the built-in plan cannot read (layers outside an nn.Sequential): "
+            "'name:columns' for an nn.Linear split by its outputs, 'name:rows' for one split by its inputs "
+            "(after a columns layer: one all-reduce sums the partial outputs), 'name:vocabulary' for an "
+            "nn.Embedding. Empty: Megatron's pairs inside every nn.Sequential, and every embedding.",
+            valid="'module.name:columns|rows|vocabulary' entries",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "tensor")

@@ -106,6 +106,48 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
     return plan
 
 
+#: The dimension each way of splitting divides among the group.
+_SPLIT_WIDTH = {COLUMNS: "out_features", ROWS: "in_features", VOCABULARY: "num_embeddings"}
+
+
+def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, str]:
+    """``tensor_plan``'s entries (``"name:columns|rows|vocabulary"``) as a plan, each checked
+    against the layer it names.
+
+    Raises:
+        ConfigError: an entry that is malformed, names no such layer, splits a layer of another
+            kind, or a dimension that does not divide by ``size``.
+    """
+    kinds = {COLUMNS: nn.Linear, ROWS: nn.Linear, VOCABULARY: nn.Embedding}
+    plan: dict[str, str] = {}
+    for entry in given:
+        name, _, how = entry.rpartition(":")
+        if not name or how not in kinds:
+            raise ConfigError(
+                f"tensor_plan entry {entry!r} is not 'layer.name:columns', ':rows' or ':vocabulary'"
+            )
+        try:
+            layer = module.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(
+                f"tensor_plan names {name!r}, which is no module of the model; its modules are "
+                f"{', '.join(n for n, _ in module.named_modules() if n)}"
+            ) from None
+        if not isinstance(layer, kinds[how]):
+            raise ConfigError(
+                f"tensor_plan splits {name!r} by {how}, which needs an nn.{kinds[how].__name__}; it is "
+                f"{type(layer).__name__}"
+            )
+        width = getattr(layer, _SPLIT_WIDTH[how])
+        if width % size:
+            raise ConfigError(
+                f"tensor_plan splits {name!r} by {how} over {size} workers, but its {width} do not divide "
+                f"by {size}; set tp_size to a divisor of {width}"
+            )
+        plan[name] = how
+    return plan
+
+
 def _splits(embedding: nn.Embedding, size: int) -> bool:
     return embedding.num_embeddings % size == 0 and embedding.max_norm is None and not embedding.sparse
 
@@ -173,7 +215,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
             checkpoint_layers(module)  # before the split: its hooks run inside the checkpoint's
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
-        plan = cls._plan(module, size)
+        plan = cls._plan(module, size, config.tensor.tensor_plan)
         mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
         styles: dict[str, ParallelStyle] = {
             name: {
@@ -198,15 +240,20 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
-        cls._plan(module, config.tensor.tp_size or config.training.num_workers)
+        cls._plan(module, config.tensor.tp_size or config.training.num_workers, config.tensor.tensor_plan)
 
     @classmethod
-    def _plan(cls, module: nn.Module, size: int) -> dict[str, str]:
-        """:func:`megatron_plan`, refused when it splits nothing.
+    def _plan(cls, module: nn.Module, size: int, given: Sequence[str] = ()) -> dict[str, str]:
+        """The user's ``tensor_plan`` if given, else :func:`megatron_plan`; refused when it
+        splits nothing.
 
         Raises:
-            ConfigError: the model has no pair of linear layers to split in ``size``.
+            ConfigError: a ``tensor_plan`` entry names no layer of its kind, a way to split
+                other than columns, rows and vocabulary, or a size that does not divide;
+                or the model has nothing to split in ``size``.
         """
+        if given:
+            return users_plan(module, size, given)
         plan = megatron_plan(module, size)
         if not plan:
             raise ConfigError(

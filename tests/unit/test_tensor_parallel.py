@@ -117,6 +117,49 @@ def test_split_layers_give_single_process_sgds_weights(tmp_path, sizes, settings
     assert all(h["bytes_sent"] > 0 for h in history)  # the split layers' partial sums
 
 
+class AttributeNet(nn.Module):
+    """An MLP whose layers are attributes, called in forward: no nn.Sequential, so the
+    built-in plan sees no data path and splits nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(6, 16), nn.Linear(16, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_your_own_plan_is_checked_against_the_layers_it_names():
+    from sparkdl.strategies.tensor import TensorParallelStrategy
+
+    assert megatron_plan(AttributeNet(), 2) == {}
+    config = SparkDLConfig().replace(strategy="tensor", num_workers=2)
+    with pytest.raises(ConfigError, match=r"nothing to split"):
+        TensorParallelStrategy.check_model(AttributeNet(), config)
+    planned = config.replace(tensor_plan=("fc1:columns", "fc2:rows"))
+    TensorParallelStrategy.check_model(AttributeNet(), planned)
+    for plan, refusal in [
+        (("fc1",), r"'fc1' is not 'layer.name:columns'"),
+        (("fc3:columns",), r"names 'fc3', which is no module of the model; its modules are fc1, fc2, head"),
+        (("fc1:vocabulary",), r"splits 'fc1' by vocabulary, which needs an nn.Embedding; it is Linear"),
+        (("head:columns",), r"splits 'head' by columns over 2 workers, but its 3 do not divide by 2"),
+    ]:
+        with pytest.raises(ConfigError, match=refusal):
+            TensorParallelStrategy.check_model(AttributeNet(), config.replace(tensor_plan=plan))
+
+
+@pytest.mark.slow
+def test_your_own_plan_splits_a_model_outside_a_sequential_to_single_process_sgds_weights(tmp_path):
+    shards = make_shards([40, 23])
+    plan = ("fc1:columns", "fc2:rows")
+    state, results = train(
+        shards, tmp_path, model_fn=AttributeNet, batch_size=8, epochs=2, shuffle=True, tensor_plan=plan
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=AttributeNet)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert all(h["bytes_sent"] > 0 for h in results[0][0])  # the pair's partial sums
+
+
 def test_an_embedding_is_split_by_its_vocabulary_where_it_divides():
     split = {"1": "vocabulary", "3": "columns", "5": "rows"}
     assert megatron_plan(make_embedding_net(), 2) == split
