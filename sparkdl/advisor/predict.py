@@ -47,9 +47,9 @@ FIT_AT = 4
 #: PREFERENCE among them is recommended: all-reduce (the default, nothing else to run),
 #: fsdp (no server either), the synchronous parameter server (a server on the driver).
 TIE = 0.1
-PREFERENCE = ("allreduce", "allreduce hierarchy=host", "fsdp", "parameter_server sync")
 #: The all-reduce row that aggregates within each host first (probed on clusters of several hosts).
 HOST_HIERARCHY = "allreduce hierarchy=host"
+PREFERENCE = ("allreduce", HOST_HIERARCHY, "fsdp", "parameter_server sync")
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,9 @@ def probe_set(tau: int, staleness: int, every: int, hosts: int = 1) -> tuple[lis
             ``hierarchy = "host"`` (each host's workers sum in its shared memory, one leader per
             host crosses the network: 1.4-1.6x flat across 2 hosts, BENCHMARKS.md).
     """
-    host_level = [_candidate(HOST_HIERARCHY, exact=True, strategy="allreduce", hierarchy="host")]
-    if hosts < 2:
-        host_level = []
+    host_level = (
+        [_candidate(HOST_HIERARCHY, exact=True, strategy="allreduce", hierarchy="host")] if hosts > 1 else []
+    )
     probed = [
         _candidate(LOCAL, strategy="weight_averaging", sync_every=1 << 30, wa_backup_workers=0),
         _candidate("allreduce", exact=True, strategy="allreduce"),

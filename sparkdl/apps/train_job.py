@@ -192,8 +192,9 @@ def run_advise_job(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     inputs = _job_inputs(config, spark)
-    estimator = inputs.estimator
-    advice = advise(inputs.train_df, estimator, steps=steps, budget_s=budget_s, project_to=(8, 32, 128))
+    advice = advise(
+        inputs.train_df, inputs.estimator, steps=steps, budget_s=budget_s, project_to=(8, 32, 128)
+    )
     print(advice)
     (out / "advice.json").write_text(json.dumps(advice.to_dict(), indent=2))
     best = advice.recommended
