@@ -1,6 +1,7 @@
 """Worker processes for the unit tests, started the way Spark starts its Python workers:
 forked from a server that imported torch once (``forkserver``), so a worker starts in a
-fraction of a second instead of paying torch's import (about 3 s of CPU) again.
+fraction of a second instead of paying torch's, pyarrow's and sparkdl's imports (about 4 s
+of CPU) again.
 
 The server is started by the first test that asks for a worker and lives for the session;
 it sees the environment of that moment (conftest.py sets what the workers need at import).
@@ -13,8 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from multiprocessing.context import BaseContext
 
-#: Imported by the server before it forks a worker: torch, and what a first optimizer
-#: imports lazily. Nothing that starts a thread (pyarrow does), which a fork would not copy.
+#: Imported by the server before it forks a worker: torch, pyarrow, sparkdl's worker side
+#: (tests/preloaded.py says what and why), then frozen out of the collector's sight.
 PRELOAD = ["tests.preloaded"]
 
 

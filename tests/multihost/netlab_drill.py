@@ -12,8 +12,10 @@ fit with checkpoints has host 2 unplugged past its collective timeout (cut_drill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -144,13 +146,41 @@ def main(out: Path) -> None:
 
 
 def stop_cluster(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the master and the workers. A worker host's process is ``unshare``, which keeps
+    a TERM to itself, so the signal goes to every process under it (the worker's JVM, its
+    executors); what has not stopped 10 s later is killed."""
     for process in processes:
-        process.terminate()
+        for pid in [process.pid, *descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
     for process in processes:
         try:
-            process.wait(30)
+            process.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            process.kill()
+            for pid in [*descendants(process.pid), process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def descendants(root: int) -> list[int]:
+    """The PIDs of every live process under ``root``, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 if __name__ == "__main__":
