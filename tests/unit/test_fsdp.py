@@ -8,6 +8,7 @@ state that rank 0 writes at every epoch end.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ def make_poison_net() -> nn.Module:
 
 def make_wide_net() -> nn.Module:
     """Eight equal layers of 1024 x 1024 (32 MiB of float32 weights)."""
+    _return_freed_memory()
     _reset_peak()
     _BASELINE[:] = [_status_kib("VmRSS")]
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -360,6 +362,16 @@ def _status_kib(field: str) -> int:
     raise AssertionError(f"no {field} in /proc/self/status")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_freed_memory() -> None:
+    """Fix glibc's mmap threshold at 128 KiB, so that a freed tensor goes back to the OS and
+    RSS follows the live tensors (by default the threshold grows up to 32 MiB and freed
+    blocks stay in the heap: RSS would measure the allocator's history)."""
+    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
+
+
 def _reset_peak() -> None:
     """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -369,26 +381,21 @@ _PEAKS: dict[str, float] = {}  # rank 1's peak MiB by strategy: all-reduce's is 
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
-def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(
-    tmp_path, monkeypatch, strategy
-):
+def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_worker(tmp_path, strategy):
     """Peak memory of a worker training 8 x Linear(1024, 1024) with Adam on 2 workers.
 
-    Measured in fresh spawned processes, each fitting twice in a row; the second fit is
-    measured, so one-time costs (lazy imports, DTensor's operator tables, about 30 MiB
-    at the first ``fully_shard``) stay out of the figure. model_fn resets the process's
-    peak RSS (VmHWM, via /proc/self/clear_refs) and records its RSS just before it builds
-    the model; after training, the peak minus that baseline is what the model, its
-    gradients, the optimizer state, the communication buffers and the activations took.
-    glibc's mmap threshold is fixed at 128 KiB, so that a freed tensor goes back to the
-    OS and RSS follows the live tensors (by default the threshold grows to 32 MiB and
-    freed blocks stay in the heap: RSS would measure the allocator's history). Rank 1's
-    figure is compared: rank 0 also gathers the final weights for the driver.
+    Measured in worker processes each fitting twice in a row; the second fit is measured,
+    so one-time costs (lazy imports, DTensor's operator tables, about 30 MiB at the first
+    ``fully_shard``) stay out of the figure. model_fn fixes glibc's mmap threshold
+    (:func:`_return_freed_memory`), resets the process's peak RSS (VmHWM, via
+    /proc/self/clear_refs) and records its RSS just before it builds the model; after
+    training, the peak minus that baseline is what the model, its gradients, the optimizer
+    state, the communication buffers and the activations took. Rank 1's figure is
+    compared: rank 0 also gathers the final weights for the driver.
     All-reduce holds weights, gradients (DDP's buckets) and two Adam moments whole,
     about 4 x 32 MiB; fsdp holds half of each, plus one gathered unit at a time; a
     pipeline's stage half of each, after building the whole model once (32 MiB).
     """
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     rng = np.random.default_rng(0)
     shards = []
     for _ in range(2):
@@ -405,7 +412,7 @@ def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_wor
             num_workers=2, collective_timeout_s=30.0, strategy=run, batch_size=8, epochs=1, shuffle=False
         )
         spec = TrainSpec(config, make_wide_net, _adam, "cross_entropy", plan, template)
-        results = spawn(parts, spec, tmp_path / run, runs=2, fresh=True)  # memory from zero
+        results = spawn(parts, spec, tmp_path / run, runs=2)
         assert all(e is None for _, e, _ in results.values()), results
         peaks[run] = results[1][2] / 1024
     ratio = peaks[strategy] / peaks["allreduce"]
