@@ -17,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 command -v java >/dev/null || { echo "error: Spark needs Java 17 or 21 on PATH (e.g. apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 
-# uv installs in about half of pip's time (67 s against 124 s for the test extras on 2 cores);
+# uv installs in about 60% of pip's time (78 s against 124 s for the test extras on 2 cores);
 # pip does it where uv cannot be had (set SPARKDL_INSTALLER=pip to choose pip).
 # Both compile bytecode: where PYTHONDONTWRITEBYTECODE is set, nothing would compile it later.
 if [ "${SPARKDL_INSTALLER:-uv}" = uv ] && "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check uv 2>/dev/null; then
