@@ -22,39 +22,6 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network at test 
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
-#: The test files that run longest, longest first (a full run's ``--durations``, 2026-11-27).
-#: xdist deals whole files to its processes in collection order (``--no-loadscope-reorder``
-#: in pyproject.toml; by default it deals the files with the most tests first, which left
-#: the one-test drills of two or three minutes to run alone at the end): these start first,
-#: and the many short files fill the end of the run on both processes.
-LONGEST_FIRST = (
-    "tests/multihost/test_netlab.py",
-    "tests/spark/test_reliability.py",
-    "tests/spark/test_cluster_faults.py",
-    "tests/spark/test_jobs.py",
-    "tests/spark/test_distributor.py",
-    "tests/spark/test_connect.py",
-    "tests/spark/test_standalone_cluster.py",
-    "tests/spark/test_gpu_scheduling.py",
-    "tests/spark/test_notebook.py",
-    "tests/spark/test_fit.py",
-    "tests/spark/test_hierarchy.py",
-    "tests/spark/test_session.py",
-    "tests/unit/test_own_loop.py",
-    "tests/unit/test_fsdp.py",
-    "tests/unit/test_tensor_parallel.py",
-    "tests/unit/test_worker_gloo.py",
-    "tests/unit/test_pipeline.py",
-    "tests/unit/test_compression.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run :data:`LONGEST_FIRST`'s files first, in its order; the others keep theirs."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A local[2] SparkSession with the settings sparkdl recommends and short timeouts."""
