@@ -274,13 +274,37 @@ def wide(epochs: int) -> dict[str, Any]:
         "pipeline 1f1b m=4": fit(2, rows, "wide", strategy="pipeline", microbatches=4, **base),
         "tensor parallel": fit(2, rows, "wide", strategy="tensor", **base),
     }
+    modelled = wide_model_bytes(batch)
     for name, figures in variants.items():
+        figures["cost_model_bytes_per_step"] = modelled[name]
         print(
             f"{name}: {figures['samples_per_s']:.0f} samples/s, "
-            f"{figures['bytes_sent_per_step'] / 1e6:.2f} MB a step",
+            f"{figures['bytes_sent_per_step'] / 1e6:.2f} MB a step (cost model {modelled[name] / 1e6:.2f})",
             flush=True,
         )
     return variants
+
+
+def wide_model_bytes(batch: int) -> dict[str, float]:
+    """What the cost model says rank 0 sends per step in each ``wide`` variant, from the wide
+    model's shape (:func:`sparkdl.advisor.shape.model_shape` on a few rows)."""
+    from sparkdl.advisor.costmodel import pipeline_bytes, ring_share, tensor_bytes
+    from sparkdl.advisor.shape import model_shape
+    from sparkdl.config import SparkDLConfig
+    from sparkdl.data.tensors import Batch
+
+    model = wide_model()
+    rows = Batch({"features": torch.randn(4, WIDTH)}, torch.randint(0, 10, (4,)))
+    params = sum(p.numel() for p in model.parameters())
+    shapes = {
+        strategy: model_shape(model, rows, SparkDLConfig().replace(num_workers=2, strategy=strategy), 2)
+        for strategy in ("pipeline", "tensor")
+    }
+    return {
+        "allreduce over gloo": ring_share(2) * 4.0 * params,
+        "pipeline 1f1b m=4": pipeline_bytes(shapes["pipeline"], batch, replicas=1)[0],
+        "tensor parallel": tensor_bytes(shapes["tensor"], params, batch, group=2, replicas=1),
+    }
 
 
 def memory() -> dict[str, Any]:
@@ -316,10 +340,12 @@ def main() -> None:
     )
     parser.add_argument("part", choices=["schedule", "wide", "memory"])
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--output", default="", help="default: benchmarks/results/pipeline_<part>.json")
     args = parser.parse_args()
     parts = {"schedule": schedule, "wide": wide, "memory": lambda epochs: memory()}
     figures = parts[args.part](args.epochs)
-    save_report(str(ROOT / "benchmarks" / "results" / f"pipeline_{args.part}.json"), variants=figures)
+    output = args.output or str(ROOT / "benchmarks" / "results" / f"pipeline_{args.part}.json")
+    save_report(output, variants=figures)
 
 
 if __name__ == "__main__":

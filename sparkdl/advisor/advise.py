@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sparkdl.advisor.costmodel import ModelShape
 from sparkdl.advisor.predict import (
     LOCAL,
     Advice,
@@ -30,7 +31,9 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
+from sparkdl.advisor.shape import model_shape
 from sparkdl.config import Hierarchy, Strategy
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
 from sparkdl.spark.cluster import check_cluster, described, driver_host, executor_hosts, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
@@ -190,7 +193,10 @@ def probe(
     spec = dataclasses.replace(
         spec, config=config, template=template.head(2) if template is not None else None
     )
-    chosen, skipped, hosted = _candidates(spark, spec, candidates)
+    model = build_model(spec.model_fn)  # on the driver once: the strategies' model rules, its shape
+    shape = _shape(model, template, spec)
+    chosen, skipped, hosted = _candidates(spark, spec, candidates, model)
+    del model
     try:
         # only the rows probed, spread evenly: no pass over (or shuffle of) the whole data
         rows = steps * config.training.batch_size * config.training.accumulate_steps
@@ -216,23 +222,37 @@ def probe(
         timings={name: Timing(**t) for name, t in figures["timings"].items()},
         skipped=skipped,
         link=LinkEstimate.from_all_reduce(n, link["tiny_s"], link["model_s"], 4.0 * link["floats"]),
+        shape=shape,
+        microbatches=config.pipeline.microbatches,
+        group=config.tensor.tp_size,
     )
 
 
+def _shape(model: torch.nn.Module, batch: Batch | None, spec: TrainSpec) -> ModelShape:
+    """What ``model`` sends under model parallelism and sufficient factors, for the projections;
+    empty where the driver cannot run it on ``batch`` (e.g. a layer only the workers' GPUs run)."""
+    if batch is None:
+        return ModelShape()
+    try:
+        return model_shape(model, batch, spec.config, spec.config.training.num_workers, spec.plan.keyword)
+    except Exception as exc:  # the projections leave those rows out; the probe itself reports errors
+        log.warning("the model's shape for the projections: %s: %s", type(exc).__name__, exc)
+        return ModelShape()
+
+
 def _candidates(
-    spark: Any, spec: TrainSpec, candidates: Sequence[Candidate]
+    spark: Any, spec: TrainSpec, candidates: Sequence[Candidate], model: torch.nn.Module
 ) -> tuple[list[ProbeCandidate], dict[str, str], list[HostedServer]]:
-    """Each candidate's full settings (and parameter server), or why it is skipped."""
+    """Each candidate's full settings (and parameter server), or why it is skipped (``model``:
+    the user's, for the strategies' model rules)."""
     chosen: list[ProbeCandidate] = []
     skipped: dict[str, str] = {}
     hosted: list[HostedServer] = []
-    model: list[torch.nn.Module] = []  # built on the driver once, for the strategies' model rules
     try:
         for candidate in candidates:
             try:
                 config = check_settings(spec.config.replace(**candidate.settings))
-                model = model or [build_model(spec.model_fn)]
-                strategy_class(config.training.strategy).check_model(model[0], config)
+                strategy_class(config.training.strategy).check_model(model, config)
             except SparkDLError as exc:
                 skipped[candidate.name] = str(exc)
                 continue

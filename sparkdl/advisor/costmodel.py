@@ -20,7 +20,26 @@ workers, ``L`` per host (``H = N / L`` hosts):
 - weight averaging every ``tau`` steps: the all-reduce of the weights (and of the
   optimizer state it averages) divided by ``tau``;
 - compression divides ``M`` by its factor; 1-bit and top-k travel by all-gather, each
-  worker sending its payload to the ``N - 1`` others.
+  worker sending its payload to the ``N - 1`` others;
+- sufficient factors (``auto``): a fully connected ``m x n`` layer whose ``B (m + n)`` rows
+  cost less round a ring all-gather than its matrix round the all-reduce
+  (:func:`~sparkdl.comm.traffic.factors_pay`) sends ``(N-1) B (m + n)`` values after
+  backward, and leaves the all-reduce;
+- fsdp: the parameters all-gathered twice and the gradients reduce-scattered,
+  ``3 (N-1)/N * M`` per worker, overlapped with compute as DDP's is;
+- a pipeline of ``p`` stages (``r = N / p`` replicas, ``m`` micro-batches): a step moves the
+  ``p B`` rows of its pipeline through every cut, activations forward and their gradients
+  back, ``p B (a_s + a_{s-1})`` bytes from stage ``s`` (``a`` the bytes per row at each cut),
+  plus the rows' inputs to the first stage and labels to the last; the replicas all-reduce
+  each stage's gradients. Its compute has GPipe's bubble: ``(m + p - 1) / m`` of a balanced
+  stage's;
+- tensor parallelism in groups of ``t``: every worker of a group runs the group's ``t B``
+  rows, the split layers' ``1/t`` slices of them and the rest whole, and all-reduces each
+  split pair's output and input gradient, ``2 (t-1)/t * t B * s`` bytes (``s`` per row); the
+  rows are all-gathered first, and the groups all-reduce the gradients.
+
+Model parallelism sends activations, data parallelism weights: which is less depends on the
+model's widths against the batch (:class:`ModelShape`), so the cost model reads both.
 
 DDP overlaps the all-reduce with backward (about two thirds of a step's compute): its
 step is ``compute + communication - OVERLAP * min(backward, communication)``, with the
@@ -30,9 +49,9 @@ after the step, so theirs is ``compute + communication``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sparkdl.comm.traffic import Pattern
+from sparkdl.comm.traffic import Pattern, factors_pay, fewer_values
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what DDP's bucketed all-reduce overlaps with
 #: The share of the shorter of backward and communication that DDP hides behind the other:
@@ -63,17 +82,55 @@ class Link:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What model parallelism and sufficient factors send, read off the model and a batch
+    (:func:`sparkdl.advisor.shape.model_shape`); bytes per row in the dtypes the rows had.
+
+    Attributes:
+        linears: (inputs, outputs) of each fully connected layer whose weight gradient may
+            travel as sufficient factors (float32).
+        cut_bytes: per row, what crosses each cut between consecutive pipeline stages
+            (``stages - 1`` of them); stage_params: each stage's parameters.
+        split_bytes: per row, what a tensor-parallel group all-reduces in a step: each split
+            layer's partial output (forward) or input gradient (backward);
+            split_collectives: how many all-reduces that is; split_params: the parameters
+            the split layers shard (each worker holds ``1/t`` of them; a rows layer's bias
+            stays whole).
+        input_bytes, label_bytes: one row's inputs and label.
+    """
+
+    linears: tuple[tuple[int, int], ...] = ()
+    cut_bytes: tuple[float, ...] = ()
+    stage_params: tuple[int, ...] = ()
+    split_bytes: float = 0.0
+    split_collectives: int = 0
+    split_params: int = 0
+    input_bytes: float = 0.0
+    label_bytes: float = 0.0
+
+    @property
+    def stages(self) -> int:
+        return len(self.cut_bytes) + 1
+
+
+@dataclass(frozen=True)
 class Workload:
     """One worker's step: ``compute_s`` of forward, backward and optimizer on its batch.
 
     ``state_copies``: optimizer tensors per parameter that weight averaging averages too
     (SGD with momentum 1, Adam 2; 0 without ``average_optimizer_state``).
+    ``shape``: the widths model parallelism and sufficient factors send;
+    ``microbatches``: a pipeline's per step; ``group``: the tensor-parallel group's size
+    (0: every worker).
     """
 
     params: int
     compute_s: float
     batch: int
     state_copies: int = 0
+    shape: ModelShape = field(default_factory=ModelShape)
+    microbatches: int = 1
+    group: int = 0
 
     @property
     def model_bytes(self) -> float:
@@ -157,6 +214,52 @@ def messages(pattern: Pattern, cluster: Cluster, *, hierarchical: bool) -> int:
     return 2 * (ring - 1)
 
 
+def ring_share(members: int) -> float:
+    """The share of a payload one member of a ring all-reduce sends: ``2 (n-1)/n``."""
+    return 2 * (members - 1) / members if members > 1 else 0.0
+
+
+def factor_bytes(linears: tuple[tuple[int, int], ...], rows: int, workers: int) -> tuple[float, int]:
+    """With sufficient factors ``auto``: the bytes one worker's factors send round the ring
+    all-gather, and the parameters they take out of the all-reduce (the layers they pay for)."""
+    sent, taken = 0.0, 0
+    for inputs, outputs in linears:
+        if factors_pay(rows, inputs, outputs, workers):
+            sent += 4.0 * (workers - 1) * rows * (inputs + outputs)
+            taken += inputs * outputs
+    return sent, taken
+
+
+def pipeline_bytes(shape: ModelShape, rows: int, replicas: int) -> list[float]:
+    """Bytes each stage's worker sends in a step, ``rows`` of its own: its pipeline's
+    ``stages x rows`` activations over its cuts (forward out, gradients back), its rows'
+    inputs to the first stage and labels to the last, and its stage's all-reduce over the
+    ``replicas``."""
+    p = shape.stages
+    whole = p * rows
+    sent = []
+    for s in range(p):
+        out = ring_share(replicas) * 4.0 * shape.stage_params[s]
+        if s < p - 1:
+            out += whole * shape.cut_bytes[s] + rows * shape.label_bytes
+        if s > 0:
+            out += whole * shape.cut_bytes[s - 1] + rows * shape.input_bytes
+        sent.append(out)
+    return sent
+
+
+def tensor_bytes(shape: ModelShape, params: int, rows: int, group: int, replicas: int) -> float:
+    """Bytes one worker of a tensor-parallel group of ``group`` sends in a step, ``rows`` of its
+    own: the split layers' all-reduces over the group's rows, the rows' all-gather, and the
+    all-reduce of what it holds over the ``replicas``."""
+    held = params - shape.split_params * (group - 1) / group
+    return (
+        ring_share(group) * group * rows * shape.split_bytes
+        + (group - 1) * rows * (shape.input_bytes + shape.label_bytes)
+        + ring_share(replicas) * 4.0 * held
+    )
+
+
 def step_cost(
     pattern: Pattern,
     cluster: Cluster,
@@ -166,8 +269,14 @@ def step_cost(
     hierarchical: bool = False,
     compression: str = "none",
     tau: int = 1,
+    factors: bool = False,
 ) -> StepCost:
-    """The predicted step of a strategy exchanging by ``pattern`` (periodic: the mean step over ``tau``)."""
+    """The predicted step of a strategy exchanging by ``pattern`` (periodic: the mean step over
+    ``tau``; ``factors``: sufficient factors ``auto`` on a ring or star)."""
+    if pattern in (Pattern.FULL_SHARD, Pattern.PIPELINE, Pattern.TENSOR):
+        return _model_split_cost(pattern, cluster, link, workload)
+    if factors and pattern in (Pattern.RING_OVERLAPPED, Pattern.STAR) and cluster.workers > 1:
+        return _factored_cost(pattern, cluster, link, workload)
     payload = workload.model_bytes
     if pattern is Pattern.RING_PERIODIC:
         payload *= 1 + workload.state_copies
@@ -188,3 +297,64 @@ def step_cost(
     else:
         step = compute + comm
     return StepCost(cluster.workers, compute, comm, step, cluster.workers * workload.batch / step)
+
+
+def _factored_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Workload) -> StepCost:
+    """Sufficient factors ``auto``: on a ring, the layers they pay for gathered after backward
+    and the rest all-reduced in DDP's buckets; to a server, the pushes carry the factors (the
+    pulls stay float32 weights). Where they pay for no layer, the plain exchange's cost."""
+    n, rows, compute = cluster.workers, workload.batch, workload.compute_s
+    if pattern is Pattern.STAR:
+        push = 4.0 * workload.params
+        for inputs, outputs in workload.shape.linears:
+            if fewer_values(rows, inputs, outputs):
+                push -= 4.0 * (inputs * outputs - rows * (inputs + outputs))
+        sent = n * (push + workload.model_bytes) if link.shared else n * workload.model_bytes
+        comm = 2 * link.latency_s + sent / link.bytes_per_s
+        step = compute + comm
+        return StepCost(n, compute, comm, step, n * rows / step)
+    gathered, taken = factor_bytes(workload.shape.linears, rows, n)
+    if not taken:
+        return step_cost(pattern, cluster, link, workload)
+    rest = ring_share(n) * 4.0 * (workload.params - taken)
+    spread = n if link.shared else 1  # a ring: one edge leaves each host
+    bucket_s = 2 * (n - 1) * link.latency_s + spread * rest / link.bytes_per_s  # overlaps with backward
+    factor_s = (n - 1) * link.latency_s + spread * gathered / link.bytes_per_s  # after backward
+    comm = bucket_s + factor_s
+    step = compute + factor_s + bucket_s - OVERLAP * min(compute * BACKWARD_SHARE, bucket_s)
+    return StepCost(n, compute, comm, step, n * rows / step)
+
+
+def _model_split_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Workload) -> StepCost:
+    """fsdp, a pipeline and tensor parallelism: bytes per worker from the model's shape; the
+    busiest worker's, or all of them on a shared link. Priced for one worker per host (the
+    projections' layout): with more, ``per_host`` multiplies the busiest worker's bytes, an
+    upper bound (a host's own stages or group talk inside it)."""
+    n, shape, compute = cluster.workers, workload.shape, workload.compute_s
+    if n == 1:
+        return StepCost(1, compute, 0.0, compute, workload.batch / compute)
+    if pattern is Pattern.FULL_SHARD:
+        each = [1.5 * ring_share(n) * workload.model_bytes] * n
+        hops = 3 * (n - 1)
+    elif pattern is Pattern.PIPELINE:
+        p, m = shape.stages, workload.microbatches
+        replicas = n // p
+        each = pipeline_bytes(shape, workload.batch, replicas) * replicas
+        hops = 2 * m * (p - 1) + 2 * (replicas - 1)
+        compute *= (m + p - 1) / m  # the bubble: each stage idles (p - 1) of m + p - 1 slots
+    else:
+        t = workload.group or n
+        replicas = n // t
+        each = [tensor_bytes(shape, workload.params, workload.batch, t, replicas)] * n
+        hops = 2 * (t - 1) * shape.split_collectives + 2 * (t - 1) + 2 * (replicas - 1)
+        split = shape.split_params / workload.params if workload.params else 0.0
+        compute *= split + (1 - split) * t  # 1/t of the split layers, the rest on t x the rows
+    if link.shared:
+        sent = sum(each)
+    else:
+        sent = max(each) * (1 if pattern is Pattern.FULL_SHARD else cluster.per_host)  # a ring: one edge out
+    comm = hops * link.latency_s + sent / link.bytes_per_s
+    step = compute + comm
+    if pattern is Pattern.FULL_SHARD:  # gathers prefetched behind forward and backward
+        step -= OVERLAP * min(compute, comm)
+    return StepCost(n, compute, comm, step, n * workload.batch / step)

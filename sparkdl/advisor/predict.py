@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdl.advisor.costmodel import Cluster, Link, Workload, step_cost
+from sparkdl.advisor.costmodel import Cluster, Link, ModelShape, Workload, step_cost
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Strategy
 
@@ -190,7 +190,9 @@ class LinkEstimate:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What the probe stage measured."""
+    """What the probe stage measured, and the model's shape for the projections (what its
+    pipeline cut and tensor plan send, :mod:`sparkdl.advisor.shape`; a pipeline's
+    ``microbatches`` and the tensor-parallel ``group``, 0: every worker)."""
 
     workers: int
     batch_size: int  # rows per worker per step (batch_size x accumulate_steps)
@@ -198,6 +200,9 @@ class ProbeResult:
     timings: Mapping[str, Timing]
     skipped: Mapping[str, str]  # candidates the probe could not train, and why
     link: LinkEstimate
+    shape: ModelShape = field(default_factory=ModelShape)
+    microbatches: int = 1
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -376,13 +381,18 @@ def _row(candidate: Candidate, timing: Timing, steps: int, total_rows: int, sour
     )
 
 
-#: The strategies projected to larger clusters: (strategy, compression, tau) by row name; each
-#: strategy's own ``pattern`` says how the cost model prices it.
+#: The rows projected to larger clusters: (strategy, compression, tau, sufficient factors) by
+#: row name; each strategy's own ``pattern`` says how the cost model prices it.
 _PROJECTED = {
-    "allreduce": (Strategy.ALLREDUCE, "none", 1),
-    "allreduce 1bit": (Strategy.ALLREDUCE, "1bit", 1),
-    "weight_averaging tau=4": (Strategy.WEIGHT_AVERAGING, "none", 4),
-    "parameter_server sync": (Strategy.PARAMETER_SERVER, "none", 1),
+    "allreduce": (Strategy.ALLREDUCE, "none", 1, False),
+    "allreduce 1bit": (Strategy.ALLREDUCE, "1bit", 1, False),
+    "allreduce, sufficient factors": (Strategy.ALLREDUCE, "none", 1, True),
+    "weight_averaging tau=4": (Strategy.WEIGHT_AVERAGING, "none", 4, False),
+    "parameter_server sync": (Strategy.PARAMETER_SERVER, "none", 1, False),
+    "parameter_server sync, sufficient factors": (Strategy.PARAMETER_SERVER, "none", 1, True),
+    "fsdp": (Strategy.FSDP, "none", 1, False),
+    "pipeline": (Strategy.PIPELINE, "none", 1, False),
+    "tensor": (Strategy.TENSOR, "none", 1, False),
 }
 
 
@@ -392,21 +402,41 @@ def project(
     """Samples/s of a few strategies at ``workers`` workers (one per host), from the probe's
     local step and link through :mod:`sparkdl.advisor.costmodel` (alpha-beta; the real cluster's
     larger rings are assumed to see the same per-link bandwidth); none without a measured
-    link (one worker)."""
+    link (one worker). A pipeline keeps the probe's stages and a tensor-parallel group its
+    size (the extra workers are replicas): projected only to multiples of them, and only
+    where the model has a cut or a split (its shape says so); sufficient factors only where
+    the model has fully connected layers."""
     if probe.link.bytes_per_s <= 0:
         return {}
     local = probe.timings[LOCAL]
     link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
-    work = Workload(params=probe.params, compute_s=local.step_s, batch=probe.batch_size)
+    shape = probe.shape
+    work = Workload(
+        params=probe.params,
+        compute_s=local.step_s,
+        batch=probe.batch_size,
+        shape=shape,
+        microbatches=probe.microbatches,
+        group=probe.group or probe.workers,
+    )
+    fits = {
+        Strategy.PIPELINE: (lambda n: bool(shape.cut_bytes) and n % shape.stages == 0),
+        Strategy.TENSOR: (lambda n: shape.split_params > 0 and n % work.group == 0),
+    }
     out: dict[str, dict[int, float]] = {}
-    for name, (strategy, compression, tau) in _PROJECTED.items():
+    for name, (strategy, compression, tau, factors) in _PROJECTED.items():
         pattern = patterns.get(strategy)
-        if pattern is None:
+        if pattern is None or (factors and not shape.linears):
             continue
-        out[name] = {
-            n: step_cost(pattern, Cluster(n), link, work, compression=compression, tau=tau).samples_per_s
+        priced = {
+            n: step_cost(
+                pattern, Cluster(n), link, work, compression=compression, tau=tau, factors=factors
+            ).samples_per_s
             for n in workers
+            if fits.get(strategy, lambda _: True)(n)
         }
+        if priced:
+            out[name] = priced
     return out
 
 

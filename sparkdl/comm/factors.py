@@ -30,20 +30,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from sparkdl.comm.exchange import Exchange
+from sparkdl.comm.traffic import factors_pay
 from sparkdl.config import SufficientFactors
-
-
-def factors_pay(rows: int, inputs: int, outputs: int, world: int) -> bool:
-    """Whether ``rows`` rows of factors cost one worker fewer bytes than the ``outputs x inputs``
-    matrix: a ring all-gather of ``rows (inputs + outputs)`` per worker against a ring all-reduce
-    of ``inputs outputs`` (module docstring)."""
-    return world > 1 and world * rows * (inputs + outputs) < 2 * inputs * outputs
-
-
-def fewer_values(rows: int, inputs: int, outputs: int) -> bool:
-    """Whether ``rows`` rows of factors are fewer values than the ``outputs x inputs`` matrix:
-    when a parameter server's push carries them (the worker's choice, and the server's bound)."""
-    return rows * (inputs + outputs) < inputs * outputs
 
 
 def factorable(module: nn.Module) -> list[tuple[str, nn.Linear]]:

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
@@ -73,6 +74,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with w, g and the optimizer state sharded over the ranks."""
 
     name = Strategy.FSDP
+    pattern = Pattern.FULL_SHARD
     shares_gradients = True
     shards_parameters = True
 

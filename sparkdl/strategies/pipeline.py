@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
@@ -161,6 +162,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     """w_s <- w_s - lr * mean over the step's rows of dL/dw_s, stage s on its own worker."""
 
     name = Strategy.PIPELINE
+    pattern = Pattern.PIPELINE
     resizes = False
     shares_gradients = True
 
@@ -224,10 +226,10 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
-        cls._cut(module, config, config.training.num_workers)
+        cls.cut(module, config, config.training.num_workers)
 
     @classmethod
-    def _cut(cls, whole: nn.Module, config: SparkDLConfig, world: int) -> list[int]:
+    def cut(cls, whole: nn.Module, config: SparkDLConfig, world: int) -> list[int]:
         """Where each stage starts, then the number of layers.
 
         Raises:
@@ -262,7 +264,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         """Build the whole model (the same on every rank: the seed is set), keep this rank's
         stage on ``device``; form the pipeline's and the replicas' groups."""
         whole = build_model(model_fn)
-        starts = cls._cut(whole, config, dist.get_world_size())
+        starts = cls.cut(whole, config, dist.get_world_size())
         layout = Layout.of(config, dist.get_world_size())
         groups = PipelineGroups.form(layout, dist.get_rank(), config.runtime.collective_timeout_s)
         mine = list(whole.named_children())[starts[groups.stage] : starts[groups.stage + 1]]

@@ -3,7 +3,7 @@
 The worker keeps adding its whole gradient to the push as before; beside it, the factors
 (each row's input and output gradient) of its fully connected layers, weighted the same
 way. At the push each such layer goes as its factors when they are fewer bytes than its
-matrix (:func:`~sparkdl.comm.factors.fewer_values`), else as the matrix; the server rebuilds the same sum
+matrix (:func:`~sparkdl.comm.traffic.fewer_values`), else as the matrix; the server rebuilds the same sum
 (:mod:`sparkdl.services.ps.factored`). With several steps per push (``push_every``) the
 factors of every step go, so they pay only while the rows stay few.
 """
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sparkdl.comm.factors import FactorCapture, factorable, fewer_values
+from sparkdl.comm.factors import FactorCapture, factorable
+from sparkdl.comm.traffic import fewer_values
 from sparkdl.services.ps.client import Gradient
 from sparkdl.services.ps.factored import FactorLayout
 

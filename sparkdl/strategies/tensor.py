@@ -29,6 +29,7 @@ Checkpoints and the final weights are gathered whole to rank 0
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, cast
@@ -45,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
@@ -166,6 +168,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with each pair of linear layers split over a group."""
 
     name = Strategy.TENSOR
+    pattern = Pattern.TENSOR
     resizes = False
     shares_gradients = True
 
@@ -215,7 +218,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
             checkpoint_layers(module)  # before the split: its hooks run inside the checkpoint's
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
-        plan = cls._plan(module, size, config.tensor.tensor_plan)
+        plan = cls.plan(module, size, config.tensor.tensor_plan)
         mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
         styles: dict[str, ParallelStyle] = {
             name: {
@@ -240,10 +243,10 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
-        cls._plan(module, config.tensor.tp_size or config.training.num_workers, config.tensor.tensor_plan)
+        cls.plan(module, config.tensor.tp_size or config.training.num_workers, config.tensor.tensor_plan)
 
     @classmethod
-    def _plan(cls, module: nn.Module, size: int, given: Sequence[str] = ()) -> dict[str, str]:
+    def plan(cls, module: nn.Module, size: int, given: Sequence[str] = ()) -> dict[str, str]:
         """The user's ``tensor_plan`` if given, else :func:`megatron_plan`; refused when it
         splits nothing.
 
@@ -273,7 +276,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         unions = []
         for i in range(max(counts)):
             local = batches[i] if i < len(batches) else step.filler().head(0)
-            union = _group_rows(local.to(device), self._tp)
+            union = self._groups.group_rows(local.to(device))
             if len(union):
                 unions.append(union)
         rows = sum(len(union) for union in unions)
@@ -361,6 +364,21 @@ class _Groups:
         sent, self._sent = self._sent, 0.0
         return int(sent)
 
+    def group_rows(self, batch: Batch) -> Batch:
+        """The group's rows of this step, the same on every worker of the group (what this rank
+        sent counted: its rows, padded to the group's most, to each other rank)."""
+        device = next(iter(batch.inputs.values())).device
+        counts = row_counts(len(batch), self.tp.get_group(), device)
+        tensors = [*batch.inputs.values(), batch.label, batch.weight]
+        row_bytes = sum(t.element_size() * math.prod(t.shape[1:]) for t in tensors if t is not None)
+        self._sent += (len(counts) - 1) * max(counts) * row_bytes
+        gather = lambda t: None if t is None else _all_gather_rows(t, counts, self.tp)  # noqa: E731
+        return Batch(
+            {name: _all_gather_rows(t, counts, self.tp) for name, t in batch.inputs.items()},
+            gather(batch.label),
+            gather(batch.weight),
+        )
+
     def gather_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -389,15 +407,3 @@ def _all_gather_rows(tensor: torch.Tensor, counts: Sequence[int], mesh: DeviceMe
     every = [torch.empty_like(part) for _ in counts]
     dist.all_gather(every, part, group=mesh.get_group())
     return torch.cat([part[:count] for part, count in zip(every, counts, strict=True)])
-
-
-def _group_rows(batch: Batch, mesh: DeviceMesh) -> Batch:
-    """The group's rows of this step, the same on every worker of the group."""
-    device = next(iter(batch.inputs.values())).device
-    counts = row_counts(len(batch), mesh.get_group(), device)
-    gather = lambda t: None if t is None else _all_gather_rows(t, counts, mesh)  # noqa: E731
-    return Batch(
-        {name: _all_gather_rows(t, counts, mesh) for name, t in batch.inputs.items()},
-        gather(batch.label),
-        gather(batch.weight),
-    )

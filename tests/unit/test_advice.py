@@ -9,6 +9,7 @@ import json
 import pytest
 
 from sparkdl.advisor.advise import chosen_candidates
+from sparkdl.advisor.costmodel import ModelShape
 from sparkdl.advisor.predict import LOCAL, Candidate, LinkEstimate, ProbeResult, Timing, predict, probe_set
 from sparkdl.config import Strategy
 from sparkdl.errors import ConfigError
@@ -189,11 +190,35 @@ def test_each_strategy_declares_how_it_exchanges_and_the_projections_follow_it()
         Strategy.ALLREDUCE: Pattern.RING_OVERLAPPED,
         Strategy.WEIGHT_AVERAGING: Pattern.RING_PERIODIC,
         Strategy.PARAMETER_SERVER: Pattern.STAR,
-        Strategy.FSDP: None,  # not priced: the advisor measures it only
-        Strategy.PIPELINE: None,
-        Strategy.TENSOR: None,
+        Strategy.FSDP: Pattern.FULL_SHARD,
+        Strategy.PIPELINE: Pattern.PIPELINE,
+        Strategy.TENSOR: Pattern.TENSOR,
     }
     unpriced = {**PATTERNS, Strategy.PARAMETER_SERVER: None}
     probed, derived = probe_set(tau=8, staleness=0, every=8)
     advice = predict(_probe(**TIMINGS), probed, derived, 256_000, project_to=(8,), patterns=unpriced)
     assert "parameter_server sync" not in advice.projections and "allreduce" in advice.projections
+
+
+def test_model_parallel_rows_are_projected_only_where_the_model_has_a_cut_or_a_split():
+    advice = _advice()  # the probe read no shape: no cut, no split pair, no linear layer
+    assert "fsdp" in advice.projections
+    assert not {"pipeline", "tensor", "allreduce, sufficient factors"} & set(advice.projections)
+    shape = ModelShape(
+        linears=((64, 512), (512, 64)),
+        cut_bytes=(2048.0,),
+        stage_params=(40_000, 45_000),
+        split_bytes=4096.0,
+        split_collectives=2,
+        split_params=65_000,
+        input_bytes=256.0,
+        label_bytes=8.0,
+    )
+    probed, derived = probe_set(tau=8, staleness=0, every=8)
+    probe = dataclasses.replace(_probe(**TIMINGS), shape=shape, microbatches=4)
+    projected = predict(probe, probed, derived, 256_000, project_to=(3, 8), patterns=PATTERNS).projections
+    assert set(projected["pipeline"]) == {8}  # its 2 stages, replicated: multiples of 2 only
+    assert set(projected["tensor"]) == {8}  # groups of the probe's 2 workers
+    assert set(projected["allreduce, sufficient factors"]) == {3, 8}
+    # at 128 rows a worker, 64 x 512 layers send more as factors than as matrices: the plain ring's
+    assert projected["allreduce, sufficient factors"][8] == pytest.approx(projected["allreduce"][8])

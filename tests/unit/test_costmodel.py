@@ -3,13 +3,29 @@ measured on slow-net (benchmarks/results/compression_*.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from sparkdl.advisor.costmodel import OVERLAP, Cluster, Link, Workload, host_bytes, step_cost
+from sparkdl.advisor.costmodel import (
+    OVERLAP,
+    Cluster,
+    Link,
+    Workload,
+    factor_bytes,
+    host_bytes,
+    pipeline_bytes,
+    step_cost,
+    tensor_bytes,
+)
+from sparkdl.advisor.shape import model_shape
 from sparkdl.comm.traffic import Pattern
+from sparkdl.config import SparkDLConfig
+from sparkdl.data.tensors import Batch
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
 M = 100e6
@@ -86,3 +102,77 @@ def test_predictions_are_within_a_quarter_of_the_measured_slow_link_fits(
     predicted = FIXED_S + steps * cost.step_s
     actual = measured["results"][row]["fit_s"]
     assert predicted == pytest.approx(actual, rel=0.25), (predicted, actual)
+
+
+def _wide_model() -> nn.Module:
+    """benchmarks/bench_pipeline.py's wide MLP: 64 -> 4096 -> 4096 -> 4096 -> 10."""
+    return nn.Sequential(
+        nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+        nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10),
+    )  # fmt: skip
+
+
+def _wide_shape(strategy: str, **settings):
+    torch.manual_seed(0)
+    batch = Batch({"features": torch.randn(4, 64)}, torch.randint(0, 10, (4,)))
+    config = SparkDLConfig().replace(num_workers=2, strategy=strategy, **settings)
+    return model_shape(_wide_model(), batch, config, 2)
+
+
+def _variant(name: str, row: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())["variants"][row]
+
+
+def test_the_shape_of_the_wide_model_is_its_cut_and_its_split_pairs():
+    shape = _wide_shape("pipeline")
+    assert shape.cut_bytes == (4096 * 4,)  # after the second layer's ReLU: 4096 float32 a row
+    assert shape.stage_params == (64 * 4096 + 4096 + 4096 * 4096 + 4096, 4096 * 4096 + 4096 + 4096 * 10 + 10)
+    assert shape.linears == ((64, 4096), (4096, 4096), (4096, 4096), (4096, 10))
+    assert shape.input_bytes == 64 * 4 and shape.label_bytes == 8
+    # the split pairs (0, 2) and (4, 6): the rows layers' outputs and the third layer's input
+    # gradient; the first layer's input is the model's, which has no gradient
+    assert shape.split_bytes == (4096 + 4096 + 10) * 4 and shape.split_collectives == 3
+
+
+def test_the_bytes_the_cost_model_gives_are_those_the_benchmarks_counted():
+    """benchmarks/results: factors.json (32 rows a worker) counted exactly this; pipeline_wide.json
+    (64 rows a worker, rank 0's counter) before the tensor strategy counted its rows' all-gather
+    (16.9 kB a step now in the model) and with the first step's one-row shape probe on top."""
+    shape = _wide_shape("pipeline")
+    params = sum(p.numel() for p in _wide_model().parameters())
+    gathered, taken = factor_bytes(shape.linears, 32, 2)
+    factored = gathered + 4 * (params - taken)  # a ring of 2: each sends the rest once
+    assert factored == _variant("factors", "allreduce, sufficient_factors auto")["bytes_sent_per_step"]
+    stage0, _ = pipeline_bytes(shape, 64, replicas=1)
+    assert stage0 == pytest.approx(
+        _variant("pipeline_wide", "pipeline 1f1b m=4")["bytes_sent_per_step"], rel=0.005
+    )
+    split = tensor_bytes(_wide_shape("tensor"), params, 64, group=2, replicas=1)
+    counted = _variant("pipeline_wide", "tensor parallel")["bytes_sent_per_step"]
+    assert split - 64 * (64 * 4 + 8) == pytest.approx(counted, rel=0.001)
+    # data parallelism sends the weights: 1/64 and 1/32 of that here
+    assert 4 * params / stage0 > 60 and 4 * params / split > 30
+
+
+def test_model_parallel_steps_price_their_bubble_their_group_and_their_bytes():
+    shape = _wide_shape("pipeline")
+    params = sum(p.numel() for p in _wide_model().parameters())
+    work = Workload(params, compute_s=0.3, batch=64, shape=shape, microbatches=4)
+    link = Link(1.0)
+    piped = step_cost(Pattern.PIPELINE, Cluster(2), link, work)
+    assert piped.compute_s == pytest.approx(0.3 * 5 / 4)  # (m + p - 1) / m
+    hops = 2 * 4 * 1  # each of 4 micro-batches over the cut and back
+    assert piped.comm_s == pytest.approx(max(pipeline_bytes(shape, 64, 1)) / link.bytes_per_s + hops * 50e-6)
+    reduced = step_cost(Pattern.RING_OVERLAPPED, Cluster(2), link, work)
+    assert piped.samples_per_s > 2 * reduced.samples_per_s  # 2 MB of activations against 135 MB of weights
+    # 4 workers as 2 pipelines: each stage's gradients all-reduced between the replicas, and the
+    # busiest worker's step is the first stage's (it holds the larger half)
+    replicated = step_cost(Pattern.PIPELINE, Cluster(4), link, work)
+    first = pipeline_bytes(shape, 64, 1)[0] + 4 * shape.stage_params[0]
+    assert replicated.comm_s == pytest.approx(first / link.bytes_per_s + (hops + 2) * 50e-6)
+    split = _wide_shape("tensor")
+    tensor = step_cost(Pattern.TENSOR, Cluster(2), link, dataclasses.replace(work, shape=split))
+    share = split.split_params / params  # 1/2 of the split layers on 2 x the rows: compute as one worker's
+    assert tensor.compute_s == pytest.approx(0.3 * (share + (1 - share) * 2))
+    sharded = step_cost(Pattern.FULL_SHARD, Cluster(2), link, work)
+    assert sharded.comm_s == pytest.approx(1.5 * reduced.comm_s, rel=1e-3)  # 3 (N-1)/N M against 2 (N-1)/N M

@@ -15,7 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl.advisor.costmodel import pipeline_bytes, tensor_bytes
+from sparkdl.advisor.shape import model_shape
 from sparkdl.config import SparkDLConfig
+from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
@@ -358,3 +361,36 @@ def test_a_model_a_pipeline_cannot_cut_is_refused_on_the_driver_naming_the_fix()
     ):
         PipelineStrategy.check_model(flat, config.replace(split_before=("2",)))
     PipelineStrategy.check_model(make_deep_net(), config)  # balanced: accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "settings"),
+    [
+        ("pipeline", {"stages": 2, "microbatches": 2, "pipeline_schedule": "1f1b"}),  # 2 stages x 2 replicas
+        ("tensor", {"tp_size": 2}),  # 2 groups of 2
+        ("fsdp", {}),
+    ],
+)
+def test_the_cost_model_counts_the_bytes_each_worker_sends(tmp_path, strategy, settings):
+    """The cost model's bytes per step, from the model's shape (:func:`model_shape`), are what
+    every rank's traffic counter counted, on 4 workers of even partitions."""
+    shards = make_shards([32, 32, 32, 32])
+    _, results = train(shards, tmp_path, batch_size=8, epochs=2, strategy=strategy, **settings)
+    config = SparkDLConfig().replace(num_workers=4, strategy=strategy, **settings)
+    x, y = shards[0]
+    batch = Batch({"features": torch.from_numpy(x)}, torch.from_numpy(y))
+    shape = model_shape(make_deep_net(), batch, config, 4)
+    params = sum(p.numel() for p in make_deep_net().parameters())
+    if strategy == "pipeline":
+        assert shape.stages == 2 and shape.cut_bytes == (32.0,)  # 8 float32 after the second layer
+        expected = pipeline_bytes(shape, 8, replicas=2) * 2  # ranks 0, 1: one pipeline; 2, 3 the other
+    elif strategy == "tensor":
+        assert shape.split_collectives == 3  # 2 pairs: 2 outputs, 1 input gradient (not the model's input)
+        expected = [tensor_bytes(shape, params, 8, group=2, replicas=2)] * 4
+    else:
+        expected = [3 * 3 / 4 * 4 * params] * 4
+    for rank, (history, _, _) in results.items():
+        epoch = history[1]  # the first also holds the start's forward of the template rows
+        assert epoch["steps"] == 4
+        assert epoch["bytes_sent"] == pytest.approx(4 * expected[rank], abs=4), rank

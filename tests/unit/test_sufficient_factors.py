@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from sparkdl.comm.exchange import FlatExchange
-from sparkdl.comm.factors import FactorCapture, Factors, factorable, factors_pay
-from sparkdl.comm.traffic import ring_allreduce_bytes
+from sparkdl.comm.factors import FactorCapture, Factors, factorable
+from sparkdl.comm.traffic import factors_pay, ring_allreduce_bytes
 from sparkdl.config import SparkDLConfig, SufficientFactors
 from sparkdl.errors import ConfigError
 from sparkdl.services.ps.factored import FACTORS, FactorLayout

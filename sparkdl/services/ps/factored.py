@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from sparkdl.comm.factors import fewer_values
+from sparkdl.comm.traffic import fewer_values
 
 #: A push's encoding (the frame's dtype field) when it carries factors; the codecs use 2-5.
 FACTORS = 9
