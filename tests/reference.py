@@ -47,6 +47,14 @@ def make_deep_net() -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def split_the_first_pair(module: nn.Module, mesh) -> None:
+    """A user's own tensor-parallel split of :func:`make_deep_net` (``parallelize_fn``): its
+    first pair of linear layers over the group, the second left whole on every worker."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
 def make_shards(sizes: Sequence[int], width: int = 6, classes: int = 3, seed: int = 7):
     """Deterministic (features, labels) per worker."""
     rng = np.random.default_rng(seed)

@@ -252,7 +252,8 @@ def _candidates(
         for candidate in candidates:
             try:
                 config = check_settings(spec.config.replace(**candidate.settings))
-                strategy_class(config.training.strategy).check_model(model, config)
+                if spec.parallelize_fn is None or config.training.strategy is not Strategy.TENSOR:
+                    strategy_class(config.training.strategy).check_model(model, config)
             except SparkDLError as exc:
                 skipped[candidate.name] = str(exc)
                 continue

@@ -104,5 +104,6 @@ def _tensor_plan(module: nn.Module, config: SparkDLConfig, workers: int) -> dict
 def _sharded(layer: nn.Module, how: str) -> int:
     """The parameters of a split layer that its group shards (a rows layer keeps its bias whole
     on every worker: each adds it to the summed output)."""
-    whole = layer.bias.numel() if how == ROWS and getattr(layer, "bias", None) is not None else 0
+    bias = getattr(layer, "bias", None)
+    whole = bias.numel() if how == ROWS and isinstance(bias, torch.Tensor) else 0
     return sum(p.numel() for p in layer.parameters()) - whole

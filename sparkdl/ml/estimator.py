@@ -53,7 +53,8 @@ from sparkdl.spark.inference import (
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.spark.tracking import check_tracking, log_fit
-from sparkdl.training.factory import ModelFn, OptimizerFn, module_with_state
+from sparkdl.strategies.tensor import check_parallelize_fn
+from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, module_with_state
 from sparkdl.training.full_batch_settings import check_full_batch_inputs
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
@@ -166,6 +167,10 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         scheduler_fn: optional ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped
             after every optimizer step (on the server's optimizers for the parameter server),
             instead of the ``lr_schedule`` setting.
+        parallelize_fn: optional ``(module, mesh) -> None`` for ``strategy = "tensor"``: your
+            own split of the whole model over a tensor-parallel group's 1-D ``DeviceMesh``
+            (e.g. ``parallelize_module(module, mesh, {"attn.qkv": ColwiseParallel(), ...})``),
+            called on every worker instead of the built-in plan and ``tensor_plan``.
         validation: rows to measure after every epoch (val_loss, and val_accuracy or val_rmse,
             in ``history``): a fraction of the rows (the ``validation_fraction`` setting), a
             boolean column's name (``validation_col``), or a DataFrame with the same columns.
@@ -188,6 +193,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         loss_fn: str | LossFn | None = None,
         transform_fn: TransformFn | None = None,
         scheduler_fn: SchedulerFn | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
         validation: float | str | Any = None,
         config: SparkDLConfig | str | Path | None = None,
         **settings: Any,
@@ -214,6 +220,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         self.loss_fn: LossFn | None = None if isinstance(chosen, str) else chosen
         self.transform_fn = transform_fn
         self.scheduler_fn = scheduler_fn
+        self.parallelize_fn = parallelize_fn
 
     def _loss(self) -> str | LossFn:
         return choose_loss(self.loss_fn, self.get_config().training.loss)
@@ -295,12 +302,22 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "scheduler_fn and the lr_schedule / warmup_steps / scale_lr settings both set the "
                 "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
             )
+        if self.parallelize_fn is not None:
+            check_parallelize_fn(config)
         if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
             dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
         check_full_batch_inputs(config, self.optimizer_fn, self.scheduler_fn, bool(validation_col))
         plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
-        spec = TrainSpec(config, self.model_fn, self.optimizer_fn, loss, plan, scheduler_fn=self.scheduler_fn)
+        spec = TrainSpec(
+            config,
+            self.model_fn,
+            self.optimizer_fn,
+            loss,
+            plan,
+            scheduler_fn=self.scheduler_fn,
+            parallelize_fn=self.parallelize_fn,
+        )
         return dataset, spec
 
 

@@ -73,9 +73,9 @@ def check_model(
         keyword=plan.keyword,
         label_integer=label_integer,
         strict=_strict(df.sparkSession, spec),
-        model_check=functools.partial(
-            strategy_class(spec.config.training.strategy).check_model, config=spec.config
-        ),
+        model_check=None  # the user's own split: it runs on the workers' mesh only
+        if spec.parallelize_fn is not None
+        else functools.partial(strategy_class(spec.config.training.strategy).check_model, config=spec.config),
     )
     if report.parameters * 4 >= _COLLECT_ABOVE_BYTES:
         # The check's model is gone once nothing refers to it, unless the user's model holds

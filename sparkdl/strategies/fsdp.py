@@ -107,7 +107,11 @@ class FsdpStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def build_module(
-        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+        cls,
+        model_fn: Callable[[], nn.Module],
+        config: SparkDLConfig,
+        device: torch.device,
+        parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
         """Rank 0 builds the whole model on CPU; every rank builds it on the meta device
         (no memory), shards it, allocates only its shards and receives them from rank 0.

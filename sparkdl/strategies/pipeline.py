@@ -259,7 +259,11 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
 
     @classmethod
     def build_module(
-        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+        cls,
+        model_fn: Callable[[], nn.Module],
+        config: SparkDLConfig,
+        device: torch.device,
+        parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
         """Build the whole model (the same on every rank: the seed is set), keep this rank's
         stage on ``device``; form the pipeline's and the replicas' groups."""

@@ -150,6 +150,53 @@ def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, 
     return plan
 
 
+def check_parallelize_fn(config: SparkDLConfig) -> None:
+    """Refuse a ``parallelize_fn`` the settings would not use, or would contradict.
+
+    Raises:
+        ConfigError: the strategy is not tensor parallelism, or ``tensor_plan`` is set too.
+    """
+    if config.training.strategy is not Strategy.TENSOR:
+        raise ConfigError(
+            f"parallelize_fn splits the model for strategy = 'tensor', but strategy = "
+            f"{config.training.strategy.value!r}; set strategy = 'tensor', or drop parallelize_fn"
+        )
+    if config.tensor.tensor_plan:
+        raise ConfigError(
+            f"parallelize_fn and tensor_plan = {list(config.tensor.tensor_plan)} both say how to split the "
+            "model; use one: drop tensor_plan (parallelize_fn replaces it), or drop parallelize_fn"
+        )
+
+
+def split_layers(module: nn.Module, size: int) -> dict[str, str]:
+    """What a user's ``parallelize_fn`` split, read back from the weights' placements: a linear
+    layer sharded by its outputs (``Shard(0)``) is a columns layer, by its inputs (``Shard(1)``)
+    a rows layer; an embedding sharded by its vocabulary a vocabulary layer, by its width a
+    columns one. The traffic counters follow it.
+
+    Raises:
+        ConfigError: no layer's weight is sharded over the group.
+    """
+    plan: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        placements = getattr(getattr(layer, "weight", None), "placements", ())
+        dims = [placement.dim for placement in placements if placement.is_shard()]
+        if not dims or not isinstance(layer, nn.Linear | nn.Embedding):
+            continue
+        if isinstance(layer, nn.Embedding):
+            plan[name] = VOCABULARY if dims[0] == 0 else COLUMNS
+        else:
+            plan[name] = COLUMNS if dims[0] == 0 else ROWS
+    if not plan:
+        raise ConfigError(
+            f"parallelize_fn split no layer over the tensor-parallel group of {size} workers: every "
+            "nn.Linear and nn.Embedding weight is whole; shard some with "
+            "torch.distributed.tensor.parallel.parallelize_module(module, mesh, {name: ColwiseParallel(), "
+            "...}) on the mesh it is given, or leave parallelize_fn unset for the built-in plan"
+        )
+    return plan
+
+
 def _splits(embedding: nn.Embedding, size: int) -> bool:
     return embedding.num_embeddings % size == 0 and embedding.max_norm is None and not embedding.sparse
 
@@ -209,26 +256,35 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def build_module(
-        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+        cls,
+        model_fn: Callable[[], nn.Module],
+        config: SparkDLConfig,
+        device: torch.device,
+        parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
-        """Build the whole model (the same on every rank: the seed is set), then split its
-        layer pairs over this rank's group: each rank keeps its slices."""
+        """Build the whole model (the same on every rank: the seed is set), then split it over
+        this rank's group, each rank keeping its slices: by the built-in plan (or
+        ``tensor_plan``), or by the user's ``parallelize_fn(module, mesh)``."""
         module = build_model(model_fn).to(device)
         if config.training.activation_checkpointing:
             checkpoint_layers(module)  # before the split: its hooks run inside the checkpoint's
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
-        plan = cls.plan(module, size, config.tensor.tensor_plan)
         mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
-        styles: dict[str, ParallelStyle] = {
-            name: {
-                COLUMNS: ColwiseParallel(),
-                ROWS: RowwiseParallel(),
-                VOCABULARY: RowwiseParallel(input_layouts=Replicate()),  # every worker sees every id
-            }[how]
-            for name, how in plan.items()
-        }
-        parallelize_module(module, mesh["tp"], styles)
+        if parallelize_fn is not None:
+            parallelize_fn(module, mesh["tp"])
+            plan = split_layers(module, size)
+        else:
+            plan = cls.plan(module, size, config.tensor.tensor_plan)
+            styles: dict[str, ParallelStyle] = {
+                name: {
+                    COLUMNS: ColwiseParallel(),
+                    ROWS: RowwiseParallel(),
+                    VOCABULARY: RowwiseParallel(input_layouts=Replicate()),  # every worker sees every id
+                }[how]
+                for name, how in plan.items()
+            }
+            parallelize_module(module, mesh["tp"], styles)
         groups = _Groups(mesh)
         for name, how in plan.items():
             layer = module.get_submodule(name)

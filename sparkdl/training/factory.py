@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from sparkdl.errors import ConfigError
 
 ModelFn = Callable[[], nn.Module]
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: ``(module, mesh) -> None``: tensor parallelism's own split of the whole model over a group's
+#: 1-D DeviceMesh (``strategy = "tensor"``), e.g. with ``parallelize_module``
+ParallelizeFn = Callable[[nn.Module, Any], object]
 
 
 def build_model(model_fn: ModelFn) -> nn.Module:

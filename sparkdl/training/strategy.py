@@ -227,12 +227,17 @@ class SyncStrategy(abc.ABC):
 
     @classmethod
     def build_module(
-        cls, model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device
+        cls,
+        model_fn: Callable[[], nn.Module],
+        config: SparkDLConfig,
+        device: torch.device,
+        parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
         """Build this worker's model with ``model_fn``, on ``device``, ready for the
         optimizer (every rank, once the process group exists). By default the whole model
         on every rank, then :meth:`prepare_module`; a sharding strategy may build it so
-        that no rank but one ever holds it whole."""
+        that no rank but one ever holds it whole. ``parallelize_fn``: the user's own split,
+        which only tensor parallelism takes (the driver refuses it for the others)."""
         from sparkdl.training.factory import build_model, checkpoint_layers
 
         module = build_model(model_fn).to(device)

@@ -54,7 +54,7 @@ from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
-from sparkdl.training.factory import ModelFn, OptimizerFn, build_optimizer, cpu_state_dict
+from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, build_optimizer, cpu_state_dict
 from sparkdl.training.full_batch import FullBatchTrainer
 from sparkdl.training.guards import LabelRangeCheck, no_label_check
 from sparkdl.training.hooks import (
@@ -92,6 +92,7 @@ class TrainSpec:
     template: Batch | None = None  # two decoded rows: what a worker without rows steps on
     lr: LrPlan = CONSTANT_LR  # the learning-rate schedule (a factor of lr per global step)
     scheduler_fn: SchedulerFn | None = None  # the user's LR scheduler, stepped every step
+    parallelize_fn: ParallelizeFn | None = None  # strategy "tensor": the user's own split
     ps: PsEndpoint | None = None  # set by fit for strategy = "parameter_server"
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
     weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
@@ -146,7 +147,7 @@ def run_worker(
         torch.manual_seed(config.training.seed)
         kind = strategy_class(config.training.strategy)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
-        module = kind.build_module(spec.model_fn, config, device)
+        module = kind.build_module(spec.model_fn, config, device, spec.parallelize_fn)
         exchange = form_exchange(
             config.runtime, where, groups, payload_bytes(module), kind.plain_sum, hierarchy
         )

@@ -236,7 +236,7 @@ class Bench:
         torch.manual_seed(config.training.seed)
         kind = strategy_class(config.training.strategy)
         device = self.where.device
-        module = kind.build_module(train.model_fn, config, device)
+        module = kind.build_module(train.model_fn, config, device, train.parallelize_fn)
         # a sharded (DTensor) parameter counts whole
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)

@@ -86,8 +86,9 @@ def test_advise_probes_model_parallelism_where_the_model_allows_it(spark):
     assert "must return an nn.Sequential" in advice.skipped["pipeline"]
     tensor = advice.prediction("tensor")
     assert tensor.source == "measured" and tensor.exact
-    # per step: the pair's output (16 rows x 3 classes, float32) all-reduced in a ring of 2
-    assert tensor.bytes_per_step == 16 * 3 * 4
+    # per step: the pair's output (16 rows x 3 classes, float32) all-reduced in a ring of 2, and
+    # each worker's 8 rows (6 float32 features, an int64 label) gathered to the other
+    assert tensor.bytes_per_step == 16 * 3 * 4 + 8 * (6 * 4 + 8)
     # sufficient factors ("auto") pay for neither of TinyNet's narrow layers at 8 rows a worker:
     # both stay in DDP's buckets, and the ring of 2 sends the model once
     factors = advice.prediction("allreduce, sufficient factors")

@@ -21,7 +21,14 @@ from sparkdl import (
     TorchModel,
     TrainingFailedError,
 )
-from tests.reference import make_deep_net, make_shards, make_tiny_net, max_abs_diff, reference_sgd
+from tests.reference import (
+    make_deep_net,
+    make_shards,
+    make_tiny_net,
+    max_abs_diff,
+    reference_sgd,
+    split_the_first_pair,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -252,13 +259,17 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
 
 @pytest.mark.parametrize(
     "settings",
-    [{"strategy": "pipeline", "microbatches": 4, "pipeline_balance": "time"}, {"strategy": "tensor"}],
+    [
+        {"strategy": "pipeline", "microbatches": 4, "pipeline_balance": "time"},
+        {"strategy": "tensor", "parallelize_fn": split_the_first_pair},
+    ],
 )
 def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_one(
     spark, tmp_path, settings, caplog
 ):
     """Each worker held one stage (pipeline, cut where the layers' measured time is even)
-    or half of each layer pair (tensor); the driver's model is the whole one, gathered."""
+    or half of the first layer pair (tensor, split by the user's ``parallelize_fn``; the
+    built-in plan is the unit tests'); the driver's model is the whole one, gathered."""
     shards = make_shards([40, 23])
     df = shards_dataframe(spark, shards)
     est = estimator(model_fn=make_deep_net, epochs=2, shuffle=True, **settings)

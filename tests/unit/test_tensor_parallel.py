@@ -12,7 +12,7 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
-from sparkdl.strategies.tensor import megatron_plan
+from sparkdl.strategies.tensor import check_parallelize_fn, megatron_plan
 from sparkdl.worker.assembly import TrainSpec
 from tests.reference import (
     make_deep_net,
@@ -21,6 +21,7 @@ from tests.reference import (
     reference_sgd,
     shard_plan,
     shard_to_batch,
+    split_the_first_pair,
 )
 from tests.unit.test_fsdp import spawn
 from tests.unit.test_pipeline import train as train_split
@@ -95,6 +96,41 @@ def train(shards, tmp_path, optimizer_fn=_sgd, model_fn=make_deep_net, parts=Non
     return train_split(
         shards, tmp_path, optimizer_fn, parts, strategy="tensor", model_fn=model_fn, **settings
     )
+
+
+def split_nothing(module: nn.Module, mesh) -> None:
+    """A user's split that forgot to shard anything."""
+
+
+@pytest.mark.slow
+def test_your_own_parallelize_fn_splits_what_it_shards_and_gives_single_process_sgds_weights(tmp_path):
+    shards = make_shards([32, 32])
+    state, results = train(
+        shards, tmp_path, batch_size=8, epochs=2, shuffle=False, parallelize_fn=split_the_first_pair
+    )
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False, model_fn=make_deep_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    # the counters follow the user's split: a step sums the first pair's output over the group's
+    # 16 rows (8 float32 each; the first layer's input has no gradient) and gathers each worker's
+    # 8 rows (6 float32 features, an int64 label); the built-in plan would also sum the second's
+    assert [h["bytes_sent"] for h in results[0][0]][1] == 4 * (16 * 8 * 4 + 8 * (6 * 4 + 8))
+    _, failed = train_split(
+        shards, tmp_path / "none", _sgd, None, strategy="tensor", parallelize_fn=split_nothing, check=False
+    )
+    assert "parallelize_fn split no layer over the tensor-parallel group of 2 workers" in str(failed[0][1])
+
+
+def test_a_parallelize_fn_the_settings_would_not_use_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="set strategy = 'tensor', or drop parallelize_fn"):
+        check_parallelize_fn(SparkDLConfig().replace(strategy="allreduce"))
+    with pytest.raises(ConfigError, match="drop tensor_plan"):
+        check_parallelize_fn(SparkDLConfig().replace(strategy="tensor", tensor_plan=["0:columns", "2:rows"]))
+    check_parallelize_fn(SparkDLConfig().replace(strategy="tensor"))
+    from sparkdl import TorchEstimator  # the estimator refuses it before reading any row
+
+    unused = TorchEstimator(model_fn=make_deep_net, parallelize_fn=split_the_first_pair, strategy="fsdp")
+    with pytest.raises(ConfigError, match="but strategy = 'fsdp'"):
+        unused.training_spec(None)
 
 
 @pytest.mark.slow
