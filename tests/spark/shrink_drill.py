@@ -80,6 +80,9 @@ def main(out: Path) -> None:
                 "spark.driver.host": "127.0.0.1",
                 "spark.executor.cores": "1",
                 "spark.executor.memory": "1g",
+                # the executors run this interpreter: its workers fork with torch imported, as
+                # the clusters guide says to set
+                "spark.python.daemon.module": "sparkdl.spark.daemon",
             },
         )
         spark.sparkContext.setLogLevel("ERROR")

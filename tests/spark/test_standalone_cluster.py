@@ -93,6 +93,7 @@ def test_spark_submit_trains_on_a_standalone_master_with_two_workers(cluster, tm
         "--conf", "spark.ui.enabled=false",
         "--conf", "spark.executor.cores=1",
         "--conf", "spark.executor.memory=1g",
+        "--conf", "spark.python.daemon.module=sparkdl.spark.daemon",  # as the clusters guide says
         str(ROOT / "jobs/train.py"),
         "--config", str(ROOT / "conf/cluster.toml"),
         "--set", "training.num_workers=2",
