@@ -31,7 +31,6 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.advisor.shape import model_shape
 from sparkdl.config import Hierarchy, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
@@ -225,19 +224,27 @@ def probe(
         shape=shape,
         microbatches=config.pipeline.microbatches,
         group=config.tensor.tp_size,
+        accumulate=config.training.accumulate_steps,
     )
 
 
 def _shape(model: torch.nn.Module, batch: Batch | None, spec: TrainSpec) -> ModelShape:
     """What ``model`` sends under model parallelism and sufficient factors, for the projections;
     empty where the driver cannot run it on ``batch`` (e.g. a layer only the workers' GPUs run)."""
+    from sparkdl.advisor.shape import model_shape  # the model-parallel strategies' modules: here only
+
     if batch is None:
         return ModelShape()
     try:
-        return model_shape(model, batch, spec.config, spec.config.training.num_workers, spec.plan.keyword)
+        shape = model_shape(model, batch, spec.config, spec.config.training.num_workers, spec.plan.keyword)
     except Exception as exc:  # the projections leave those rows out; the probe itself reports errors
         log.warning("the model's shape for the projections: %s: %s", type(exc).__name__, exc)
         return ModelShape()
+    if spec.parallelize_fn is not None:  # your split, not the built-in plan the shape read
+        shape = dataclasses.replace(
+            shape, split_bytes=0.0, split_collectives=0, split_params=0, split_compute=0.0
+        )
+    return shape
 
 
 def _candidates(

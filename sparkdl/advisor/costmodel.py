@@ -88,23 +88,26 @@ class ModelShape:
 
     Attributes:
         linears: (inputs, outputs) of each fully connected layer whose weight gradient may
-            travel as sufficient factors (float32).
+            travel as sufficient factors (float32); linear_rows: the rows each of them
+            sees per row of the batch (a sequence's positions, every call; empty: 1 each).
         cut_bytes: per row, what crosses each cut between consecutive pipeline stages
             (``stages - 1`` of them); stage_params: each stage's parameters.
         split_bytes: per row, what a tensor-parallel group all-reduces in a step: each split
             layer's partial output (forward) or input gradient (backward);
             split_collectives: how many all-reduces that is; split_params: the parameters
             the split layers shard (each worker holds ``1/t`` of them; a rows layer's bias
-            stays whole).
+            stays whole); split_compute: their share of the model's fully connected work.
         input_bytes, label_bytes: one row's inputs and label.
     """
 
     linears: tuple[tuple[int, int], ...] = ()
+    linear_rows: tuple[float, ...] = ()
     cut_bytes: tuple[float, ...] = ()
     stage_params: tuple[int, ...] = ()
     split_bytes: float = 0.0
     split_collectives: int = 0
     split_params: int = 0
+    split_compute: float = 0.0
     input_bytes: float = 0.0
     label_bytes: float = 0.0
 
@@ -121,7 +124,8 @@ class Workload:
     (SGD with momentum 1, Adam 2; 0 without ``average_optimizer_state``).
     ``shape``: the widths model parallelism and sufficient factors send;
     ``microbatches``: a pipeline's per step; ``group``: the tensor-parallel group's size
-    (0: every worker).
+    (0: every worker); ``accumulate``: micro-batches per step (``batch`` counts all their
+    rows), which fsdp and tensor parallelism exchange one by one.
     """
 
     params: int
@@ -131,6 +135,7 @@ class Workload:
     shape: ModelShape = field(default_factory=ModelShape)
     microbatches: int = 1
     group: int = 0
+    accumulate: int = 1
 
     @property
     def model_bytes(self) -> float:
@@ -219,13 +224,16 @@ def ring_share(members: int) -> float:
     return 2 * (members - 1) / members if members > 1 else 0.0
 
 
-def factor_bytes(linears: tuple[tuple[int, int], ...], rows: int, workers: int) -> tuple[float, int]:
+def factor_bytes(shape: ModelShape, rows: int, workers: int) -> tuple[float, int]:
     """With sufficient factors ``auto``: the bytes one worker's factors send round the ring
-    all-gather, and the parameters they take out of the all-reduce (the layers they pay for)."""
+    all-gather, and the parameters they take out of the all-reduce (the layers they pay for,
+    each with the rows it sees: ``rows`` times its :attr:`ModelShape.linear_rows`)."""
     sent, taken = 0.0, 0
-    for inputs, outputs in linears:
-        if factors_pay(rows, inputs, outputs, workers):
-            sent += 4.0 * (workers - 1) * rows * (inputs + outputs)
+    per_row = shape.linear_rows or (1.0,) * len(shape.linears)
+    for (inputs, outputs), each in zip(shape.linears, per_row, strict=True):
+        seen = round(rows * each)
+        if factors_pay(seen, inputs, outputs, workers):
+            sent += 4.0 * (workers - 1) * seen * (inputs + outputs)
             taken += inputs * outputs
     return sent, taken
 
@@ -306,16 +314,21 @@ def _factored_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Wor
     n, rows, compute = cluster.workers, workload.batch, workload.compute_s
     if pattern is Pattern.STAR:
         push = 4.0 * workload.params
-        for inputs, outputs in workload.shape.linears:
-            if fewer_values(rows, inputs, outputs):
-                push -= 4.0 * (inputs * outputs - rows * (inputs + outputs))
+        per_row = workload.shape.linear_rows or (1.0,) * len(workload.shape.linears)
+        for (inputs, outputs), each in zip(workload.shape.linears, per_row, strict=True):
+            seen = round(rows * each)
+            if fewer_values(seen, inputs, outputs):
+                push -= 4.0 * (inputs * outputs - seen * (inputs + outputs))
         sent = n * (push + workload.model_bytes) if link.shared else n * workload.model_bytes
         comm = 2 * link.latency_s + sent / link.bytes_per_s
         step = compute + comm
         return StepCost(n, compute, comm, step, n * rows / step)
-    gathered, taken = factor_bytes(workload.shape.linears, rows, n)
+    gathered, taken = factor_bytes(workload.shape, rows, n)
     if not taken:
         return step_cost(pattern, cluster, link, workload)
+    # every worker rebuilds the taken layers' gradient from all N workers' rows: N times its own
+    # weight-gradient work (a third of a fully connected layer's step) on those layers
+    compute += (n - 1) * workload.compute_s * (taken / workload.params) / 3
     rest = ring_share(n) * 4.0 * (workload.params - taken)
     spread = n if link.shared else 1  # a ring: one edge leaves each host
     bucket_s = 2 * (n - 1) * link.latency_s + spread * rest / link.bytes_per_s  # overlaps with backward
@@ -328,14 +341,27 @@ def _factored_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Wor
 def _model_split_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Workload) -> StepCost:
     """fsdp, a pipeline and tensor parallelism: bytes per worker from the model's shape; the
     busiest worker's, or all of them on a shared link. Priced for one worker per host (the
-    projections' layout): with more, ``per_host`` multiplies the busiest worker's bytes, an
-    upper bound (a host's own stages or group talk inside it)."""
+    projections' layout): with more, ``per_host`` multiplies a pipeline's or a group's busiest
+    worker's bytes, an upper bound (a host's own stages or group talk inside it); fsdp's ring
+    sends one worker's bytes out of each host.
+
+    Raises:
+        ValueError: a pipeline without a cut in the shape, or workers that are no multiple of
+            its stages or of the tensor-parallel group.
+    """
     n, shape, compute = cluster.workers, workload.shape, workload.compute_s
+    if pattern is Pattern.PIPELINE and (not shape.cut_bytes or n % shape.stages):
+        raise ValueError(
+            f"a pipeline of {shape.stages} stages cannot run on {n} workers (the shape has "
+            f"{len(shape.cut_bytes)} cuts): give a model shape with a cut and a multiple of its stages"
+        )
+    if pattern is Pattern.TENSOR and n % (workload.group or n):
+        raise ValueError(f"{n} workers do not form tensor-parallel groups of {workload.group}")
     if n == 1:
         return StepCost(1, compute, 0.0, compute, workload.batch / compute)
-    if pattern is Pattern.FULL_SHARD:
-        each = [1.5 * ring_share(n) * workload.model_bytes] * n
-        hops = 3 * (n - 1)
+    if pattern is Pattern.FULL_SHARD:  # every micro-batch gathers and reduce-scatters again
+        each = [1.5 * ring_share(n) * workload.model_bytes * workload.accumulate] * n
+        hops = 3 * (n - 1) * workload.accumulate
     elif pattern is Pattern.PIPELINE:
         p, m = shape.stages, workload.microbatches
         replicas = n // p
@@ -346,8 +372,9 @@ def _model_split_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: 
         t = workload.group or n
         replicas = n // t
         each = [tensor_bytes(shape, workload.params, workload.batch, t, replicas)] * n
-        hops = 2 * (t - 1) * shape.split_collectives + 2 * (t - 1) + 2 * (replicas - 1)
-        split = shape.split_params / workload.params if workload.params else 0.0
+        per_batch = 2 * (t - 1) * shape.split_collectives + 2 * (t - 1)  # its sums, its rows' gather
+        hops = per_batch * workload.accumulate + 2 * (replicas - 1)
+        split = shape.split_compute
         compute *= split + (1 - split) * t  # 1/t of the split layers, the rest on t x the rows
     if link.shared:
         sent = sum(each)

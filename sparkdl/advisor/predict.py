@@ -192,7 +192,8 @@ class LinkEstimate:
 class ProbeResult:
     """What the probe stage measured, and the model's shape for the projections (what its
     pipeline cut and tensor plan send, :mod:`sparkdl.advisor.shape`; a pipeline's
-    ``microbatches`` and the tensor-parallel ``group``, 0: every worker)."""
+    ``microbatches``, the tensor-parallel ``group``, 0: every worker, and the micro-batches
+    of a step, ``accumulate``)."""
 
     workers: int
     batch_size: int  # rows per worker per step (batch_size x accumulate_steps)
@@ -203,6 +204,7 @@ class ProbeResult:
     shape: ModelShape = field(default_factory=ModelShape)
     microbatches: int = 1
     group: int = 0
+    accumulate: int = 1
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,8 @@ def project(
     link (one worker). A pipeline keeps the probe's stages and a tensor-parallel group its
     size (the extra workers are replicas): projected only to multiples of them, and only
     where the model has a cut or a split (its shape says so); sufficient factors only where
-    the model has fully connected layers."""
+    the model has fully connected layers; a candidate the probe skipped (the settings or the
+    model refused it) is not projected either."""
     if probe.link.bytes_per_s <= 0:
         return {}
     local = probe.timings[LOCAL]
@@ -418,6 +421,7 @@ def project(
         shape=shape,
         microbatches=probe.microbatches,
         group=probe.group or probe.workers,
+        accumulate=probe.accumulate,
     )
     fits = {
         Strategy.PIPELINE: (lambda n: bool(shape.cut_bytes) and n % shape.stages == 0),
@@ -426,7 +430,7 @@ def project(
     out: dict[str, dict[int, float]] = {}
     for name, (strategy, compression, tau, factors) in _PROJECTED.items():
         pattern = patterns.get(strategy)
-        if pattern is None or (factors and not shape.linears):
+        if pattern is None or name in probe.skipped or (factors and not shape.linears):
             continue
         priced = {
             n: step_cost(

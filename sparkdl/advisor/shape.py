@@ -38,6 +38,8 @@ def model_shape(
     after_cut = {children[start - 1] for start in starts[1:]} if starts else set()
     cut_bytes: dict[nn.Module, float] = {}
     split_bytes: dict[str, float] = {}
+    linears = factorable(module)
+    seen_rows = dict.fromkeys((id(layer) for _, layer in linears), 0.0)
 
     def at_cut(layer: nn.Module, args: Any, output: Any) -> None:
         if layer in after_cut and isinstance(output, torch.Tensor):
@@ -53,9 +55,15 @@ def model_shape(
 
         return hook
 
+    def factor_rows(layer: nn.Module, args: Any, output: Any) -> None:
+        # the rows its factors hold: every call's, a sequence's positions each a row
+        if args and isinstance(args[0], torch.Tensor) and isinstance(layer, nn.Linear):
+            seen_rows[id(layer)] += args[0].numel() / layer.in_features / rows
+
     handles = [child.register_forward_hook(at_cut) for child in after_cut]
     for name, how in plan.items():
         handles.append(module.get_submodule(name).register_forward_hook(split(name, how)))
+    handles += [layer.register_forward_hook(factor_rows) for _, layer in linears]
     try:
         with torch.enable_grad():
             call_model(module, batch, keyword)
@@ -73,12 +81,14 @@ def model_shape(
     inputs = sum(t.nbytes for t in batch.inputs.values()) / rows
     label = batch.label.nbytes / rows if batch.label is not None else 0.0
     return ModelShape(
-        linears=tuple((layer.in_features, layer.out_features) for _, layer in factorable(module)),
+        linears=tuple((layer.in_features, layer.out_features) for _, layer in linears),
+        linear_rows=tuple(seen_rows[id(layer)] for _, layer in linears),
         cut_bytes=tuple(cut_bytes.get(children[start - 1], 0.0) for start in starts[1:]) if starts else (),
         stage_params=stage_params,
         split_bytes=sum(split_bytes.values()),
         split_collectives=sum(1 for b in split_bytes.values() if b > 0),
         split_params=sum(_sharded(module.get_submodule(name), how) for name, how in plan.items()),
+        split_compute=_split_compute(module, plan),
         input_bytes=inputs,
         label_bytes=label,
     )
@@ -107,3 +117,12 @@ def _sharded(layer: nn.Module, how: str) -> int:
     bias = getattr(layer, "bias", None)
     whole = bias.numel() if how == ROWS and isinstance(bias, torch.Tensor) else 0
     return sum(p.numel() for p in layer.parameters()) - whole
+
+
+def _split_compute(module: nn.Module, plan: dict[str, str]) -> float:
+    """The split layers' share of the model's fully connected work (an embedding's lookup is
+    next to none, however many parameters it has)."""
+    work = {name: layer.in_features * layer.out_features for name, layer in module.named_modules()
+            if isinstance(layer, nn.Linear)}  # fmt: skip
+    total = sum(work.values())
+    return sum(work.get(name, 0) for name in plan) / total if total else 0.0

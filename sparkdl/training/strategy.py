@@ -237,7 +237,8 @@ class SyncStrategy(abc.ABC):
         optimizer (every rank, once the process group exists). By default the whole model
         on every rank, then :meth:`prepare_module`; a sharding strategy may build it so
         that no rank but one ever holds it whole. ``parallelize_fn``: the user's own split,
-        which only tensor parallelism takes (the driver refuses it for the others)."""
+        which only tensor parallelism takes; the others build without it (the estimator
+        refuses it under them, and the advisor's other candidates leave it out)."""
         from sparkdl.training.factory import build_model, checkpoint_layers
 
         module = build_model(model_fn).to(device)

@@ -273,6 +273,7 @@ def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_on
     shards = make_shards([40, 23])
     df = shards_dataframe(spark, shards)
     est = estimator(model_fn=make_deep_net, epochs=2, shuffle=True, **settings)
+    assert est.training_spec(df)[1].parallelize_fn is settings.get("parallelize_fn")  # to the workers
     with caplog.at_level(logging.INFO, logger="sparkdl.strategies.pipeline_timing"):
         model = est.fit(df)
     timed = [r.getMessage() for r in caplog.records if "pipeline cut by measured time" in r.getMessage()]

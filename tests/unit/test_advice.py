@@ -202,7 +202,7 @@ def test_each_strategy_declares_how_it_exchanges_and_the_projections_follow_it()
 
 def test_model_parallel_rows_are_projected_only_where_the_model_has_a_cut_or_a_split():
     advice = _advice()  # the probe read no shape: no cut, no split pair, no linear layer
-    assert "fsdp" in advice.projections
+    assert "fsdp" not in advice.projections  # the probe skipped it: its settings refused it
     assert not {"pipeline", "tensor", "allreduce, sufficient factors"} & set(advice.projections)
     shape = ModelShape(
         linears=((64, 512), (512, 64)),
@@ -215,8 +215,9 @@ def test_model_parallel_rows_are_projected_only_where_the_model_has_a_cut_or_a_s
         label_bytes=8.0,
     )
     probed, derived = probe_set(tau=8, staleness=0, every=8)
-    probe = dataclasses.replace(_probe(**TIMINGS), shape=shape, microbatches=4)
+    probe = dataclasses.replace(_probe(**TIMINGS), shape=shape, microbatches=4, skipped={})
     projected = predict(probe, probed, derived, 256_000, project_to=(3, 8), patterns=PATTERNS).projections
+    assert set(projected["fsdp"]) == {3, 8}
     assert set(projected["pipeline"]) == {8}  # its 2 stages, replicated: multiples of 2 only
     assert set(projected["tensor"]) == {8}  # groups of the probe's 2 workers
     assert set(projected["allreduce, sufficient factors"]) == {3, 8}

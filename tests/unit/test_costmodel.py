@@ -140,7 +140,7 @@ def test_the_bytes_the_cost_model_gives_are_those_the_benchmarks_counted():
     first epoch also sums the outputs of a forward of the template rows, once."""
     shape = _wide_shape("pipeline")
     params = sum(p.numel() for p in _wide_model().parameters())
-    gathered, taken = factor_bytes(shape.linears, 32, 2)
+    gathered, taken = factor_bytes(shape, 32, 2)
     factored = gathered + 4 * (params - taken)  # a ring of 2: each sends the rest once
     assert factored == _variant("factors", "allreduce, sufficient_factors auto")["bytes_sent_per_step"]
     stage0, _ = pipeline_bytes(shape, 64, replicas=1)
@@ -194,7 +194,43 @@ def test_model_parallel_steps_price_their_bubble_their_group_and_their_bytes():
     assert replicated.comm_s == pytest.approx(first / link.bytes_per_s + (hops + 2) * 50e-6)
     split = _wide_shape("tensor")
     tensor = step_cost(Pattern.TENSOR, Cluster(2), link, dataclasses.replace(work, shape=split))
-    share = split.split_params / params  # 1/2 of the split layers on 2 x the rows: compute as one worker's
-    assert tensor.compute_s == pytest.approx(0.3 * (share + (1 - share) * 2))
+    assert split.split_compute == 1.0  # both pairs: every linear layer is split
+    assert tensor.compute_s == pytest.approx(0.3)  # 1/2 of each layer on 2 x the rows: one worker's work
     sharded = step_cost(Pattern.FULL_SHARD, Cluster(2), link, work)
     assert sharded.comm_s == pytest.approx(1.5 * reduced.comm_s, rel=1e-3)  # 3 (N-1)/N M against 2 (N-1)/N M
+
+
+def test_factors_price_the_rows_each_layer_sees_their_gather_and_the_gradients_rebuilt():
+    shape = _wide_shape("allreduce")
+    assert shape.linear_rows == (1.0, 1.0, 1.0, 1.0)
+    params = sum(p.numel() for p in _wide_model().parameters())
+    work = Workload(params, compute_s=0.3, batch=32, shape=shape)
+    link = Link(1.0, shared=True)
+    plain = step_cost(Pattern.RING_OVERLAPPED, Cluster(2), link, work)
+    factored = step_cost(Pattern.RING_OVERLAPPED, Cluster(2), link, work, factors=True)
+    gathered, taken = factor_bytes(shape, 32, 2)
+    sent = gathered + 4 * (params - taken)  # what each worker sends: factors.json's 2.84 MB a step
+    assert factored.comm_s == pytest.approx(2 * sent / link.bytes_per_s + 3 * 50e-6)
+    assert factored.compute_s == pytest.approx(0.3 * (1 + taken / params / 3))  # each rebuilds both rows' sum
+    assert factored.samples_per_s > 4 * plain.samples_per_s  # bench_factors measured 4.5x at 1 Gbit/s
+    # to a server: the pushes carry the factors, the pulls the float32 weights
+    served = step_cost(Pattern.STAR, Cluster(2), link, work, factors=True)
+    assert served.comm_s < step_cost(Pattern.STAR, Cluster(2), link, work).comm_s
+    # a sequence model: every position is a row of the layer's factors, so they stop paying
+    torch.manual_seed(0)
+    sequence = model_shape(
+        nn.Sequential(nn.Linear(64, 64)),
+        Batch({"x": torch.randn(2, 50, 64)}, torch.zeros(2, 50, 64)),
+        SparkDLConfig().replace(num_workers=2),
+        2,
+    )
+    assert sequence.linear_rows == (50.0,)
+    assert factor_bytes(sequence, 32, 2) == (0.0, 0)  # 32 x 50 rows of 128 values > a 64 x 64 matrix
+
+
+def test_model_parallel_layouts_the_shape_cannot_run_are_refused():
+    work = Workload(1000, compute_s=0.1, batch=8)  # no cut, no split in the shape
+    with pytest.raises(ValueError, match="a pipeline of 1 stages cannot run on 2 workers"):
+        step_cost(Pattern.PIPELINE, Cluster(2), Link(1.0), work)
+    with pytest.raises(ValueError, match="3 workers do not form tensor-parallel groups of 2"):
+        step_cost(Pattern.TENSOR, Cluster(3), Link(1.0), dataclasses.replace(work, group=2))
