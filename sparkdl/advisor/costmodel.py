@@ -238,6 +238,12 @@ def factor_bytes(shape: ModelShape, rows: int, workers: int) -> tuple[float, int
     return sent, taken
 
 
+def full_shard_bytes(model_bytes: float, workers: int, accumulate: int = 1) -> float:
+    """Bytes one fsdp worker sends in a step: the parameters all-gathered twice (forward,
+    backward) and the gradients reduce-scattered, ``3 (N-1)/N`` of the model, per micro-batch."""
+    return 1.5 * ring_share(workers) * model_bytes * accumulate
+
+
 def pipeline_bytes(shape: ModelShape, rows: int, replicas: int) -> list[float]:
     """Bytes each stage's worker sends in a step, ``rows`` of its own: its pipeline's
     ``stages x rows`` activations over its cuts (forward out, gradients back), its rows'
@@ -360,7 +366,7 @@ def _model_split_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: 
     if n == 1:
         return StepCost(1, compute, 0.0, compute, workload.batch / compute)
     if pattern is Pattern.FULL_SHARD:  # every micro-batch gathers and reduce-scatters again
-        each = [1.5 * ring_share(n) * workload.model_bytes * workload.accumulate] * n
+        each = [full_shard_bytes(workload.model_bytes, n, workload.accumulate)] * n
         hops = 3 * (n - 1) * workload.accumulate
     elif pattern is Pattern.PIPELINE:
         p, m = shape.stages, workload.microbatches

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.advisor.costmodel import pipeline_bytes, tensor_bytes
+from sparkdl.advisor.costmodel import full_shard_bytes, pipeline_bytes, tensor_bytes
 from sparkdl.advisor.shape import model_shape
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.tensors import Batch
@@ -400,7 +400,7 @@ def test_the_cost_model_counts_the_bytes_each_worker_sends(tmp_path, strategy, s
         assert shape.split_collectives == 3  # 2 pairs: 2 outputs, 1 input gradient (not the model's input)
         expected = [tensor_bytes(shape, params, 8, group=2, replicas=2)] * 4
     else:
-        expected = [3 * 3 / 4 * 4 * params] * 4
+        expected = [full_shard_bytes(4 * params, 4)] * 4
     for rank, (history, _, _) in results.items():
         epoch = history[1]  # the first also holds the start's forward of the template rows
         assert epoch["steps"] == 4
