@@ -49,6 +49,7 @@ after the step, so theirs is ``compute + communication``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sparkdl.comm.traffic import Pattern, factors_pay, fewer_values
@@ -224,14 +225,19 @@ def ring_share(members: int) -> float:
     return 2 * (members - 1) / members if members > 1 else 0.0
 
 
+def _layer_rows(shape: ModelShape, rows: int) -> Iterator[tuple[int, int, int]]:
+    """(inputs, outputs, rows it sees) of each fully connected layer, for ``rows`` batch rows."""
+    per_row = shape.linear_rows or (1.0,) * len(shape.linears)
+    for (inputs, outputs), each in zip(shape.linears, per_row, strict=True):
+        yield inputs, outputs, round(rows * each)
+
+
 def factor_bytes(shape: ModelShape, rows: int, workers: int) -> tuple[float, int]:
     """With sufficient factors ``auto``: the bytes one worker's factors send round the ring
     all-gather, and the parameters they take out of the all-reduce (the layers they pay for,
     each with the rows it sees: ``rows`` times its :attr:`ModelShape.linear_rows`)."""
     sent, taken = 0.0, 0
-    per_row = shape.linear_rows or (1.0,) * len(shape.linears)
-    for (inputs, outputs), each in zip(shape.linears, per_row, strict=True):
-        seen = round(rows * each)
+    for inputs, outputs, seen in _layer_rows(shape, rows):
         if factors_pay(seen, inputs, outputs, workers):
             sent += 4.0 * (workers - 1) * seen * (inputs + outputs)
             taken += inputs * outputs
@@ -320,9 +326,7 @@ def _factored_cost(pattern: Pattern, cluster: Cluster, link: Link, workload: Wor
     n, rows, compute = cluster.workers, workload.batch, workload.compute_s
     if pattern is Pattern.STAR:
         push = 4.0 * workload.params
-        per_row = workload.shape.linear_rows or (1.0,) * len(workload.shape.linears)
-        for (inputs, outputs), each in zip(workload.shape.linears, per_row, strict=True):
-            seen = round(rows * each)
+        for inputs, outputs, seen in _layer_rows(workload.shape, rows):
             if fewer_values(seen, inputs, outputs):
                 push -= 4.0 * (inputs * outputs - seen * (inputs + outputs))
         sent = n * (push + workload.model_bytes) if link.shared else n * workload.model_bytes
