@@ -97,7 +97,8 @@ def reference_sgd(
             picks = [order[step * batch_size : (step + 1) * batch_size] for order in orders]
             x = torch.from_numpy(np.concatenate([s[0][p] for s, p in zip(shards, picks, strict=True)]))
             y = torch.from_numpy(np.concatenate([s[1][p] for s, p in zip(shards, picks, strict=True)]))
-            loss = F.cross_entropy(model(x), y)
+            out = model(x)  # flattened, as a language model's loss is written: (N T, C) against (N T)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

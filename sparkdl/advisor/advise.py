@@ -56,6 +56,10 @@ _PROBE_SETTINGS = {
     "fault_injection": "",
     "progress": False,
     "early_stopping_patience": 0,
+    # streaming's fragments send a whole round's bytes over the same steps: probed as whole
+    # rounds (the probe's tau 1 leaves no room for fragments, nor for a delay)
+    "fragments": 1,
+    "fragment_delay": 0,
 }
 
 

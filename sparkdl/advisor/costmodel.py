@@ -18,7 +18,9 @@ workers, ``L`` per host (``H = N / L`` hosts):
   with a hierarchy; compression shrinks the pushes only (pulls are float32), so on a
   full-duplex NIC it leaves the server's busiest direction as it was;
 - weight averaging every ``tau`` steps: the all-reduce of the weights (and of the
-  optimizer state it averages) divided by ``tau``;
+  optimizer state it averages) divided by ``tau``; streaming it in ``F`` fragments sends
+  ``F`` all-reduces of ``M / F`` per ``tau`` steps (the state at epoch ends only), each
+  overlapping ``delay`` steps of compute as DDP's does its backward;
 - compression divides ``M`` by its factor; 1-bit and top-k travel by all-gather, each
   worker sending its payload to the ``N - 1`` others;
 - sufficient factors (``auto``): a fully connected ``m x n`` layer whose ``B (m + n)`` rows
@@ -290,15 +292,21 @@ def step_cost(
     compression: str = "none",
     tau: int = 1,
     factors: bool = False,
+    fragments: int = 1,
+    delay: int = 0,
 ) -> StepCost:
     """The predicted step of a strategy exchanging by ``pattern`` (periodic: the mean step over
-    ``tau``; ``factors``: sufficient factors ``auto`` on a ring or star)."""
+    ``tau``, in ``fragments`` whose sums travel ``delay`` steps; ``factors``: sufficient
+    factors ``auto`` on a ring or star)."""
     if pattern in (Pattern.FULL_SHARD, Pattern.PIPELINE, Pattern.TENSOR):
         return _model_split_cost(pattern, cluster, link, workload)
     if factors and pattern in (Pattern.RING_OVERLAPPED, Pattern.STAR) and cluster.workers > 1:
         return _factored_cost(pattern, cluster, link, workload)
     payload = workload.model_bytes
-    if pattern is Pattern.RING_PERIODIC:
+    streaming = pattern is Pattern.RING_PERIODIC and fragments > 1
+    if streaming:
+        payload /= fragments  # one fragment's weights; the state waits for the epoch's end
+    elif pattern is Pattern.RING_PERIODIC:
         payload *= 1 + workload.state_copies
     if link.shared:
         sent = shared_bytes(pattern, cluster, payload, compression)
@@ -311,6 +319,9 @@ def step_cost(
     if pattern is Pattern.RING_OVERLAPPED:
         backward = compute * BACKWARD_SHARE
         step = compute + comm - OVERLAP * min(backward, comm)
+    elif streaming:  # F fragments per tau steps, each hidden in part behind delay steps
+        exposed = comm - OVERLAP * min(delay * compute, comm)
+        comm, step = fragments * comm / tau, compute + fragments * exposed / tau
     elif pattern is Pattern.RING_PERIODIC:
         comm /= tau
         step = compute + comm

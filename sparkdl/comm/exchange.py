@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,38 @@ class Traffic:
 
     bytes_sent: int = 0
     bytes_across_hosts: int = 0
+
+
+def buckets(named: NamedBucket, cap_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of the same dtype and device, each under ``cap_bytes``."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        first = bucket[0][1] if bucket else tensor
+        compatible = tensor.dtype == first.dtype and tensor.device == first.device
+        if bucket and (size + nbytes > cap_bytes or not compatible):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class PendingSum:
+    """A weighted sum on its way (:meth:`Exchange.start_weighted_sum`): :meth:`wait` gives it,
+    the buckets' tensors flat, in order, as float32."""
+
+    def __init__(self, flats: list[torch.Tensor], works: Sequence[dist.Work] = ()) -> None:
+        self._flats = flats
+        self._works = list(works)
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return torch.cat(self._flats) if len(self._flats) != 1 else self._flats[0]
 
 
 class Exchange(abc.ABC):
@@ -120,6 +152,13 @@ class Exchange(abc.ABC):
                     offset += tensor.numel()
         payload = sum(flat.numel() * flat.element_size() for flat in flats)
         self.traffic.bytes_sent += self.sum_bytes(payload)
+
+    def start_weighted_sum(self, buckets: Sequence[NamedBucket], own_weight: float) -> PendingSum:
+        """Begin :meth:`weighted_sum_` of float32 ``buckets`` (tensors the caller gives up to it:
+        copies) and return the handle to wait on; the caller goes on training meanwhile. Here it
+        is made at once; a plain process group overlaps it (:class:`FlatExchange`)."""
+        self.weighted_sum_(buckets, own_weight)
+        return PendingSum([torch.cat([t.reshape(-1) for _, t in bucket]) for bucket in buckets])
 
     def gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every worker's small CPU ``tensor``, stacked by rank (a few counts; not counted)."""
@@ -221,6 +260,16 @@ class FlatExchange(Exchange):
             super().weighted_sum_(buckets, own_weight)
         else:
             self.traffic.bytes_sent += self._average(buckets, own_weight)
+
+    def start_weighted_sum(self, buckets: Sequence[NamedBucket], own_weight: float) -> PendingSum:
+        if self._average is not None or self.world_size == 1:  # a codec's average is made at once
+            return super().start_weighted_sum(buckets, own_weight)
+        flats = [
+            torch.cat([t.detach().reshape(-1) for _, t in bucket]).mul_(own_weight) for bucket in buckets
+        ]
+        works = [dist.all_reduce(flat, async_op=True) for flat in flats]
+        self.traffic.bytes_sent += self.sum_bytes(sum(flat.numel() * flat.element_size() for flat in flats))
+        return PendingSum(flats, works)
 
     def count_gradient_step(self) -> None:
         super().count_gradient_step()

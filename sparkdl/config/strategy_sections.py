@@ -59,12 +59,53 @@ class WeightAveragingConfig:
     outer_momentum: float = field(
         default=0.9, metadata=about("Outer Nesterov momentum (nesterov), below 1.", bound=">= 0")
     )
+    fragments: int = field(
+        default=1,
+        metadata=about(
+            "Streaming DiLoCo: cut the parameters into this many fragments of about equal bytes, each "
+            "averaged every sync_every steps at its own offset, so one fragment crosses the network at "
+            "a time; the whole model is still averaged at epoch ends and checkpoints. 1: the whole "
+            "model every sync_every steps.",
+            bound="> 0",
+        ),
+    )
+    fragment_delay: int = field(
+        default=0,
+        metadata=about(
+            "fragments > 1: steps a fragment's sum travels while training goes on before it is "
+            "applied (overlap; below sync_every).",
+            bound=">= 0",
+        ),
+    )
+    fragment_mix: float = field(
+        default=0.0,
+        metadata=about(
+            "fragments > 1: at a fragment's arrival, the share of the worker's own weights kept "
+            "(new = mix * own + (1 - mix) * global; Streaming DiLoCo's alpha), from 0 to below 1.",
+            bound=">= 0",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "weight_averaging")
         if self.outer_momentum >= 1:
             raise ConfigError(
                 f"weight_averaging.outer_momentum = {self.outer_momentum} must be below 1 (DiLoCo uses 0.9)"
+            )
+        if self.fragments > self.sync_every:
+            raise ConfigError(
+                f"weight_averaging.fragments = {self.fragments} is more than sync_every = {self.sync_every}: "
+                "fragments take turns within each sync_every steps; use at most sync_every fragments"
+            )
+        if self.fragment_delay >= self.sync_every:
+            raise ConfigError(
+                f"weight_averaging.fragment_delay = {self.fragment_delay} must be below sync_every = "
+                f"{self.sync_every}: a fragment's sum must arrive before its next round is sent"
+            )
+        if self.fragment_mix >= 1:
+            raise ConfigError(
+                f"weight_averaging.fragment_mix = {self.fragment_mix} must be below 1 (1 would never take "
+                "the average); Streaming DiLoCo's runs use 0.5 with a delay, 0 without"
             )
 
 

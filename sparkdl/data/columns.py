@@ -115,10 +115,13 @@ def checked_label(values: np.ndarray, name: str, kind: LabelKind) -> np.ndarray:
             bad_rows=int(bad.sum()),
         )
     if bad is not None:
+        example = values[bad][0]
+        if np.ndim(example):  # a row of class ids per position: show a bad one
+            example = example[~_class_ids(example)][0].item()
         raise BadDataError(
             f"label column {name!r} must hold class indices 0..C-1 for cross entropy, "
             f"but {int(bad.sum())} rows hold negative or non-integer values "
-            f"(e.g. {values[bad][0]!r}); index the labels (StringIndexer) first",
+            f"(e.g. {example!r}); index the labels (StringIndexer) first",
             column=name,
             bad_rows=int(bad.sum()),
         )
@@ -154,9 +157,14 @@ def bad_label_rows(values: np.ndarray, kind: LabelKind) -> np.ndarray | None:
     """Rows whose label the loss cannot use, or None when all are fine."""
     if kind is LabelKind.REAL:
         bad = ~np.isfinite(flat_rows(values)).all(axis=1)
-    else:
-        bad = (np.floor(values) != values) | (values < 0) | ~np.isfinite(values)
+    else:  # a class id per row, or one per position (a row is bad if any of its ids is)
+        bad = ~_class_ids(flat_rows(values)).all(axis=1)
     return bad if bad.any() else None
+
+
+def _class_ids(values: np.ndarray) -> np.ndarray:
+    """Where ``values`` are class ids: finite whole numbers, not negative."""
+    return np.isfinite(values) & (np.floor(values) == values) & (values >= 0)
 
 
 def as_label(values: np.ndarray, kind: LabelKind) -> np.ndarray:

@@ -303,11 +303,10 @@ def _check_names(
 def _label_spec(schema: pa.Schema, label_col: str, label_kind: LabelKind) -> ColumnSpec:
     typ = schema.field(label_col).type
     kind = kind_of_arrow_type(label_col, typ)
-    if kind not in (ColumnKind.SCALAR, ColumnKind.ARRAY) or (
-        kind is ColumnKind.ARRAY and label_kind is LabelKind.CLASS_INDEX
-    ):
+    if kind not in (ColumnKind.SCALAR, ColumnKind.ARRAY):  # class ids: one per row, or per position
         raise SchemaError(
-            f"label column {label_col!r} has type {typ}; a {label_kind.value} label must be a numeric column"
+            f"label column {label_col!r} has type {typ}; a {label_kind.value} label must be a numeric "
+            "column or an array of numbers"
         )
     return ColumnSpec(label_col, kind)
 

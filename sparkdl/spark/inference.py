@@ -3,7 +3,9 @@
 The columns follow pyspark.ml's own models, so the stock evaluators read them on their
 defaults: a classifier adds ``prediction`` (the class index, a double), ``rawPrediction``
 (the raw outputs) and ``probability`` (their softmax), the last two as ml Vectors; a
-regression adds ``prediction`` only (a double, or array<float> for several outputs).
+regression adds ``prediction`` only (a double, or array<float> for several outputs). A model
+trained on class ids per position (a language model, a tagger: logits ``(N, T, C)``) adds
+``prediction`` as array<double>, the class of every position.
 
 The Vector columns leave the Python worker as the Arrow struct that ``VectorUDT`` is stored
 as (``VECTOR_ARROW_TYPE``): PySpark's ``mapInArrow`` maps a UDT field of the output schema
@@ -46,6 +48,7 @@ class OutputMode(str, enum.Enum):
     BINARY = "binary"  # one logit (bce_with_logits): logit > 0, [-z, z], [1 - sigmoid, sigmoid]
     SCALAR = "scalar"  # the single output, as a double
     ARRAY = "array"  # all outputs, as array<float>
+    SEQUENCE = "sequence"  # a class per position (logits (T, C)): the argmaxes, as array<double>
 
 
 #: How Spark stores a ``pyspark.ml.linalg.VectorUDT`` value in Arrow (its ``sqlType()``):
@@ -132,6 +135,8 @@ def output_mode(classifier: bool, output_shape: tuple[int, ...], binary: bool = 
         binary: trained with bce_with_logits (one output: a binary classifier).
     """
     width = int(np.prod(output_shape)) if output_shape else 1
+    if classifier and len(output_shape) > 1:
+        return OutputMode.SEQUENCE
     if classifier and width > 1:
         return OutputMode.CLASS
     if binary and width == 1:
@@ -160,6 +165,8 @@ def prediction_schema(schema: Any, columns: OutputCols, mode: OutputMode) -> Any
             kind: Any = VectorUDT()
         elif mode is OutputMode.ARRAY:
             kind = ArrayType(FloatType(), containsNull=False)
+        elif mode is OutputMode.SEQUENCE:
+            kind = ArrayType(DoubleType(), containsNull=False)
         else:
             kind = DoubleType()
         fields.append(StructField(name, kind, nullable=False))
@@ -178,8 +185,14 @@ def predict_partition(spec: PredictSpec, batches: Iterator[pa.RecordBatch]) -> I
         torch.set_num_threads(spec.torch_threads)
     module = _cached_module(spec, str(device))
     for batch in batches:
-        outputs = model_outputs(module, batch, spec, device)
-        for name, array in output_arrays(outputs, spec.mode, spec.columns).items():
+        if spec.mode is OutputMode.SEQUENCE:
+            arrays = {
+                name: _sequence_predictions(module, batch, spec, device)
+                for _, name in spec.columns.added(spec.mode)
+            }
+        else:
+            arrays = output_arrays(model_outputs(module, batch, spec, device), spec.mode, spec.columns)
+        for name, array in arrays.items():
             batch = batch.append_column(name, array)
         yield batch
 
@@ -191,14 +204,33 @@ def model_outputs(
     chunks of ``spec.batch_size`` rows."""
     if batch.num_rows == 0:
         return np.zeros((0, 1), np.float32)
+    return np.concatenate(list(_output_chunks(module, batch, spec, device)))
+
+
+def _output_chunks(
+    module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
+) -> Iterator[np.ndarray]:
+    """float32 ``[rows, width]`` per chunk of ``spec.batch_size`` rows; ``SEQUENCE``: the class
+    of each position (taken on the device: the logits are T x C per row)."""
     block = decode_block(batch, spec.plan, training=False)
-    chunks = []
     with torch.inference_mode():
         for start in range(0, len(block), spec.batch_size):
             tensors = to_batch(block.rows(slice(start, start + spec.batch_size)), spec.plan).to(device)
             out = call_model(module, tensors, spec.plan.keyword)
-            chunks.append(out.float().reshape(len(tensors), -1).cpu().numpy())
-    return np.concatenate(chunks)
+            if spec.mode is OutputMode.SEQUENCE:
+                out = out.argmax(dim=-1)
+            yield out.float().reshape(len(tensors), -1).cpu().numpy()
+
+
+def _sequence_predictions(
+    module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
+) -> pa.Array:
+    """array<double> per row: the class of every position. Rows padded to their chunk's
+    longest (``sequence_cols``) get predictions for the padding too; the mask tells which."""
+    chunks = list(_output_chunks(module, batch, spec, device)) if batch.num_rows else []
+    if not chunks:
+        return pa.array([], type=pa.list_(pa.float64()))
+    return pa.concat_arrays([_float_lists(chunk, np.float64) for chunk in chunks])
 
 
 def output_arrays(outputs: np.ndarray, mode: OutputMode, columns: OutputCols) -> dict[str, pa.Array]:
@@ -216,6 +248,8 @@ def output_arrays(outputs: np.ndarray, mode: OutputMode, columns: OutputCols) ->
 def _arrays_by_setting(outputs: np.ndarray, mode: OutputMode, columns: OutputCols) -> dict[str, pa.Array]:
     if mode is OutputMode.ARRAY:
         return {"prediction_col": _float_lists(outputs)}
+    if mode is OutputMode.SEQUENCE:  # the outputs are already each position's class
+        return {"prediction_col": _float_lists(outputs, np.float64)}
     if mode is OutputMode.SCALAR:
         return {"prediction_col": pa.array(outputs[:, 0].astype(np.float64))}
     z = outputs.astype(np.float64)
@@ -255,10 +289,10 @@ def dense_vectors(values: np.ndarray) -> pa.StructArray:
     return pa.StructArray.from_arrays(children, fields=list(VECTOR_ARROW_TYPE))
 
 
-def _float_lists(values: np.ndarray) -> pa.ListArray:
+def _float_lists(values: np.ndarray, dtype: type = np.float32) -> pa.ListArray:
     rows, width = values.shape
     offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1).astype(np.float32)))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1).astype(dtype)))
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

@@ -95,12 +95,17 @@ def label_range(df: Any, plan: DataPlan) -> tuple[float, float] | None:
     label = plan.label
     if label is None or plan.label_kind is not LabelKind.CLASS_INDEX or plan.transform_fn is not None:
         return None
-    field = df.select(label.name).schema.fields[0]
-    if field.dataType.typeName() not in ("byte", "short", "integer", "long", "float", "double", "boolean"):
+    numeric = ("byte", "short", "integer", "long", "float", "double", "boolean")
+    kind = df.select(label.name).schema.fields[0].dataType
+    column = F.col(label.name)
+    if kind.typeName() == "array" and kind.elementType.typeName() in numeric:  # class ids per position
+        smallest, largest = F.array_min(column), F.array_max(column)
+    elif kind.typeName() in numeric:
+        smallest = largest = column
+    else:
         return None
-    column = F.col(label.name).cast("double")
     with described(df.sparkSession, "sparkdl fit: preflight, the label column's range"):
-        row = df.agg(F.min(column), F.max(column)).collect()[0]
+        row = df.agg(F.min(smallest.cast("double")), F.max(largest.cast("double"))).collect()[0]
     return None if row[0] is None else (float(row[0]), float(row[1]))
 
 
@@ -111,14 +116,15 @@ def check_label_range(found: tuple[float, float] | None, report: PreflightReport
     Raises:
         ModelMismatchError: the largest label is >= the model's outputs, or a label is negative.
     """
-    if found is None or report is None or report.skipped or len(report.output_shape) != 1:
+    if found is None or report is None or report.skipped or not report.output_shape:
         return
     smallest, largest = found
-    classes = report.output_shape[0]
+    classes = report.output_shape[-1]  # the classes are last, also for class ids per position
+    where = "row" if len(report.output_shape) == 1 else "position"
     if largest >= classes:
         raise ModelMismatchError(
             f"the label column {column!r} holds class ids up to {largest:g} (over every row), but the "
-            f"model outputs {classes} scores per row (classes 0..{classes - 1}); make its last layer "
+            f"model outputs {classes} scores per {where} (classes 0..{classes - 1}); make its last layer "
             f"output {int(largest) + 1} values, or re-index the labels from 0"
         )
     if smallest < 0:

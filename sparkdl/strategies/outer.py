@@ -70,14 +70,35 @@ class NesterovOuterStep:
     def step(self) -> None:
         """The parameters hold this round's average: move them to the outer step's result,
         which the next round starts from."""
-        for param, reference, velocity in zip(self._parameters, self._reference, self._velocity, strict=True):
-            average = param.float()
+        self.step_from([param.float() for param in self._parameters])
+        for param, reference in zip(self._parameters, self._reference, strict=True):
+            param.copy_(reference)
+            reference.copy_(param)  # where the next round starts (rounded, for a bf16 model)
+
+    @torch.no_grad()
+    def step_from(self, averages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The outer step on this round's ``averages`` (one per parameter), which leaves the
+        parameters alone; return the new global weights (float32), the next round's start."""
+        for reference, velocity, average in zip(self._reference, self._velocity, averages, strict=True):
+            average = average.float()
             delta = reference - average  # the pseudo-gradient
             velocity.mul_(self._momentum).add_(delta)
             # ref - lr (delta + mu v), written so that lr 1, mu 0 leaves the average's bits
             new = average.add(delta, alpha=1.0 - self._lr).add_(velocity, alpha=-self._lr * self._momentum)
-            param.copy_(new)
-            reference.copy_(param)  # where the next round starts (rounded, for a bf16 model)
+            reference.copy_(new)
+        return self._reference
+
+    @property
+    def globals(self) -> list[torch.Tensor]:
+        """The weights the next round starts from (float32), the same on every worker."""
+        return self._reference
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Every worker holds the same weights (a plain average of all of them): the next
+        round starts from them; the momentum is kept."""
+        for param, reference in zip(self._parameters, self._reference, strict=True):
+            reference.copy_(param)
 
     def velocity(self) -> list[torch.Tensor]:
         """The outer momentum as CPU tensors, for a checkpoint."""

@@ -48,6 +48,10 @@ on every worker after the average; its momentum goes into checkpoints. An averag
 round's last step (an epoch's validation, the end of training) is a plain one: the round's
 change is then applied at its end, from the same start.
 
+Streaming. With ``fragments > 1`` the parameters travel in fragments at staggered steps, each
+fragment's sum overlapping ``fragment_delay`` steps of training (Streaming DiLoCo;
+:mod:`sparkdl.strategies.streaming`); the whole model is averaged at epoch ends and checkpoints.
+
 Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
 its leader, all-reduces it among the leaders and broadcasts it back
 (:mod:`sparkdl.comm.hierarchy`): one model's worth crosses the network per host and average.
@@ -60,18 +64,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from sparkdl.comm.exchange import buckets
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import OuterOptimizer, SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.strategies import outer
+from sparkdl.strategies.periods import period_ending
 from sparkdl.strategies.rules import (
     refuse_backups_without_a_worker,
     refuse_compressed_hierarchy,
     refuse_powersgd,
 )
-from sparkdl.training.strategy import StepInput, StepOutcome, StrategyContext, SyncStrategy, Verdict
+from sparkdl.strategies.streaming import StreamingRounds
+from sparkdl.training.strategy import (
+    StepInput,
+    StepOutcome,
+    StrategyContext,
+    SyncStats,
+    SyncStrategy,
+    Verdict,
+)
 
 Named = tuple[str, torch.Tensor]
 
@@ -98,14 +111,15 @@ class WeightAveragingStrategy(SyncStrategy):
         self._rows_since_sync = 0
         self._steps_since_sync = 0
         self._stopping: SparkDLError | None = None
-        self._ending = _period_ending(ctx)
+        self._ending = period_ending(ctx)
         self._period = 0  # averages so far: the same count on every rank
         self._cut_short = False  # the period ended without this worker
         self._trained_throughout = True  # rows at every step of the period so far
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             ctx.exchange.broadcast_(tensor, src=0)
         ctx.exchange.remember(list(self._model_tensors()))
-        self._outer = _outer_step(ctx, ctx.resumed_state)
+        self._streaming = _streaming_rounds(ctx, ctx.resumed_state)
+        self._outer = None if self._streaming else _outer_step(ctx, ctx.resumed_state)
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -125,12 +139,20 @@ class WeightAveragingStrategy(SyncStrategy):
         )
         refuse_powersgd(config)
         refuse_compressed_hierarchy(config)
+        section = config.weight_averaging
+        if section.fragments > 1 and section.wa_backup_workers:
+            raise ConfigError(
+                f"fragments = {section.fragments} (streaming) with wa_backup_workers = "
+                f"{section.wa_backup_workers} is not available: a fragment's round needs every worker; "
+                "set one of them back (fragments = 1 or wa_backup_workers = 0)"
+            )
 
     @property
     def checkpoint_multiple(self) -> int:
         # Right after an average every worker holds the same weights: the only steps
-        # at which one checkpoint (rank 0's) stands for all of them.
-        return self._tau
+        # at which one checkpoint (rank 0's) stands for all of them. Streaming averages the
+        # whole model at each checkpoint step and epoch end itself.
+        return 1 if self._streaming else self._tau
 
     def train_step(self, step: StepInput) -> StepOutcome:
         rows = 0
@@ -159,12 +181,41 @@ class WeightAveragingStrategy(SyncStrategy):
         user's own loop calls it after each optimizer step (:mod:`sparkdl.worker.prepare`)."""
         self._rows_since_sync += rows
         self._steps_since_sync += 1
-        if (step + 1) % self._tau == 0:
+        if self._streaming is not None:
+            self._streaming.step_done(step, rows, self._fragment_rows)
+            every = self.ctx.config.reliability.checkpoint_every
+            if every and (step + 1) % every == 0:  # the checkpoint after this step stands for all
+                self.finish()
+        elif (step + 1) % self._tau == 0:
             self._end_period(full_round=True)
 
     def finish(self) -> None:
-        if self._steps_since_sync:  # a round cut short (validation, the end): averaged plainly
+        if self._streaming is not None:  # fragments in flight first, then the whole model
+            self._streaming.drain()
+            if self._steps_since_sync:
+                self._average(full_round=False)
+                self._streaming.restart()
+        elif self._steps_since_sync:  # a round cut short (validation, the end): averaged plainly
             self._end_period(full_round=False)
+
+    def end_epoch(self) -> SyncStats:
+        if self._streaming is not None:  # an epoch end may be checkpointed: one model first
+            self.finish()
+        return super().end_epoch()
+
+    def _fragment_rows(self, rows: int) -> float:
+        """The rows every worker trained since a fragment's last round (one small sum, which
+        raises on every rank when one of them must stop)."""
+        round_ = RoundMessage(self.ctx.world_size)
+        vector = round_.pack(self.ctx.rank, rows, self._stopping is not None, 0, self.ctx.device)
+        self.ctx.exchange.sum_(vector)
+        total, stopped, _ = round_.unpack(vector)
+        if stopped:
+            raise agreed(
+                self._stopping
+                or PeerStopped(f"rank {self.ctx.rank} stopped with rank(s) {stopped}, which failed")
+            )
+        return total
 
     def _period_ended(self, step: StepInput) -> bool:
         """Whether the period has ended without this worker: asked of the store before each
@@ -207,9 +258,9 @@ class WeightAveragingStrategy(SyncStrategy):
         if total > 0:
             weight = self._rows_since_sync / total
             exchange = self.ctx.exchange
-            exchange.weighted_sum_(list(_buckets(named, self._bucket_bytes)), weight)
+            exchange.weighted_sum_(list(buckets(named, self._bucket_bytes)), weight)
             if exact:
-                exchange.weighted_sum_(list(_buckets(exact, self._bucket_bytes)), weight, lossless=True)
+                exchange.weighted_sum_(list(buckets(exact, self._bucket_bytes)), weight, lossless=True)
             if self._outer is not None and full_round:  # the round's change is a pseudo-gradient
                 self._outer.step()
                 exchange.remember(list(self._parameters()))  # the next changes start here
@@ -219,11 +270,14 @@ class WeightAveragingStrategy(SyncStrategy):
         self._cut_short, self._trained_throughout = False, True
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
+        if self._streaming is not None:
+            return {outer.CHECKPOINT_KEY: self._streaming.velocity()}
         return {} if self._outer is None else {outer.CHECKPOINT_KEY: self._outer.velocity()}
 
     def rebase(self, resumed_state: Mapping[str, Any]) -> None:
         self.ctx.exchange.remember(list(self._model_tensors()))
-        self._outer = _outer_step(self.ctx, resumed_state)
+        self._streaming = _streaming_rounds(self.ctx, resumed_state)
+        self._outer = None if self._streaming else _outer_step(self.ctx, resumed_state)
 
     def _model_tensors(self) -> Iterator[Named]:
         yield from self._parameters()
@@ -247,46 +301,6 @@ class WeightAveragingStrategy(SyncStrategy):
                 index += 1
 
 
-class EveryWorker:
-    """``wa_backup_workers = 0``: a period ends when every worker has finished it; no messages."""
-
-    def finished(self, period: int) -> None:
-        """This worker trained every step of ``period``."""
-
-    def over(self, period: int) -> bool:
-        """Whether ``period`` has ended for the workers still in it."""
-        return False
-
-    def forget(self, period: int) -> None:
-        """Every worker has joined ``period``'s average."""
-
-
-class FirstFinishers(EveryWorker):
-    """A period ends once ``quorum`` workers finished it: one counter per period in the
-    process group's store, its key naming the stage attempt so that a re-run stage never
-    reads an earlier attempt's counts.
-
-    Args:
-        store: the process group's store (every rank reaches it).
-        attempt: the stage attempt, the same on every rank.
-        quorum: ``num_workers - wa_backup_workers``.
-    """
-
-    def __init__(self, store: dist.Store, attempt: int, quorum: int) -> None:
-        self._store = store
-        self._prefix = f"sparkdl/weight_averaging/attempt-{attempt}/period-"
-        self._quorum = quorum
-
-    def finished(self, period: int) -> None:
-        self._store.add(f"{self._prefix}{period}", 1)
-
-    def over(self, period: int) -> bool:
-        return self._store.add(f"{self._prefix}{period}", 0) >= self._quorum  # one round trip
-
-    def forget(self, period: int) -> None:
-        self._store.delete_key(f"{self._prefix}{period}")
-
-
 def _outer_step(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> outer.NesterovOuterStep | None:
     """DiLoCo's outer optimizer where ``outer_optimizer`` asks for it, from the model's weights
     as they stand, with the momentum of the checkpoint a run resumed from."""
@@ -298,17 +312,26 @@ def _outer_step(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> outer
     return outer.NesterovOuterStep(parameters, section.outer_lr, section.outer_momentum, velocity)
 
 
-def _period_ending(ctx: StrategyContext) -> EveryWorker:
-    """How this run's periods end: with every worker, or with the first ``N - b``."""
-    backups = ctx.config.weight_averaging.wa_backup_workers
-    if not backups:
-        return EveryWorker()
-    if ctx.store is None:
-        raise ConfigError(
-            f"wa_backup_workers = {backups} needs the process group's store (StrategyContext.store), "
-            "which the worker's assembly passes; set wa_backup_workers = 0 where there is none"
-        )
-    return FirstFinishers(ctx.store, ctx.attempt, ctx.world_size - backups)
+def _streaming_rounds(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> StreamingRounds | None:
+    """The fragments, where ``fragments > 1`` asks for them; each with the outer optimizer (plain
+    averaging: lr 1, momentum 0) and the momentum of the checkpoint a run resumed from."""
+    section = ctx.config.weight_averaging
+    if section.fragments <= 1:
+        return None
+    nesterov = section.outer_optimizer is OuterOptimizer.NESTEROV
+    lr, momentum = (section.outer_lr, section.outer_momentum) if nesterov else (1.0, 0.0)
+    named = [(f"parameter {name}", p.data) for name, p in ctx.module.named_parameters()]
+    return StreamingRounds(
+        named,
+        section.fragments,
+        section.sync_every,
+        section.fragment_delay,
+        section.fragment_mix,
+        lambda tensors, velocity: outer.NesterovOuterStep(tensors, lr, momentum, velocity),
+        resumed_state.get(outer.CHECKPOINT_KEY),
+        ctx.exchange,
+        int(ctx.config.runtime.bucket_cap_mb * 1024 * 1024),
+    )
 
 
 @dataclass(frozen=True)
@@ -335,20 +358,3 @@ class RoundMessage:
         n = self.world_size
         stops = values[1 : 1 + n]
         return values[0], [r for r, flag in enumerate(stops) if flag], [int(v) for v in values[1 + n :]]
-
-
-def _buckets(named: list[Named], cap_bytes: int) -> Iterator[list[Named]]:
-    """Consecutive groups of tensors of the same dtype and device, each under ``cap_bytes``."""
-    bucket: list[Named] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        first = bucket[0][1] if bucket else tensor
-        compatible = tensor.dtype == first.dtype and tensor.device == first.device
-        if bucket and (size + nbytes > cap_bytes or not compatible):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

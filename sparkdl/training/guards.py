@@ -314,6 +314,8 @@ class LabelRangeCheck:
                 output = call_model(self._module, row.to(self._device), self._keyword)
         finally:
             self._module.train()
+        if row.label is not None and row.label.dim() > 1:  # a class id per position: classes last
+            return int(output.shape[-1])
         return int(output.shape[1]) if output.dim() > 1 else 1
 
 

@@ -3,6 +3,11 @@
 Every loss the loop calls has the form ``loss(output, target, weight)`` and returns the
 mean over the batch's rows; with a weight column it is the mean of ``weight x row loss``
 (so the workers' step math, which weighs each worker by its rows, stays exact).
+
+``cross_entropy`` also takes a class id per position: a label of shape ``(N, T)`` (an
+``array<int>`` column of T ids per row: the next token of a language model, a tag per token)
+with logits ``(N, T, C)``, the classes last as language models return them. A row's loss is
+the mean over its positions, so every row of the same length weighs the same.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def _bce_with_logits(
 def _cross_entropy(
     output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
+    if target.dim() > 1:  # a class id per position: the logits have the classes last
+        output = output.movedim(-1, 1)
     return _reduce(F.cross_entropy(output, target, reduction="none"), weight)
 
 

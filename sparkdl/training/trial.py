@@ -303,6 +303,8 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: Sa
     if not isinstance(loss, str):
         return None  # a callable loss decides for itself what it accepts
     if kind is LabelKind.CLASS_INDEX:
+        if sample.y.ndim > 1:
+            return _per_position_problem(output, loss, sample)
         if output.ndim == 2:
             return None
         other = ", or use loss_fn='bce_with_logits' for one logit per row" if output.ndim == 1 else ""
@@ -326,6 +328,20 @@ def _output_problem(output: Any, loss: str | LossFn, kind: LabelKind, sample: Sa
     return (
         f"{loss} needs a label of shape {shape_text(output.shape[1:])} for a {outputs}-output model; "
         f"{sample.label} is {kind_text}; {fix}"
+    )
+
+
+def _per_position_problem(output: torch.Tensor, loss: str, sample: Sample) -> str | None:
+    """Why logits cannot go with a label of class ids per position, (N, T); None if they can."""
+    positions = tuple(sample.y.shape[1:])
+    if output.ndim == sample.y.ndim + 1 and tuple(output.shape[1:-1]) == positions:
+        return None
+    wanted = shape_text(positions).removesuffix(")") + ", C)"
+    return (
+        f"{loss} with {sample.label} as {shape_text(positions)} class ids needs the model to output "
+        f"{wanted} scores, the classes last (C = the number of classes); the model outputs "
+        f"{shape_text(output.shape[1:])}"
+        + (": move the class dimension last (logits.transpose(1, 2))" if output.ndim == 3 else "")
     )
 
 

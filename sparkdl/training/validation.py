@@ -84,8 +84,8 @@ class Validator:
         if rows == 0:
             return {}
         figures = {"val_loss": loss_sum / rows, "val_samples": int(rows)}
-        if self._kind is LabelKind.CLASS_INDEX:
-            figures["val_accuracy"] = score / rows
+        if self._kind is LabelKind.CLASS_INDEX:  # over the class ids: one per row or per position
+            figures["val_accuracy"] = score / max(values, 1.0)
         else:
             figures["val_rmse"] = math.sqrt(score / max(values, 1.0))
         return figures
@@ -112,7 +112,7 @@ class Validator:
         loss = float(self._loss_fn(output, batch.label, batch.weight))
         if self._kind is LabelKind.CLASS_INDEX:
             score = float((output.argmax(dim=-1) == batch.label).sum())
-            values = float(rows)
+            values = float(batch.label.numel())
         else:
             target = (
                 batch.label.float().reshape(output.shape)

@@ -81,6 +81,42 @@ def test_fit_equals_single_process_sgd_on_the_union_of_batches(spark, sizes, epo
         assert record["loss"] > 0 and record["seconds"] > 0
 
 
+def test_a_language_model_fits_the_next_token_at_every_position_and_transforms_to_them(spark):
+    from sparkdl.apps.models import CausalLMFactory
+
+    vocab, length = 11, 6
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(0, vocab, size=(n, length + 1)) for n in (24, 17)]
+    shards = [(s[:, :-1], s[:, 1:]) for s in sequences]  # the label: the same ids, one on
+    rows = [[(x.tolist(), y.tolist()) for x, y in zip(*shard, strict=True)] for shard in shards]
+    rdd = spark.sparkContext.parallelize(range(2), 2).flatMap(lambda i: rows[i])
+    df = spark.createDataFrame(rdd, "tokens array<int>, next array<long>")
+    lm = CausalLMFactory(vocab, length, dim=8, layers=1, heads=2)
+
+    est = estimator(model_fn=lm, inputs={"tokens": "tokens"}, feature_cols=[], label_col="next", epochs=2)
+    model = est.fit(df)
+
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False, model_fn=lm)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+    predicted = model.transform(df).select("tokens", "prediction").collect()
+    with torch.no_grad():
+        argmax = model.module(torch.tensor([r.tokens for r in predicted])).argmax(-1).double()
+    assert [r.prediction for r in predicted] == argmax.tolist()
+    from pyspark.sql import functions as F
+
+    top = max(int(s[:, 1:].max()) for s in sequences)
+    in_range = df.withColumn(
+        "tokens", F.transform("tokens", lambda t: t % (top - 1))
+    )  # labels still reach top
+    small = CausalLMFactory(top - 1, length, dim=8, layers=1, heads=2)
+    with pytest.raises(
+        ModelMismatchError, match=f"holds class ids up to {top} .* outputs {top - 1} scores per position"
+    ):
+        estimator(model_fn=small, inputs={"tokens": "tokens"}, feature_cols=[], label_col="next").fit(
+            in_range
+        )
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])  # the vectors: workers, shards
 def test_lbfgs_fits_pytorchs_iterates_on_the_whole_dataframe_and_reports_each_iteration(spark, strategy):
     from tests.reference import make_learnable_shards

@@ -64,6 +64,22 @@ def test_all_reduce_hides_part_of_its_communication_behind_backward():
         Cluster(6, 4)
 
 
+def test_streaming_sends_a_rounds_bytes_in_fragments_each_hidden_behind_its_delay():
+    work = Workload(params=25_000_000, compute_s=0.3, batch=32, state_copies=1)
+    link, cluster = Link(1), Cluster(16)
+    whole = step_cost(Pattern.RING_PERIODIC, cluster, link, work, tau=100)
+    streamed = step_cost(Pattern.RING_PERIODIC, cluster, link, work, tau=100, fragments=4)
+    state_free = step_cost(Pattern.RING_PERIODIC, cluster, link, Workload(25_000_000, 0.3, 32), tau=100)
+    # the same weights, in four all-reduces of a quarter (latency four times); the state stays home
+    assert streamed.comm_s == pytest.approx(state_free.comm_s + 3 * 2 * 15 * link.latency_s / 100)
+    assert streamed.comm_s < whole.comm_s and streamed.step_s == pytest.approx(0.3 + streamed.comm_s)
+    fragment = streamed.comm_s * 100 / 4
+    overlapped = step_cost(Pattern.RING_PERIODIC, cluster, link, work, tau=100, fragments=4, delay=5)
+    hidden = OVERLAP * min(5 * 0.3, fragment)
+    assert overlapped.step_s == pytest.approx(0.3 + 4 * (fragment - hidden) / 100)
+    assert overlapped.comm_s == pytest.approx(streamed.comm_s)  # hidden, not fewer bytes
+
+
 def _measured(name):
     return json.loads((RESULTS / f"compression_{name}.json").read_text())
 

@@ -33,7 +33,7 @@ def predict_batch(module, batch, spec, device) -> pa.Array:
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 1024])
-@pytest.mark.parametrize("mode", list(OutputMode))
+@pytest.mark.parametrize("mode", [m for m in OutputMode if m is not OutputMode.SEQUENCE])  # its own file
 def test_predictions_match_the_model_on_the_whole_batch_whatever_the_chunking(mode, batch_size):
     x = np.random.default_rng(0).normal(size=(10, 6)).astype(np.float32)
     batch = shard_to_batch(x, np.zeros(10, dtype=np.int64))

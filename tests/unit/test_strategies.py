@@ -15,7 +15,8 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError, TrainingFailedError
 from sparkdl.strategies import StepInput, StrategyContext, create_strategy, strategy_class
 from sparkdl.strategies.allreduce import AllReduceStrategy
-from sparkdl.strategies.weight_averaging import FirstFinishers, WeightAveragingStrategy
+from sparkdl.strategies.periods import FirstFinishers
+from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
 from tests.reference import make_tiny_net
 
 X = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))

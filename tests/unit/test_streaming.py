@@ -1,0 +1,227 @@
+"""Streaming DiLoCo (``fragments > 1``): the fragments' cut and schedule, and on real gloo
+process groups the weights of a plain single-process simulation of the same rounds, with and
+without a delay, a mix and the outer optimizer; resume from a checkpoint; the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
+from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.strategies.outer import CHECKPOINT_KEY
+from sparkdl.strategies.streaming import cut_into_fragments, send_offset
+from tests.reference import make_shards, make_tiny_net, max_abs_diff
+from tests.unit.test_outer_optimizer import run_workers_failing
+from tests.unit.test_worker_gloo import run_workers
+
+LR = 0.1
+
+
+def _plain_sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def test_fragments_are_consecutive_runs_of_about_equal_bytes_and_never_empty():
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([48, 8, 24, 3, 100, 1, 1])]
+    runs = cut_into_fragments(named, 3)
+    assert [[name for name, _ in run] for run in runs] == [["t0", "t1", "t2"], ["t3", "t4"], ["t5", "t6"]]
+    assert [name for run in runs for name, _ in run] == [name for name, _ in named]  # the model's order
+    assert [len(run) for run in cut_into_fragments(named[:2], 5)] == [1, 1]  # one tensor each at most
+    even = cut_into_fragments([(str(i), torch.zeros(10)) for i in range(8)], 4)
+    assert [len(run) for run in even] == [2, 2, 2, 2]
+    assert [send_offset(p, 4, 100) for p in range(4)] == [0, 25, 50, 75]  # one fragment at a time
+
+
+def _send_steps(steps: int, tau: int, fragments: int) -> list[list[int]]:
+    return [
+        [s for s in range(steps) if (s + 1 + send_offset(p, fragments, tau)) % tau == 0]
+        for p in range(fragments)
+    ]
+
+
+def test_each_fragment_is_sent_once_every_sync_every_steps_at_its_own_offset():
+    assert _send_steps(12, 4, 2) == [[3, 7, 11], [1, 5, 9]]
+    assert _send_steps(12, 4, 4) == [[3, 7, 11], [2, 6, 10], [1, 5, 9], [0, 4, 8]]
+
+
+def reference_streaming(
+    shards, batch_size, epochs, tau, fragments, delay, mix, outer_lr=1.0, outer_momentum=0.0, seed=0
+) -> dict[str, torch.Tensor]:
+    """One process, one model per worker, plain PyTorch: local SGD steps; every fragment's
+    weighted average at its send steps, ``torch.optim.SGD(nesterov=True)`` on its global copy
+    ``delay`` steps later, merged with ``mix`` of each worker's own; at each epoch's end the
+    fragments in flight applied, then the whole model averaged (weighted by rows)."""
+    torch.manual_seed(seed)
+    base = make_tiny_net()
+    workers = [copy.deepcopy(base) for _ in shards]
+    inner = [torch.optim.SGD(w.parameters(), lr=LR) for w in workers]
+    names = [name for name, _ in base.named_parameters()]
+    groups = [[n for n, _ in run] for run in cut_into_fragments(list(base.named_parameters()), fragments)]
+    global_ = {n: p.detach().clone() for n, p in base.named_parameters()}
+    outer = {}
+    for index, group in enumerate(groups):
+        tensors = [global_[n].requires_grad_() for n in group]
+        nesterov = outer_momentum > 0
+        outer[index] = torch.optim.SGD(tensors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+    rows_since = [[0] * len(shards) for _ in groups]
+    rows_full = [0] * len(shards)
+    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def params(w):
+        return dict(w.named_parameters())
+
+    def apply(index):
+        _, average = in_flight.pop(index)
+        for n in groups[index]:
+            global_[n].grad = (global_[n] - average[n]).detach()
+        outer[index].step()
+        with torch.no_grad():
+            for w in workers:
+                for n in groups[index]:
+                    params(w)[n].copy_(mix * params(w)[n] + (1 - mix) * global_[n] if mix else global_[n])
+
+    step = 0
+    for _ in range(epochs):
+        steps = max((len(y) + batch_size - 1) // batch_size for _, y in shards)
+        for local in range(steps):
+            for rank, ((x, y), w) in enumerate(zip(shards, workers, strict=True)):
+                xs, ys = (
+                    x[local * batch_size : (local + 1) * batch_size],
+                    y[local * batch_size : (local + 1) * batch_size],
+                )
+                rows = len(ys)
+                if rows:
+                    loss = F.cross_entropy(w(torch.from_numpy(xs)), torch.from_numpy(ys))
+                    inner[rank].zero_grad()
+                    loss.backward()
+                    inner[rank].step()
+                rows_full[rank] += rows
+                for index in range(len(groups)):
+                    rows_since[index][rank] += rows
+            for index, group in enumerate(groups):
+                if (step + 1 + send_offset(index, len(groups), tau)) % tau:
+                    continue
+                total = sum(rows_since[index])
+                weights = [r / total for r in rows_since[index]] if total else []
+                rows_since[index] = [0] * len(shards)
+                if total:
+                    with torch.no_grad():
+                        average = {
+                            n: sum(a * params(w)[n].detach() for a, w in zip(weights, workers, strict=True))
+                            for n in group
+                        }
+                    in_flight[index] = (step + delay, average)
+            for index in [i for i, (due, _) in in_flight.items() if due == step]:
+                apply(index)
+            step += 1
+        for index in list(in_flight):
+            apply(index)
+        total = sum(rows_full)
+        with torch.no_grad():
+            for n in names:
+                mean = sum(r / total * params(w)[n].detach() for r, w in zip(rows_full, workers, strict=True))
+                for w in workers:
+                    params(w)[n].copy_(mean)
+                global_[n].data.copy_(mean)
+        rows_full = [0] * len(shards)
+        rows_since = [[0] * len(shards) for _ in groups]
+    return {k: v.detach().clone() for k, v in workers[0].state_dict().items()}
+
+
+STREAMING = {
+    "strategy": "weight_averaging",
+    "sync_every": 4,
+    "batch_size": 8,
+    "shuffle": False,
+    "seed": 0,
+    "average_optimizer_state": False,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fragments", "delay", "mix", "outer"),
+    [
+        (2, 0, 0.0, {}),  # DiLoCo's round per fragment, plain averaging
+        (2, 2, 0.5, {"outer_optimizer": "nesterov"}),  # overlapped two steps, half the own weights kept
+        (4, 1, 0.0, {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.5}),
+    ],
+)
+def test_streaming_gives_the_weights_of_a_plain_simulation_of_its_rounds(
+    tmp_path, fragments, delay, mix, outer
+):
+    shards = make_shards([50, 21])
+    settings = {**STREAMING, **outer, "fragments": fragments, "fragment_delay": delay, "fragment_mix": mix}
+    state, results = run_workers(shards, tmp_path, optimizer_fn=_plain_sgd, epochs=2, **settings)
+    lr, momentum = (outer.get("outer_lr", 0.7), outer.get("outer_momentum", 0.9)) if outer else (1.0, 0.0)
+    expected = reference_streaming(shards, 8, 2, 4, fragments, delay, mix, lr, momentum)
+    assert max_abs_diff(state, expected) < 1e-5
+    plain, _ = run_workers(shards, tmp_path / "plain", optimizer_fn=_plain_sgd, epochs=2, **STREAMING)
+    assert max_abs_diff(state, plain) > 1e-4  # the fragments took another path than whole-model rounds
+    history = results[0][1]
+    # per epoch 7 steps: each fragment sent at its steps of the period, then the end-of-epoch average
+    model_bytes = sum(t.numel() * 4 for t in state.values())
+    assert 0 < history[0]["bytes_sent"] <= 4 * model_bytes
+
+
+@pytest.mark.slow
+def test_streaming_resumes_from_a_checkpoint_with_its_momentum(tmp_path):
+    shards = make_shards([50, 21])
+    settings = {**STREAMING, "epochs": 2, "fragments": 2, "fragment_delay": 1, "outer_optimizer": "nesterov"}
+    checkpoints = tmp_path / "ckpt"
+    resumable = {**settings, "checkpoint_dir": str(checkpoints), "checkpoint_every": 4}
+    failed = run_workers_failing(
+        shards,
+        tmp_path / "failed",
+        optimizer_fn=_plain_sgd,
+        fault_injection=f"raise:1:9:{tmp_path / 'drill'}",
+        **resumable,
+    )
+    assert "fault drill: rank 1 raised at step 9" in failed
+    saved = CheckpointStore(str(checkpoints))
+    assert saved.latest() == 8
+    state = saved.load(8)
+    assert len(state["strategy"][CHECKPOINT_KEY]) == 4  # every parameter's momentum, both fragments
+    resumed, results = run_workers(shards, tmp_path / "resumed", optimizer_fn=_plain_sgd, **resumable)
+    assert results[0][1][-1]["resumed_from_step"] == 8
+    # the same run without the fault: its checkpoint steps average the whole model too
+    again = {**resumable, "checkpoint_dir": str(tmp_path / "again")}
+    uninterrupted, _ = run_workers(shards, tmp_path / "uninterrupted", optimizer_fn=_plain_sgd, **again)
+    assert max_abs_diff(resumed, uninterrupted) < 1e-6
+    state["strategy"].pop(CHECKPOINT_KEY)  # without the momentum, to show that it is used
+    forgetful = {**resumable, "checkpoint_dir": str(tmp_path / "forgetful")}
+    CheckpointStore(forgetful["checkpoint_dir"]).save(8, state)
+    without, _ = run_workers(shards, tmp_path / "without", optimizer_fn=_plain_sgd, **forgetful)
+    assert max_abs_diff(without, uninterrupted) > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"sync_every": 4, "fragments": 5}, "fragments = 5 is more than sync_every = 4"),
+        (
+            {"sync_every": 4, "fragments": 2, "fragment_delay": 4},
+            "fragment_delay = 4 must be below sync_every = 4",
+        ),
+        ({"fragments": 2, "fragment_mix": 1.0}, "fragment_mix = 1.0 must be below 1"),
+        ({"fragments": 0}, "fragments"),
+    ],
+)
+def test_bad_streaming_settings_fail_when_the_config_is_built(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        SparkDLConfig().replace(strategy="weight_averaging", **settings)
+
+
+def test_streaming_with_backup_workers_is_refused_with_the_fix():
+    from sparkdl.strategies.weight_averaging import WeightAveragingStrategy
+
+    config = SparkDLConfig().replace(
+        strategy="weight_averaging", num_workers=3, fragments=2, wa_backup_workers=1
+    )
+    with pytest.raises(ConfigError, match="fragments = 1 or wa_backup_workers = 0"):
+        WeightAveragingStrategy.check_settings(config)
