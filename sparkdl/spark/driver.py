@@ -50,7 +50,7 @@ from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.watch import MARGIN_S, SlotWatch, collect_watched, fit_job_group
 from sparkdl.strategies import check_settings
-from sparkdl.strategies.pipeline_timing import cut_by_time
+from sparkdl.strategies.pipeline_timing import cut_by_time, wants_time_cut
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
 
@@ -176,10 +176,10 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     check_cluster(
         spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
     )
-    sample = _preflight(df, spec)
+    sample, cut = _preflight(df, spec)
     spec = dataclasses.replace(
         spec,
-        config=cut_by_time(spec.config, spec.model_fn, sample),  # pipeline_balance = "time"
+        config=cut or cut_by_time(spec.config, spec.model_fn, sample),  # pipeline_balance = "time"
         template=sample.head(2) if sample is not None else None,
         lr=_lr_plan(df, config),
     )
@@ -287,25 +287,33 @@ def _train(
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
 
-def _preflight(df: Any, spec: TrainSpec) -> Batch | None:
+def _preflight(df: Any, spec: TrainSpec) -> tuple[Batch | None, SparkDLConfig | None]:
     """The DataFrame's first rows, decoded; with ``runtime.preflight``, mistakes that would
     fail every attempt fail here, once, in seconds: the executors' Python (a Spark job, one
-    task per worker) is checked while the model runs on those rows here (driver CPU)."""
+    task per worker) is checked while the model runs on those rows here (driver CPU). Also
+    the config with the pipeline's cut by measured time, where the check's model was timed
+    (else None: :func:`cut_by_time` builds one)."""
     runtime = spec.config.runtime
     if not runtime.preflight:
-        return sample_batch(df, spec.plan)
+        return sample_batch(df, spec.plan), None
     sample = sample_batch(df, spec.plan)  # first: the check's tasks would hold every slot
+    cut: list[SparkDLConfig] = []
+
+    def time_the_cut(module: torch.nn.Module) -> None:
+        if wants_time_cut(spec.config):
+            cut.append(cut_by_time(spec.config, spec.model_fn, sample, whole=module))
+
     with ThreadPoolExecutor(2, thread_name_prefix="sparkdl-preflight") as pool:
         wait_s = max(runtime.executor_wait_timeout_s, 60.0)
         workers = spec.config.training.num_workers
         environment = pool.submit(check_executor_environment, df.sparkSession, wait_s, workers)
         labels = pool.submit(label_range, df, spec.plan)
         try:
-            report = check_model(df, spec, sample)
+            report = check_model(df, spec, sample, on_model=time_the_cut)
             check_label_range(labels.result(), report, spec.plan.label.name if spec.plan.label else "")
         finally:
             environment.result()  # a wrong environment is the first thing to fix: its error wins
-    return sample
+    return sample, (cut[0] if cut else None)
 
 
 def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:

@@ -9,14 +9,15 @@ The model check itself is :func:`sparkdl.training.trial.preflight` (pure torch).
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import torch
 from pyspark.sql import functions as F
+from torch import nn
 
 from sparkdl.config import UseGpu
 from sparkdl.data.columns import LabelKind
@@ -39,7 +40,11 @@ _GPU_KEYS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amou
 
 
 def check_model(
-    df: Any, spec: TrainSpec, batch: Batch | None, rows: int = PREFLIGHT_ROWS
+    df: Any,
+    spec: TrainSpec,
+    batch: Batch | None,
+    rows: int = PREFLIGHT_ROWS,
+    on_model: Callable[[nn.Module], None] | None = None,
 ) -> PreflightReport | None:
     """Run the model, loss and one backward on ``batch`` (the first rows of ``df``,
     from :func:`sample_batch`) on the driver.
@@ -50,6 +55,9 @@ def check_model(
     Returns:
         the report (output shape, parameter count), or None when ``batch`` is None (no
         usable row: the training stage then raises its own error, with the full count).
+
+    ``on_model`` is handed the model the check built, before its forward (the pipeline's cut
+    by measured time times it instead of building another).
 
     Raises:
         ModelMismatchError: the model, the loss and the data do not fit together.
@@ -73,9 +81,7 @@ def check_model(
         keyword=plan.keyword,
         label_integer=label_integer,
         strict=_strict(df.sparkSession, spec),
-        model_check=None  # the user's own split: it runs on the workers' mesh only
-        if spec.parallelize_fn is not None
-        else functools.partial(strategy_class(spec.config.training.strategy).check_model, config=spec.config),
+        model_check=_model_check(spec, on_model),
     )
     if report.parameters * 4 >= _COLLECT_ABOVE_BYTES:
         # The check's model is gone once nothing refers to it, unless the user's model holds
@@ -86,6 +92,22 @@ def check_model(
         gc.collect()
     log.info("%s", report.summary())
     return report
+
+
+def _model_check(
+    spec: TrainSpec, on_model: Callable[[nn.Module], None] | None
+) -> Callable[[nn.Module], None]:
+    """The strategy's rules for the model (not for a user's own split: it runs on the workers'
+    mesh only), then ``on_model``."""
+    rules = strategy_class(spec.config.training.strategy).check_model
+
+    def check(module: nn.Module) -> None:
+        if spec.parallelize_fn is None:
+            rules(module, spec.config)
+        if on_model is not None:
+            on_model(module)
+
+    return check
 
 
 def label_range(df: Any, plan: DataPlan) -> tuple[float, float] | None:

@@ -100,27 +100,37 @@ def timed_split(whole: nn.Sequential, x: torch.Tensor, stages: int) -> tuple[tup
     return tuple(named[i][0] for i in starts[1:]), per_stage
 
 
+def wants_time_cut(config: SparkDLConfig) -> bool:
+    """Whether the pipeline cuts by measured time (``pipeline_balance = "time"``, no ``split_before``)."""
+    pipeline = config.pipeline
+    return (
+        config.training.strategy is Strategy.PIPELINE
+        and pipeline.pipeline_balance is PipelineBalance.TIME
+        and not pipeline.split_before
+    )
+
+
 def cut_by_time(
-    config: SparkDLConfig, model_fn: Callable[[], nn.Module], batch: Batch | None
+    config: SparkDLConfig,
+    model_fn: Callable[[], nn.Module],
+    batch: Batch | None,
+    whole: nn.Module | None = None,
 ) -> SparkDLConfig:
     """``config`` with ``split_before`` set by measured time, where the pipeline asks for it
-    (``pipeline_balance = "time"`` and no ``split_before``); else ``config`` unchanged.
+    (:func:`wants_time_cut`); else ``config`` unchanged. ``whole``: a model ``model_fn``
+    already built (the preflight's), timed instead of building another.
 
     Raises:
         ConfigError: no rows to time the layers on, or rows of several inputs.
     """
-    pipeline = config.pipeline
-    wanted = (
-        config.training.strategy is Strategy.PIPELINE and pipeline.pipeline_balance is PipelineBalance.TIME
-    )
-    if not wanted or pipeline.split_before:
+    if not wants_time_cut(config):
         return config
     if batch is None:
         raise ConfigError(
             "pipeline_balance = 'time' times the layers on the DataFrame's first rows, and none was "
             "usable; set pipeline_balance = 'parameters' or pipeline.split_before"
         )
-    whole = build_model(model_fn)
+    whole = build_model(model_fn) if whole is None else whole
     if not isinstance(whole, nn.Sequential):  # the strategy's own check says how to fix it
         return config
     stages = Layout.of(config, config.training.num_workers).stages

@@ -186,8 +186,8 @@ class StreamingRounds:
         merged = fragment.outer.step_from(averages)
         with torch.no_grad():
             for tensor, new in zip(fragment.tensors, merged, strict=True):
-                if self._mix:
-                    tensor.copy_(new.to(tensor.dtype).lerp(tensor, self._mix))
+                if self._mix:  # in float32: a bf16 model's weights are rounded once, at the copy
+                    tensor.copy_(new.lerp(tensor.float(), self._mix))
                 else:
                     tensor.copy_(new)
         self._exchange.remember(

@@ -301,11 +301,17 @@ def test_transform_save_load_round_trip_gives_identical_predictions(spark, tmp_p
     ],
 )
 def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_one(
-    spark, tmp_path, settings, caplog
+    spark, tmp_path, settings, caplog, monkeypatch
 ):
     """Each worker held one stage (pipeline, cut where the layers' measured time is even)
     or half of the first layer pair (tensor, split by the user's ``parallelize_fn``; the
     built-in plan is the unit tests'); the driver's model is the whole one, gathered."""
+    from sparkdl.strategies import pipeline_timing
+
+    def no_second_model(model_fn):
+        raise AssertionError("the cut by time built a model of its own: it times the preflight's")
+
+    monkeypatch.setattr(pipeline_timing, "build_model", no_second_model)
     shards = make_shards([40, 23])
     df = shards_dataframe(spark, shards)
     est = estimator(model_fn=make_deep_net, epochs=2, shuffle=True, **settings)

@@ -143,30 +143,46 @@ STREAMING = {
 }
 
 
+@pytest.fixture(scope="module")
+def whole_rounds(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The same run in whole-model rounds (``fragments = 1``)."""
+    shards = make_shards([50, 21])
+    state, _ = run_workers(
+        shards, tmp_path_factory.mktemp("whole"), optimizer_fn=_plain_sgd, epochs=2, **STREAMING
+    )
+    return state
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fragments", "delay", "mix", "outer"),
     [
         (2, 0, 0.0, {}),  # DiLoCo's round per fragment, plain averaging
         (2, 2, 0.5, {"outer_optimizer": "nesterov"}),  # overlapped two steps, half the own weights kept
+        # gloo's sockets: each fragment's sum an asynchronous all-reduce under the next steps
+        (2, 2, 0.5, {"outer_optimizer": "nesterov", "shared_memory": False}),
         (4, 1, 0.0, {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.5}),
     ],
 )
 def test_streaming_gives_the_weights_of_a_plain_simulation_of_its_rounds(
-    tmp_path, fragments, delay, mix, outer
+    tmp_path, whole_rounds, fragments, delay, mix, outer
 ):
     shards = make_shards([50, 21])
     settings = {**STREAMING, **outer, "fragments": fragments, "fragment_delay": delay, "fragment_mix": mix}
     state, results = run_workers(shards, tmp_path, optimizer_fn=_plain_sgd, epochs=2, **settings)
-    lr, momentum = (outer.get("outer_lr", 0.7), outer.get("outer_momentum", 0.9)) if outer else (1.0, 0.0)
+    nesterov = outer.get("outer_optimizer") == "nesterov"
+    lr, momentum = (outer.get("outer_lr", 0.7), outer.get("outer_momentum", 0.9)) if nesterov else (1.0, 0.0)
     expected = reference_streaming(shards, 8, 2, 4, fragments, delay, mix, lr, momentum)
     assert max_abs_diff(state, expected) < 1e-5
-    plain, _ = run_workers(shards, tmp_path / "plain", optimizer_fn=_plain_sgd, epochs=2, **STREAMING)
-    assert max_abs_diff(state, plain) > 1e-4  # the fragments took another path than whole-model rounds
-    history = results[0][1]
-    # per epoch 7 steps: each fragment sent at its steps of the period, then the end-of-epoch average
-    model_bytes = sum(t.numel() * 4 for t in state.values())
-    assert 0 < history[0]["bytes_sent"] <= 4 * model_bytes
+    assert max_abs_diff(state, whole_rounds) > 1e-4  # the fragments took another path than whole-model rounds
+    # epoch 1's 7 steps: each fragment at its own steps, then the whole model at the epoch's end
+    # (two workers: a sum sends its payload once, in the ring or into shared memory)
+    runs = cut_into_fragments(list(make_tiny_net().named_parameters()), fragments)
+    sends = _send_steps(7, 4, len(runs))
+    fragment_bytes = [sum(t.numel() * 4 for _, t in run) for run in runs]
+    model_bytes = sum(fragment_bytes)
+    expected_bytes = sum(len(steps) * b for steps, b in zip(sends, fragment_bytes, strict=True)) + model_bytes
+    assert results[0][1][0]["bytes_sent"] == expected_bytes
 
 
 @pytest.mark.slow
