@@ -81,6 +81,18 @@ VARIANTS = [
             "fragment_mix": 0.5,
         },
     ),
+    ("weight_averaging tau=200", {"strategy": "weight_averaging", "sync_every": 200}),
+    (
+        "weight_averaging tau=200 nesterov streaming",
+        {
+            "strategy": "weight_averaging",
+            "sync_every": 200,
+            "outer_optimizer": "nesterov",
+            "fragments": 4,
+            "fragment_delay": 5,
+            "fragment_mix": 0.5,
+        },
+    ),
     ("parameter_server sync", {"strategy": "parameter_server", "ps_mode": "sync"}),
     (
         "parameter_server sync 1bit",
