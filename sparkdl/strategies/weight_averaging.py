@@ -204,18 +204,23 @@ class WeightAveragingStrategy(SyncStrategy):
         return super().end_epoch()
 
     def _fragment_rows(self, rows: int) -> float:
-        """The rows every worker trained since a fragment's last round (one small sum, which
-        raises on every rank when one of them must stop)."""
+        """The rows every worker trained since a fragment's last round."""
+        total, _ = self._round_message(rows, 0)
+        return total
+
+    def _round_message(self, rows: int, state_values: int) -> tuple[float, list[int]]:
+        """The one small sum before an average: the round's total rows and every rank's
+        optimizer-state values; raises on every rank when one of them must stop."""
         round_ = RoundMessage(self.ctx.world_size)
-        vector = round_.pack(self.ctx.rank, rows, self._stopping is not None, 0, self.ctx.device)
+        vector = round_.pack(self.ctx.rank, rows, self._stopping is not None, state_values, self.ctx.device)
         self.ctx.exchange.sum_(vector)
-        total, stopped, _ = round_.unpack(vector)
+        total, stopped, states = round_.unpack(vector)
         if stopped:
             raise agreed(
                 self._stopping
                 or PeerStopped(f"rank {self.ctx.rank} stopped with rank(s) {stopped}, which failed")
             )
-        return total
+        return total, states
 
     def _period_ended(self, step: StepInput) -> bool:
         """Whether the period has ended without this worker: asked of the store before each
@@ -238,17 +243,9 @@ class WeightAveragingStrategy(SyncStrategy):
         """Average every worker's weights (and state); after a full round of ``sync_every``
         steps, the outer optimizer steps on the round's change. A round cut short is averaged
         plainly: its change joins the next full round's, measured from the same start."""
-        world, rank = self.ctx.world_size, self.ctx.rank
-        round_ = RoundMessage(world)
         state = sum(t.numel() for _, (_, t) in self._optimizer_state()) if self._average_state else 0
-        vector = round_.pack(rank, self._rows_since_sync, self._stopping is not None, state, self.ctx.device)
-        self.ctx.exchange.sum_(vector)
-        total, stopped, states = round_.unpack(vector)
-        if stopped:
-            raise agreed(
-                self._stopping or PeerStopped(f"rank {rank} stopped with rank(s) {stopped}, which failed")
-            )
-        if rank == 0:  # every rank is past its last look at the period's counter: drop it
+        total, states = self._round_message(self._rows_since_sync, state)
+        if self.ctx.rank == 0:  # every rank is past its last look at the period's counter: drop it
             self._ending.forget(self._period)
         named: list[Named] = list(self._model_tensors())
         exact: list[Named] = []  # averaged without a lossy codec
