@@ -97,13 +97,15 @@ def test_a_cut_by_time_gives_a_slow_layer_a_stage_of_its_own_where_parameters_wo
 
     whole = sleepy_net()
     seconds = layer_seconds(list(whole), torch.randn(8, 6), repeats=2)
-    assert seconds[0] >= 0.03 and max(seconds[1:]) < 0.01, seconds
+    # the sleep bounds the slow layer from below; the others are microseconds, but a loaded
+    # machine can stretch them to milliseconds: compare with the sleep, not with a ratio
+    assert seconds[0] >= 0.03 > sum(seconds[1:]), seconds
     names = [name for name, _ in whole.named_children()]
     costs = [sum(p.numel() for p in layer.parameters()) for layer in whole]
     assert [names[i] for i in balance(costs, 2)] == ["0", "4"]  # 84 parameters on either side
     split, per_stage = timed_split(whole, torch.randn(8, 6), 2)
     assert split == ("2",)  # the slow layer and its activation alone; the activation stays with it
-    assert per_stage[0] > 10 * per_stage[1], per_stage
+    assert per_stage[0] >= 0.03 > per_stage[1], per_stage
     with pytest.raises(ConfigError, match=r"3 top-level layers with trainable parameters; .* into 4"):
         timed_split(sleepy_net()[:5], torch.randn(8, 6), 4)
 
