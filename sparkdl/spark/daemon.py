@@ -28,6 +28,8 @@ import torch  # imported for the forked workers
 import torch.distributed
 from pyspark.daemon import manager
 
+from sparkdl.worker.address_space import reserve_less_before_forking
+
 
 def _warm() -> None:
     """Import what a worker's first steps import lazily: building the first optimizer
@@ -43,5 +45,6 @@ def _prepare() -> None:
 
 
 if __name__ == "__main__":
+    reserve_less_before_forking()  # where spark.executor.pyspark.memory limits the workers
     _prepare()
     manager()

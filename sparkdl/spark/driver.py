@@ -416,6 +416,7 @@ def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | Non
         record["worker_seconds"] = [per_worker[r][i]["seconds"] for r in range(n)]
         record["worker_nan_skips"] = [per_worker[r][i]["nan_skips"] for r in range(n)]
         record["worker_peak_gpu_mb"] = [per_worker[r][i].get("peak_gpu_mb", 0.0) for r in range(n)]
+        record["worker_peak_host_mb"] = [per_worker[r][i].get("peak_host_mb", 0.0) for r in range(n)]
         record["worker_bytes_across_hosts"] = [
             per_worker[r][i].get("bytes_across_hosts", 0) for r in range(n)
         ]

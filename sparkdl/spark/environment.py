@@ -280,14 +280,14 @@ _MEMORY_SIGNS = (
     ),
     (
         ("CUDA out of memory", "OutOfMemoryError: CUDA"),
-        'the GPU ran out of memory: lower batch_size, train in precision = "bf16", or shard the '
-        'model across the workers with strategy = "fsdp"',
+        'the GPU ran out of memory: lower batch_size, train in precision = "bf16", or split the '
+        'model across the workers with strategy = "fsdp", "pipeline" or "tensor"',
     ),
     (
         ("DefaultCPUAllocator: can't allocate memory", "Python worker exited unexpectedly", "MemoryError"),
         "a Python worker ran out of memory (or was killed by the system for it): give executors more "
-        "memory (spark.executor.pyspark.memory caps it when set), run fewer workers per host, or shard "
-        'the model with strategy = "fsdp"',
+        "memory (spark.executor.pyspark.memory caps it when set), run fewer workers per host, or split "
+        'the model across the workers with strategy = "fsdp", "pipeline" or "tensor"',
     ),
 )
 

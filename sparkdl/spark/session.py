@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.worker.address_space import UNDER_A_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ def recommended_conf(config: SparkDLConfig) -> dict[str, str]:
 
 #: The Spark setting naming the Python worker daemon; sparkdl's imports torch before forking.
 DAEMON_MODULE = "spark.python.daemon.module"
+#: Each Python worker's memory, which PySpark sets as its address-space limit.
+PYSPARK_MEMORY = "spark.executor.pyspark.memory"
 
 
 def build_session(
@@ -60,10 +63,13 @@ def build_session(
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    conf = recommended_conf(config)
+    conf = {**recommended_conf(config), **(extra or {})}
     if master and master.startswith("local"):  # executors run this interpreter, which has sparkdl
-        conf[DAEMON_MODULE] = "sparkdl.spark.daemon"
-    for key, value in {**conf, **(extra or {})}.items():
+        conf.setdefault(DAEMON_MODULE, "sparkdl.spark.daemon")
+    if PYSPARK_MEMORY in conf:  # a limit on the workers' address space: reserve none of it ahead
+        for name, value in UNDER_A_LIMIT.items():
+            conf.setdefault(f"spark.executorEnv.{name}", value)
+    for key, value in conf.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
 

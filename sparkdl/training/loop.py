@@ -95,6 +95,7 @@ class EpochResult:
     sync: SyncStats = field(default_factory=SyncStats)
     nan_skips: int = 0
     peak_gpu_mb: float = 0.0  # the worker's peak CUDA memory so far (0 on CPU)
+    peak_host_mb: float = 0.0  # the worker process's peak resident memory so far
 
     def record(self) -> dict[str, Any]:
         """The epoch's entry of ``history``: its figures and the strategy's, flat."""
@@ -286,6 +287,7 @@ class Trainer:
             sync=self.strategy.end_epoch(),
             nan_skips=tally.nan_skips,
             peak_gpu_mb=_peak_gpu_mb(self._ctx.device),
+            peak_host_mb=peak_host_mb(),
         )
         return result, tally
 
@@ -369,6 +371,18 @@ def next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None
         if not streaming:
             raise
         return None, exc
+
+
+def peak_host_mb() -> float:
+    """This process's peak resident memory so far, in MB (``VmHWM``; 0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return 0.0
 
 
 def _peak_gpu_mb(device: torch.device) -> float:
