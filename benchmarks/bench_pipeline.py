@@ -307,7 +307,7 @@ def wide_model_bytes(batch: int) -> dict[str, float]:
     }
 
 
-def memory() -> dict[str, Any]:
+def memory(only: set[str] | None = None) -> dict[str, Any]:
     """Each worker's peak memory above its RSS before the model is built, training the
     1.0B-parameter bfloat16 model for 2 steps of 4 rows on 2 workers, SGD without momentum
     (no optimizer state): all-reduce holds the whole model and its gradients, the others
@@ -328,6 +328,8 @@ def memory() -> dict[str, Any]:
         ("pipeline", {"strategy": "pipeline", "microbatches": 2}),
         ("tensor", {"strategy": "tensor"}),
     ):
+        if only and name not in only:
+            continue
         figures = fit(2, 8, "billion", **base, **settings)
         variants[name] = figures
         print(f"{name}: peak per worker {[round(g, 2) for g in figures['peak_gb']]} GB", flush=True)
@@ -341,8 +343,10 @@ def main() -> None:
     parser.add_argument("part", choices=["schedule", "wide", "memory"])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--output", default="", help="default: benchmarks/results/pipeline_<part>.json")
+    parser.add_argument("--only", default="", help="memory: these strategies, comma-separated (default: all)")
     args = parser.parse_args()
-    parts = {"schedule": schedule, "wide": wide, "memory": lambda epochs: memory()}
+    only = set(filter(None, args.only.split(",")))
+    parts = {"schedule": schedule, "wide": wide, "memory": lambda epochs: memory(only)}
     figures = parts[args.part](args.epochs)
     output = args.output or str(ROOT / "benchmarks" / "results" / f"pipeline_{args.part}.json")
     save_report(output, variants=figures)

