@@ -253,6 +253,19 @@ _RECORD_MARK = "sparkdl-error-record"
 _RECORD_PATTERN = re.compile(rf"\[{_RECORD_MARK}:([A-Za-z0-9+/=]+)\]")
 
 
+_CAUSE_CHARS = 500
+
+
+def _root_cause(error: BaseException, depth: int = 10) -> BaseException:
+    """The innermost error ``error`` was explicitly raised from (``raise ... from``), at most
+    ``depth`` links down; ``error`` itself where it has no cause. torch's pipeline schedule,
+    for one, raises "Failed to run stage backward" from the allocator's "can't allocate
+    memory"."""
+    while error.__cause__ is not None and depth > 0:
+        error, depth = error.__cause__, depth - 1
+    return error
+
+
 @dataclass(frozen=True)
 class ErrorRecord:
     """A worker's error as data: its class, message and fields, and where it happened.
@@ -290,6 +303,9 @@ class ErrorRecord:
                 error.agreed_by_all_ranks,
             )
         text = f"{type(error).__name__}: {error}"
+        root = _root_cause(error)
+        if root is not error and str(root) not in str(error):  # a library's wrapper hid it
+            text += f" (caused by {type(root).__name__}: {str(root)[:_CAUSE_CHARS]})"
         where = f"rank {rank}" if rank is not None else "a worker"
         return cls(
             "TrainingFailedError",

@@ -150,3 +150,23 @@ def test_every_timeout_shares_one_base_that_names_the_setting_to_raise():
     assert issubclass(errors.PsTimeoutError, errors.ParameterServerError)
     back = ErrorRecord.from_json(ErrorRecord.of(sample(errors.PsTimeoutError)).to_json()).to_error()
     assert (back.setting, back.limit_s) == ("runtime.collective_timeout_s", 60.0)
+
+
+def test_a_wrapped_error_records_its_root_cause_and_the_memory_hint_reads_it():
+    """torch's pipeline schedule raises "Failed to run stage backward" from the allocator's
+    error: the record names the allocator, so the driver's memory hint applies."""
+    from sparkdl.errors import ErrorRecord
+    from sparkdl.spark.environment import memory_hint
+
+    try:
+        try:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 MiB")
+        except RuntimeError as exc:
+            raise RuntimeError("\n        Failed to run stage backward:\n        Stage output: ...") from exc
+    except RuntimeError as wrapped:
+        record = ErrorRecord.of(wrapped, rank=3)
+    assert "Failed to run stage backward" in record.message
+    assert "(caused by RuntimeError: DefaultCPUAllocator: can't allocate memory" in record.message
+    assert "spark.executor.pyspark.memory" in memory_hint(record.message)
+    plain = ErrorRecord.of(ValueError("bad"), rank=0)
+    assert plain.message == "rank 0 failed: ValueError: bad"  # no cause, nothing added
