@@ -114,4 +114,5 @@ def main(out: Path, limit_mb: int, allreduce: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else LIMIT_MB, sys.argv[3:] == ["allreduce"])
+    limit_mb = int(sys.argv[2]) if len(sys.argv) > 2 else LIMIT_MB
+    main(Path(sys.argv[1]), limit_mb, sys.argv[3:] == ["allreduce"])
