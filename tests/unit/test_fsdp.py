@@ -198,15 +198,21 @@ def make_scaled_net() -> nn.Module:
     return ScaledNet()
 
 
+def all_reduce_weights(shards, tmp_path: Path, model_fn, optimizer_fn, **settings) -> dict:
+    """Rank 0's final weights of the same fit under all-reduce (the default strategy)."""
+    plan, template = shard_plan(shards)
+    config = SparkDLConfig().replace(num_workers=len(shards), collective_timeout_s=30.0, **settings)
+    spec = TrainSpec(config, model_fn, optimizer_fn, "cross_entropy", plan, template)
+    weights: dict = {}
+    spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path, weights=weights)
+    return weights
+
+
 def test_a_model_with_a_non_persistent_buffer_is_built_whole_and_trains_as_all_reduce(tmp_path):
     shards = make_shards([50, 21])
     settings = {"batch_size": 8, "epochs": 2, "shuffle": False}
     state, _ = train(shards, tmp_path / "fsdp", model_fn=make_scaled_net, **settings)
-    plan, template = shard_plan(shards)
-    config = SparkDLConfig().replace(num_workers=2, collective_timeout_s=30.0, **settings)
-    spec = TrainSpec(config, make_scaled_net, _sgd, "cross_entropy", plan, template)
-    weights: dict = {}
-    spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path / "allreduce", weights=weights)
+    weights = all_reduce_weights(shards, tmp_path / "allreduce", make_scaled_net, _sgd, **settings)
     assert max_abs_diff(state, weights) < 1e-5
     assert max_abs_diff(state, make_tiny_net().state_dict()) > 1e-2  # it did train
 
@@ -223,11 +229,7 @@ def test_a_flat_stack_sharded_in_runs_trains_as_all_reduce(tmp_path):
     shards = make_shards([50, 21])
     settings = {"batch_size": 8, "epochs": 2, "shuffle": False}
     state, _ = train(shards, tmp_path / "fsdp", _adam, model_fn=make_flat_net, **settings)
-    plan, template = shard_plan(shards)
-    config = SparkDLConfig().replace(num_workers=2, collective_timeout_s=30.0, **settings)
-    spec = TrainSpec(config, make_flat_net, _adam, "cross_entropy", plan, template)
-    weights: dict = {}
-    spawn([[shard_to_batch(x, y)] for x, y in shards], spec, tmp_path / "allreduce", weights=weights)
+    weights = all_reduce_weights(shards, tmp_path / "allreduce", make_flat_net, _adam, **settings)
     assert max_abs_diff(state, weights) < 1e-5
     torch.manual_seed(0)
     assert max_abs_diff(state, make_flat_net().state_dict()) > 1e-3  # it did train
