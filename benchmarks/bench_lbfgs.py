@@ -10,6 +10,13 @@ one yardstick. Passes: sparkdl's history counts them; Spark's are its jobs (one
 treeAggregate per evaluation of the objective).
 
     .venv/bin/python benchmarks/bench_lbfgs.py [--copies 20] [--reg 1e-3]
+
+``--advise``: the advisor's predicted pass (``sparkdl.advise`` on an L-BFGS estimator) against
+the passes of fits with the vectors on the workers and on the parameter server's shards, for
+the softmax regression above and a wide MLP (64-2048-2048-10, 4.3M parameters) on a few rows,
+whose gradient's exchange is a large part of its pass (run it under slow-net to see it):
+
+    ../shared/tools/slow-net --rate 1gbit -- .venv/bin/python benchmarks/bench_lbfgs.py --advise
 """
 
 from __future__ import annotations
@@ -66,14 +73,82 @@ def jobs_in(spark, group: str) -> int:
     return len(spark.sparkContext.statusTracker().getJobIdsForGroup(group))
 
 
+def wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, CLASSES)
+    )
+
+
+def measured_pass_s(history: list[dict]) -> float:
+    """The median seconds of a pass over the iterations after the first (whose first pass
+    streams from Spark): an iteration's seconds over its evaluations."""
+    per_pass = sorted(h["seconds"] / h["evaluations"] for h in history[1:])
+    return per_pass[len(per_pass) // 2]
+
+
+def advise_against_fits(args: argparse.Namespace) -> None:
+    """Each workload: the advice's predicted pass per layout, then a fit in each layout (after
+    an untimed first fit that starts the workers), and the ratio predicted / measured."""
+    from sparkdl import advise
+
+    spark = bench_session("bench_lbfgs_advise")
+    results = {}
+    workloads = {
+        # the real problem: 35,940 rows, 640 parameters (the exchange is nothing)
+        "softmax regression": (softmax_regression, digits(args.copies, seed=0), 8192),
+        # 4.3M parameters (17.3 MB) on 800 rows: the exchange is a large part of a pass
+        "wide MLP": (wide_mlp, digits(1, seed=0), 100),
+    }
+    for name, (model_fn, (x, y), batch) in workloads.items():
+        if name == "wide MLP":
+            x, y = x[:800], y[:800]
+        rows = [(row.tolist(), int(label)) for row, label in zip(x, y, strict=True)]
+        df = spark.createDataFrame(rows, "features array<float>, label long").repartition(2).cache()
+        df.count()
+        base = dict(
+            model_fn=model_fn, feature_cols=["features"], num_workers=2, seed=0, optimizer="lbfgs", lr=1.0,
+            weight_decay=args.reg, batch_size=batch, collective_timeout_s=120.0, progress=False,
+            tolerance_grad=0.0, tolerance_change=0.0,
+        )  # fmt: skip
+        TorchEstimator(**base, max_iterations=2).fit(df)  # the workers' start: not timed
+        advice = advise(df, TorchEstimator(**base), steps=4, budget_s=0.5)
+        print(advice, flush=True)
+        entry = {"advice": advice.to_dict(), "layouts": {}}
+        for row in advice.rows:
+            strategy = row.settings["strategy"]
+            model = TorchEstimator(**base, strategy=strategy, max_iterations=args.advise_iterations).fit(df)
+            pass_s = measured_pass_s(model.history)
+            entry["layouts"][row.name] = {
+                "predicted_pass_s": row.epoch_s,
+                "measured_pass_s": pass_s,
+                "predicted_over_measured": row.epoch_s / pass_s,
+                "iterations": len(model.history),
+                "passes": model.history[-1]["passes"],
+            }
+            print(name, row.name, entry["layouts"][row.name], flush=True)
+        entry["recommended"] = advice.recommended.name
+        entry["measured_faster"] = min(entry["layouts"], key=lambda k: entry["layouts"][k]["measured_pass_s"])
+        results[name] = entry
+    save_report(args.out, results=results)
+    spark.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--advise", action="store_true", help="the advisor's pass against fits' (see above)")
+    parser.add_argument("--advise-iterations", type=int, default=12)
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--reg", type=float, default=1e-3)
     parser.add_argument("--max-iterations", type=int, default=200)
     parser.add_argument("--step-epochs", default="20,60,180", help="epochs of each step-wise run")
     parser.add_argument("--out", default=str(HERE / "results" / "lbfgs.json"))
     args = parser.parse_args()
+    if args.advise:
+        if args.out == str(HERE / "results" / "lbfgs.json"):
+            args.out = str(HERE / "results" / "lbfgs_advise.json")
+        advise_against_fits(args)
+        return
     x, y = digits(args.copies, seed=0)
     x_test, y_test = digits(1, seed=1)
     spark = bench_session("bench_lbfgs")

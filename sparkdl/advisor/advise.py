@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sparkdl.advisor.costmodel import ModelShape
+from sparkdl.advisor.full_batch import FullBatchRun, chosen_layouts, full_batch_candidates, predict_full_batch
 from sparkdl.advisor.predict import (
     LOCAL,
     Advice,
@@ -31,9 +32,10 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.config import Hierarchy, Strategy
+from sparkdl.config import Hierarchy, OptimizerName, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
+from sparkdl.services.ps.store import shards_for
 from sparkdl.spark.cluster import check_cluster, described, driver_host, executor_hosts, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
 from sparkdl.spark.preflight import sample_batch
@@ -42,6 +44,7 @@ from sparkdl.spark.resources import training_profile
 from sparkdl.spark.task import PROBE_SCHEMA, probe_partition
 from sparkdl.strategies import REGISTRY, check_settings, strategy_class
 from sparkdl.training.factory import build_model
+from sparkdl.training.full_batch import vector_op_seconds
 from sparkdl.worker.assembly import TrainSpec
 from sparkdl.worker.probe import ProbeCandidate, ProbeSpec
 
@@ -108,12 +111,8 @@ def advise(
         )
     dataset, spec = estimator.training_spec(df)
     config = spec.config
-    if config.optimizer.optimizer.value == "lbfgs":
-        raise ConfigError(
-            "advise compares the strategies of step-wise training; optimizer = 'lbfgs' trains "
-            "full-batch with strategy 'allreduce' only, so there is nothing to choose: fit it, or "
-            "advise with a step-wise optimizer (optimizer = 'sgd', ...)"
-        )
+    if config.optimizer.optimizer is OptimizerName.LBFGS:
+        return advise_full_batch(dataset, spec, steps, budget_s, passes, strategies, project_to)
     spread = config.runtime.hierarchy is Hierarchy.NONE and not is_connect(df.sparkSession)
     probed, derived = probe_set(
         config.weight_averaging.sync_every,
@@ -129,6 +128,51 @@ def advise(
     advice = predict(result, probed, derived, total_rows, project_to, steps_per_epoch, patterns)
     log.info("strategy advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
     return advice
+
+
+def advise_full_batch(
+    df: Any,
+    spec: TrainSpec,
+    steps: int,
+    budget_s: float,
+    passes: int,
+    strategies: Sequence[str] | None,
+    project_to: Sequence[int],
+) -> Advice:
+    """``advise`` for ``optimizer = "lbfgs"``: a pass over the data with L-BFGS's vectors on
+    every worker (``allreduce``) or on the parameter server's shards, from the probe's local
+    step and server step (:mod:`sparkdl.advisor.full_batch`).
+
+    Raises:
+        ConfigError: ``strategies`` names neither layout (their names listed).
+    """
+    layouts = chosen_layouts(strategies)
+    config = spec.config
+    total_rows, batches = run_length(df, spec)
+    result = probe(df, spec, full_batch_candidates(layouts), steps, budget_s, passes)
+    run = FullBatchRun(
+        total_rows=total_rows,
+        batches=batches,
+        history=config.lbfgs.history_size,
+        shards=shards_for(result.params, config.parameter_server.ps_shards),
+        worker_op_s=result.vector_op_s,  # timed on every worker at once, as their algebra runs
+        driver_op_s=_driver_op_seconds(result.params, config),
+    )
+    advice = predict_full_batch(result, run, layouts, project_to)
+    log.info("L-BFGS advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
+    return advice
+
+
+def _driver_op_seconds(params: int, config: SparkDLConfig) -> float:
+    """A vector operation of L-BFGS's algebra on this driver, on as many torch threads as the
+    parameter server's coordinator will have (``ps_torch_threads``; 0: the driver's own)."""
+    threads, previous = config.parameter_server.ps_torch_threads, torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        return vector_op_seconds(params, config.lbfgs.history_size, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(previous)
 
 
 def chosen_candidates(
@@ -229,6 +273,8 @@ def probe(
         microbatches=config.pipeline.microbatches,
         group=config.tensor.tp_size,
         accumulate=config.training.accumulate_steps,
+        gradient_sum_s=float(figures.get("gradient_sum_s", 0.0)),
+        vector_op_s=float(figures.get("vector_op_s", 0.0)),
     )
 
 

@@ -205,6 +205,10 @@ class ProbeResult:
     microbatches: int = 1
     group: int = 0
     accumulate: int = 1
+    # with optimizer = "lbfgs", the slowest rank's: a pass's sums (its totals and its gradient,
+    # through the exchange fit forms) and a model-sized vector operation of its algebra
+    gradient_sum_s: float = 0.0
+    vector_op_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -230,11 +234,14 @@ class Advice:
     total_rows: int
     probe: ProbeResult
     projections: dict[str, dict[int, float]] = field(default_factory=dict)
+    unit: str = "epoch"  # what a row's seconds time: an epoch, or one pass of full-batch L-BFGS
+    preference: tuple[str, ...] = PREFERENCE  # among tied exact rows, the first of these
+    note: str = ""  # said after the summary
 
     @property
     def recommended(self) -> Prediction:
         """The fastest candidate that takes the same step as all-reduce (the safe choice);
-        within ``TIE`` of it, the simplest to run by :data:`PREFERENCE`: the probe's figures
+        within ``TIE`` of it, the simplest to run by ``preference``: the probe's figures
         are no finer than that. Without an exact candidate among the rows (``strategies``
         left none), the fastest."""
         exact = [row for row in self.rows if row.exact]
@@ -242,7 +249,7 @@ class Advice:
             return self.rows[0]
         best = exact[0]
         close = {row.name: row for row in exact if row.samples_per_s >= (1 - TIE) * best.samples_per_s}
-        return next((close[name] for name in PREFERENCE if name in close), best)
+        return next((close[name] for name in self.preference if name in close), best)
 
     @property
     def fastest(self) -> Prediction:
@@ -270,12 +277,13 @@ class Advice:
                 f"faster ({_settings_text(fastest.settings)}) but changes the optimisation "
                 "(local steps, compression or stale gradients): check its accuracy on a held-out set"
             )
-        return text
+        return f"{text}; {self.note}" if self.note else text
 
     def table(self) -> str:
         """The predictions as a text table, fastest first."""
+        per = "step" if self.unit == "epoch" else self.unit  # what bytes_per_step counts
         lines = [
-            f"{'candidate':<44} {'samples/s':>11} {'epoch s':>9} {'MB/step':>9}  source",
+            f"{'candidate':<44} {'samples/s':>11} {self.unit + ' s':>9} {'MB/' + per:>9}  source",
         ]
         for row in self.rows:
             lines.append(
@@ -299,6 +307,7 @@ class Advice:
             "rows": [row.__dict__ | {"settings": dict(row.settings)} for row in self.rows],
             "skipped": self.skipped,
             "recommended": self.recommended.name,
+            "unit": self.unit,  # what each row's epoch_s times: an epoch, or an L-BFGS pass
             "fastest": self.fastest.name,
             "link": self.probe.link.__dict__,
             "probe": {name: timing.__dict__ for name, timing in self.probe.timings.items()},

@@ -357,3 +357,29 @@ class FullBatchTrainer:
             bytes_sent=self._exchange.take_traffic().bytes_sent,
         )
         return entry
+
+
+#: vector_op_seconds times at most this many bytes of vectors, each at most VECTOR_VALUES long
+VECTOR_BYTES = 512_000_000
+VECTOR_VALUES = 32_000_000
+
+
+def vector_op_seconds(params: int, history: int, device: torch.device, repeats: int = 3) -> float:
+    """One model-sized float32 vector operation on ``device``, the mean of a dot product and
+    an axpy over L-BFGS's working set (its ``2 history`` pairs' vectors and four more, as far
+    as :data:`VECTOR_BYTES` allows): the same vectors again and again would time the cache,
+    which a real history larger than it never stays in. Vectors longer than
+    :data:`VECTOR_VALUES` are timed at that length and scaled (the operations stream memory).
+    The advisor's price of L-BFGS's algebra."""
+    size = max(min(params, VECTOR_VALUES), 1)
+    count = max(2, min(2 * history + 4, VECTOR_BYTES // (4 * size)))
+    vectors = [torch.full((size,), 1.0 / (i + 1), device=device) for i in range(count)]
+    direction = torch.zeros(size, device=device)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for v in vectors:  # as the two-loop recursion: a dot and an axpy per vector
+            float(v.dot(direction))  # a host sync on a GPU, as the algorithm's scalars are
+            direction.add_(v, alpha=-1e-3)
+        best = min(best, (time.perf_counter() - start) / (2 * count))
+    return best * params / size

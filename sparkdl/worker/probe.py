@@ -14,7 +14,8 @@ whose speed drifts, no candidate gains from where it stands in the list.
 
 Last, the link: the median time of an all-reduce of one float (latency) and of the
 model's size (bandwidth, capped at 16 MB so a probe of a big model on a slow network
-stays short).
+stays short); and with ``optimizer = "lbfgs"``, a model-sized vector operation of its
+algebra, timed on every worker at once (they share the host's memory as in a run).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from sparkdl.comm.forming import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
-from sparkdl.config import SparkDLConfig
+from sparkdl.config import OptimizerName, SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
 from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
+from sparkdl.training.full_batch import vector_op_seconds
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.loop import Schedule, Trainer
 from sparkdl.training.planning import coordinator_for, exchange_row_counts
@@ -142,7 +144,10 @@ def run_probe(
                     torch.cuda.empty_cache()
         timings = {name: _mean(runs) for name, runs in measured.items()}
         link = _measure_link(bench.params, device, placement.world_size, groups.control)
-        return {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
+        figures = {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
+        if config.optimizer.optimizer is OptimizerName.LBFGS:
+            figures.update(_full_batch_figures(bench.params, config, where, groups, hierarchy))
+        return figures
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
 
@@ -261,6 +266,30 @@ class Bench:
         self.epoch += 1
         steps = max(tally.steps, 1)
         return clock.take() / steps, wall, result.sync.bytes_sent / steps
+
+
+def _full_batch_figures(
+    params: int, config: SparkDLConfig, where: Where, groups: ProcessGroups, hierarchy: HostGroups | None
+) -> dict[str, float]:
+    """With ``optimizer = "lbfgs"``, what its pass adds to the batches, timed on every worker
+    at once (the slowest rank's): the sums of a pass as a run makes them (its totals over the
+    control group, then the gradient through the exchange ``fit`` forms: shared memory among
+    a host's workers, the network between hosts), and one model-sized vector operation of
+    its algebra (:func:`~sparkdl.training.full_batch.vector_op_seconds`)."""
+    gradient = torch.zeros(params, device=where.device)
+    exchange = form_exchange(config.runtime, where, groups, 4 * params, True, hierarchy)
+    times = []
+    try:
+        for _ in range(6):  # the first warms up
+            started = time.perf_counter()
+            exchange.sum_control_(torch.zeros(3, dtype=torch.float64))
+            exchange.weighted_sum_([[("gradient", gradient)]], 1.0, lossless=True)
+            times.append(time.perf_counter() - started)
+    finally:
+        exchange.close()
+    op_s = vector_op_seconds(params, config.lbfgs.history_size, where.device)
+    sum_s, op_s = _agreed_max(torch.tensor([statistics.median(times[1:]), op_s]), groups.control)
+    return {"gradient_sum_s": sum_s, "vector_op_s": op_s}
 
 
 def _agreed_max(values: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:

@@ -103,3 +103,34 @@ def test_advise_refuses_a_probe_too_short_to_time(spark):
     df = shards_dataframe(spark, make_shards([8, 8]))
     with pytest.raises(sparkdl.ConfigError, match="steps >= 2"):
         sparkdl.advise(df, estimator(), steps=1)
+
+
+def test_advise_with_lbfgs_predicts_a_pass_with_the_vectors_on_the_workers_or_on_the_shards(spark):
+    """optimizer = 'lbfgs' has no strategies of steps to compare: the advice is where its
+    vectors live, from a probe of a step-wise stand-in (the local step and the synchronous
+    server's), each row a pass over the whole DataFrame."""
+    from tests.reference import make_learnable_shards
+    from tests.unit.test_lbfgs import softmax_regression
+
+    df = shards_dataframe(spark, make_learnable_shards([60, 37]))
+    est = estimator(model_fn=softmax_regression, optimizer_fn=None, optimizer="lbfgs", lr=1.0, history_size=4)
+    advice = sparkdl.advise(df, est, steps=4, budget_s=0.05)
+    assert {row.name for row in advice.rows} == {"lbfgs allreduce", "lbfgs parameter_server"}
+    assert advice.total_rows == 97 and advice.unit == "pass"
+    params = advice.probe.params
+    ring, served = advice.prediction("lbfgs allreduce"), advice.prediction("lbfgs parameter_server")
+    assert ring.bytes_per_step == 4 * params  # a ring of 2 sends the gradient once
+    assert served.bytes_per_step > 4 * params  # the push the probe counted: the gradient in its frame
+    local = advice.probe.timings["local"].step_s
+    # L-BFGS's sums through the run's exchange and its algebra, timed on both workers at once
+    assert advice.probe.gradient_sum_s > 0 and advice.probe.vector_op_s > 0
+    assert "the gradient's sum as probed" in advice.prediction("lbfgs allreduce").source
+    for row in (ring, served):  # the pass reads the larger partition's 8 batches of 8 rows
+        assert row.epoch_s > 8 * local and row.samples_per_s == pytest.approx(97 / row.epoch_s)
+        assert "4 history pairs" in row.source
+    assert advice.recommended.settings["strategy"] in {"allreduce", "parameter_server"}
+    assert "pass s" in str(advice) and not [
+        t for t in threading.enumerate() if t.name.startswith("sparkdl-ps")
+    ]
+    with pytest.raises(sparkdl.ConfigError, match="with optimizer = 'lbfgs' the layouts are"):
+        sparkdl.advise(df, est, steps=4, strategies=["fsdp"])

@@ -158,7 +158,9 @@ class ShardedVectors:
             each["x"].add_(each["d"], alpha=t)
 
     def dot(self, a: str, b: str) -> float:
-        return sum(float(each[a].double().dot(each[b].double())) for each in self._slices)
+        # float32 slice by slice, as the replicated vectors' whole dot (a float64 copy of
+        # every slice made each dot 3-4x slower on the driver: measured on a 4.3M-value model)
+        return sum(float(each[a].dot(each[b])) for each in self._slices)
 
     def axpy(self, alpha: float, x: str, y: str) -> None:
         for each in self._slices:
@@ -187,7 +189,7 @@ class ShardedVectors:
         return max(float(each[v].abs().max()) if each[v].numel() else 0.0 for each in self._slices)
 
     def abs_sum(self, v: str) -> float:
-        return sum(float(each[v].double().abs().sum()) for each in self._slices)
+        return sum(float(each[v].abs().sum()) for each in self._slices)
 
     def names(self) -> set[str]:
         """The vectors each shard holds now (the same on every shard)."""

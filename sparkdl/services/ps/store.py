@@ -438,10 +438,14 @@ AUTO_MAX_SHARDS = 4
 
 def shard_count(params: list[nn.Parameter], requested: int) -> int:
     """How many shards ``ps_shards = requested`` means for ``params`` (0 = by their size)."""
+    return shards_for(sum(p.numel() for p in params), requested)
+
+
+def shards_for(values: int, requested: int) -> int:
+    """How many shards ``ps_shards = requested`` means for ``values`` float32 parameters."""
     if requested > 0:
         return requested
-    nbytes = 4 * sum(p.numel() for p in params)
-    return max(1, min(AUTO_MAX_SHARDS, nbytes // AUTO_SHARD_BYTES))
+    return max(1, min(AUTO_MAX_SHARDS, 4 * values // AUTO_SHARD_BYTES))
 
 
 def split_into_shards(params: list[nn.Parameter], shards: int) -> list[list[int]]:
