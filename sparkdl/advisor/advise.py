@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from sparkdl.advisor.costmodel import ModelShape
-from sparkdl.advisor.full_batch import FullBatchRun, chosen_layouts, full_batch_candidates, predict_full_batch
+from sparkdl.advisor.full_batch import (
+    LAYOUTS,
+    FullBatchRun,
+    chosen_layouts,
+    full_batch_candidates,
+    layout_settings,
+    predict_full_batch,
+)
 from sparkdl.advisor.predict import (
     LOCAL,
     Advice,
@@ -32,9 +39,10 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.config import Hierarchy, OptimizerName, SparkDLConfig, Strategy
+from sparkdl.config import Hierarchy, OptimizerName, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
+from sparkdl.services.ps.server import server_threads
 from sparkdl.services.ps.store import shards_for
 from sparkdl.spark.cluster import check_cluster, described, driver_host, executor_hosts, is_connect
 from sparkdl.spark.driver import needs_repartition, translate_failure
@@ -93,6 +101,10 @@ def advise(
             from; default: every one.
         project_to: worker counts to project a few strategies to (:mod:`sparkdl.advisor.costmodel`).
 
+    With ``optimizer = "lbfgs"`` there are no steps to compare: the advice is where its
+    vectors live, on every worker or on the parameter server's shards, each row one pass over
+    ``df`` (:func:`advise_full_batch`).
+
     Returns:
         :class:`sparkdl.advisor.predict.Advice`: ``print(advice)`` shows the table and the
         recommendation; ``advice.recommended.settings`` are keyword arguments for the
@@ -141,38 +153,46 @@ def advise_full_batch(
 ) -> Advice:
     """``advise`` for ``optimizer = "lbfgs"``: a pass over the data with L-BFGS's vectors on
     every worker (``allreduce``) or on the parameter server's shards, from the probe's local
-    step and server step (:mod:`sparkdl.advisor.full_batch`).
+    step and server step (:mod:`sparkdl.advisor.full_batch`). A layout the estimator's other
+    settings refuse (e.g. validation on the server) is listed with fit's own reason.
 
     Raises:
-        ConfigError: ``strategies`` names neither layout (their names listed).
+        ConfigError: ``strategies`` names neither layout (their names listed), or the
+            settings refuse both.
     """
     layouts = chosen_layouts(strategies)
     config = spec.config
+    refused = {}
+    for name in layouts:
+        try:
+            check_settings(config.replace(**layout_settings(name)))
+        except ConfigError as exc:
+            refused[name] = str(exc)
+    if len(refused) == len(layouts):
+        raise ConfigError(f"advise: the estimator's settings refuse every L-BFGS layout: {refused}")
     total_rows, batches = run_length(df, spec)
-    result = probe(df, spec, full_batch_candidates(layouts), steps, budget_s, passes)
+    probed = [name for name in layouts if name not in refused]
+    result = probe(df, spec, full_batch_candidates(probed), steps, budget_s, passes)
+    served = any(LAYOUTS[name] == "parameter_server" for name in probed)
+    with server_threads(config.parameter_server.ps_torch_threads):  # the coordinator's threads
+        driver_op_s = (
+            vector_op_seconds(result.params, config.lbfgs.history_size, torch.device("cpu"))
+            if served
+            else 0.0
+        )
     run = FullBatchRun(
         total_rows=total_rows,
         batches=batches,
         history=config.lbfgs.history_size,
         shards=shards_for(result.params, config.parameter_server.ps_shards),
+        weight_decay=config.optimizer.weight_decay > 0,
         worker_op_s=result.vector_op_s,  # timed on every worker at once, as their algebra runs
-        driver_op_s=_driver_op_seconds(result.params, config),
+        driver_op_s=driver_op_s,
+        refused=refused,
     )
     advice = predict_full_batch(result, run, layouts, project_to)
     log.info("L-BFGS advice for %d rows on %d workers: %s", total_rows, result.workers, advice.summary())
     return advice
-
-
-def _driver_op_seconds(params: int, config: SparkDLConfig) -> float:
-    """A vector operation of L-BFGS's algebra on this driver, on as many torch threads as the
-    parameter server's coordinator will have (``ps_torch_threads``; 0: the driver's own)."""
-    threads, previous = config.parameter_server.ps_torch_threads, torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    try:
-        return vector_op_seconds(params, config.lbfgs.history_size, torch.device("cpu"))
-    finally:
-        torch.set_num_threads(previous)
 
 
 def chosen_candidates(

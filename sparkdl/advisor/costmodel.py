@@ -35,12 +35,9 @@ workers, ``L`` per host (``H = N / L`` hosts):
   plus the rows' inputs to the first stage and labels to the last; the replicas all-reduce
   each stage's gradients. Its compute has GPipe's bubble: ``(m + p - 1) / m`` of a balanced
   stage's;
-- full-batch L-BFGS (``optimizer = "lbfgs"``): a pass is each worker's ``k`` batches of
-  forward and backward, then one sum of the gradient after the pass (nothing left to
-  overlap): a ring all-reduce of ``M`` (the vectors on every worker) or a push of ``M`` and
-  a pull of ``M`` through the server (the vectors on its shards), plus the iteration's
-  ``4 h + 26`` vector operations on ``M`` (the two-loop recursion over ``h`` pairs, the
-  update and the line search's), on every worker or on the driver's shards alike;
+- full-batch L-BFGS (``optimizer = "lbfgs"``): a pass is a step of ``k`` batches whose
+  exchange (a ring, or a server's star) follows the pass, plus its algebra
+  (:func:`sparkdl.advisor.full_batch.full_batch_pass`);
 - tensor parallelism in groups of ``t``: every worker of a group runs the group's ``t B``
   rows, the split layers' ``1/t`` slices of them and the rest whole, and all-reduces each
   split pair's output and input gradient, ``2 (t-1)/t * t B * s`` bytes (``s`` per row); the
@@ -286,41 +283,6 @@ def tensor_bytes(shape: ModelShape, params: int, rows: int, group: int, replicas
         + (group - 1) * rows * (shape.input_bytes + shape.label_bytes)
         + ring_share(replicas) * 4.0 * held
     )
-
-
-def lbfgs_vector_ops(history: int) -> int:
-    """The model-sized vector operations (dots, axpys, copies, scalings) of one L-BFGS
-    iteration of one pass with ``history`` correction pairs: the two-loop recursion's 4 per
-    pair, 16 for the new pair, the direction and the step (:mod:`sparkdl.training.lbfgs`), and
-    10 for the pass's gradient (joined, scaled, decayed, checked finite) and the point written
-    back (:mod:`sparkdl.training.full_batch`)."""
-    return 4 * history + 26
-
-
-def full_batch_pass(
-    cluster: Cluster,
-    link: Link,
-    workload: Workload,
-    batches: int,
-    *,
-    served: bool,
-    vector_op_s: float = 0.0,
-    history: int = 10,
-) -> StepCost:
-    """One pass of full-batch L-BFGS: each worker's ``batches`` batches of ``workload``'s
-    compute, then the gradient summed after the pass, round a ring (``served`` False: the
-    vectors on every worker) or pushed to and pulled from a server (``served``: on its
-    shards), and one iteration's :func:`lbfgs_vector_ops` at ``vector_op_s`` each. The
-    returned step is the pass; its samples/s count every worker's rows of the pass."""
-    if batches < 1:
-        raise ValueError(f"a pass reads at least one batch a worker, got batches={batches}")
-    algebra_s = lbfgs_vector_ops(history) * vector_op_s
-    whole = Workload(
-        params=workload.params,
-        compute_s=batches * workload.compute_s + algebra_s,
-        batch=batches * workload.batch,
-    )
-    return step_cost(Pattern.STAR if served else Pattern.RING_PERIODIC, cluster, link, whole)
 
 
 def step_cost(

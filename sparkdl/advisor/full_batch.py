@@ -7,7 +7,7 @@ the choice is time and memory. The probe times the step-wise stand-ins of a pass
 on the real cluster: the local step (a batch's forward and backward), and the synchronous
 parameter server's step (the same plus a push and a pull of the model); and, on every
 worker at once, a pass's sums through the run's own exchange and a vector operation of the
-algebra. A pass is then (:func:`sparkdl.advisor.costmodel.full_batch_pass`):
+algebra. A pass is then (:func:`full_batch_pass`):
 
 - with the vectors on every worker: each worker's ``k`` batches, the pass's sums (its
   totals, then the gradient: once, after its last batch, so nothing overlaps) as the probe
@@ -31,11 +31,13 @@ every worker, or split over the shards in the driver.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from sparkdl.advisor.costmodel import Cluster, Link, Workload, full_batch_pass, lbfgs_vector_ops, ring_share
+from sparkdl.advisor.costmodel import Cluster, Link, StepCost, Workload, ring_share, step_cost
 from sparkdl.advisor.predict import LOCAL, Advice, Candidate, Prediction, ProbeResult
+from sparkdl.comm.traffic import Pattern
 from sparkdl.errors import ConfigError
 
 #: The probed candidate whose step is a local step plus a push and a pull of the model.
@@ -45,6 +47,46 @@ LAYOUTS = {"lbfgs allreduce": "allreduce", "lbfgs parameter_server": "parameter_
 #: What the probe trains in place of L-BFGS (it times steps): plain SGD with a step too small
 #: to leave finite numbers, on the same model, rows and batch size.
 STAND_IN = {"optimizer": "sgd", "lr": 1e-6, "momentum": 0.0, "weight_decay": 0.0}
+
+
+def lbfgs_vector_ops(history: int, *, served: bool, weight_decay: bool) -> int:
+    """The model-sized vector operations (dots, axpys, copies, scalings) of one L-BFGS
+    iteration of one pass with ``history`` correction pairs: the iteration's algebra, 4 a
+    pair in the two-loop recursion and 16 for the new pair, the direction and the step
+    (:mod:`sparkdl.training.lbfgs`); and the pass's own on the vectors' holder
+    (:mod:`sparkdl.training.full_batch`, :mod:`sparkdl.services.ps.full_batch`): on a
+    worker the gradient joined and scaled, checked finite and the point written back (5),
+    on the shards the point made and checked (3), each with 3 more for ``weight_decay``'s
+    term. An iteration whose line search evaluates again repeats the pass's part only."""
+    own = (3 if served else 5) + (3 if weight_decay else 0)
+    return 4 * history + 16 + own
+
+
+def full_batch_pass(
+    cluster: Cluster,
+    link: Link,
+    workload: Workload,
+    batches: int,
+    *,
+    served: bool,
+    vector_op_s: float = 0.0,
+    history: int = 10,
+    weight_decay: bool = False,
+) -> StepCost:
+    """One pass of full-batch L-BFGS: each worker's ``batches`` batches of ``workload``'s
+    compute, then the gradient summed after the pass, round a ring (``served`` False: the
+    vectors on every worker) or pushed to and pulled from a server (``served``: on its
+    shards), and one iteration's :func:`lbfgs_vector_ops` at ``vector_op_s`` each. The
+    returned step is the pass; its samples/s count every worker's rows of the pass."""
+    if batches < 1:
+        raise ValueError(f"a pass reads at least one batch a worker, got batches={batches}")
+    algebra_s = lbfgs_vector_ops(history, served=served, weight_decay=weight_decay) * vector_op_s
+    whole = Workload(
+        params=workload.params,
+        compute_s=batches * workload.compute_s + algebra_s,
+        batch=batches * workload.batch,
+    )
+    return step_cost(Pattern.STAR if served else Pattern.RING_PERIODIC, cluster, link, whole)
 
 
 def chosen_layouts(strategies: Sequence[str] | None) -> list[str]:
@@ -69,21 +111,25 @@ def chosen_layouts(strategies: Sequence[str] | None) -> list[str]:
     return chosen
 
 
+def layout_settings(name: str) -> dict[str, Any]:
+    """What ``fit`` needs set for the layout ``name`` (a row of :data:`LAYOUTS`): its strategy,
+    and on the server the synchronous mode with every worker's pass in fp32."""
+    if LAYOUTS[name] == "parameter_server":
+        return {
+            "strategy": "parameter_server",
+            "ps_mode": "sync",
+            "backup_workers": 0,
+            "ps_pull_precision": "fp32",
+        }
+    return {"strategy": LAYOUTS[name]}
+
+
 def full_batch_candidates(layouts: Sequence[str]) -> list[Candidate]:
     """The probe's candidates for the ``layouts`` (row names of :data:`LAYOUTS`): the local
     step always, and the synchronous parameter server where the shards are a layout."""
     stand_in = {"compression": "none", "sufficient_factors": "off", **STAND_IN}
     local = Candidate(LOCAL, {**stand_in, "strategy": "weight_averaging", "sync_every": 1 << 30})
-    served = Candidate(
-        SERVED_PROBE,
-        {
-            **stand_in,
-            "strategy": "parameter_server",
-            "ps_mode": "sync",
-            "backup_workers": 0,
-            "ps_pull_precision": "fp32",
-        },
-    )
+    served = Candidate(SERVED_PROBE, {**stand_in, **layout_settings("lbfgs parameter_server")})
     return [local, served] if "lbfgs parameter_server" in layouts else [local]
 
 
@@ -91,18 +137,19 @@ def full_batch_candidates(layouts: Sequence[str]) -> list[Candidate]:
 class FullBatchRun:
     """The L-BFGS run to predict: ``total_rows`` over the workers, ``batches`` a worker per
     pass (its largest partition's), ``history`` pairs, ``shards`` of the parameter server,
-    and a model-sized vector operation's seconds on the workers (timed on all at once) and
-    on the driver (where the shards' algebra runs)."""
+    whether the objective has a ``weight_decay`` term, and a model-sized vector operation's
+    seconds on the workers (timed on all at once) and on the driver (where the shards'
+    algebra runs; 0 where the shards are no layout). ``refused``: layouts the estimator's
+    settings refuse, and why."""
 
     total_rows: int
     batches: int
     history: int
     shards: int
+    weight_decay: bool
     worker_op_s: float
     driver_op_s: float
-
-    def vector_op_s(self, served: bool) -> float:
-        return self.driver_op_s if served else self.worker_op_s
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 def predict_full_batch(
@@ -113,50 +160,19 @@ def predict_full_batch(
     before the shards (nothing more to host).
 
     Raises:
-        ValueError: the probe has no local step, or no parameter-server step for that row.
+        ValueError: the probe has no local step, or no layout could be predicted.
     """
     if LOCAL not in probe.timings:
         raise ValueError(f"the probe has no {LOCAL!r} timing: {probe.skipped.get(LOCAL, 'not run')}")
-    local = probe.timings[LOCAL]
-    n, model_bytes = probe.workers, 4.0 * probe.params
-    work = Workload(params=probe.params, compute_s=local.step_s, batch=probe.batch_size)
-    link = _link(probe)
-    history_mb = 2 * run.history * model_bytes / 1e6
     rows, skipped = [], {}
     for name in layouts:
         served = LAYOUTS[name] == "parameter_server"
-        if served and SERVED_PROBE not in probe.timings:
+        if name in run.refused:
+            skipped[name] = run.refused[name]
+        elif served and SERVED_PROBE not in probe.timings:
             skipped[name] = probe.skipped.get(SERVED_PROBE, "the parameter server's step was not probed")
-            continue
-        cost = full_batch_pass(
-            Cluster(n),
-            link,
-            work,
-            run.batches,
-            served=served,
-            vector_op_s=run.vector_op_s(served),
-            history=run.history,
-        )
-        # a pass replays the epoch cache: it holds what an epoch of local steps adds beyond them
-        pass_s = cost.compute_s + _exchange_s(probe, served, cost.comm_s) + local.epoch_overhead_s
-        sent = _sent(probe, served, model_bytes)
-        where = (
-            f"on the driver's {run.shards} shard{'s' if run.shards > 1 else ''}, "
-            f"{history_mb / run.shards:,.1f} MB each"
-            if served
-            else f"on every worker, {history_mb:,.1f} MB each"
-        )
-        how = (
-            "the push and pull as probed"
-            if served
-            else "the gradient's sum" + (" as probed" if probe.gradient_sum_s else " round the ring")
-        )
-        source = (
-            f"modelled: {run.batches} local steps + {how} + {lbfgs_vector_ops(run.history)} vector "
-            f"operations a pass; {run.history} history pairs {where}"
-        )
-        settings = {"strategy": LAYOUTS[name]}
-        rows.append(Prediction(name, settings, run.total_rows / pass_s, pass_s, sent, source, exact=True))
+        else:
+            rows.append(_row(probe, run, name))
     if not rows:
         raise ValueError(f"no L-BFGS layout could be predicted: {skipped}")
     rows.sort(key=lambda r: -r.samples_per_s)
@@ -166,15 +182,54 @@ def predict_full_batch(
         "search evaluates again"
     )
     if project_to and probe.link.bytes_per_s > 0:
-        advice.projections = _projections(probe, run, layouts, link, work, project_to)
+        predicted = [row.name for row in rows]
+        advice.projections = {name: _projected(probe, run, name, project_to) for name in predicted}
     return advice
 
 
-def _link(probe: ProbeResult) -> Link:
-    """The probe's link; any link for one worker (nothing crosses it, and it was not measured)."""
-    if probe.link.bytes_per_s <= 0:
-        return Link(1.0)
-    return Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
+def _row(probe: ProbeResult, run: FullBatchRun, name: str) -> Prediction:
+    """The layout ``name``'s pass on the probed cluster: as :func:`_pass` prices it, with the
+    exchange the probe timed in place of the link's price."""
+    served = LAYOUTS[name] == "parameter_server"
+    cost = _pass(probe, run, served, probe.workers, run.batches)
+    pass_s = cost.compute_s + _exchange_s(probe, served, cost.comm_s) + probe.timings[LOCAL].epoch_overhead_s
+    model_bytes = 4.0 * probe.params
+    history_mb = 2 * run.history * model_bytes / 1e6
+    shards = f"{run.shards} shard{'s' if run.shards > 1 else ''}"
+    where = (
+        f"on the driver's {shards}, {history_mb / run.shards:,.1f} MB each ({history_mb:,.1f} MB there)"
+        if served
+        else f"on every worker, {history_mb:,.1f} MB each"
+    )
+    how = (
+        "the push and pull as probed"
+        if served
+        else "the gradient's sum" + (" as probed" if probe.gradient_sum_s else " round the ring")
+    )
+    ops = lbfgs_vector_ops(run.history, served=served, weight_decay=run.weight_decay)
+    source = (
+        f"modelled: {run.batches} local steps + {how} + {ops} vector operations a pass; "
+        f"{run.history} history pairs {where}"
+    )
+    sent = probe.timings[SERVED_PROBE].bytes_per_step if served else ring_share(probe.workers) * model_bytes
+    return Prediction(name, layout_settings(name), run.total_rows / pass_s, pass_s, sent, source, exact=True)
+
+
+def _pass(probe: ProbeResult, run: FullBatchRun, served: bool, workers: int, batches: int) -> StepCost:
+    """A pass of ``batches`` local steps on ``workers``, its exchange priced from the link."""
+    link = Link(1.0)  # one worker: nothing crosses a link, and none was measured
+    if probe.link.bytes_per_s > 0:
+        link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
+    return full_batch_pass(
+        Cluster(workers),
+        link,
+        Workload(params=probe.params, compute_s=probe.timings[LOCAL].step_s, batch=probe.batch_size),
+        batches,
+        served=served,
+        vector_op_s=run.driver_op_s if served else run.worker_op_s,
+        history=run.history,
+        weight_decay=run.weight_decay,
+    )
 
 
 def _exchange_s(probe: ProbeResult, served: bool, modelled_s: float) -> float:
@@ -189,37 +244,15 @@ def _exchange_s(probe: ProbeResult, served: bool, modelled_s: float) -> float:
     return probe.gradient_sum_s or modelled_s
 
 
-def _sent(probe: ProbeResult, served: bool, model_bytes: float) -> float:
-    """Bytes a worker sends a pass: the server's measured push, or its ring's share."""
-    if served:
-        return probe.timings[SERVED_PROBE].bytes_per_step
-    return ring_share(probe.workers) * model_bytes
-
-
-def _projections(
-    probe: ProbeResult,
-    run: FullBatchRun,
-    layouts: Sequence[str],
-    link: Link,
-    work: Workload,
-    to: Sequence[int],
-) -> dict[str, dict[int, float]]:
-    """Samples/s of each layout's pass at ``to`` workers, the rows spread evenly over them."""
-    out: dict[str, dict[int, float]] = {}
-    for name in layouts:
-        served = LAYOUTS[name] == "parameter_server"
-        priced = {}
-        for n in to:
-            batches = max(math.ceil(run.total_rows / (n * probe.batch_size)), 1)
-            cost = full_batch_pass(
-                Cluster(n),
-                link,
-                work,
-                batches,
-                served=served,
-                vector_op_s=run.vector_op_s(served),
-                history=run.history,
-            )
-            priced[n] = run.total_rows / cost.step_s
-        out[name] = priced
-    return out
+def _projected(probe: ProbeResult, run: FullBatchRun, name: str, to: Sequence[int]) -> dict[int, float]:
+    """Samples/s of the layout ``name``'s pass at ``to`` workers, the rows spread evenly over
+    them: the cost model's pass (its exchange from the link, as every projection's: one that
+    crosses a network, where the probe's may have stayed in one host's shared memory) plus
+    the local epoch's overhead."""
+    served = LAYOUTS[name] == "parameter_server"
+    priced = {}
+    for n in to:
+        batches = max(math.ceil(run.total_rows / (n * probe.batch_size)), 1)
+        pass_s = _pass(probe, run, served, n, batches).step_s + probe.timings[LOCAL].epoch_overhead_s
+        priced[n] = run.total_rows / pass_s
+    return priced

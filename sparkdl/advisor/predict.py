@@ -282,12 +282,13 @@ class Advice:
     def table(self) -> str:
         """The predictions as a text table, fastest first."""
         per = "step" if self.unit == "epoch" else self.unit  # what bytes_per_step counts
+        digits = 2 if self.unit == "epoch" else 4  # an L-BFGS pass may take milliseconds
         lines = [
             f"{'candidate':<44} {'samples/s':>11} {self.unit + ' s':>9} {'MB/' + per:>9}  source",
         ]
         for row in self.rows:
             lines.append(
-                f"{row.name:<44} {row.samples_per_s:>11,.0f} {row.epoch_s:>9.2f} "
+                f"{row.name:<44} {row.samples_per_s:>11,.0f} {row.epoch_s:>9.{digits}f} "
                 f"{row.bytes_per_step / 1e6:>9.3f}  {row.source}"
             )
         for name, why in self.skipped.items():
@@ -308,6 +309,10 @@ class Advice:
             "skipped": self.skipped,
             "recommended": self.recommended.name,
             "unit": self.unit,  # what each row's epoch_s times: an epoch, or an L-BFGS pass
+            "full_batch": {  # with optimizer = "lbfgs": what its passes add, as the probe timed it
+                "gradient_sum_s": self.probe.gradient_sum_s,
+                "vector_op_s": self.probe.vector_op_s,
+            },
             "fastest": self.fastest.name,
             "link": self.probe.link.__dict__,
             "probe": {name: timing.__dict__ for name, timing in self.probe.timings.items()},

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -112,6 +113,7 @@ def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
 #: The job group of the warm-up's Arrow stage (the check has its own), cancelled at exit.
 WARM_UP_GROUP = "sparkdl-warm-up"
 _STOP_WAIT_S = 30.0
+_CANCEL_WAIT_S = 10.0  # then for the cancelled tasks to report their end
 
 
 def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread | None:
@@ -128,7 +130,8 @@ def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread | None:
     made the user's first ``count`` 4.5x slower and the first model no sooner, so it is
     skipped there (the fit's own check then warms the workers it trains in). A failure
     here is left for the fit's own check to report. An interpreter that exits while the
-    warm-up runs waits for it (at most 30 s), so that no task is killed under Spark.
+    warm-up runs waits for it (at most 30 s), so that no task is killed under Spark; past
+    that it cancels the warm-up and waits (at most 10 s) for the killed tasks to report.
 
     Returns:
         the warm-up's thread, or None when it was skipped.
@@ -161,11 +164,30 @@ def warm_up(spark: Any, config: SparkDLConfig) -> threading.Thread | None:
         # ended, when the interpreter may be gone, and Spark logs that as an error.
         thread.join(_STOP_WAIT_S)
         if thread.is_alive():  # an executor that does not answer: cancel, and go
-            for group in (environment_job_group(sc), WARM_UP_GROUP):
+            groups = (environment_job_group(sc), WARM_UP_GROUP)
+            for group in groups:
                 sc.cancelJobGroup(group)
+            # its killed tasks still report (their accumulators go to this interpreter's
+            # server, which PySpark's hook closes next): wait, within bounds, for them to end
+            deadline = time.monotonic() + _CANCEL_WAIT_S
+            while _running_tasks(sc, groups) and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     atexit.register(stop)
     return thread
+
+
+def _running_tasks(sc: Any, groups: tuple[str, ...]) -> int:
+    """Tasks of the jobs of ``groups`` that Spark has not seen end (0 once each has reported)."""
+    tracker = sc.statusTracker()
+    running = 0
+    for group in groups:
+        for job in tracker.getJobIdsForGroup(group):
+            info = tracker.getJobInfo(job)
+            for stage in info.stageIds if info is not None else ():
+                stage_info = tracker.getStageInfo(stage)
+                running += stage_info.numActiveTasks if stage_info is not None else 0
+    return running
 
 
 def has_spare_cores(master: str, slots: int, cores: int | None = None) -> bool:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _LINK_CAP = 4 * 1024 * 1024  # floats in the bandwidth all-reduce (16 MB)
 _MAX_REPEATS = 8
+_SUM_REPEATS = 4  # L-BFGS's sums timed after the first, as the budget allows
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def run_probe(
         link = _measure_link(bench.params, device, placement.world_size, groups.control)
         figures = {"rank": rank, "timings": timings, "link": link, "params": bench.params, "rows": counts}
         if config.optimizer.optimizer is OptimizerName.LBFGS:
-            figures.update(_full_batch_figures(bench.params, config, where, groups, hierarchy))
+            figures.update(_full_batch_figures(bench.params, config, where, groups, hierarchy, spec.budget_s))
         return figures
     raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises or returns
 
@@ -269,26 +270,41 @@ class Bench:
 
 
 def _full_batch_figures(
-    params: int, config: SparkDLConfig, where: Where, groups: ProcessGroups, hierarchy: HostGroups | None
+    params: int,
+    config: SparkDLConfig,
+    where: Where,
+    groups: ProcessGroups,
+    hierarchy: HostGroups | None,
+    budget_s: float,
 ) -> dict[str, float]:
     """With ``optimizer = "lbfgs"``, what its pass adds to the batches, timed on every worker
     at once (the slowest rank's): the sums of a pass as a run makes them (its totals over the
     control group, then the gradient through the exchange ``fit`` forms: shared memory among
     a host's workers, the network between hosts), and one model-sized vector operation of
-    its algebra (:func:`~sparkdl.training.full_batch.vector_op_seconds`)."""
+    its algebra (:func:`~sparkdl.training.full_batch.vector_op_seconds`). The sums are timed
+    once after a warm-up, then as often again as ``budget_s`` holds (at most 4 more)."""
     gradient = torch.zeros(params, device=where.device)
     exchange = form_exchange(config.runtime, where, groups, 4 * params, True, hierarchy)
-    times = []
+
+    def timed_sum() -> float:
+        started = time.perf_counter()
+        exchange.sum_control_(torch.zeros(3, dtype=torch.float64))
+        exchange.weighted_sum_([[("gradient", gradient)]], 1.0, lossless=True)
+        if gradient.is_cuda:  # NCCL's wait holds the stream, not the host
+            torch.cuda.synchronize(gradient.device)
+        return time.perf_counter() - started
+
     try:
-        for _ in range(6):  # the first warms up
-            started = time.perf_counter()
-            exchange.sum_control_(torch.zeros(3, dtype=torch.float64))
-            exchange.weighted_sum_([[("gradient", gradient)]], 1.0, lossless=True)
-            times.append(time.perf_counter() - started)
+        timed_sum()  # warms up the connections and buffers
+        first = _agreed_max(torch.tensor([timed_sum()]), groups.control)[0]
+        # as many more as the budget holds (a big model's sum over a slow link takes seconds),
+        # the count agreed, so every rank makes the same collectives
+        repeats = min(_SUM_REPEATS, int(budget_s / max(first, 1e-6)))
+        times = [first] + [timed_sum() for _ in range(repeats)]
     finally:
         exchange.close()
     op_s = vector_op_seconds(params, config.lbfgs.history_size, where.device)
-    sum_s, op_s = _agreed_max(torch.tensor([statistics.median(times[1:]), op_s]), groups.control)
+    sum_s, op_s = _agreed_max(torch.tensor([statistics.median(times), op_s]), groups.control)
     return {"gradient_sum_s": sum_s, "vector_op_s": op_s}
 
 

@@ -27,9 +27,10 @@ once the port is bound, as many as ``shared_memory_bytes`` hold.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -222,6 +223,18 @@ class _ThreadsHold:
 
 
 _torch_threads = _ThreadsHold()
+
+
+@contextlib.contextmanager
+def server_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads as a running server holds them (``threads``; 0: as they are),
+    for work on the driver that should see what the server's threads see."""
+    held = _torch_threads.hold(threads)
+    try:
+        yield
+    finally:
+        if held:
+            _torch_threads.release()
 
 
 def _shared_areas(stores: Sequence[ShardStore], codecs: Iterable[Codec], budget: int) -> ServerAreas | None:
