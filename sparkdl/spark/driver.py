@@ -35,6 +35,7 @@ from sparkdl.errors import (
     SparkDLError,
     StageStalledError,
     TrainingFailedError,
+    WeightTransferError,
     WorkersLostError,
 )
 from sparkdl.services.progress.board import ProgressBoard
@@ -275,6 +276,11 @@ def _train(
         except SparkDLError as exc:  # L-BFGS on the shards: the driver's own error is the cause
             if coordinator is not None and coordinator.error is not None:
                 raise coordinator_error(coordinator.error) from exc
+            refusal = servers.upload.refusal() if servers.upload is not None else ""
+            if isinstance(exc, WeightTransferError) and refusal:  # the worker saw its socket close
+                raise WeightTransferError(f"{exc}; the driver's weights server refused it: {refusal}") from (
+                    exc
+                )
             raise
         if hosted is not None and coordinator is not None:  # the driver ran L-BFGS: its history, point
             result.history = coordinator.history

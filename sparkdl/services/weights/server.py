@@ -84,13 +84,27 @@ class _Inbox:
     total: int = 0
     in_flight: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
+    refused: str = ""  # why the newest refused upload was (the worker only sees its socket close)
 
 
-def default_upload_budget() -> int:
-    """Half the memory this host has free now: what one fit's uploads may hold at once,
+def default_upload_budget(meminfo: str = "/proc/meminfo") -> int:
+    """Half the memory this host has available now: what one fit's uploads may hold at once,
     whatever the manifests they announce (a model larger than that could not be held
-    beside the driver's own anyway)."""
+    beside the driver's own anyway).
+
+    Available, not free: Linux keeps what files were read in its page cache until memory is
+    wanted, so after a long run (a CI machine's installs and tests) free memory can be a few
+    hundred MB of a host whose available memory is 20 GB, and a budget of half of it can
+    refuse a model the driver has room for (the trained weights lost; the likely cause of a
+    CI run's failed upload of an 805 MB model, the worker told only "Broken pipe")."""
     try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # no MemAvailable (not Linux, or a kernel before 3.14): free memory
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     except (OSError, ValueError):  # not on this platform: a fixed bound
         return 64 << 30
@@ -116,6 +130,12 @@ class Upload:
 
     def close(self) -> None:
         self._server._close(self.endpoint.slot)
+
+    def refusal(self) -> str:
+        """Why this slot's server refused an upload, if it did ("" if none was refused)."""
+        with self._server._lock:
+            inbox = self._server._slots.get(self.endpoint.slot)
+        return inbox.refused if isinstance(inbox, _Inbox) else ""
 
 
 class WeightServer:
@@ -245,6 +265,7 @@ class WeightServer:
                 inbox.in_flight -= nbytes
 
     def _serve(self, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
+        held: _Offer | _Inbox | None = None
         try:
             channel.sock.settimeout(self._timeout_s)
             with self._lock:
@@ -265,6 +286,8 @@ class WeightServer:
         except ConnectionClosed:
             pass
         except ProtocolError as exc:
+            if isinstance(held, _Inbox):  # a peer that proved it holds the slot's secret
+                held.refused = str(exc)
             if not self._listener.stopping:
                 self._listener.refusals.add("transfer refused", peer, str(exc))
         except OSError as exc:
