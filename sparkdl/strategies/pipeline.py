@@ -40,8 +40,8 @@ format of every other strategy: a checkpoint moves between strategies and worker
 Limits: a model of one input tensor whose top level is an ``nn.Sequential`` (a model of
 several inputs is cut by hand into a Sequential whose first layer takes one tensor);
 ``precision = "fp16"``, compression and hierarchy are refused. Padding rows go through
-the layers (a batch-norm layer would count them). Every rank builds the whole model once,
-on the CPU, then keeps its stage.
+the layers (a batch-norm layer would count them). Rank 0 builds the whole model once, on
+the CPU, and sends every other rank its stage, which they allocate alone.
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ from sparkdl.strategies.pipeline_transfer import (
     merged_dicts,
     merged_optimizer_states,
     pad_rows,
+    receive_stage,
     received_tensor,
     recv_tensor,
     scatter_rows,
+    send_stages,
     send_tensor,
     to_cpu,
     with_tensors,
@@ -265,15 +267,42 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         device: torch.device,
         parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
-        """Build the whole model (the same on every rank: the seed is set), keep this rank's
-        stage on ``device``; form the pipeline's and the replicas' groups."""
-        whole = build_model(model_fn)
-        starts = cls.cut(whole, config, dist.get_world_size())
-        layout = Layout.of(config, dist.get_world_size())
-        groups = PipelineGroups.form(layout, dist.get_rank(), config.runtime.collective_timeout_s)
-        mine = list(whole.named_children())[starts[groups.stage] : starts[groups.stage + 1]]
-        whole_names = [name for name, _ in whole.named_parameters()]
-        stage = StageModule(collections.OrderedDict(mine), groups, whole_names)
+        """This rank's stage on ``device``, and the pipeline's and the replicas' groups.
+
+        Rank 0 builds the whole model (seeded, its random state restored after, as fsdp
+        does) and sends each other rank its stage; the others build it on the meta device
+        (no memory), allocate only their stage and receive it. So only rank 0 ever holds the
+        whole model. A model with buffers outside its state dict (non-persistent: nothing
+        could send them) is built whole on every rank instead."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        with torch.device("meta"):
+            skeleton = build_model(model_fn)
+        starts = cls.cut(skeleton, config, world)
+        layout = Layout.of(config, world)
+        groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
+        saved = set(skeleton.state_dict())
+        everywhere = any(name not in saved for name, _ in skeleton.named_buffers())
+        whole = skeleton
+        if everywhere:
+            whole = build_model(model_fn)
+        elif rank == 0:
+            with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
+                whole = build_model(model_fn)
+        children = list(whole.named_children())
+        mine = children[starts[groups.stage] : starts[groups.stage + 1]]
+        stage = StageModule(
+            collections.OrderedDict(mine), groups, [name for name, _ in skeleton.named_parameters()]
+        )
+        if not everywhere and rank == 0:
+            stages = [
+                [f"{name}.{key}" for name, layer in children[a:b] for key in layer.state_dict()]
+                for a, b in itertools.pairwise(starts)
+            ]
+            send_stages(whole.state_dict(), stages, layout.stage_of, device)
+        elif not everywhere:
+            stage.to_empty(device=device)
+            receive_stage(stage.state_dict())
+        del whole, skeleton, children, mine  # rank 0: the other stages' layers go now
         if config.training.activation_checkpointing:
             checkpoint_layers(stage)
         return stage.to(device)

@@ -1,6 +1,7 @@
-"""What a pipeline moves besides its activations: a step's rows gathered to stage 0 and
-its labels to the last stage, tensors between stages with their shape sent first, and the
-whole model and optimizer streamed to rank 0 (structure first, then tensor by tensor)."""
+"""What a pipeline moves besides its activations: each stage's starting weights from rank 0,
+a step's rows gathered to stage 0 and its labels to the last stage, tensors between stages
+with their shape sent first, and the whole model and optimizer streamed to rank 0
+(structure first, then tensor by tensor)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies.pipeline_layout import PipelineGroups
 from sparkdl.strategies.rows import padded
 from sparkdl.training.optimizer_state import named_to_indexed
+
+
+def send_stages(
+    whole: dict[str, torch.Tensor],
+    stage_names: list[list[str]],
+    stage_of: Callable[[int], int],
+    device: torch.device,
+) -> None:
+    """Rank 0's side of the start: every other rank's stage, tensor by tensor (``whole``: the
+    whole model's state; ``stage_names``: each stage's entries, in its own order)."""
+    for rank in range(1, dist.get_world_size()):
+        for name in stage_names[stage_of(rank)]:
+            dist.send(whole[name].to(device), dst=rank)
+
+
+def receive_stage(state: dict[str, torch.Tensor]) -> None:
+    """Every other rank's side: its stage's tensors from rank 0, in ``state``'s order, each
+    straight into the tensor allocated for it."""
+    with torch.no_grad():
+        for tensor in state.values():
+            dist.recv(tensor, src=0)
 
 
 @dataclass(frozen=True)

@@ -430,7 +430,7 @@ def test_a_split_model_with_adam_needs_at_most_0_6_of_all_reduces_memory_per_wor
     compared: rank 0 also gathers the final weights for the driver.
     All-reduce holds weights, gradients (DDP's buckets) and two Adam moments whole,
     about 4 x 32 MiB; fsdp holds half of each, plus one gathered unit at a time; a
-    pipeline's stage half of each, after building the whole model once (32 MiB).
+    pipeline's stage half of each (rank 1 allocates only its stage, sent by rank 0).
     """
     rng = np.random.default_rng(0)
     shards = []

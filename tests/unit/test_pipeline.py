@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import random
 import time
 
@@ -215,6 +216,33 @@ def test_a_pipeline_gives_single_process_sgds_weights(tmp_path, sizes, settings)
     assert all(h["bytes_sent"] > 0 for h in history)  # activations crossed between the stages
     saved = last_checkpoint(tmp_path / "ckpt")
     assert max_abs_diff(saved["model"], state) == 0  # the whole model, gathered
+
+
+def recording_deep_net(path: str) -> nn.Sequential:
+    """make_deep_net, noting which process built it on which device."""
+    with open(path, "a") as built:
+        built.write(f"{os.getpid()} {torch.empty(0).device.type}\n")
+    return make_deep_net()
+
+
+@pytest.mark.slow
+def test_only_rank_0_builds_the_whole_model_and_every_other_rank_receives_its_stage(tmp_path):
+    """2 stages x 2 replicas: ranks 1-3 build the model on the meta device only (no memory)
+    and allocate their stage, which rank 0 sends them; the weights are single-process SGD's."""
+    shards = make_shards([30, 22, 17, 9])
+    built = tmp_path / "built"
+    model_fn = functools.partial(recording_deep_net, str(built))
+    settings = {"stages": 2, "microbatches": 2, "pipeline_schedule": "1f1b", "shuffle": False}
+    state, _ = train(shards, tmp_path, model_fn=model_fn, batch_size=8, epochs=1, **settings)
+    expected = reference_sgd(shards, 8, 1, 0, LR, MOMENTUM, False, model_fn=make_deep_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    devices: dict[str, list[str]] = {}
+    for line in built.read_text().splitlines():
+        pid, device = line.split()
+        devices.setdefault(pid, []).append(device)
+    # every worker built the skeleton on meta; one of them (rank 0) also built it on the CPU
+    assert len(devices) == 4 and all("meta" in each for each in devices.values()), devices
+    assert sorted(each.count("cpu") for each in devices.values()) == [0, 0, 0, 1], devices
 
 
 @pytest.mark.slow
