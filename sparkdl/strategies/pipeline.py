@@ -480,11 +480,19 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         send theirs in order, each send waiting for rank 0 to take it). So no rank holds
         more than its stage and one tensor (gathered whole, rank 0 held the whole model's
         weights beside its stage's training state)."""
-        part = cpu_state_dict(self.ctx.module)
-        skeletons = self._send_to_rank0(part)
-        if skeletons is None:
-            return {}
         groups = self._groups
+        if groups.layout.replica_of(groups.rank) != 0:
+            return {}
+        part = cpu_state_dict(self.ctx.module)
+        tensors: list[torch.Tensor] = []
+        skeleton = without_tensors(part, tensors)
+        skeletons: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
+        dist.gather_object(skeleton, skeletons, dst=0, group=groups.objects)
+        if groups.rank != 0:
+            for tensor in tensors:
+                dist.send(tensor.detach().cpu().contiguous(), dst=0, group=groups.objects)
+            return {}
+        assert skeletons is not None
         entries = [Entry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in part.items()]
         for received in skeletons[1:]:
             entries += [Entry(name, dtype_name(slot.dtype), slot.shape) for name, slot in received.items()]
@@ -511,25 +519,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         each tensor on its own into its final place on rank 0: no rank holds a pickled copy
         of a stage (gather_object held the bytes and the tensors: +4.7 GB on rank 0 for a
         1B-parameter model's second stage)."""
-        skeletons = self._send_to_rank0(part)
-        if skeletons is None:
-            return {}
-        groups = self._groups
-        parts = [part]
-        for stage, received in enumerate(skeletons[1:], start=1):
-            take = functools.partial(received_tensor, src=groups.ranks[stage], groups=groups)
-            parts.append(with_tensors(received, take))
-        return merge(parts)
-
-    def _send_to_rank0(self, part: Any) -> list[Any] | None:
-        """Pipeline 0's side of a gather of ``part`` (nested dicts and lists of tensors):
-        every stage's structure, its tensors replaced by their shapes, pickled to rank 0;
-        then each other rank sends its tensors one at a time, in order, each send waiting
-        until rank 0 takes it. Rank 0 gets the structures (to receive the tensors in the
-        same order); every other rank, None (its part is sent)."""
         groups = self._groups
         if groups.layout.replica_of(groups.rank) != 0:
-            return None
+            return {}
         tensors: list[torch.Tensor] = []
         skeleton = without_tensors(part, tensors)
         skeletons: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
@@ -537,8 +529,13 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         if groups.rank != 0:
             for tensor in tensors:
                 dist.send(tensor.detach().cpu().contiguous(), dst=0, group=groups.objects)
-            return None
-        return skeletons
+            return {}
+        assert skeletons is not None
+        parts = [part]
+        for stage, received in enumerate(skeletons[1:], start=1):
+            take = functools.partial(received_tensor, src=groups.ranks[stage], groups=groups)
+            parts.append(with_tensors(received, take))
+        return merge(parts)
 
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's whole state: each stage of pipeline 0 gets its part, then every
