@@ -33,11 +33,9 @@ the norm over every stage.
 
 Called as a module, a worker's stage runs the whole pipeline forward (inference, in
 lockstep with its pipeline: :class:`~sparkdl.training.strategy.CollectiveForward`), so
-validation, the label probe and early stopping work unchanged. Checkpoints and early
-stopping's best weights are the whole model's, gathered to rank 0 in the format of every
-other strategy: a checkpoint moves between strategies and worker counts. The final weights
-go to the driver in the same format, streamed from rank 0 one tensor at a time as the
-other stages send them (:meth:`PipelineStrategy.final_weights`).
+validation, the label probe and early stopping work unchanged. Checkpoints, the final
+weights and early stopping's best weights are the whole model's, gathered to rank 0 in the
+format of every other strategy: a checkpoint moves between strategies and worker counts.
 
 Limits: a model of one input tensor whose top level is an ``nn.Sequential`` (a model of
 several inputs is cut by hand into a Sequential whose first layer takes one tensor);
@@ -51,7 +49,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -63,7 +61,6 @@ from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
-from sparkdl.services.weights.codec import Entry, StreamedState, dtype_name
 from sparkdl.strategies.gradients import sum_gradients
 from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups, stage_starts
 from sparkdl.strategies.pipeline_transfer import (
@@ -473,37 +470,6 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         """The stages of pipeline 0, gathered to rank 0 (every rank calls it; the other
         pipelines hold the same weights and send nothing)."""
         return self._gather_whole(cpu_state_dict(self.ctx.module), lambda parts: merged_dicts(parts))
-
-    def final_weights(self) -> dict[str, torch.Tensor] | StreamedState:
-        """The stages of pipeline 0 streamed from rank 0: its own stage's tensors, then each
-        other stage's, received one at a time as the upload sends them on (the other ranks
-        send theirs in order, each send waiting for rank 0 to take it). So no rank holds
-        more than its stage and one tensor (gathered whole, rank 0 held the whole model's
-        weights beside its stage's training state)."""
-        groups = self._groups
-        if groups.layout.replica_of(groups.rank) != 0:
-            return {}
-        part = cpu_state_dict(self.ctx.module)
-        tensors: list[torch.Tensor] = []
-        skeleton = without_tensors(part, tensors)
-        skeletons: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
-        dist.gather_object(skeleton, skeletons, dst=0, group=groups.objects)
-        if groups.rank != 0:
-            for tensor in tensors:
-                dist.send(tensor.detach().cpu().contiguous(), dst=0, group=groups.objects)
-            return {}
-        assert skeletons is not None
-        entries = [Entry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in part.items()]
-        for received in skeletons[1:]:
-            entries += [Entry(name, dtype_name(slot.dtype), slot.shape) for name, slot in received.items()]
-
-        def stream() -> Iterator[torch.Tensor]:
-            yield from part.values()
-            for stage, received in enumerate(skeletons[1:], start=1):
-                for slot in received.values():
-                    yield received_tensor(slot, groups.ranks[stage], groups)
-
-        return StreamedState(entries, stream())
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         stage = cast(StageModule, self.ctx.module)

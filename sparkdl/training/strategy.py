@@ -281,13 +281,6 @@ class SyncStrategy(abc.ABC):
         and the final weights carry."""
         return cpu_state_dict(self.ctx.module) if self.ctx.rank == 0 else {}
 
-    def final_weights(self) -> Any:
-        """The trained weights for the driver, on rank 0 (``{}`` elsewhere); every rank calls
-        it once, after training. :meth:`full_state_dict` here; a strategy whose rank 0
-        need not hold the whole model may instead give a
-        :class:`~sparkdl.services.weights.codec.StreamedState`, made while it is sent."""
-        return self.full_state_dict()
-
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's whole state on rank 0 (in the format of
         ``torch.optim.Optimizer.state_dict()``), ``{}`` elsewhere; same contract as

@@ -22,7 +22,7 @@ import dataclasses
 import io
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,6 @@ from sparkdl.services.progress.channel import (
 )
 from sparkdl.services.ps.client import PsClient
 from sparkdl.services.weights.client import upload
-from sparkdl.services.weights.codec import StreamedState
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
@@ -185,7 +184,7 @@ def run_worker(
             trainer = build_trainer(spec, context, strategy, feed, _schedule(config, start, resume), hooks)
             stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
             history = trainer.run()
-            state = strategy.final_weights()  # on every rank: a gather where the model is spread
+            state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
         return WorkerResult(
             rank,
             feed.cached_rows,
@@ -247,13 +246,13 @@ def payload_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _deliver_weights(spec: TrainSpec, state: Mapping[str, torch.Tensor] | StreamedState) -> bytes:
+def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     """Rank 0's trained weights for the driver: streamed to its weights server, so they never
     cross the JVM (the result row then carries none); in the result row where the driver
     cannot be reached (a Spark Connect client)."""
     if spec.weights is None:
         buffer = io.BytesIO()
-        torch.save(state.materialized() if isinstance(state, StreamedState) else dict(state), buffer)
+        torch.save(state, buffer)
         return buffer.getvalue()
     sent = upload(spec.weights, state)
     log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)

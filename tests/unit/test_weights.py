@@ -132,31 +132,6 @@ def test_a_task_downloads_an_offered_state_and_a_fit_uploads_one(server):
     assert not server.serves(inbox.endpoint.slot)  # taken: the slot is closed
 
 
-def test_a_streamed_state_uploads_each_tensor_as_it_is_made_and_a_stray_one_is_refused(server):
-    """A pipeline's rank 0 sends the whole model while receiving it stage by stage: the
-    manifest first, each tensor made only when the stream reaches it."""
-    state = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "b.steps": torch.tensor(7)}
-    made: list[str] = []
-
-    def stream(values):
-        for name, tensor in values:
-            made.append(name)
-            yield tensor.clone()
-
-    entries = [codec.Entry(k, codec.dtype_name(v.dtype), tuple(v.shape)) for k, v in state.items()]
-    inbox = server.expect_upload()
-    streamed = codec.StreamedState(entries, stream(state.items()))
-    assert made == []  # nothing made before the upload pulls it
-    sent = upload(inbox.endpoint, streamed)
-    received = inbox.take()
-    assert made == list(state) and sent == sum(t.numel() * t.element_size() for t in state.values())
-    assert received is not None and all(torch.equal(received[k], v) for k, v in state.items())
-    stray = codec.StreamedState(entries, stream([("a.weight", torch.randn(4, 3)), *list(state.items())[1:]]))
-    said = r"'a.weight' is float32 \(4, 3\); its manifest said float32 \(3, 4\)"
-    with pytest.raises(TypeError, match=said):
-        stray.materialized()
-
-
 def test_an_upload_over_its_slots_budget_is_refused_before_anything_is_allocated(server, monkeypatch, caplog):
     """Before, an authenticated task could announce up to the 1 TiB manifest cap per tensor
     and the driver allocated it all up front; now the slot's budget (half the free memory,

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 import torch
 
 from sparkdl.errors import ConnectionClosed, ProtocolError, WeightTransferError
-from sparkdl.services.weights.codec import StreamedState
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.protocol import (
     Ack,
@@ -25,7 +24,7 @@ from sparkdl.wire.handshake import with_retries
 from sparkdl.wire.listener import close_quietly
 
 
-def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor] | StreamedState) -> int:
+def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor]) -> int:
     """Send ``state`` to the driver; return the bytes it confirmed receiving.
 
     Raises:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,42 +62,13 @@ class Entry:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize  # Python ints: no overflow
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass
-class StreamedState:
-    """A state sent while it is made: every entry (none an alias) known before the first
-    byte, the tensors produced in the entries' order one at a time, so the sender need not
-    hold them all: a pipeline's rank 0 receives each stage's tensors as it sends them on."""
-
-    entries: list[Entry]
-    tensors: Iterator[torch.Tensor]
-
-    def checked(self) -> Iterator[torch.Tensor]:
-        """The tensors, each checked against its entry (a stream that strayed from its
-        manifest would fail at the receiver, far from the cause)."""
-        for entry, tensor in zip(self.entries, self.tensors, strict=True):
-            if tuple(tensor.shape) != entry.shape or dtype_name(tensor.dtype) != entry.dtype:
-                raise TypeError(
-                    f"streamed state entry {entry.name!r} is {dtype_name(tensor.dtype)} "
-                    f"{tuple(tensor.shape)}; its manifest said {entry.dtype} {entry.shape}"
-                )
-            yield tensor
-
-    def materialized(self) -> dict[str, torch.Tensor]:
-        """Every tensor, held at once (a sender that must pickle the state whole)."""
-        return {entry.name: tensor for entry, tensor in zip(self.entries, self.checked(), strict=True)}
-
-
 def manifest_of(state: Mapping[str, torch.Tensor]) -> tuple[list[Entry], list[torch.Tensor]]:
     """The entries of ``state`` and the tensors whose bytes follow (aliases left out)."""
     entries: list[Entry] = []
     tensors: list[torch.Tensor] = []
     seen: dict[tuple[Any, ...], str] = {}
     for name, tensor in state.items():
-        dtype = dtype_name(tensor.dtype)
+        dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in DTYPES:
             raise TypeError(f"state entry {name!r} has dtype {tensor.dtype}, which cannot be sent")
         identity = (
@@ -173,7 +144,7 @@ def _entry(row: Any, earlier: dict[str, Entry]) -> Entry:
     return Entry(name, dtype, tuple(shape), alias)
 
 
-def byte_chunks(tensors: Iterable[torch.Tensor], chunk_bytes: int) -> Iterator[memoryview]:
+def byte_chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterator[memoryview]:
     """The bytes of ``tensors``, in order, as views of at most ``chunk_bytes`` (no copy of a
     contiguous CPU tensor; another is copied one tensor at a time)."""
     for tensor in tensors:

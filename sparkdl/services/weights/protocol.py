@@ -33,7 +33,6 @@ from sparkdl import wire
 from sparkdl.errors import ProtocolError
 from sparkdl.services.weights.codec import (
     StateAssembler,
-    StreamedState,
     byte_chunks,
     decode_manifest,
     encode_manifest,
@@ -167,13 +166,9 @@ def expect(channel: WeightsChannel, kind: type[Message], hello: Hello) -> Messag
     return message
 
 
-def send_state(
-    channel: WeightsChannel, hello: Hello, state: Mapping[str, torch.Tensor] | StreamedState
-) -> int:
+def send_state(channel: WeightsChannel, hello: Hello, state: Mapping[str, torch.Tensor]) -> int:
     """Send ``state``: MANIFEST, the tensors' bytes in CHUNKs, DONE; return the stream's bytes."""
-    entries, tensors = (
-        (state.entries, state.checked()) if isinstance(state, StreamedState) else manifest_of(state)
-    )
+    entries, tensors = manifest_of(state)
     channel.send(Manifest(hello.op, hello.slot, encode_manifest(entries)))
     offset = 0
     for data in byte_chunks(tensors, CHUNK_BYTES):
