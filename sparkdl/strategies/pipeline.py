@@ -94,6 +94,24 @@ from sparkdl.training.strategy import (
 # ------------------------------------------------------------------ the layout (pure)
 
 
+def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
+    """``model_fn``'s model on the meta device, if a stage of it can be allocated alone and
+    filled from rank 0's state dict (None: build it whole on every rank)."""
+    try:
+        with torch.device("meta"):
+            skeleton = build_model(model_fn)
+    except ConfigError:
+        raise
+    except Exception:  # model_fn does something the meta device cannot
+        return None
+    state = skeleton.state_dict()
+    shared = len(list(skeleton.named_parameters(remove_duplicate=False))) > len(list(skeleton.parameters()))
+    unsaved = any(name not in state for name, _ in skeleton.named_buffers())
+    if shared or unsaved or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        return None
+    return skeleton
+
+
 class StageModule(nn.Sequential):
     """This worker's stage: a run of the whole model's top-level layers, under their names
     in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
@@ -272,34 +290,34 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         Rank 0 builds the whole model (seeded, its random state restored after, as fsdp
         does) and sends each other rank its stage; the others build it on the meta device
         (no memory), allocate only their stage and receive it. So only rank 0 ever holds the
-        whole model. A model with buffers outside its state dict (non-persistent: nothing
-        could send them) is built whole on every rank instead."""
+        whole model. A model whose stage could not be sent as it is built whole on every rank
+        instead, as before: one with non-persistent buffers or non-tensor (extra) state,
+        parameters it shares between layers (a stage allocated afresh would split them), or
+        a model_fn the meta device cannot run."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        with torch.device("meta"):
-            skeleton = build_model(model_fn)
-        starts = cls.cut(skeleton, config, world)
-        layout = Layout.of(config, world)
-        groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
-        saved = set(skeleton.state_dict())
-        everywhere = any(name not in saved for name, _ in skeleton.named_buffers())
-        whole = skeleton
-        if everywhere:
+        skeleton = _skeleton(model_fn)
+        whole = skeleton if skeleton is not None and rank != 0 else None
+        if skeleton is None:
             whole = build_model(model_fn)
         elif rank == 0:
             with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
                 whole = build_model(model_fn)
+        assert whole is not None
+        starts = cls.cut(whole, config, world)
+        layout = Layout.of(config, world)
+        groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
         children = list(whole.named_children())
         mine = children[starts[groups.stage] : starts[groups.stage + 1]]
         stage = StageModule(
-            collections.OrderedDict(mine), groups, [name for name, _ in skeleton.named_parameters()]
+            collections.OrderedDict(mine), groups, [name for name, _ in whole.named_parameters()]
         )
-        if not everywhere and rank == 0:
+        if skeleton is not None and rank == 0:
             stages = [
                 [f"{name}.{key}" for name, layer in children[a:b] for key in layer.state_dict()]
                 for a, b in itertools.pairwise(starts)
             ]
             send_stages(whole.state_dict(), stages, layout.stage_of, device)
-        elif not everywhere:
+        elif skeleton is not None:
             stage.to_empty(device=device)
             receive_stage(stage.state_dict())
         del whole, skeleton, children, mine  # rank 0: the other stages' layers go now

@@ -29,7 +29,7 @@ def send_stages(
     whole model's state; ``stage_names``: each stage's entries, in its own order)."""
     for rank in range(1, dist.get_world_size()):
         for name in stage_names[stage_of(rank)]:
-            dist.send(whole[name].to(device), dst=rank)
+            dist.send(whole[name].to(device).contiguous(), dst=rank)
 
 
 def receive_stage(state: dict[str, torch.Tensor]) -> None:
@@ -37,7 +37,12 @@ def receive_stage(state: dict[str, torch.Tensor]) -> None:
     straight into the tensor allocated for it."""
     with torch.no_grad():
         for tensor in state.values():
-            dist.recv(tensor, src=0)
+            if tensor.is_contiguous():
+                dist.recv(tensor, src=0)
+            else:  # a strided parameter: the bytes arrive in order, then take its strides
+                arrived = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+                dist.recv(arrived, src=0)
+                tensor.copy_(arrived)
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,36 @@ def test_only_rank_0_builds_the_whole_model_and_every_other_rank_receives_its_st
     assert sorted(each.count("cpu") for each in devices.values()) == [0, 0, 0, 1], devices
 
 
+class TwiceTheSameLayer(nn.Module):
+    """Two linear maps that share one weight (a tied pair inside one top-level layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def tied_deep_net() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), TwiceTheSameLayer(), nn.Tanh(), nn.Linear(8, 3))
+
+
+@pytest.mark.slow
+def test_a_stage_whose_layers_share_a_weight_keeps_it_shared_on_every_rank(tmp_path):
+    """A stage allocated afresh would split a shared weight in two (its replicas' gradient
+    sums then disagree in size): such a model is built whole on every rank, and trains to
+    single-process SGD's weights."""
+    shards = make_shards([30, 22, 17, 9])
+    settings = {"stages": 2, "microbatches": 2, "pipeline_schedule": "gpipe", "shuffle": False}
+    state, _ = train(shards, tmp_path, model_fn=tied_deep_net, batch_size=8, epochs=1, **settings)
+    expected = reference_sgd(shards, 8, 1, 0, LR, MOMENTUM, False, model_fn=tied_deep_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert torch.equal(state["2.first.weight"], state["2.second.weight"])
+
+
 @pytest.mark.slow
 def test_a_pipelines_checkpoint_resumes_under_all_reduce(tmp_path):
     """The checkpoint of a crashed pipeline run (the whole model and the whole optimizer
