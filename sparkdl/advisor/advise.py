@@ -21,7 +21,7 @@ import torch
 
 from sparkdl.advisor.costmodel import ModelShape
 from sparkdl.advisor.full_batch import (
-    LAYOUTS,
+    SERVED,
     FullBatchRun,
     chosen_layouts,
     full_batch_candidates,
@@ -173,13 +173,10 @@ def advise_full_batch(
     total_rows, batches = run_length(df, spec)
     probed = [name for name in layouts if name not in refused]
     result = probe(df, spec, full_batch_candidates(probed), steps, budget_s, passes)
-    served = any(LAYOUTS[name] == "parameter_server" for name in probed)
-    with server_threads(config.parameter_server.ps_torch_threads):  # the coordinator's threads
-        driver_op_s = (
-            vector_op_seconds(result.params, config.lbfgs.history_size, torch.device("cpu"))
-            if served
-            else 0.0
-        )
+    driver_op_s = 0.0  # the shards' algebra, on the coordinator's threads: where they are a layout
+    if SERVED in probed:
+        with server_threads(config.parameter_server.ps_torch_threads):
+            driver_op_s = vector_op_seconds(result.params, config.lbfgs.history_size, torch.device("cpu"))
     run = FullBatchRun(
         total_rows=total_rows,
         batches=batches,

@@ -42,8 +42,19 @@ from sparkdl.errors import ConfigError
 
 #: The probed candidate whose step is a local step plus a push and a pull of the model.
 SERVED_PROBE = "parameter_server sync"
-#: The two layouts, by the row names the advice gives them, and their strategy.
-LAYOUTS = {"lbfgs allreduce": "allreduce", "lbfgs parameter_server": "parameter_server"}
+#: The two layouts, by the row names the advice gives them, and what ``fit`` needs set for
+#: each: its strategy, and on the server the synchronous mode with every worker's pass in fp32.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "lbfgs allreduce": {"strategy": "allreduce"},
+    "lbfgs parameter_server": {
+        "strategy": "parameter_server",
+        "ps_mode": "sync",
+        "backup_workers": 0,
+        "ps_pull_precision": "fp32",
+    },
+}
+#: The layout with the vectors on the server's shards.
+SERVED = "lbfgs parameter_server"
 #: What the probe trains in place of L-BFGS (it times steps): plain SGD with a step too small
 #: to leave finite numbers, on the same model, rows and batch size.
 STAND_IN = {"optimizer": "sgd", "lr": 1e-6, "momentum": 0.0, "weight_decay": 0.0}
@@ -100,8 +111,8 @@ def chosen_layouts(strategies: Sequence[str] | None) -> list[str]:
         return list(LAYOUTS)
     chosen = [
         name
-        for name, strategy in LAYOUTS.items()
-        if any(w and (name.startswith(w) or strategy.startswith(w)) for w in strategies)
+        for name, settings in LAYOUTS.items()
+        if any(w and (name.startswith(w) or settings["strategy"].startswith(w)) for w in strategies)
     ]
     if not chosen:
         raise ConfigError(
@@ -112,16 +123,8 @@ def chosen_layouts(strategies: Sequence[str] | None) -> list[str]:
 
 
 def layout_settings(name: str) -> dict[str, Any]:
-    """What ``fit`` needs set for the layout ``name`` (a row of :data:`LAYOUTS`): its strategy,
-    and on the server the synchronous mode with every worker's pass in fp32."""
-    if LAYOUTS[name] == "parameter_server":
-        return {
-            "strategy": "parameter_server",
-            "ps_mode": "sync",
-            "backup_workers": 0,
-            "ps_pull_precision": "fp32",
-        }
-    return {"strategy": LAYOUTS[name]}
+    """What ``fit`` needs set for the layout ``name`` (a row of :data:`LAYOUTS`)."""
+    return dict(LAYOUTS[name])
 
 
 def full_batch_candidates(layouts: Sequence[str]) -> list[Candidate]:
@@ -129,8 +132,8 @@ def full_batch_candidates(layouts: Sequence[str]) -> list[Candidate]:
     step always, and the synchronous parameter server where the shards are a layout."""
     stand_in = {"compression": "none", "sufficient_factors": "off", **STAND_IN}
     local = Candidate(LOCAL, {**stand_in, "strategy": "weight_averaging", "sync_every": 1 << 30})
-    served = Candidate(SERVED_PROBE, {**stand_in, **layout_settings("lbfgs parameter_server")})
-    return [local, served] if "lbfgs parameter_server" in layouts else [local]
+    served = Candidate(SERVED_PROBE, {**stand_in, **LAYOUTS[SERVED]})
+    return [local, served] if SERVED in layouts else [local]
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,9 @@ def predict_full_batch(
         raise ValueError(f"the probe has no {LOCAL!r} timing: {probe.skipped.get(LOCAL, 'not run')}")
     rows, skipped = [], {}
     for name in layouts:
-        served = LAYOUTS[name] == "parameter_server"
         if name in run.refused:
             skipped[name] = run.refused[name]
-        elif served and SERVED_PROBE not in probe.timings:
+        elif name == SERVED and SERVED_PROBE not in probe.timings:
             skipped[name] = probe.skipped.get(SERVED_PROBE, "the parameter server's step was not probed")
         else:
             rows.append(_row(probe, run, name))
@@ -190,7 +192,7 @@ def predict_full_batch(
 def _row(probe: ProbeResult, run: FullBatchRun, name: str) -> Prediction:
     """The layout ``name``'s pass on the probed cluster: as :func:`_pass` prices it, with the
     exchange the probe timed in place of the link's price."""
-    served = LAYOUTS[name] == "parameter_server"
+    served = name == SERVED
     cost = _pass(probe, run, served, probe.workers, run.batches)
     pass_s = cost.compute_s + _exchange_s(probe, served, cost.comm_s) + probe.timings[LOCAL].epoch_overhead_s
     model_bytes = 4.0 * probe.params
@@ -249,7 +251,7 @@ def _projected(probe: ProbeResult, run: FullBatchRun, name: str, to: Sequence[in
     them: the cost model's pass (its exchange from the link, as every projection's: one that
     crosses a network, where the probe's may have stayed in one host's shared memory) plus
     the local epoch's overhead."""
-    served = LAYOUTS[name] == "parameter_server"
+    served = name == SERVED
     priced = {}
     for n in to:
         batches = max(math.ceil(run.total_rows / (n * probe.batch_size)), 1)

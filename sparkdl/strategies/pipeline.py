@@ -80,7 +80,7 @@ from sparkdl.strategies.pipeline_transfer import (
     without_tensors,
 )
 from sparkdl.strategies.rows import row_counts
-from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict
+from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict, tied_parameters
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
 from sparkdl.training.strategy import (
@@ -105,9 +105,8 @@ def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
     except Exception:  # model_fn does something the meta device cannot
         return None
     state = skeleton.state_dict()
-    shared = len(list(skeleton.named_parameters(remove_duplicate=False))) > len(list(skeleton.parameters()))
     unsaved = any(name not in state for name, _ in skeleton.named_buffers())
-    if shared or unsaved or not all(isinstance(t, torch.Tensor) for t in state.values()):
+    if tied_parameters(skeleton) or unsaved or not all(isinstance(t, torch.Tensor) for t in state.values()):
         return None
     return skeleton
 

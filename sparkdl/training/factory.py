@@ -65,7 +65,7 @@ def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> n
     try:
         with torch.device("meta"):
             module = build_model(model_fn)
-        tied = _tied_parameters(module)
+        tied = tied_parameters(module)
         module.load_state_dict(state, assign=True)
     except ConfigError:
         raise
@@ -83,7 +83,7 @@ def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> n
     return module
 
 
-def _tied_parameters(module: nn.Module) -> list[list[str]]:
+def tied_parameters(module: nn.Module) -> list[list[str]]:
     """Names of the parameters that are one object in ``module`` (groups of two or more)."""
     by_identity: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
