@@ -39,7 +39,7 @@ from sparkdl.advisor.predict import (
     predict,
     probe_set,
 )
-from sparkdl.config import Hierarchy, OptimizerName, Strategy
+from sparkdl.config import Hierarchy, OptimizerName
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
 from sparkdl.services.ps.server import server_threads
@@ -326,13 +326,14 @@ def _candidates(
         for candidate in candidates:
             try:
                 config = check_settings(spec.config.replace(**candidate.settings))
-                if spec.parallelize_fn is None or config.training.strategy is not Strategy.TENSOR:
-                    strategy_class(config.training.strategy).check_model(model, config)
+                kind = strategy_class(config.training.strategy)
+                if spec.parallelize_fn is None or not kind.takes_parallelize_fn:
+                    kind.check_model(model, config)
             except SparkDLError as exc:
                 skipped[candidate.name] = str(exc)
                 continue
             ps = None
-            if config.training.strategy is Strategy.PARAMETER_SERVER:
+            if kind.hosted_on_driver:
                 if is_connect(spark):
                     skipped[candidate.name] = (
                         "the parameter server runs in the driver process, not a Connect client"

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ClusterConfigError, ConfigError
@@ -37,7 +37,7 @@ from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.tracking import check_tracking, log_run
 from sparkdl.spark.watch import MARGIN_S, fit_job_group
-from sparkdl.strategies import check_settings
+from sparkdl.strategies import check_settings, strategy_class
 from sparkdl.training.factory import OptimizerFn
 from sparkdl.worker.own_loop import LoopSpec
 from sparkdl.worker.prepare import check_own_loop_settings
@@ -101,15 +101,17 @@ def run(
     config = (config or SparkDLConfig()).replace(num_workers=num_workers, strategy=strategy, **settings)
     check_own_loop_settings(config)
     config = check_settings(config)
-    if config.training.strategy is Strategy.PARAMETER_SERVER and df is None:
+    hosted = strategy_class(config.training.strategy).hosted_on_driver
+    name = config.training.strategy.value
+    if hosted and df is None:
         raise ConfigError(
-            "strategy = 'parameter_server' in your own loop pushes and pulls at every step of "
-            "ctx.batches, which needs a DataFrame: pass df=..., or use allreduce or weight_averaging"
+            f"strategy = {name!r} in your own loop pushes and pulls at every step of ctx.batches, "
+            "which needs a DataFrame: pass df=..., or use allreduce or weight_averaging"
         )
-    if config.training.strategy is Strategy.PARAMETER_SERVER and model_fn is None:
+    if hosted and model_fn is None:
         raise ConfigError(
-            "strategy = 'parameter_server' hosts the model on the driver: pass model_fn= (the function "
-            "that builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
+            f"strategy = {name!r} hosts the model on the driver: pass model_fn= (the function that "
+            "builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
         )
     check_tracking(config)  # a store MLflow refuses fails now, not after the run
     name, payload = pickled_call(train_fn, args, {}, "sparkdl.run")
@@ -157,11 +159,12 @@ def _run_stage(
     group = "" if connect else fit_job_group(spark)
     attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     with contextlib.ExitStack() as stack:
-        if model_fn is not None and config.training.strategy is Strategy.PARAMETER_SERVER:
+        if model_fn is not None and strategy_class(config.training.strategy).hosted_on_driver:
             if connect:
                 raise ClusterConfigError(
-                    "strategy 'parameter_server' hosts its server in the Spark driver process, which a "
-                    "Spark Connect client cannot run code in; use 'allreduce' or 'weight_averaging'"
+                    f"strategy {config.training.strategy.value!r} hosts its server in the Spark driver "
+                    "process, which a Spark Connect client cannot run code in; use 'allreduce' or "
+                    "'weight_averaging'"
                 )
             server, _, endpoint = serve_parameters(
                 config, model_fn, optimizer_fn, driver_host(spark), attempt_started

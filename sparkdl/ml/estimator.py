@@ -53,11 +53,12 @@ from sparkdl.spark.inference import (
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.spark.tracking import check_tracking, log_fit
+from sparkdl.strategies import check_settings
 from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, module_with_state
 from sparkdl.training.full_batch_settings import check_full_batch_inputs
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
 from sparkdl.training.schedules import lr_plan
-from sparkdl.training.strategy import SchedulerFn, check_settings
+from sparkdl.training.strategy import SchedulerFn
 from sparkdl.worker.assembly import TrainSpec
 
 _DEFAULTS = SparkDLConfig().flat()

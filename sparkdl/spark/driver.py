@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from sparkdl.config import DataConfig, SparkDLConfig, Strategy
+from sparkdl.config import DataConfig, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.data.tensors import Batch
@@ -50,7 +50,7 @@ from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import stage_servers
 from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.watch import MARGIN_S, SlotWatch, collect_watched, fit_job_group
-from sparkdl.strategies import check_settings
+from sparkdl.strategies import check_settings, strategy_class
 from sparkdl.strategies.pipeline_timing import cut_by_time, wants_time_cut
 from sparkdl.training.factory import state_from_bytes
 from sparkdl.training.schedules import LrPlan, lr_plan, needs_run_length, steps_per_epoch_estimate
@@ -251,7 +251,7 @@ def _train(
     n, runtime, spark = config.training.num_workers, config.runtime, df.sparkSession
     hosted = None
     with contextlib.ExitStack() as stack:
-        if config.training.strategy is Strategy.PARAMETER_SERVER:
+        if strategy_class(config.training.strategy).hosted_on_driver:
             hosted = start_parameter_server(spark, spec, attempt_started)
             stack.callback(hosted.stop)
             spec = hosted.spec

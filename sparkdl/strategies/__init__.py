@@ -1,16 +1,14 @@
 """Sync strategies: how workers keep their models consistent (one module each, loaded
-when chosen; see :data:`sparkdl.training.strategy.REGISTRY`)."""
+when chosen; see :mod:`sparkdl.strategies.registry`)."""
 
-from sparkdl.training.strategy import (
+from sparkdl.strategies.registry import (
     REGISTRY,
-    StepInput,
-    StrategyContext,
-    SyncStats,
-    SyncStrategy,
     check_settings,
     create_strategy,
+    own_loop_strategies,
     strategy_class,
 )
+from sparkdl.training.strategy import StepInput, StrategyContext, SyncStats, SyncStrategy
 
 __all__ = [
     "REGISTRY",
@@ -20,5 +18,6 @@ __all__ = [
     "SyncStrategy",
     "check_settings",
     "create_strategy",
+    "own_loop_strategies",
     "strategy_class",
 ]

@@ -14,10 +14,17 @@ because it must join the step's all-reduce.
 
 With ``runtime.sufficient_factors``, the fully connected layers' weight gradients leave DDP's
 buckets and travel as their factors (:mod:`sparkdl.comm.factors`), gathered after backward.
+
+In a user's own loop the model comes back wrapped in DDP (its gradient hook the
+exchange's); each parameter's gradient is scaled by ``world * rows / global_rows`` of the
+running step before DDP averages it, so uneven partitions give the mean over every row of
+the step, and a worker stepping on a filler (``rows = 0``) adds nothing. A model may have
+several optimizers there.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,6 +32,7 @@ from sparkdl.comm.factors import Factors
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.strategies.rules import refuse_compressed_hierarchy
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep, scale_gradients_by_rows
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -41,6 +49,8 @@ class AllReduceStrategy(SyncStrategy):
     shares_gradients = True
     plain_sum = True
     takes_sufficient_factors = True
+    serves_own_loop = True
+    optimizers_per_model = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -77,6 +87,11 @@ class AllReduceStrategy(SyncStrategy):
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
         refuse_compressed_hierarchy(config)
+
+    def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
+        if self.ctx.world_size > 1:
+            scale_gradients_by_rows(self.ctx.module, step)
+        return OwnLoopFace(self, optimizer, self.ctx.rank)
 
     @property
     def model(self) -> nn.Module:

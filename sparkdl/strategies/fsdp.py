@@ -40,6 +40,12 @@ ranks never hold it whole (:meth:`FsdpStrategy.build_module`).
 
 Buffers (e.g. batch-norm statistics) are not sharded and, unlike DDP, not synchronised:
 each rank keeps its own; rank 0's are saved and returned.
+
+In a user's own loop every rank starts from rank 0's weights, then the model is sharded in
+place (:meth:`FsdpStrategy.prepare_own_module`) and the optimizer given with it is pointed
+at the shards (it must not have stepped yet). Each rank's gradient is scaled by the step's
+share inside the reduce-scatter (:class:`ScaledReduceScatter`), so uneven partitions are
+exact as under all-reduce; ``ctx.state_dict`` gathers the whole model to rank 0.
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
+from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
 from sparkdl.training.factory import build_model, checkpoint_layers
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep, refuse_stepped_optimizer
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
@@ -78,6 +86,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
     pattern = Pattern.FULL_SHARD
     shares_gradients = True
     shards_parameters = True
+    serves_own_loop = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -89,22 +98,13 @@ class FsdpStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
-        if config.training.precision is Precision.FP16:
-            raise ConfigError(
-                "precision = 'fp16' is not available with strategy = 'fsdp' (its gradient scaler would "
-                "have to agree on overflows across the gradient shards); use precision = 'bf16', or "
-                "strategy = 'allreduce'"
-            )
-        if config.runtime.compression is not Compression.NONE:
-            raise ConfigError(
-                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
-                "'fsdp' (its gathers and reduce-scatters have no compression hook); set compression = 'none'"
-            )
-        if config.runtime.hierarchy is not Hierarchy.NONE:
-            raise ConfigError(
-                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = 'fsdp' "
-                "(its collectives are FSDP's own); set hierarchy = 'none'"
-            )
+        refuse_fp16(
+            config,
+            "its gradient scaler would have to agree on overflows across the gradient shards",
+            "or strategy = 'allreduce'",
+        )
+        refuse_compression(config, "its gathers and reduce-scatters have no compression hook")
+        refuse_hierarchy(config, "its collectives are FSDP's own")
 
     @classmethod
     def build_module(
@@ -149,6 +149,42 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         _shard(module, device)
         return module
 
+    @classmethod
+    def prepare_own_module(
+        cls, module: nn.Module, optimizer: torch.optim.Optimizer, config: SparkDLConfig, device: torch.device
+    ) -> None:
+        """Shard a user's ``module`` in place (every rank from rank 0's weights) and point
+        ``optimizer``, built over its whole parameters, at the shards that replaced them (by
+        name).
+
+        Raises:
+            ConfigError: the optimizer has stepped already (its state is of the whole
+                parameters); this torch has no custom reduce-scatter.
+        """
+        refuse_stepped_optimizer(optimizer, cls.name.value)
+        from torch.distributed.fsdp import FSDPModule
+
+        if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            raise ConfigError(
+                f"strategy = 'fsdp' in your own loop needs FSDPModule.set_custom_reduce_scatter, which "
+                f"torch {torch.__version__} lacks; install a newer torch, or use allreduce"
+            )
+        names = {id(p): name for name, p in module.named_parameters()}
+        cls.prepare_module(module, config, device)
+        shards = dict(module.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [shards[names[id(p)]] for p in group["params"]]
+        cast(Any, module).set_requires_gradient_sync = _deferred_sync_refused
+
+    def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in self.ctx.module.modules():
+            if isinstance(unit, FSDPModule):
+                # FSDP's ReduceScatter interface, by its two methods (torch exports no name for it)
+                unit.set_custom_reduce_scatter(cast(Any, ScaledReduceScatter(lambda: step.scale)))
+        return _ShardedFace(self, optimizer, self.ctx.rank)
+
     def train_step(self, step: StepInput) -> StepOutcome:
         scale = self.ctx.world_size * step.rows / step.global_rows
         fillers = self._micro_batches - len(step.batches)
@@ -184,6 +220,29 @@ class ScaledReduceScatter:
         elif scale != 1.0:
             input_tensor.mul_(scale)
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class _ShardedFace(OwnLoopFace):
+    """A sharded model in a user's own loop: its one optimizer's whole state is gathered
+    from the shards, and loaded into them."""
+
+    def __init__(self, strategy: FsdpStrategy, optimizer: torch.optim.Optimizer, rank: int) -> None:
+        super().__init__(strategy, optimizer, rank)
+        self._strategy = strategy
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self._strategy.full_optimizer_state_dict()
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        self._strategy.load_whole_optimizer(state)
+
+
+def _deferred_sync_refused(*_: object, **__: object) -> None:
+    raise ConfigError(
+        "set_requires_gradient_sync on a model ctx.prepare sharded: sparkdl weights each step's gradient "
+        "by its rows as FSDP reduce-scatters it, so a reduction deferred over several steps would weight "
+        "them all by the last one; accumulate by calling backward on each micro-batch (each reduces at once)"
+    )
 
 
 def _shard(module: nn.Module, device: torch.device) -> None:

@@ -42,12 +42,15 @@ import torch
 from torch import nn
 
 from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
+from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Compression, Precision, PsMode, SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
 from sparkdl.strategies.ps_factors import FactorPushes
+from sparkdl.strategies.ps_own_loop import ServedFace, check_served_model, check_served_settings
 from sparkdl.strategies.rules import refuse_backups_without_a_worker, refuse_powersgd
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -65,6 +68,9 @@ class ParameterServerStrategy(SyncStrategy):
     resizes = False
     pattern = Pattern.STAR
     takes_sufficient_factors = True
+    hosted_on_driver = True
+    serves_own_loop = True
+    steps_together = False
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -87,6 +93,18 @@ class ParameterServerStrategy(SyncStrategy):
                 f"sufficient_factors = {factors.value!r} with compression = {compression.value!r}: a "
                 "parameter server's push is either compressed or carries factors; choose one of them"
             )
+
+    @classmethod
+    def check_own_loop_settings(cls, config: SparkDLConfig) -> None:
+        check_served_settings(config)
+
+    @classmethod
+    def check_own_loop_model(cls, module: nn.Module, ps: PsEndpoint | None) -> None:
+        check_served_model(module, ps)
+
+    def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
+        ctx = self.ctx
+        return ServedFace(self, optimizer, step, ctx.rank, ctx.world_size, ctx.control_group)
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -157,7 +175,7 @@ class ParameterServerStrategy(SyncStrategy):
     def add_gradients(self, rows: int) -> None:
         """Add the model's gradients (of a mean loss over ``rows`` rows) to what the next push
         sends, weighted by ``rows``, and clear them: the optimizer steps on the server. A user's
-        own loop calls it for its optimizer's step (:mod:`sparkdl.worker.prepare`)."""
+        own loop calls it for its optimizer's step (:mod:`sparkdl.strategies.ps_own_loop`)."""
         for acc, shard in zip(self._accumulated, self._shards, strict=True):
             acc.add_(_flat_grad(shard), alpha=rows)
         self._rows += rows

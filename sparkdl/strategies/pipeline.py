@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Compression, Hierarchy, PipelineSchedule, Precision, SparkDLConfig, Strategy
+from sparkdl.config import PipelineSchedule, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
@@ -80,6 +80,7 @@ from sparkdl.strategies.pipeline_transfer import (
     without_tensors,
 )
 from sparkdl.strategies.rows import row_counts
+from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
 from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict, tied_parameters
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.precision import Precision as StepPrecision
@@ -227,21 +228,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
                 f"pipeline.split_before names {len(pipeline.split_before)} layers; {stages} stages need "
                 f"{stages - 1} (the first layer of each stage after the first)"
             )
-        if config.training.precision is Precision.FP16:
-            raise ConfigError(
-                "precision = 'fp16' is not available with strategy = 'pipeline' (its gradient scaler "
-                "cannot see the stages' backwards); use precision = 'bf16'"
-            )
-        if config.runtime.compression is not Compression.NONE:
-            raise ConfigError(
-                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
-                "'pipeline'; set compression = 'none'"
-            )
-        if config.runtime.hierarchy is not Hierarchy.NONE:
-            raise ConfigError(
-                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = "
-                "'pipeline' (its replicas all-reduce one stage each); set hierarchy = 'none'"
-            )
+        refuse_fp16(config, "its gradient scaler cannot see the stages' backwards")
+        refuse_compression(config)
+        refuse_hierarchy(config, "its replicas all-reduce one stage each")
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:

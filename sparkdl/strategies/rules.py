@@ -6,7 +6,7 @@ here are called by several of them, so that the message is written once.
 
 from __future__ import annotations
 
-from sparkdl.config import Compression, Hierarchy, SparkDLConfig
+from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig
 from sparkdl.errors import ConfigError
 
 
@@ -43,4 +43,37 @@ def refuse_compressed_hierarchy(config: SparkDLConfig) -> None:
             f"hierarchy = {level.value!r} and compression = {compression.value!r} do not combine with "
             f"strategy {config.training.strategy.value!r} (the leaders exchange float32); choose one "
             "of them"
+        )
+
+
+def refuse_fp16(config: SparkDLConfig, why: str, instead: str = "") -> None:
+    """fp16's gradient scaler sees one worker's whole gradient; a strategy that spreads it
+    (``why``) takes bf16 (or ``instead``)."""
+    if config.training.precision is Precision.FP16:
+        also = f", {instead}" if instead else ""
+        raise ConfigError(
+            f"precision = 'fp16' is not available with strategy = {config.training.strategy.value!r} "
+            f"({why}); use precision = 'bf16'{also}"
+        )
+
+
+def refuse_compression(config: SparkDLConfig, why: str = "") -> None:
+    """A strategy whose collectives have no codec (``why``) sends float32 as it is."""
+    compression = config.runtime.compression
+    if compression is not Compression.NONE:
+        because = f" ({why})" if why else ""
+        raise ConfigError(
+            f"compression = {compression.value!r} is not available with strategy = "
+            f"{config.training.strategy.value!r}{because}; set compression = 'none'"
+        )
+
+
+def refuse_hierarchy(config: SparkDLConfig, why: str = "") -> None:
+    """A strategy whose collectives are not the exchange's (``why``) has no two levels."""
+    level = config.runtime.hierarchy
+    if level is not Hierarchy.NONE:
+        because = f" ({why})" if why else ""
+        raise ConfigError(
+            f"hierarchy = {level.value!r} is not available with strategy = "
+            f"{config.training.strategy.value!r}{because}; set hierarchy = 'none'"
         )

@@ -47,12 +47,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Compression, Hierarchy, Precision, SparkDLConfig, Strategy
+from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import DistributedState
 from sparkdl.strategies.gradients import local_part, sum_gradients
 from sparkdl.strategies.rows import padded, row_counts
+from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
 from sparkdl.training.factory import build_model, checkpoint_layers
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
@@ -215,6 +216,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with each pair of linear layers split over a group."""
 
     name = Strategy.TENSOR
+    takes_parallelize_fn = True
     pattern = Pattern.TENSOR
     resizes = False
     shares_gradients = True
@@ -238,21 +240,9 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
                 f"num_workers = {world} is not a multiple of tensor.tp_size = {size}; set num_workers to "
                 f"{size * max(1, world // size)} or tp_size to a divisor of it"
             )
-        if config.training.precision is Precision.FP16:
-            raise ConfigError(
-                "precision = 'fp16' is not available with strategy = 'tensor' (its gradient scaler cannot "
-                "agree on overflows across split layers); use precision = 'bf16'"
-            )
-        if config.runtime.compression is not Compression.NONE:
-            raise ConfigError(
-                f"compression = {config.runtime.compression.value!r} is not available with strategy = "
-                "'tensor'; set compression = 'none'"
-            )
-        if config.runtime.hierarchy is not Hierarchy.NONE:
-            raise ConfigError(
-                f"hierarchy = {config.runtime.hierarchy.value!r} is not available with strategy = 'tensor'; "
-                "set hierarchy = 'none'"
-            )
+        refuse_fp16(config, "its gradient scaler cannot agree on overflows across split layers")
+        refuse_compression(config)
+        refuse_hierarchy(config)
 
     @classmethod
     def build_module(

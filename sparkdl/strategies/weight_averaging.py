@@ -55,6 +55,12 @@ fragment's sum overlapping ``fragment_delay`` steps of training (Streaming DiLoC
 Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
 its leader, all-reduces it among the leaders and broadcasts it back
 (:mod:`sparkdl.comm.hierarchy`): one model's worth crosses the network per host and average.
+
+A user's own loop. The model comes back as it is; after every ``sync_every`` steps of
+``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
+weighted by the rows its optimizer trained since the last average (an optimizer step
+post-hook says which steps it took: :class:`_PeriodFace`). A worker whose rows ran out
+takes no step: its weight in the next average is the rows it did train.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ from sparkdl.strategies.rules import (
     refuse_powersgd,
 )
 from sparkdl.strategies.streaming import StreamingRounds
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -102,6 +109,8 @@ class WeightAveragingStrategy(SyncStrategy):
     name = Strategy.WEIGHT_AVERAGING
     pattern = Pattern.RING_PERIODIC
     plain_sum = True
+    serves_own_loop = True
+    steps_together = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -174,6 +183,9 @@ class WeightAveragingStrategy(SyncStrategy):
             self._trained_throughout = False
         self.local_step_done(step.step, rows)
         return StepOutcome(loss, trained=not cut_short, nan_skipped=verdict is Verdict.NAN_SKIPPED)
+
+    def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
+        return _PeriodFace(self, optimizer)
 
     def local_step_done(self, step: int, rows: int) -> None:
         """Global step ``step`` trained ``rows`` rows on this worker (0: none, or the step was
@@ -355,3 +367,27 @@ class RoundMessage:
         n = self.world_size
         stops = values[1 : 1 + n]
         return values[0], [r for r, flag in enumerate(stops) if flag], [int(v) for v in values[1 + n :]]
+
+
+class _PeriodFace(OwnLoopFace):
+    """A weight-averaged model's count toward its next average, in a user's own loop: the
+    steps of ``ctx.batches`` (the same on every rank, whether its optimizer stepped or not:
+    a skipped step, e.g. by an fp16 scaler, never puts the ranks out of step), and the rows
+    its optimizer trained."""
+
+    def __init__(self, strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(strategy, optimizer, strategy.ctx.rank)
+        self._strategy = strategy
+        self._stepped = False
+        self._pending_rows = 0  # rows since the optimizer's last step (accumulated gradients)
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, *_: object) -> None:
+        self._stepped = True
+
+    def step_done(self, step: int, rows: int) -> None:
+        self._pending_rows += rows
+        trained = self._pending_rows if self._stepped else 0
+        if self._stepped:
+            self._pending_rows, self._stepped = 0, False
+        self._strategy.local_step_done(step, trained)

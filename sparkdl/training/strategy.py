@@ -1,19 +1,21 @@
-"""The protocol every sync strategy follows, and the registry that picks one.
+"""The protocol every sync strategy follows.
 
 A strategy is built complete by its constructor from a :class:`StrategyContext`, and
 owns how a step is taken (:meth:`SyncStrategy.train_step`: forward on its model,
 backward, what happens after it, whether and how the optimizer steps). What it needs
-from the rest of the worker it declares as typed properties (``checkpoint_multiple``).
-The loop never asks which strategy runs; adding one is one new file and a line in
-:data:`REGISTRY`.
+from the rest of the worker it declares as typed properties (``checkpoint_multiple``);
+what the driver, the advisor and a user's own loop need of it, as class variables
+(``pattern``, ``serves_own_loop``, ``hosted_on_driver``, ...) and class methods
+(``check_settings``, ``check_model``, ``build_module``). A user's own loop reaches it
+through the face :meth:`SyncStrategy.own_loop` gives (:mod:`sparkdl.training.own_loop`).
+No loop asks which strategy runs; the registry that picks one by name is
+:mod:`sparkdl.strategies.registry`.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import enum
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,10 +31,23 @@ from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.full_batch_settings import check_full_batch_settings
 from sparkdl.training.guards import NanGuard
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.precision import Precision
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
+from sparkdl.training.steps import StepInput, StepOutcome, SyncStats, Verdict
+
+__all__ = [  # the step's data lives in training/steps.py; the protocol speaks it
+    "CollectiveForward",
+    "SchedulerFn",
+    "StepInput",
+    "StepOutcome",
+    "StrategyContext",
+    "SyncStats",
+    "SyncStrategy",
+    "Verdict",
+    "parameter_bytes",
+]
 
 #: ``(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped after every optimizer step.
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
@@ -92,80 +107,10 @@ class StrategyContext:
             )
 
 
-@dataclass(frozen=True)
-class StepInput:
-    """One step as the loop hands it to the strategy.
-
-    Attributes:
-        step: the global step index (0-based, counted across epochs).
-        epoch: the 1-based epoch.
-        batches: this worker's rows, as ``accumulate_steps`` micro-batches at most (their
-            gradients add up before one optimizer step); empty once its partition has run out.
-        rows: rows in ``batches`` (0 without any).
-        global_rows: rows of this step over every worker.
-        loss_of: runs the strategy's model and the loss on a batch: the mean loss.
-        filler: a zero-weight batch, for a worker without rows whose strategy must
-            still join the step's collectives.
-        loss_fn: the loss ``loss_of`` calls, ``(output, target, weight) -> mean loss``, for a
-            strategy whose model's output exists only on some worker (a pipeline's last stage).
-    """
-
-    step: int
-    epoch: int
-    batches: tuple[Batch, ...]
-    rows: int
-    global_rows: int
-    loss_of: Callable[[nn.Module, Batch], torch.Tensor]
-    filler: Callable[[], Batch]
-    loss_fn: Callable[..., torch.Tensor] | None = None
-
-
-class Verdict(enum.Enum):
-    """What may happen to a step's gradients, as the precision and the NaN guard judge them."""
-
-    APPLY = "apply"  # the optimizer steps
-    OVERFLOW = "overflow"  # fp16: the scaled gradients overflowed; the scaler skipped the step
-    NAN_SKIPPED = "nan_skipped"  # the NaN guard skipped the step (on_nan_loss = "skip")
-    HELD = "held"  # not applied, not counted: this rank is stopping at the next sync
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one :meth:`SyncStrategy.train_step` did, for the loop to tally.
-
-    Attributes:
-        loss: this worker's mean loss on its rows (0 without rows, or when none of it was trained).
-        trained: False when the rows went to no gradient (a backup worker catching up): the
-            loop leaves them out of the epoch's loss and samples.
-        nan_skipped: the NaN guard skipped this step's update (counted in ``nan_skips``).
-    """
-
-    loss: torch.Tensor
-    trained: bool = True
-    nan_skipped: bool = False
-
-
 class CollectiveForward:
     """An ability a strategy declares by inheriting it: its model's forward and backward are
     themselves collectives (sharded parameters gathered in them), so every rank must run
     every forward at the same point, in validation and in the label probe too."""
-
-
-@dataclass
-class SyncStats:
-    """What a strategy did in one epoch."""
-
-    sync_rounds: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    pushes: int = 0
-    pulls: int = 0
-    staleness_mean: float = 0.0
-    staleness_max: int = 0
-    wait_s: float = 0.0
-    skipped_steps: int = 0  # backup workers: steps this worker skipped to keep up (their rows untrained)
-    dropped_pushes: int = 0  # ... and its pushes that came after their step was applied
-    bytes_across_hosts: int = 0  # runtime.hierarchy: what this worker sent to other hosts
 
 
 class SyncStrategy(abc.ABC):
@@ -193,6 +138,20 @@ class SyncStrategy(abc.ABC):
     shards_parameters: ClassVar[bool] = False
     #: Whether a fit may go on with fewer workers from its checkpoint (``min_workers``).
     resizes: ClassVar[bool] = True
+    #: Whether the driver hosts the model and runs its optimizer (a server that fit, the own
+    #: loop and the advisor start from ``model_fn`` before the stage).
+    hosted_on_driver: ClassVar[bool] = False
+    #: Whether :meth:`build_module` takes the user's own split (``parallelize_fn``).
+    takes_parallelize_fn: ClassVar[bool] = False
+    #: Whether a user's own loop (``sparkdl.run``) can run under the strategy: its
+    #: :meth:`own_loop` then gives each prepared model's face.
+    serves_own_loop: ClassVar[bool] = False
+    #: Whether every step is a collective of every rank: in a user's own loop a worker whose
+    #: rows ran out still takes each step, on a filler batch whose rows count zero. Otherwise
+    #: it sits the rest of the epoch out, still joining the syncs (:meth:`OwnLoopFace.step_done`).
+    steps_together: ClassVar[bool] = True
+    #: How many optimizers one model may have in a user's own loop (None: any number).
+    optimizers_per_model: ClassVar[int | None] = 1
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -224,6 +183,49 @@ class SyncStrategy(abc.ABC):
         Raises:
             ConfigError: naming what the model lacks and what to do instead.
         """
+
+    @classmethod  # noqa: B027 (an optional hook: no rules by default)
+    def check_own_loop_settings(cls, config: SparkDLConfig) -> None:
+        """Refuse, with the fix, settings this strategy cannot serve a user's own loop with
+        (beyond :meth:`check_settings`). By default: none.
+
+        Raises:
+            ConfigError: naming the setting and what to set instead.
+        """
+
+    @classmethod  # noqa: B027 (an optional hook: every model by default)
+    def check_own_loop_model(cls, module: nn.Module, ps: PsEndpoint | None) -> None:
+        """Refuse, before the strategy is built over it, a model a user's own loop prepares
+        that this strategy cannot keep (the server's model must be ``model_fn``'s). By
+        default: any model.
+
+        Raises:
+            ConfigError: naming what is wrong with the model.
+        """
+
+    @classmethod  # noqa: B027 (an optional hook: the model as it is by default)
+    def prepare_own_module(
+        cls, module: nn.Module, optimizer: torch.optim.Optimizer, config: SparkDLConfig, device: torch.device
+    ) -> None:
+        """Make a user's model (on ``device``) and its optimizer, built before, ready for
+        the strategy, in place, before it is built over them: a sharding strategy shards the
+        model and points the optimizer at the shards. By default: nothing.
+
+        Raises:
+            ConfigError: the model or optimizer cannot be prepared so.
+        """
+
+    def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
+        """This strategy's model and ``optimizer`` in a user's own loop: the face the loop's
+        context reaches them through (:mod:`sparkdl.training.own_loop`); ``step`` is the
+        running step, kept current by ``ctx.batches``.
+
+        Raises:
+            ConfigError: the strategy does not serve a user's own loop.
+        """
+        raise ConfigError(
+            f"strategy = {self.name.value!r} cannot serve your own training loop; train with TorchEstimator"
+        )
 
     @classmethod
     def build_module(
@@ -420,77 +422,6 @@ class SyncStrategy(abc.ABC):
     def _stop(self, error: SparkDLError) -> None:
         """This rank must stop with ``error``: by default at once, on this rank alone."""
         raise error
-
-
-#: Each strategy's class, by module and name: a module is imported only when its strategy
-#: is chosen, so that the loop does not pull in the parameter server's sockets.
-REGISTRY: dict[Strategy, str] = {
-    Strategy.ALLREDUCE: "sparkdl.strategies.allreduce:AllReduceStrategy",
-    Strategy.WEIGHT_AVERAGING: "sparkdl.strategies.weight_averaging:WeightAveragingStrategy",
-    Strategy.PARAMETER_SERVER: "sparkdl.strategies.parameter_server:ParameterServerStrategy",
-    Strategy.FSDP: "sparkdl.strategies.fsdp:FsdpStrategy",
-    Strategy.PIPELINE: "sparkdl.strategies.pipeline:PipelineStrategy",
-    Strategy.TENSOR: "sparkdl.strategies.tensor:TensorParallelStrategy",
-}
-
-
-def strategy_class(name: Strategy) -> type[SyncStrategy]:
-    """The class registered for ``name``."""
-    try:
-        module, _, cls = REGISTRY[name].partition(":")
-    except KeyError:
-        valid = ", ".join(s.value for s in REGISTRY)
-        raise ConfigError(f"strategy {name.value!r} is not available; choose one of {valid}") from None
-    found: type[SyncStrategy] = getattr(importlib.import_module(module), cls)
-    return found
-
-
-def check_settings(config: SparkDLConfig) -> SparkDLConfig:
-    """``config``, once its strategy accepted it: the rules that involve one strategy
-    (what it cannot combine with) live in that strategy's class, not in the config layer
-    below it. TorchEstimator, the jobs' loaders, fit and the advisor call this.
-
-    Raises:
-        ConfigError: the strategy cannot run with these settings; the message says the fix.
-    """
-    cls = strategy_class(config.training.strategy)
-    factors = config.runtime.sufficient_factors
-    if factors.value != "off" and not cls.takes_sufficient_factors:
-        takers = ", ".join(repr(s.value) for s in REGISTRY if strategy_class(s).takes_sufficient_factors)
-        raise ConfigError(
-            f"sufficient_factors = {factors.value!r} with strategy {cls.name.value!r}: only {takers} "
-            "send gradients as factors; set sufficient_factors = 'off'"
-        )
-    level = config.runtime.hierarchy
-    if factors.value != "off" and level.value != "none":
-        raise ConfigError(
-            f"sufficient_factors = {factors.value!r} with hierarchy = {level.value!r}: a host's sum of "
-            "factors is a matrix again, so the two do not combine; set one of them to off / none"
-        )
-    _check_min_workers(config, cls)
-    check_full_batch_settings(config)
-    cls.check_settings(config)
-    return config
-
-
-def _check_min_workers(config: SparkDLConfig, cls: type[SyncStrategy]) -> None:
-    floor, n = config.reliability.min_workers, config.training.num_workers
-    if floor > n:
-        raise ConfigError(
-            f"min_workers = {floor} is more than num_workers = {n}; set min_workers to at most "
-            f"{n} (0: never go on with fewer workers)"
-        )
-    if 0 < floor < n and not cls.resizes:
-        raise ConfigError(
-            f"min_workers = {floor} < num_workers = {n} with strategy {cls.name.value!r}, whose layout "
-            "num_workers fixes (the parameter server's clocks count its workers; pipeline stages and "
-            "tensor groups divide them); set min_workers = 0, or use allreduce, fsdp or weight_averaging"
-        )
-
-
-def create_strategy(ctx: StrategyContext) -> SyncStrategy:
-    """Build the strategy named by ``ctx.config.training.strategy``."""
-    return strategy_class(ctx.config.training.strategy)(ctx)
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -34,13 +34,13 @@ from sparkdl.errors import BadDataError, ConfigError, agreed
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
-from sparkdl.strategies.parameter_server import ParameterServerStrategy
 from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.loop import next_batch
+from sparkdl.training.own_loop import RunningStep
 from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
 from sparkdl.training.precision import Precision
 from sparkdl.worker.assembly import chosen_checkpoint
-from sparkdl.worker.prepare import Preparer, StepRows
+from sparkdl.worker.prepare import Preparer
 
 #: What a checkpoint file of a user's loop holds besides the user's state.
 _FORMAT = 1
@@ -63,7 +63,7 @@ class TrainContext:
         world_size: int,
         device: torch.device,
         preparer: Preparer,
-        step: StepRows,
+        step: RunningStep,
         control: dist.ProcessGroup | None,
         feed: PartitionFeed | None = None,
         filler: Filler | None = None,
@@ -223,19 +223,12 @@ class TrainContext:
         Raises:
             ConfigError: ``thing`` was never prepared.
         """
-        strategy = self._preparer.strategy_of(thing)
-        if strategy is None:  # a model prepared without an optimizer: the same on every rank
+        face = self._preparer.face_of(thing)
+        if face is None:  # a model prepared without an optimizer: the same on every rank
             return cpu_state_dict(thing) if self.rank == 0 else {}
         if isinstance(thing, nn.Module):
-            return strategy.full_state_dict()
-        if isinstance(strategy, ParameterServerStrategy):
-            raise ConfigError(
-                "ctx.state_dict of the parameter server's optimizer: the server on the driver runs it and "
-                "holds its state; save the model's state (ctx.state_dict(model)) instead"
-            )
-        if strategy.shards_parameters:  # one optimizer per model: the strategy's
-            return strategy.full_optimizer_state_dict()
-        return dict(thing.state_dict()) if self.rank == 0 else {}  # this one, of a model's several
+            return face.model_state()
+        return face.optimizer_state(thing)
 
     def load_state_dict(self, thing: Any, state: Mapping[str, Any]) -> None:
         """Load ``state``, a whole state as :meth:`state_dict` (or a plain model or optimizer)
@@ -246,22 +239,14 @@ class TrainContext:
             ConfigError: ``thing`` was never prepared; the parameter server's model (the
                 server holds its weights).
         """
-        strategy = self._preparer.strategy_of(thing)
-        if strategy is None:
+        face = self._preparer.face_of(thing)
+        if face is None:
             thing.load_state_dict(state)
-        elif isinstance(strategy, ParameterServerStrategy):
-            raise ConfigError(
-                "ctx.load_state_dict on the parameter server's model or optimizer: the server on the "
-                "driver holds its weights and runs its optimizer, and the next pull would undo the load; "
-                "start the server from your weights in model_fn instead"
-            )
         elif isinstance(thing, nn.Module):
-            strategy.load_whole_model(dict(state))
+            face.load_model_state(dict(state))
             self._preparer.weights_loaded()
-        elif strategy.shards_parameters:
-            strategy.load_whole_optimizer(dict(state))
         else:
-            thing.load_state_dict(dict(state))
+            face.load_optimizer_state(thing, dict(state))
 
     # -- progress ---------------------------------------------------------------------------------
 

@@ -43,11 +43,12 @@ from sparkdl.errors import (
 )
 from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, reporting_to_driver
 from sparkdl.services.weights.endpoint import WeightsEndpoint
+from sparkdl.training.own_loop import RunningStep
 from sparkdl.training.planning import Filler
 from sparkdl.worker import child as child_files
 from sparkdl.worker.assembly import Placement, checkpoint_store, feed_options, join_peers
 from sparkdl.worker.context import TrainContext
-from sparkdl.worker.prepare import Preparer, StepRows
+from sparkdl.worker.prepare import Preparer
 from sparkdl.worker.torchrun import Returned, returned_state
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def run_own_loop(
         )
         held.send_to(reporter)
         torch.manual_seed(config.training.seed)
-        step = StepRows()
+        step = RunningStep()
         preparer = Preparer(config, where, groups, hierarchy, step, stack, spec.ps)
         feed = None
         if spec.plan is not None:
