@@ -7,6 +7,7 @@ hands it to the sync strategy, which owns how it is taken, and runs the per-step
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -18,18 +19,19 @@ import torch.distributed as dist
 from torch import nn
 
 from sparkdl.data.tensors import Batch, call_model
-from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
+from sparkdl.errors import BadDataError, SparkDLError, agreed
 from sparkdl.training.checkpointing import Position, Resume
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.losses import LossFn
 from sparkdl.training.planning import (
     Filler,
-    InputRejected,
     StepCoordinator,
     StepPlan,
     Sum,
     coordinator_for,
     exchange_row_counts,
+    next_batch,
+    planned_steps,
 )
 from sparkdl.training.strategy import CollectiveForward, StepInput, SyncStats, SyncStrategy
 from sparkdl.training.validation import EarlyStopping, Validator
@@ -252,20 +254,12 @@ class Trainer:
         tally = EpochTally(epoch, coordinator.total_steps, time.perf_counter(), loss_sum=loss_sum)
         self.strategy.model.train()
         iterator = iter(batches)
-        while True:
-            group, rejected = self._next_group(iterator, coordinator.streaming)
-            if tally.steps < skip_steps:
-                coordinator.skip()
+        take = functools.partial(self._next_group, iterator, coordinator.streaming)
+        for planned in planned_steps(take, coordinator, self._ctx.rank, skip_steps):
+            if planned.plan is None:  # trained before the checkpoint: only consumed
                 tally.steps += 1
                 continue
-            rows = sum(len(batch) for batch in group)
-            try:
-                plan = coordinator.next_step(rows, rejected is not None)
-            except InputRejected:
-                raise self._agreed_stop(rejected) from rejected
-            if plan is None:
-                break
-            self._step(tally, group, rows, plan)
+            self._step(tally, planned.batches, planned.rows, planned.plan)
         if final:
             self.strategy.finish()
         if next(iterator, None) is not None:
@@ -354,23 +348,6 @@ class Trainer:
             self._filler.remember(batch)
             group.append(batch)
         return tuple(group), None
-
-    def _agreed_stop(self, rejected: SparkDLError | None) -> SparkDLError:
-        error = rejected or PeerStopped(
-            f"rank {self._ctx.rank} stopped because another worker rejected its input"
-        )
-        return agreed(error)
-
-
-def next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
-    """The next batch (None at the end); while streaming, a rejected input is returned, not
-    raised, so that every rank can stop together at the step's control sum."""
-    try:
-        return next(iterator, None), None
-    except (BadDataError, SchemaError) as exc:
-        if not streaming:
-            raise
-        return None, exc
 
 
 def peak_host_mb() -> float:

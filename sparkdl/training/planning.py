@@ -10,18 +10,24 @@ Spark, partition sizes unknown) one small all-reduce per step over the CPU contr
 shares each worker's rows (:class:`StepControl`, :class:`StreamingCoordinator`); from
 epoch 2 on the sizes are known, exchanged once (:func:`exchange_row_counts`), and the
 schedule is a pure function of them (:class:`ScheduledCoordinator`, no per-step messages).
+
+One loop of control. :func:`planned_steps` is the one place an epoch's steps are agreed:
+the next micro-batches, the coordinator's plan for them, a rejected input stopping every
+rank at the same step, the end of the epoch. The Estimator's loop and ``ctx.batches`` of a
+user's own loop both walk it.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sparkdl.data.batching import global_batch_rows, steps_in_epoch
 from sparkdl.data.tensors import Batch
+from sparkdl.errors import BadDataError, PeerStopped, SchemaError, SparkDLError, agreed
 
 #: Sums a small CPU tensor over every worker, in place (the exchange's ``sum_control_``).
 Sum = Callable[[torch.Tensor], object]
@@ -167,3 +173,64 @@ class Filler:
                 "on the driver either (is the DataFrame empty?)"
             )
         return self._batch
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One step of an epoch as every worker agreed on it.
+
+    Attributes:
+        batches: this worker's micro-batches (none once its rows ran out).
+        rows: rows in ``batches``.
+        plan: the step's agreed plan; None for a step trained before the checkpoint the run
+            resumed from, whose batches are only consumed.
+    """
+
+    batches: tuple[Batch, ...]
+    rows: int
+    plan: StepPlan | None
+
+
+#: This worker's next micro-batches (none once its rows ran out) and, while streaming, the
+#: error of an input it rejects (returned, not raised, so that every rank stops together).
+Take = Callable[[], tuple[tuple[Batch, ...], SparkDLError | None]]
+
+
+def planned_steps(
+    take: Take, coordinator: StepCoordinator, rank: int, skip: int = 0
+) -> Iterator[PlannedStep]:
+    """An epoch's steps, agreed with every other worker: each step's micro-batches from
+    ``take``, planned by ``coordinator`` (every rank asks it at every step, rows or none),
+    until it says the epoch is over. The first ``skip`` steps (trained before a failure,
+    restored from a checkpoint) only consume their batches.
+
+    Raises:
+        SparkDLError: some worker rejected its input: this worker's own error, or
+            :class:`~sparkdl.errors.PeerStopped` naming it; agreed, every rank at the same step.
+    """
+    for _ in range(skip):
+        batches, _rejected = take()
+        coordinator.skip()
+        yield PlannedStep(batches, 0, None)
+    while True:
+        batches, rejected = take()
+        rows = sum(len(batch) for batch in batches)
+        try:
+            plan = coordinator.next_step(rows, rejected is not None)
+        except InputRejected:
+            stopped = PeerStopped(f"rank {rank} stopped because another worker rejected its input")
+            raise agreed(rejected or stopped) from rejected
+        if plan is None:
+            return
+        yield PlannedStep(batches, rows, plan)
+
+
+def next_batch(iterator: Iterator[Batch], streaming: bool) -> tuple[Batch | None, SparkDLError | None]:
+    """The next batch (None at the end); while streaming, a rejected input is returned, not
+    raised, so that every rank can stop together at the step's control sum."""
+    try:
+        return next(iterator, None), None
+    except (BadDataError, SchemaError) as exc:
+        if not streaming:
+            raise
+        return None, exc

@@ -30,12 +30,9 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Exchange
-from sparkdl.comm.forming import Where, form_exchange, form_hierarchy
-from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.comm.rendezvous import AllGather, ProcessGroups, form_process_group
+from sparkdl.comm.rendezvous import AllGather
 from sparkdl.config import OnError, OptimizerName, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
@@ -43,16 +40,14 @@ from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import (
-    HeldRecords,
     ProgressEndpoint,
     ProgressReporter,
-    reporting_to_driver,
 )
 from sparkdl.services.ps.client import PsClient
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.storage.checkpoint_store import CheckpointStore
-from sparkdl.strategies import StrategyContext, SyncStrategy, create_strategy, strategy_class
+from sparkdl.strategies import StrategyContext, SyncStrategy
 from sparkdl.training.checkpointing import Checkpointer, Position, Resume, restore
 from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, build_optimizer, cpu_state_dict
 from sparkdl.training.full_batch import FullBatchTrainer
@@ -71,13 +66,12 @@ from sparkdl.training.planning import Filler
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
 from sparkdl.training.strategy import SchedulerFn
 from sparkdl.training.validation import EarlyStopping, Validator
-from sparkdl.worker.device import choose_backend, choose_device
+from sparkdl.worker.builder import Builder, Placement, start_worker
 from sparkdl.worker.full_batch import ServedPasses, full_batch_trainer
-from sparkdl.worker.teardown import TeardownWatchdog, close_strategy, release_process_groups, socket_interface
+
+__all__ = ["Placement", "TrainSpec", "WorkerResult", "build_trainer", "feed_options", "run_worker"]
 
 log = logging.getLogger(__name__)
-
-_HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -97,19 +91,6 @@ class TrainSpec:
     progress: ProgressEndpoint | None = None  # the driver's progress channel, when it listens
     weights: WeightsEndpoint | None = None  # where rank 0 sends the trained weights (else: the result row)
     meeting: MeetingPoint | None = None  # the driver's store the ranks gather at (else: Spark's allGather)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one worker runs, as its barrier task sees it."""
-
-    rank: int
-    world_size: int
-    host: str  # this worker's address that the others can reach
-    gpu_addresses: tuple[str, ...] = ()
-    torch_threads: int = 1
-    task_attempt: int = 0  # Spark's taskAttemptId; the smallest over the ranks names the stage attempt
-    peers: tuple[str, ...] = ()  # every rank's executor address ("host:port"), by rank
 
 
 @dataclass
@@ -135,23 +116,13 @@ def run_worker(
     """Train on this worker's partition; return its history (and the weights on rank 0)."""
     config, rank = spec.config, placement.rank
     with contextlib.ExitStack() as stack:
-        last_out = stack.enter_context(contextlib.ExitStack())  # the reporter, once it can start
-        held = stack.enter_context(HeldRecords())  # warnings until then (e.g. the device's)
-        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
+        started = start_worker(config, placement, all_gather, spec.progress, stack)
+        device, groups, reporter = started.device, started.groups, started.reporter
         attempt = groups.attempt  # known once the ranks have met
-        where = Where(rank, placement.world_size, placement.peers, device)
-        reporter = last_out.enter_context(
-            reporting_to_driver(spec.progress, rank, attempt, heartbeat_s=_HEARTBEAT_S)
-        )
-        held.send_to(reporter)
-        torch.manual_seed(config.training.seed)
-        kind = strategy_class(config.training.strategy)
+        build = Builder(config, started.where, groups, started.hierarchy, stack)
         # before the optimizer: a sharding strategy shards here, the optimizer holds the shards
-        module = kind.build_module(spec.model_fn, config, device, spec.parallelize_fn)
-        exchange = form_exchange(
-            config.runtime, where, groups, payload_bytes(module), kind.plain_sum, hierarchy
-        )
-        stack.callback(exchange.close)
+        module = build.module(spec.model_fn, spec.parallelize_fn)
+        exchange = build.exchange(module)
         store = checkpoint_store(config, stack)
         trainer: Trainer | FullBatchTrainer | ServedPasses
         if config.optimizer.optimizer is OptimizerName.LBFGS:  # full batch: no steps, no strategy
@@ -165,24 +136,29 @@ def run_worker(
                 config, spec.loss, spec.plan.keyword, _label_name(spec), rank, module, exchange, feed,
                 bool(spec.plan.validation_col), store, send, served,
             )  # fmt: skip
-            stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+            stack.callback(started.watchdog.arm)  # runs first on the way out: it bounds everything after it
             history = trainer.run()
             state = cpu_state_dict(module)
         else:
             optimizer = build_optimizer(module.parameters(), spec.optimizer_fn, config.optimizer)
-            resume = _resume(store, rank, module, optimizer, groups.control, kind)
+            resume = _resume(store, rank, module, optimizer, groups.control, build.kind)
             start = resume.position if resume else Position()
-            context = strategy_context(
-                spec, placement, device, groups, module, optimizer, start.global_steps_done, exchange,
-                resume.strategy_state if resume else None,
-            )  # fmt: skip
-            strategy = create_strategy(context)
-            stack.callback(close_strategy, strategy)
+            strategy = build.strategy(
+                module,
+                optimizer,
+                exchange,
+                ps=spec.ps,
+                start_step=start.global_steps_done,
+                lr=spec.lr,
+                scheduler_fn=spec.scheduler_fn,
+                resumed_state=resume.strategy_state if resume else None,
+            )
             feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
             stack.callback(feed.close)
             hooks = _hooks(spec, rank, module, optimizer, strategy, store, reporter)
-            trainer = build_trainer(spec, context, strategy, feed, _schedule(config, start, resume), hooks)
-            stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+            schedule = _schedule(config, start, resume)
+            trainer = build_trainer(spec, strategy.ctx, strategy, feed, schedule, hooks)
+            stack.callback(started.watchdog.arm)  # runs first on the way out: it bounds everything after it
             history = trainer.run()
             state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
         return WorkerResult(
@@ -208,44 +184,6 @@ def _schedule(config: SparkDLConfig, start: Position, resume: Resume | None) -> 
     return Schedule(training.epochs, training.batch_size, start, resume, training.accumulate_steps)
 
 
-def strategy_context(
-    spec: TrainSpec,
-    placement: Placement,
-    device: torch.device,
-    groups: ProcessGroups,
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    start_step: int,
-    exchange: Exchange,
-    resumed_state: dict[str, Any] | None = None,
-) -> StrategyContext:
-    """What a strategy of ``spec`` is built from on this worker (fit's and the advisor's probe
-    alike), starting at global step ``start_step`` (with the strategy's own entries of the
-    checkpoint it resumed from, if any)."""
-    return StrategyContext(
-        config=spec.config,
-        rank=placement.rank,
-        world_size=placement.world_size,
-        device=device,
-        module=module,
-        optimizer=optimizer,
-        control_group=groups.control,
-        ps=spec.ps,
-        attempt=groups.attempt,
-        resume_step=start_step,
-        lr=spec.lr,
-        scheduler_fn=spec.scheduler_fn,
-        store=groups.store,
-        exchange=exchange,
-        resumed_state=resumed_state or {},
-    )
-
-
-def payload_bytes(module: torch.nn.Module) -> int:
-    """What one sum of every parameter weighs (sizes a shared-memory segment)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     """Rank 0's trained weights for the driver: streamed to its weights server, so they never
     cross the JVM (the result row then carries none); in the result row where the driver
@@ -257,43 +195,6 @@ def _deliver_weights(spec: TrainSpec, state: dict[str, torch.Tensor]) -> bytes:
     sent = upload(spec.weights, state)
     log.info("rank 0 sent %.1f MB of trained weights to the driver", sent / 1e6)
     return b""
-
-
-def join_peers(
-    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
-) -> tuple[TeardownWatchdog, torch.device, ProcessGroups, HostGroups | None]:
-    """The start every worker shares (fit's, the advisor's probe, an own loop's): the teardown
-    watchdog (disarmed on the way out; the caller arms it once assembled), the network
-    interface of the executor's address, the device and process groups, the hierarchy."""
-    watchdog = TeardownWatchdog(config.runtime.teardown_timeout_s, placement.rank)
-    stack.callback(watchdog.disarm)
-    stack.enter_context(socket_interface(config.runtime.network_interface, placement.host))
-    device, groups = join(config, placement, all_gather, stack)
-    where = Where(placement.rank, placement.world_size, placement.peers, device)
-    return watchdog, device, groups, form_hierarchy(config.runtime, where)
-
-
-def join(
-    config: SparkDLConfig, placement: Placement, all_gather: AllGather, stack: contextlib.ExitStack
-) -> tuple[torch.device, ProcessGroups]:
-    """This worker's device, and the process groups it forms with the others."""
-    torch.set_num_threads(placement.torch_threads)
-    device = choose_device(
-        config.runtime.use_gpu, list(placement.gpu_addresses), torch.cuda.device_count(), placement.rank
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    groups = form_process_group(
-        placement.rank,
-        placement.world_size,
-        placement.host,
-        choose_backend(config.runtime.backend, device),
-        all_gather,
-        config.runtime.collective_timeout_s,
-        placement.task_attempt,
-    )
-    stack.callback(release_process_groups, groups)
-    return device, groups
 
 
 def build_trainer(

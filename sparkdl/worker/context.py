@@ -30,14 +30,13 @@ from torch import nn
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.data.tensors import Batch
-from sparkdl.errors import BadDataError, ConfigError, agreed
+from sparkdl.errors import ConfigError, SparkDLError, agreed
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import ProgressReporter
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.factory import cpu_state_dict
-from sparkdl.training.loop import next_batch
 from sparkdl.training.own_loop import RunningStep
-from sparkdl.training.planning import Filler, InputRejected, coordinator_for, exchange_row_counts
+from sparkdl.training.planning import Filler, coordinator_for, exchange_row_counts, next_batch, planned_steps
 from sparkdl.training.precision import Precision
 from sparkdl.worker.assembly import chosen_checkpoint
 from sparkdl.worker.prepare import Preparer
@@ -149,24 +148,24 @@ class TrainContext:
         coordinator = coordinator_for(source == "spark", self._counts, self.config.training.batch_size, sum_)
         self._total_steps = coordinator.total_steps
         iterator = iter(batches)
+
+        def take() -> tuple[tuple[Batch, ...], SparkDLError | None]:
+            batch, rejected = next_batch(iterator, coordinator.streaming)
+            return ((batch,) if batch is not None else ()), rejected
+
         try:
-            while True:
-                batch, rejected = next_batch(iterator, coordinator.streaming)
-                rows = 0 if batch is None else len(batch)
-                try:
-                    plan = coordinator.next_step(rows, rejected is not None)
-                except InputRejected:
-                    raise agreed(rejected or BadDataError("another worker rejected its input")) from rejected
-                if plan is None:
-                    break
+            for planned in planned_steps(take, coordinator, self.rank):
+                assert planned.plan is not None  # nothing skipped: a loaded checkpoint's steps are trained
                 self.global_step += 1
+                batch = planned.batches[0] if planned.batches else None
                 if batch is not None:
                     self._filler.remember(batch)
-                elif not self._preparer.needs_fillers:  # weight averaging: this worker sits the step out
+                elif not self._preparer.needs_fillers:  # its strategy's steps are local: sit it out
                     self._preparer.step_done(self.global_step - 1, 0)
                     continue
+                rows = planned.rows
                 self._step.rows, self._step.inside = rows, True
-                self._step.scale = self.world_size * rows / plan.global_rows
+                self._step.scale = self.world_size * rows / planned.plan.global_rows
                 self._epoch_steps += 1
                 self._samples += rows
                 yield (batch if batch is not None else self._filler.batch()).to(self.device)

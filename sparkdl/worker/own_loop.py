@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import torch
 import torch.distributed as dist
 
-from sparkdl.comm.forming import Where
 from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather
@@ -41,19 +39,19 @@ from sparkdl.errors import (
     WeightTransferError,
     agreed,
 )
-from sparkdl.services.progress.channel import HeldRecords, ProgressEndpoint, reporting_to_driver
+from sparkdl.services.progress.channel import ProgressEndpoint
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.training.own_loop import RunningStep
 from sparkdl.training.planning import Filler
 from sparkdl.worker import child as child_files
-from sparkdl.worker.assembly import Placement, checkpoint_store, feed_options, join_peers
+from sparkdl.worker.assembly import checkpoint_store, feed_options
+from sparkdl.worker.builder import Builder, Placement, start_worker
 from sparkdl.worker.context import TrainContext
 from sparkdl.worker.prepare import Preparer
 from sparkdl.worker.torchrun import Returned, returned_state
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT_S = 5.0
 _FAILED_KEY = "sparkdl/own_loop/failed"
 _RETURNED_KEY = "sparkdl/own_loop/returned"
 
@@ -103,16 +101,11 @@ def run_own_loop(
     """
     config, rank = spec.config, placement.rank
     with contextlib.ExitStack() as stack:
-        held = stack.enter_context(HeldRecords())
-        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
-        where = Where(rank, placement.world_size, placement.peers, device)
-        reporter = stack.enter_context(
-            reporting_to_driver(spec.progress, rank, groups.attempt, heartbeat_s=_HEARTBEAT_S)
-        )
-        held.send_to(reporter)
-        torch.manual_seed(config.training.seed)
+        started = start_worker(config, placement, all_gather, spec.progress, stack)
+        device, groups = started.device, started.groups
         step = RunningStep()
-        preparer = Preparer(config, where, groups, hierarchy, step, stack, spec.ps)
+        build = Builder(config, started.where, groups, started.hierarchy, stack)
+        preparer = Preparer(build, step, spec.ps)
         feed = None
         if spec.plan is not None:
             feed = PartitionFeed(batches, spec.plan, feed_options(config, rank, device))
@@ -127,10 +120,10 @@ def run_own_loop(
             groups.control,
             feed,
             Filler(spec.template),
-            reporter,
+            started.reporter,
             checkpoint_store(config, stack),
         )
-        stack.callback(watchdog.arm)  # runs first on the way out: it bounds everything after it
+        stack.callback(started.watchdog.arm)  # runs first on the way out: it bounds everything after it
         value = _call(spec, ctx, groups.store)
         try:
             ctx.finish()  # the strategies' last sync, every rank together

@@ -17,29 +17,18 @@ weights on every worker and is otherwise left alone.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from sparkdl.comm.forming import Where, form_exchange
-from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
-from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.config import SparkDLConfig, SufficientFactors
 from sparkdl.errors import ConfigError
-from sparkdl.strategies import (
-    StrategyContext,
-    SyncStrategy,
-    create_strategy,
-    own_loop_strategies,
-    strategy_class,
-)
+from sparkdl.strategies import SyncStrategy, own_loop_strategies, strategy_class
 from sparkdl.training.own_loop import OwnLoopFace, RunningStep
-from sparkdl.worker.assembly import payload_bytes
-from sparkdl.worker.teardown import close_strategy
+from sparkdl.worker.builder import Builder
 
 
 def check_own_loop_settings(config: SparkDLConfig) -> None:
@@ -91,29 +80,15 @@ class Preparer:
     """Prepares the models and optimizers of one worker's run, once each.
 
     Args:
-        config: the run's settings.
-        where: this worker's place (rank, world, peers, device).
-        groups: the process groups the workers formed.
-        hierarchy: the two levels of ``runtime.hierarchy`` (None: flat).
+        build: builds each model's exchange and strategy (and closes them), as every
+            worker's assembly does.
         step: the running step's rows, kept current by the feed.
-        stack: owns what is formed here (exchanges, strategies).
         ps: the parameter server's endpoint, where the driver hosts the model.
     """
 
-    def __init__(
-        self,
-        config: SparkDLConfig,
-        where: Where,
-        groups: ProcessGroups,
-        hierarchy: HostGroups | None,
-        step: RunningStep,
-        stack: contextlib.ExitStack,
-        ps: PsEndpoint | None = None,
-    ) -> None:
-        self._config, self._where, self._groups, self._hierarchy = config, where, groups, hierarchy
-        self._kind = strategy_class(config.training.strategy)
+    def __init__(self, build: Builder, step: RunningStep, ps: PsEndpoint | None = None) -> None:
+        self._build, self._where, self._kind = build, build.where, build.kind
         self._step = step
-        self._stack = stack
         self._ps = ps
         self._seen: set[int] = set()
         self._kept: dict[int, OwnLoopFace | None] = {}  # prepared objects, given and returned
@@ -252,28 +227,15 @@ class Preparer:
                 "optimizer, or use allreduce or weight_averaging for several"
             )
         kind.check_own_loop_model(module, self._ps)
-        kind.prepare_own_module(module, optimizers[0], self._config, where.device)
-        exchange = form_exchange(
-            self._config.runtime, where, self._groups, payload_bytes(module), kind.plain_sum, self._hierarchy
-        )
-        self._stack.callback(exchange.close)
+        kind.prepare_own_module(module, optimizers[0], self._build.config, where.device)
         index = len(self._strategies)
-        context = StrategyContext(
-            config=self._config,
-            rank=where.rank,
-            world_size=where.world_size,
-            device=where.device,
-            module=module,
-            optimizer=optimizers[0],
-            control_group=self._groups.control,
+        strategy = self._build.strategy(
+            module,
+            optimizers[0],
+            self._build.exchange(module),
             ps=self._ps,
-            attempt=self._groups.attempt,
-            store=self._groups.store,
-            exchange=exchange,
             resumed_state=self._resumed[index] if index < len(self._resumed) else {},
         )
-        strategy = create_strategy(context)
-        self._stack.callback(close_strategy, strategy)
         self._strategies.append(strategy)
         face = strategy.own_loop(optimizers[0], self._step)
         self._faces.append(face)

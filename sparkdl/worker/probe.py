@@ -36,30 +36,21 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.exchange import Exchange
 from sparkdl.comm.forming import Where, form_exchange
 from sparkdl.comm.hierarchy import HostGroups
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather, ProcessGroups
 from sparkdl.config import OptimizerName, SparkDLConfig
 from sparkdl.data.feed import PartitionFeed
-from sparkdl.strategies import SyncStrategy, create_strategy, strategy_class
+from sparkdl.strategies import SyncStrategy
 from sparkdl.training.checkpointing import Position
 from sparkdl.training.factory import build_optimizer
 from sparkdl.training.full_batch import vector_op_seconds
 from sparkdl.training.hooks import EpochTally, StepHook
 from sparkdl.training.loop import Schedule, Trainer
 from sparkdl.training.planning import coordinator_for, exchange_row_counts
-from sparkdl.worker.assembly import (
-    Placement,
-    TrainSpec,
-    build_trainer,
-    feed_options,
-    join_peers,
-    payload_bytes,
-    strategy_context,
-)
-from sparkdl.worker.teardown import close_strategy
+from sparkdl.worker.assembly import TrainSpec, build_trainer, feed_options
+from sparkdl.worker.builder import Builder, Placement, start_worker
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +116,13 @@ def run_probe(
     rank's figures) as a JSON-able dict."""
     config, rank = spec.train.config, placement.rank
     with contextlib.ExitStack() as stack:
-        watchdog, device, groups, hierarchy = join_peers(config, placement, all_gather, stack)
-        where = Where(rank, placement.world_size, placement.peers, device)
+        started = start_worker(config, placement, all_gather, None, stack)  # the probe reports nothing
+        where, groups, hierarchy = started.where, started.groups, started.hierarchy
+        device = where.device
         rows = spec.steps * config.training.batch_size * config.training.accumulate_steps
         feed = PartitionFeed(first_rows(batches, rows), spec.train.plan, feed_options(config, rank, device))
         stack.callback(feed.close)
-        stack.callback(watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
+        stack.callback(started.watchdog.arm)  # runs first on the way out, error or not: bounds the teardown
         feed.fill_cache()  # what a run's first epoch leaves behind
         control = functools.partial(dist.all_reduce, group=groups.control)
         counts = exchange_row_counts(rank, placement.world_size, feed.cached_rows, control)
@@ -192,7 +184,6 @@ class Bench:
     epoch: int = 2
     params: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
-    _exchange: Exchange | None = None  # the candidate being timed's, closed after it
 
     def time(self, candidate: ProbeCandidate) -> dict[str, float]:
         """Build ``candidate`` afresh and train a warm-up epoch and timed ones; its step time,
@@ -200,9 +191,8 @@ class Bench:
         config = candidate.config
         train = dataclasses.replace(self.spec.train, config=config)
         start = self.steps_done.get(candidate.name, 0)
-        strategy = None
-        try:
-            strategy = self._build(candidate, train, start)
+        with contextlib.ExitStack() as built:  # the candidate's exchange and strategy, closed after it
+            strategy = self._build(candidate, train, start, built)
             clock = StepClock()
             schedule = Schedule(
                 1 << 20,
@@ -223,12 +213,6 @@ class Bench:
             step_s, wall_s, sent = _agreed_max(medians, self.groups.control)
             steps = -(-max(self.counts) // per_step)
             self.steps_done[candidate.name] = trainer.global_step
-        finally:
-            if strategy is not None:
-                close_strategy(strategy)
-            if self._exchange is not None:
-                self._exchange.close()
-                self._exchange = None
         log.info("probe %s: %.2f ms a step", candidate.name, step_s * 1e3)
         return {
             "step_s": step_s,
@@ -236,25 +220,19 @@ class Bench:
             "bytes_per_step": sent,
         }
 
-    def _build(self, candidate: ProbeCandidate, train: TrainSpec, start: int) -> SyncStrategy:
-        """Model, optimizer and strategy of ``candidate``, as ``run_worker`` builds them."""
-        config, placement = candidate.config, self.placement
+    def _build(
+        self, candidate: ProbeCandidate, train: TrainSpec, start: int, stack: contextlib.ExitStack
+    ) -> SyncStrategy:
+        """Model, optimizer and strategy of ``candidate``, as ``run_worker`` builds them (the
+        hierarchy's groups serve every candidate); ``stack`` closes them."""
+        config = candidate.config
         torch.manual_seed(config.training.seed)
-        kind = strategy_class(config.training.strategy)
-        device = self.where.device
-        module = kind.build_module(train.model_fn, config, device, train.parallelize_fn)
+        build = Builder(config, self.where, self.groups, self.hierarchy, stack)
+        module = build.module(train.model_fn, train.parallelize_fn)
         # a sharded (DTensor) parameter counts whole
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
-        train = dataclasses.replace(train, ps=candidate.ps)
-        # the candidate exchanges as fit would (the hierarchy's groups serve every candidate)
-        self._exchange = form_exchange(
-            config.runtime, self.where, self.groups, payload_bytes(module), kind.plain_sum, self.hierarchy
-        )
-        context = strategy_context(
-            train, placement, device, self.groups, module, optimizer, start, self._exchange
-        )
-        return create_strategy(context)
+        return build.strategy(module, optimizer, build.exchange(module), ps=candidate.ps, start_step=start)
 
     def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
         """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""

@@ -48,7 +48,7 @@ from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter
 from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.worker import child as child_files
-from sparkdl.worker.assembly import Placement
+from sparkdl.worker.builder import HEARTBEAT_S, Placement
 from sparkdl.worker.launcher import (
     TIMED_OUT,
     Child,
@@ -64,7 +64,6 @@ from sparkdl.worker.launcher import (
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT_S = 5.0
 _DONE_KEY = "sparkdl/launch/done"
 
 
@@ -151,7 +150,7 @@ def run_agent(spec: LaunchSpec, place: Placement, all_gather: AllGather) -> Retu
             else join_store(rendezvous.host, rendezvous.port, spec.rendezvous_timeout_s)
         )
         reporter = stack.enter_context(
-            reporting_to_driver(spec.progress, place.rank, rendezvous.attempt, heartbeat_s=_HEARTBEAT_S)
+            reporting_to_driver(spec.progress, place.rank, rendezvous.attempt, heartbeat_s=HEARTBEAT_S)
         )
         directory = stack.enter_context(_workdir())
         gpus = place.gpu_addresses if spec.use_gpu else ()

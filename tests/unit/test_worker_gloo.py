@@ -85,16 +85,16 @@ class _OwnWeights:
 
 
 def _worker_sending_its_weights(rank, world, shards, spec, store_path, out, peers=()):
-    import sparkdl.worker.assembly as assembly
+    import sparkdl.worker.builder as builder
 
     built = []
-    create = assembly.create_strategy
+    create = builder.create_strategy
 
     def keep(ctx):
         built.append(create(ctx))
         return built[-1]
 
-    assembly.create_strategy = keep
+    builder.create_strategy = keep
     _worker(rank, world, shards, spec, store_path, _OwnWeights(out, built), peers)
 
 
