@@ -37,7 +37,8 @@ from common import echo, save_report  # noqa: E402
 from sparkdl.config import PsMode  # noqa: E402
 from sparkdl.services.ps.client import PsClient  # noqa: E402
 from sparkdl.services.ps.server import ParameterServer  # noqa: E402
-from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards  # noqa: E402
+from sparkdl.services.ps.sharding import shard_count, split_into_shards  # noqa: E402
+from sparkdl.services.ps.store import ShardStore  # noqa: E402
 
 SECRET = os.urandom(32)
 

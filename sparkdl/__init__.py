@@ -33,8 +33,8 @@ _PUBLIC = {
     "loading": "sparkdl.ml.persistence",
     "session": "sparkdl.spark.session",
     "TorchDistributor": "sparkdl.launch.distributor",
-    "run": "sparkdl.launch.loop",
-    "RunResult": "sparkdl.launch.loop",
+    "run": "sparkdl.launch.run",
+    "RunResult": "sparkdl.launch.run",
     "TrainFunctionError": "sparkdl.errors",
     "RunTimeout": "sparkdl.errors",
 }
@@ -86,7 +86,7 @@ if TYPE_CHECKING:
         WorkersLostError,
     )
     from sparkdl.launch.distributor import TorchDistributor
-    from sparkdl.launch.loop import RunResult, run
+    from sparkdl.launch.run import RunResult, run
     from sparkdl.ml.estimator import TorchEstimator, TorchModel
     from sparkdl.ml.persistence import loading
     from sparkdl.spark.session import session

@@ -43,13 +43,13 @@ from sparkdl.config import Hierarchy, OptimizerName
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import BadDataError, ConfigError, SparkDLError
 from sparkdl.services.ps.server import server_threads
-from sparkdl.services.ps.store import shards_for
+from sparkdl.services.ps.sharding import shards_for
 from sparkdl.spark.cluster import check_cluster, described, driver_host, executor_hosts, is_connect
-from sparkdl.spark.driver import needs_repartition, translate_failure
 from sparkdl.spark.preflight import sample_batch
+from sparkdl.spark.probe_task import PROBE_SCHEMA, probe_partition
 from sparkdl.spark.ps_host import HostedServer, host_parameter_server
 from sparkdl.spark.resources import training_profile
-from sparkdl.spark.task import PROBE_SCHEMA, probe_partition
+from sparkdl.spark.stage import needs_repartition, translate_failure
 from sparkdl.strategies import REGISTRY, check_settings, strategy_class
 from sparkdl.training.factory import build_model
 from sparkdl.training.full_batch import vector_op_seconds

@@ -34,12 +34,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdl.advisor.costmodel import Cluster, Link, ModelShape, Workload, step_cost
+from sparkdl.advisor.probed import LOCAL, LinkEstimate, ProbeResult, Timing
+from sparkdl.advisor.projection import project
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import Strategy
 
-#: The internal candidate that trains with no communication at all: the compute a step costs.
-LOCAL = "local"
+__all__ = [  # what the probe measured lives in probed.py; predictions speak it
+    "LOCAL",
+    "Advice",
+    "Candidate",
+    "Derived",
+    "LinkEstimate",
+    "Prediction",
+    "ProbeResult",
+    "Timing",
+    "predict",
+    "probe_set",
+]
+
 #: Weight averaging (tau) and the asynchronous parameter server (push/pull every k) are
 #: probed at 1 and at this many steps per exchange; other counts follow from the two.
 FIT_AT = 4
@@ -155,60 +167,6 @@ def probe_set(tau: int, staleness: int, every: int, hosts: int = 1) -> tuple[lis
         for k in sorted({every} - {1, FIT_AT})
     ]
     return probed, derived
-
-
-@dataclass(frozen=True)
-class Timing:
-    """One probed candidate on the cluster: seconds per step (the slowest rank's, median of
-    the timed epochs), seconds an epoch adds beyond its steps, bytes a worker sent per step."""
-
-    step_s: float
-    epoch_overhead_s: float
-    bytes_per_step: float
-
-
-@dataclass(frozen=True)
-class LinkEstimate:
-    """The workers' network as the probe saw it: latency of one message, and the bandwidth a
-    ring all-reduce of the model's size achieved (bytes each worker sent per second)."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    @classmethod
-    def from_all_reduce(cls, workers: int, tiny_s: float, model_s: float, model_bytes: float) -> LinkEstimate:
-        """From the time of an all-reduce of one float (``tiny_s``: latency only) and of one of
-        the model's size (``model_s``): a ring of ``N`` sends ``2 (N-1)`` messages and
-        ``2 (N-1)/N`` of the model per worker."""
-        if workers < 2:  # nothing crossed a link: unknown, not infinite (JSON has no Infinity)
-            return cls(latency_s=0.0, bytes_per_s=0.0)
-        messages = 2 * (workers - 1)
-        sent = 2 * (workers - 1) / workers * model_bytes
-        moving = max(model_s - tiny_s, 1e-9)
-        return cls(latency_s=tiny_s / messages, bytes_per_s=sent / moving)
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What the probe stage measured, and the model's shape for the projections (what its
-    pipeline cut and tensor plan send, :mod:`sparkdl.advisor.shape`; a pipeline's
-    ``microbatches``, the tensor-parallel ``group``, 0: every worker, and the micro-batches
-    of a step, ``accumulate``)."""
-
-    workers: int
-    batch_size: int  # rows per worker per step (batch_size x accumulate_steps)
-    params: int
-    timings: Mapping[str, Timing]
-    skipped: Mapping[str, str]  # candidates the probe could not train, and why
-    link: LinkEstimate
-    shape: ModelShape = field(default_factory=ModelShape)
-    microbatches: int = 1
-    group: int = 0
-    accumulate: int = 1
-    # with optimizer = "lbfgs", the slowest rank's: a pass's sums (its totals and its gradient,
-    # through the exchange fit forms) and a model-sized vector operation of its algebra
-    gradient_sum_s: float = 0.0
-    vector_op_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -395,67 +353,6 @@ def _row(candidate: Candidate, timing: Timing, steps: int, total_rows: int, sour
         source,
         candidate.exact,
     )
-
-
-#: The rows projected to larger clusters: (strategy, compression, tau, sufficient factors) by
-#: row name; each strategy's own ``pattern`` says how the cost model prices it.
-_PROJECTED = {
-    "allreduce": (Strategy.ALLREDUCE, "none", 1, False),
-    "allreduce 1bit": (Strategy.ALLREDUCE, "1bit", 1, False),
-    "allreduce, sufficient factors": (Strategy.ALLREDUCE, "none", 1, True),
-    "weight_averaging tau=4": (Strategy.WEIGHT_AVERAGING, "none", 4, False),
-    "parameter_server sync": (Strategy.PARAMETER_SERVER, "none", 1, False),
-    "parameter_server sync, sufficient factors": (Strategy.PARAMETER_SERVER, "none", 1, True),
-    "fsdp": (Strategy.FSDP, "none", 1, False),
-    "pipeline": (Strategy.PIPELINE, "none", 1, False),
-    "tensor": (Strategy.TENSOR, "none", 1, False),
-}
-
-
-def project(
-    probe: ProbeResult, workers: Sequence[int], patterns: Mapping[Strategy, Pattern | None]
-) -> dict[str, dict[int, float]]:
-    """Samples/s of a few strategies at ``workers`` workers (one per host), from the probe's
-    local step and link through :mod:`sparkdl.advisor.costmodel` (alpha-beta; the real cluster's
-    larger rings are assumed to see the same per-link bandwidth); none without a measured
-    link (one worker). A pipeline keeps the probe's stages and a tensor-parallel group its
-    size (the extra workers are replicas): projected only to multiples of them, and only
-    where the model has a cut or a split (its shape says so); sufficient factors only where
-    the model has fully connected layers; a candidate the probe skipped (the settings or the
-    model refused it) is not projected either."""
-    if probe.link.bytes_per_s <= 0:
-        return {}
-    local = probe.timings[LOCAL]
-    link = Link(probe.link.bytes_per_s * 8 / 1e9, probe.link.latency_s)
-    shape = probe.shape
-    work = Workload(
-        params=probe.params,
-        compute_s=local.step_s,
-        batch=probe.batch_size,
-        shape=shape,
-        microbatches=probe.microbatches,
-        group=probe.group or probe.workers,
-        accumulate=probe.accumulate,
-    )
-    fits = {
-        Strategy.PIPELINE: (lambda n: bool(shape.cut_bytes) and n % shape.stages == 0),
-        Strategy.TENSOR: (lambda n: shape.split_params > 0 and n % work.group == 0),
-    }
-    out: dict[str, dict[int, float]] = {}
-    for name, (strategy, compression, tau, factors) in _PROJECTED.items():
-        pattern = patterns.get(strategy)
-        if pattern is None or name in probe.skipped or (factors and not shape.linears):
-            continue
-        priced = {
-            n: step_cost(
-                pattern, Cluster(n), link, work, compression=compression, tau=tau, factors=factors
-            ).samples_per_s
-            for n in workers
-            if fits.get(strategy, lambda _: True)(n)
-        }
-        if priced:
-            out[name] = priced
-    return out
 
 
 def _settings_text(settings: Mapping[str, Any]) -> str:

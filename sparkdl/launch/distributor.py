@@ -15,28 +15,24 @@ driver, and a returned state dict travels without pickle or the JVM.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import logging
 import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sparkdl.config import UseGpu
 from sparkdl.errors import ClusterConfigError, ConfigError
+from sparkdl.launch.user_code import pickled_call, showing_worker_output
 from sparkdl.services.progress.board import ProgressBoard
-from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, is_connect
-from sparkdl.spark.driver import progress_server, raise_agreed_error, run_barrier_stage
-from sparkdl.spark.launch_task import LAUNCH_SCHEMA, launch_partition
-from sparkdl.spark.resources import training_profile
-from sparkdl.spark.stage_servers import stage_servers
-from sparkdl.spark.watch import MARGIN_S, fit_job_group
-from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+from sparkdl.spark.cluster import is_connect
+from sparkdl.spark.distributor_task import launch_partition
+from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value, unpickled
+from sparkdl.spark.stage import barrier_stage, stage_site
+from sparkdl.spark.watch import MARGIN_S
+from sparkdl.worker.distributor_agent import LaunchSpec, Program, run_local
 
 log = logging.getLogger(__name__)
 
@@ -129,39 +125,28 @@ class TorchDistributor:
         returned = run_local(self._spec(program), gpus)
         if returned.state_dict is not None:
             return returned.state_dict
-        return _unpickled(returned.pickled)
+        return unpickled(returned.pickled)
 
     def _run_distributed(self, program: Program) -> Any:
-        spark, n = self.spark, self.num_processes
-        connect = is_connect(spark)
-        profile = None
-        if not connect:
-            profile = training_profile(spark, UseGpu.YES if self.use_gpu else UseGpu.NO)
-            check_cluster(spark, n, 60.0, self.rendezvous_timeout_s, profile)
-        group = "" if connect else fit_job_group(spark)
-        attempt_started = attempt_gate(spark.sparkContext, group) if group else None
-        with contextlib.ExitStack() as stack:
-            servers = stack.enter_context(stage_servers(spark, group, self.rendezvous_timeout_s, False))
-            progress = None
-            if not connect:
-                progress = progress_server(
-                    spark, ProgressBoard(n, 1, show=False), 1.0, False, attempt_started
-                )
-                stack.callback(progress.stop)
+        spark, n, rendezvous_s = self.spark, self.num_processes, self.rendezvous_timeout_s
+        use_gpu = UseGpu.YES if self.use_gpu else UseGpu.NO
+        site = stage_site(spark, n, use_gpu=use_gpu, wait_s=60.0, collective_s=rendezvous_s)
+        board = ProgressBoard(n, 1, show=False)
+        with barrier_stage(
+            site,
+            collective_s=rendezvous_s,
+            bound_s=rendezvous_s + MARGIN_S,
+            encrypt=False,
+            board=board,
+            interval_s=1.0,
+        ) as stage:
             spec = self._spec(
-                program,
-                progress=progress.endpoint() if progress is not None else None,
-                weights=servers.weights,
-                meeting=servers.meeting,
+                program, progress=stage.progress_endpoint, weights=stage.weights, meeting=stage.meeting
             )
-            bound_s = self.rendezvous_timeout_s + MARGIN_S
-            silence = progress.silence if progress is not None else None
             task = functools.partial(launch_partition, spec)
-            with described(spark, f"sparkdl TorchDistributor: {program.name} on {n} processes"):
-                rows = run_barrier_stage(
-                    spark.range(0, n, 1, n), task, LAUNCH_SCHEMA, profile, silence, bound_s, group
-                )
-            return rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
+            description = f"sparkdl TorchDistributor: {program.name} on {n} processes"
+            rows = stage.run(spark.range(0, n, 1, n), task, RETURNED_SCHEMA, description)
+            return rank0_value(rows, stage.uploaded())
         raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -190,27 +175,6 @@ def make_program(
     return Program(function=payload, name=name)
 
 
-def pickled_call(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], by: str
-) -> tuple[str, bytes]:
-    """``function``'s name, and ``(function, args, kwargs)`` cloudpickled for the workers.
-
-    Raises:
-        ConfigError: it cannot be pickled: named, with the reason and the usual fix.
-    """
-    import cloudpickle
-
-    name = getattr(function, "__qualname__", repr(function))
-    try:
-        return name, cloudpickle.dumps((function, tuple(args), dict(kwargs)))
-    except Exception as exc:
-        raise ConfigError(
-            f"{by} cannot send {name} to the workers: pickling it (with its arguments) failed with "
-            f"{type(exc).__name__}: {exc}. Create what it uses (sessions, locks, open files, models on a "
-            "GPU) inside the function, or pass it as a plain value"
-        ) from exc
-
-
 def local_gpus(spark: Any, num_processes: int) -> tuple[str, ...]:
     """The GPUs the processes of local mode share: the driver's from Spark's resources,
     else those CUDA shows this process.
@@ -234,50 +198,3 @@ def local_gpus(spark: Any, num_processes: int) -> tuple[str, ...]:
             "GPUs (spark.driver.resource.gpu.amount), or set use_gpu=False"
         )
     return tuple(addresses[:num_processes])
-
-
-def rank0_value(rows: list[Any], uploaded: dict[str, torch.Tensor] | None) -> Any:
-    """Rank 0's return value from the stage's rows (and the weights server's upload).
-
-    Raises:
-        SparkDLError: the error the ranks agreed on (the failing rank's, not its peers').
-    """
-    raise_agreed_error(rows)
-    lead = sorted((row for row in rows if row["rank"] == 0 and row["kind"] != "meta"), key=lambda r: r["seq"])
-    kind = lead[0]["kind"] if lead else "none"
-    data = b"".join(bytes(row["chunk"]) for row in lead)
-    if kind == "uploaded":
-        return uploaded
-    if kind == "tensors":
-        return torch.load(io.BytesIO(data), weights_only=True)
-    if kind == "pickle":
-        return _unpickled(data)
-    return None
-
-
-def _unpickled(data: bytes) -> Any:
-    if not data:
-        return None
-    import cloudpickle
-
-    return cloudpickle.loads(data)
-
-
-@contextlib.contextmanager
-def showing_worker_output() -> Iterator[None]:
-    """The processes' output on the driver's stdout for the run, where nothing else shows
-    ``sparkdl.worker``'s INFO records (no logging configured: a notebook, a plain script)."""
-    worker_log = logging.getLogger("sparkdl.worker")
-    if logging.getLogger().handlers or worker_log.handlers:
-        yield
-        return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    level = worker_log.level
-    worker_log.addHandler(handler)
-    worker_log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        worker_log.removeHandler(handler)
-        worker_log.setLevel(level)

@@ -54,6 +54,7 @@ from sparkdl.spark.inference import (
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.spark.tracking import check_tracking, log_fit
 from sparkdl.strategies import check_settings
+from sparkdl.strategies.tensor_plan import check_parallelize_fn
 from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, module_with_state
 from sparkdl.training.full_batch_settings import check_full_batch_inputs
 from sparkdl.training.losses import LossFn, resolve_loss, takes_weight
@@ -303,8 +304,6 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "learning rate; use one: drop scheduler_fn, or leave those settings at their defaults"
             )
         if self.parallelize_fn is not None:
-            from sparkdl.strategies.tensor import check_parallelize_fn  # DTensor: where asked for only
-
             check_parallelize_fn(config)
         if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
             dataset = vectors_as_arrays(dataset)

@@ -1,9 +1,8 @@
-"""Driver side of ``fit``: validate, launch the barrier stage, gather the result.
-
-The training stage is ``mapInArrow(train_partition, barrier=True)`` followed by a
-shuffle (``repartition(1)``). The shuffle makes the barrier stage a
-ShuffleMapStage, which Spark re-runs as a whole when a task fails, instead of
-aborting the job as it does for a failed barrier ResultStage.
+"""Driver side of ``fit``: plan the inputs, check the settings, the model and the cluster
+before any worker starts, run the training stage (on the barrier-stage kit,
+:mod:`sparkdl.spark.stage`, with the parameter server where the strategy's model is hosted
+on the driver), go on with fewer workers where ``min_workers`` allows, and gather the
+result.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
-import secrets
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -30,26 +27,20 @@ from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import (
     ConfigError,
-    ErrorRecord,
     SchemaError,
     SparkDLError,
-    StageStalledError,
     TrainingFailedError,
     WeightTransferError,
     WorkersLostError,
 )
-from sparkdl.services.progress.board import ProgressBoard
-from sparkdl.services.progress.channel import ProgressServer
-from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, driver_host, is_connect, max_concurrent_tasks
-from sparkdl.spark.environment import check_executor_environment, failure_excerpt, memory_hint
+from sparkdl.spark.cluster import max_concurrent_tasks
+from sparkdl.spark.environment import check_executor_environment
+from sparkdl.spark.fit_task import RESULT_SCHEMA, TrainSpec, train_partition
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
 from sparkdl.spark.resize import Resize, check_resizable, next_size, note_resizes
-from sparkdl.spark.resources import training_profile
-from sparkdl.spark.stage_servers import stage_servers
-from sparkdl.spark.task import RESULT_SCHEMA, TrainSpec, train_partition
-from sparkdl.spark.watch import MARGIN_S, SlotWatch, collect_watched, fit_job_group
+from sparkdl.spark.stage import Site, raise_agreed_error, stage_input, training_site, training_stage
+from sparkdl.spark.watch import SlotWatch
 from sparkdl.strategies import check_settings, strategy_class
 from sparkdl.strategies.pipeline_timing import cut_by_time, wants_time_cut
 from sparkdl.training.factory import state_from_bytes
@@ -171,12 +162,9 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
     on the slots left, from the checkpoint (:mod:`sparkdl.spark.resize`); else fit raises
     :class:`WorkersLostError`."""
     config = check_settings(spec.config)
-    n = config.training.num_workers
+    n, runtime = config.training.num_workers, config.runtime
     spark = df.sparkSession
-    profile = None if is_connect(spark) else training_profile(spark, config.runtime.use_gpu)
-    check_cluster(
-        spark, n, config.runtime.executor_wait_timeout_s, config.runtime.collective_timeout_s, profile
-    )
+    site = training_site(spark, config)
     sample, cut = _preflight(df, spec)
     spec = dataclasses.replace(
         spec,
@@ -184,19 +172,17 @@ def run_training(df: Any, spec: TrainSpec) -> FitResult:
         template=sample.head(2) if sample is not None else None,
         lr=_lr_plan(df, config),
     )
-    group = "" if is_connect(spark) else fit_job_group(spark)  # Connect: Spark's own timeouts only
-    attempt_started = attempt_gate(spark.sparkContext, group) if group else None
     floor = config.reliability.min_workers if 0 < config.reliability.min_workers < n else 0
     if floor:
         check_resizable(spark, config)
     resizes: list[Resize] = []
     while True:
         slots = None
-        if group:  # watched at every size, the last one too: a further loss says so
-            probe = functools.partial(max_concurrent_tasks, spark.sparkContext, profile)
-            slots = SlotWatch(probe, n, config.runtime.executor_wait_timeout_s, resizes=bool(floor))
+        if not site.connect:  # watched at every size, the last one too: a further loss says so
+            probe = functools.partial(max_concurrent_tasks, spark.sparkContext, site.profile)
+            slots = SlotWatch(probe, n, runtime.executor_wait_timeout_s, resizes=bool(floor))
         try:
-            result = _train(df, spec, profile, group, attempt_started, slots)
+            result = _train(df, spec, site, slots)
         except SparkDLError as exc:
             if slots is None or not floor or len(resizes) > config.training.num_workers:
                 raise
@@ -238,45 +224,31 @@ def _resized(df: Any, spec: TrainSpec, n: int, workers: int, cause: SparkDLError
     return dataclasses.replace(spec, config=resized, lr=_lr_plan(df, resized))
 
 
-def _train(
-    df: Any,
-    spec: TrainSpec,
-    profile: Any,
-    group: str,
-    attempt_started: Callable[[int], bool] | None,
-    slots: SlotWatch | None,
-) -> FitResult:
+def _train(df: Any, spec: TrainSpec, site: Site, slots: SlotWatch | None) -> FitResult:
     """One training stage of ``spec.config``'s workers, with its servers."""
     config = spec.config
-    n, runtime, spark = config.training.num_workers, config.runtime, df.sparkSession
+    n = config.training.num_workers
     hosted = None
     with contextlib.ExitStack() as stack:
         if strategy_class(config.training.strategy).hosted_on_driver:
-            hosted = start_parameter_server(spark, spec, attempt_started)
+            hosted = start_parameter_server(site.spark, spec, site.attempt_started)
             stack.callback(hosted.stop)
             spec = hosted.spec
-        servers = stack.enter_context(
-            stage_servers(spark, group, runtime.collective_timeout_s, runtime.encrypt)
+        stage = stack.enter_context(training_stage(site, config))
+        spec = dataclasses.replace(
+            spec, weights=stage.weights, meeting=stage.meeting, progress=stage.progress_endpoint
         )
-        spec = dataclasses.replace(spec, weights=servers.weights, meeting=servers.meeting)
-        progress = start_progress_channel(spark, config, attempt_started)
-        if progress is not None:
-            stack.callback(progress.stop)
-            spec = dataclasses.replace(spec, progress=progress.endpoint())
         data = stage_input(df, spec.plan.column_names, n)
-        _describe_job(spark, f"sparkdl fit: {n} workers, {_length(config)}")
-        bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
-        silence = progress.silence if progress is not None else None
         task = functools.partial(train_partition, spec)
         coordinator = hosted.coordinator if hosted is not None else None
         try:
-            rows = run_barrier_stage(data, task, RESULT_SCHEMA, profile, silence, bound_s, group, slots)
-            upload = servers.upload
-            result = _fit_result(rows, n, upload.take() if upload is not None else None)
+            description = f"sparkdl fit: {n} workers, {_length(config)}"
+            rows = stage.run(data, task, RESULT_SCHEMA, description, slots)
+            result = _fit_result(rows, n, stage.uploaded())
         except SparkDLError as exc:  # L-BFGS on the shards: the driver's own error is the cause
             if coordinator is not None and coordinator.error is not None:
                 raise coordinator_error(coordinator.error) from exc
-            refusal = servers.upload.refusal() if servers.upload is not None else ""
+            refusal = stage.upload_refusal()
             if isinstance(exc, WeightTransferError) and refusal:  # the worker saw its socket close
                 raise WeightTransferError(f"{exc}; the driver's weights server refused it: {refusal}") from (
                     exc
@@ -339,33 +311,6 @@ def _lr_plan(df: Any, config: SparkDLConfig) -> LrPlan:
     return lr_plan(config, steps_per_epoch)
 
 
-def needs_repartition(data: Any, n: int, spark: Any) -> bool:
-    """Whether ``data`` must be shuffled into ``n`` partitions before the barrier stage: when
-    it has another count, and when a coalesce made its count (Spark refuses a barrier stage
-    over a coalesce, SPARK-24820). A Connect client cannot see the plan: always."""
-    if is_connect(spark) or data.rdd.getNumPartitions() != n:
-        return True
-    return "Coalesce" in data._jdf.queryExecution().executedPlan().toString()
-
-
-def start_progress_channel(
-    spark: Any, config: SparkDLConfig, attempt_started: Callable[[int], bool] | None = None
-) -> ProgressServer | None:
-    """Listen for the workers' progress and log records on the driver's address.
-
-    A Spark Connect client is not the driver, and executors cannot reach it, so it
-    gets no live progress (the result's history is complete all the same).
-    """
-    if is_connect(spark):
-        log.info("Spark Connect session: no live progress; fit's history holds every figure")
-        return None
-    full_batch = config.optimizer.optimizer.value == "lbfgs"  # an iteration reports as an epoch
-    epochs = config.lbfgs.max_iterations if full_batch else config.training.epochs
-    board = ProgressBoard(config.training.num_workers, epochs, show=config.runtime.progress)
-    runtime = config.runtime
-    return progress_server(spark, board, runtime.progress_interval_s, runtime.encrypt, attempt_started)
-
-
 def coordinator_error(error: BaseException) -> SparkDLError:
     """The error a fit raises for its L-BFGS coordinator's: the coordinator's own when it is
     sparkdl's (no rows, a non-finite objective), else wrapped with its type and text."""
@@ -378,24 +323,6 @@ def _length(config: SparkDLConfig) -> str:
     if config.optimizer.optimizer.value == "lbfgs":
         return f"L-BFGS, at most {config.lbfgs.max_iterations} iterations"
     return f"{config.training.epochs} epochs"
-
-
-def progress_server(
-    spark: Any,
-    board: ProgressBoard,
-    interval_s: float,
-    encrypt: bool = False,
-    attempt_started: Callable[[int], bool] | None = None,
-) -> ProgressServer:
-    """A progress channel on the driver's address for ``board``, with a fresh secret."""
-    return ProgressServer(
-        board,
-        driver_host(spark),
-        secrets.token_bytes(32),
-        interval_s,
-        encrypt=encrypt,
-        attempt_started=attempt_started,
-    )
 
 
 def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | None = None) -> FitResult:
@@ -441,76 +368,3 @@ def _fit_result(rows: list[Any], n: int, uploaded: dict[str, torch.Tensor] | Non
         worker_rows=[int(by_rank[r]["rows"]) for r in range(n)],
         bad_rows_skipped=sum(int(by_rank[r]["bad_rows"]) for r in range(n)),
     )
-
-
-def raise_agreed_error(rows: list[Any]) -> None:
-    """Raise the error that made every rank stop together (the rejecting rank's, not its peers')."""
-    records = [ErrorRecord.from_json(row["error"]) for row in rows if row["error"]]
-    if records:
-        records.sort(key=lambda r: r.error_type == "PeerStopped")
-        raise located(records[0].to_error())
-
-
-def run_barrier_stage(
-    data: Any,
-    task: Callable[..., Any],
-    schema: str,
-    profile: Any,
-    silence: Callable[[], dict[int, float]] | None,
-    bound_s: float,
-    group: str,
-    slots: SlotWatch | None = None,
-) -> list[Any]:
-    """The rows of ``data.mapInArrow(task, schema, barrier=True)``, collected after a shuffle
-    (so that Spark re-runs the stage after a failed task instead of aborting the job), in job
-    group ``group``, watched for silent ranks (and, with ``slots``, for lost slots).
-
-    Raises:
-        StageStalledError: a rank went silent for longer than ``bound_s``.
-        WorkersLostError: the cluster lost the stage's slots for good (with ``slots``).
-        SparkDLError: the error a worker raised, rebuilt from its record (:func:`translate_failure`).
-    """
-    stage = data.mapInArrow(task, schema, barrier=True, profile=profile)
-    try:
-        return collect_watched(data.sparkSession, stage.repartition(1), silence, bound_s, group, slots)
-    except (StageStalledError, WorkersLostError):
-        raise
-    except Exception as exc:
-        raise translate_failure(exc) from exc
-
-
-def stage_input(df: Any, columns: list[str], n: int) -> Any:
-    """``df``'s ``columns`` in ``n`` partitions, one per barrier task (repartitioned only
-    where needed: :func:`needs_repartition`)."""
-    data = df.select(*columns)
-    return data.repartition(n) if needs_repartition(data, n, df.sparkSession) else data
-
-
-def translate_failure(exc: Exception) -> SparkDLError:
-    """The error a worker raised, rebuilt from the record its failed task carried; the
-    Spark failure itself (first line) when no worker's record is in it."""
-    text = str(exc)
-    records = ErrorRecord.find_embedded(text)
-    if records:
-        error = located(records[-1].to_error())
-    else:
-        detail = failure_excerpt(text) or type(exc).__name__
-        error = TrainingFailedError(f"the training stage failed: {detail}")
-    hint = memory_hint(text)
-    if hint and hint not in error.message:
-        error.message = f"{error.message}; {hint}"
-        error.args = (error.message,)
-    return error
-
-
-def located(error: SparkDLError) -> SparkDLError:
-    """The same error, its message prefixed with the rank it happened on (when known)."""
-    if error.rank is not None and not error.message.startswith(f"rank {error.rank}"):
-        error.message = f"rank {error.rank}: {error.message}"
-        error.args = (error.message,)
-    return error
-
-
-def _describe_job(spark: Any, text: str) -> None:
-    if not is_connect(spark):
-        spark.sparkContext.setJobDescription(text)

@@ -89,7 +89,7 @@ def _interpreter_facts() -> str:
 
     facts = {"executable": sys.executable, "python": ".".join(str(v) for v in sys.version_info[:3])}
     # sparkdl's package imports lazily: import what a training task runs, not just the name
-    for name, needed in (("torch", "torch"), ("sparkdl", "sparkdl.spark.task")):
+    for name, needed in (("torch", "torch"), ("sparkdl", "sparkdl.spark.fit_task")):
         try:
             importlib.import_module(needed)
             module = sys.modules[name]

@@ -4,7 +4,7 @@ the barrier stage starts.
 The rows are fetched with ``limit(n).toArrow()`` (one small job, or none when Spark can
 answer from a partition's head) and decoded by :class:`~sparkdl.data.feed.PartitionFeed`
 itself, so the preflight batch has exactly the dtypes and shapes a worker's first batch has.
-The model check itself is :func:`sparkdl.training.trial.preflight` (pure torch).
+The model check itself is :func:`sparkdl.training.preflight.preflight` (pure torch).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sparkdl.data.tensors import Batch
 from sparkdl.errors import ModelMismatchError
 from sparkdl.spark.cluster import described
 from sparkdl.strategies import strategy_class
-from sparkdl.training.trial import PreflightReport, preflight
+from sparkdl.training.preflight import PreflightReport, preflight
 
 if TYPE_CHECKING:
     from sparkdl.worker.assembly import TrainSpec

@@ -18,7 +18,8 @@ from sparkdl.errors import ClusterConfigError
 from sparkdl.services.ps.factored import FactorLayout
 from sparkdl.services.ps.full_batch import Coordinator, ShardedVectors
 from sparkdl.services.ps.server import ParameterServer
-from sparkdl.services.ps.store import ShardStore, shard_count, split_into_shards
+from sparkdl.services.ps.sharding import shard_count, split_into_shards
+from sparkdl.services.ps.store import ShardStore
 from sparkdl.spark.cluster import driver_host, is_connect
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
 from sparkdl.training.full_batch_settings import lbfgs_settings
@@ -131,27 +132,12 @@ def _serve(
     model = build_model(model_fn)
     params = list(model.parameters())
     groups = split_into_shards(params, shard_count(params, config.parameter_server.ps_shards))
-
-    def shard_optimizer(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer(shard, optimizer_fn, config.optimizer)
-
-    full_batch = config.optimizer.optimizer is OptimizerName.LBFGS
-    vectors = ShardedVectors(config.optimizer.weight_decay) if full_batch else None
-    stores = [
-        ShardStore(
-            [params[i] for i in group],
-            None if vectors is not None else shard_optimizer,
-            config.parameter_server.ps_mode,
-            config.training.num_workers,
-            config.parameter_server.staleness,
-            lr=lr,
-            scheduler_fn=scheduler_fn,
-            steps_per_version=_steps_per_version(config),
-            backup_workers=config.parameter_server.backup_workers,
-            handoff=vectors.receive if vectors is not None else None,
-        )
-        for group in groups
-    ]
+    vectors = (
+        ShardedVectors(config.optimizer.weight_decay)
+        if config.optimizer.optimizer is OptimizerName.LBFGS
+        else None
+    )
+    stores = _shard_stores(config, params, groups, optimizer_fn, lr, scheduler_fn, vectors)
     coordinator = None
     if vectors is not None:  # Sandblaster: the driver coordinates, the shards hold the vectors
         vectors.attach(stores)
@@ -188,3 +174,36 @@ def _serve(
         else "no shared memory",
     )
     return server, model, server.endpoint(tuple(tuple(g) for g in groups)), coordinator
+
+
+def _shard_stores(
+    config: SparkDLConfig,
+    params: list[nn.Parameter],
+    groups: list[list[int]],
+    optimizer_fn: OptimizerFn | None,
+    lr: LrPlan,
+    scheduler_fn: SchedulerFn | None,
+    vectors: ShardedVectors | None,
+) -> list[ShardStore]:
+    """One store per shard of ``params``: its optimizer (``optimizer_fn``'s, or the
+    ``[optimizer]`` settings'), or with L-BFGS none (the shards hold its ``vectors``)."""
+
+    def shard_optimizer(shard: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer(shard, optimizer_fn, config.optimizer)
+
+    settings = config.parameter_server
+    return [
+        ShardStore(
+            [params[i] for i in group],
+            None if vectors is not None else shard_optimizer,
+            settings.ps_mode,
+            config.training.num_workers,
+            settings.staleness,
+            lr=lr,
+            scheduler_fn=scheduler_fn,
+            steps_per_version=_steps_per_version(config),
+            backup_workers=settings.backup_workers,
+            handoff=vectors.receive if vectors is not None else None,
+        )
+        for group in groups
+    ]

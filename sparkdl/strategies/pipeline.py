@@ -46,7 +46,6 @@ the CPU, and sends every other rank its stage, which they allocate alone.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 from collections.abc import Callable
@@ -62,28 +61,23 @@ from sparkdl.config import PipelineSchedule, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
-from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups, stage_starts
+from sparkdl.strategies.pipeline_layout import Layout, stage_starts
+from sparkdl.strategies.pipeline_stage import StageLayers, StageModule, build_stage
 from sparkdl.strategies.pipeline_transfer import (
     StepRows,
     gather_rows,
     merged_dicts,
     merged_optimizer_states,
     pad_rows,
-    receive_stage,
     received_tensor,
-    recv_tensor,
-    scatter_rows,
-    send_stages,
-    send_tensor,
     to_cpu,
     with_tensors,
     without_tensors,
 )
 from sparkdl.strategies.rows import row_counts
 from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
-from sparkdl.training.factory import build_model, checkpoint_layers, cpu_state_dict, tied_parameters
+from sparkdl.training.factory import cpu_state_dict
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
-from sparkdl.training.precision import Precision as StepPrecision
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
@@ -91,89 +85,6 @@ from sparkdl.training.strategy import (
     StrategyContext,
     SyncStrategy,
 )
-
-# ------------------------------------------------------------------ the layout (pure)
-
-
-def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
-    """``model_fn``'s model on the meta device, if a stage of it can be allocated alone and
-    filled from rank 0's state dict (None: build it whole on every rank)."""
-    try:
-        with torch.device("meta"):
-            skeleton = build_model(model_fn)
-    except ConfigError:
-        raise
-    except Exception:  # model_fn does something the meta device cannot
-        return None
-    state = skeleton.state_dict()
-    unsaved = any(name not in state for name, _ in skeleton.named_buffers())
-    if tied_parameters(skeleton) or unsaved or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        return None
-    return skeleton
-
-
-class StageModule(nn.Sequential):
-    """This worker's stage: a run of the whole model's top-level layers, under their names
-    in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
-    the other stages of its pipeline (inference only); :meth:`run_layers` runs its own."""
-
-    def __init__(
-        self, layers: collections.OrderedDict[str, nn.Module], groups: PipelineGroups, whole_names: list[str]
-    ) -> None:
-        super().__init__(layers)
-        self.groups = groups
-        #: every parameter's name in the whole model, in its order (optimizer state's numbering)
-        self.whole_parameter_names = whole_names
-        #: the last collective forward's input and output on this stage (their shapes and dtypes
-        #: are what the schedule's stage is built with)
-        self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, super().forward(x))
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Every worker of the pipeline calls it with its own rows, at the same point; each
-        gets the whole model's output for its rows."""
-        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            names = [f"positional {i}" for i in range(len(args))] + list(kwargs)
-            raise ConfigError(
-                f"strategy = 'pipeline' feeds stage 0 one input tensor; the model got {len(names)} "
-                f"({', '.join(names)}): join the inputs into one (feature_cols) or use another strategy"
-            )
-        (x,) = args
-        groups = self.groups
-        device = x.device
-        with torch.no_grad():
-            counts = row_counts(len(x), groups.pipeline, device)
-            rows = gather_rows(x, counts, groups.ranks[0], groups)
-            if groups.first:
-                received = cast(torch.Tensor, rows)
-            else:
-                received = recv_tensor(groups.ranks[groups.stage - 1], groups.pipeline, device)
-            hidden = self.run_layers(received)
-            self.seen = (received, hidden)
-            if not groups.last:
-                send_tensor(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
-            return scatter_rows(hidden if groups.last else None, counts, groups, device)
-
-
-class _Layers(nn.Module):
-    """What the schedule runs on this worker: the stage's own layers, under autocast, with
-    the bytes of the activations it sends counted."""
-
-    def __init__(self, stage: StageModule, precision: StepPrecision) -> None:
-        super().__init__()
-        self.stage = stage
-        self._precision = precision
-        self.sent = 0  # bytes of activations sent on (forward) and of input gradients sent back
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self._precision.autocast():
-            out = self.stage.run_layers(x)
-        groups = self.stage.groups
-        self.sent += (0 if groups.last else out.nbytes) + (0 if groups.first else x.nbytes)
-        return out
-
 
 # ------------------------------------------------------------------ the strategy
 
@@ -195,7 +106,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         training = ctx.config.training
         rows = groups.layout.stages * training.batch_size * training.accumulate_steps
         self._micro_rows = -(-rows // self._microbatches)  # every micro-batch the same size
-        self._layers = _Layers(stage, ctx.precision)
+        self._layers = StageLayers(stage, ctx.precision)
         self._kind = ScheduleGPipe if pipeline.pipeline_schedule is PipelineSchedule.GPIPE else Schedule1F1B
         self._schedule: ScheduleGPipe | Schedule1F1B | None = None  # built at the first step
         self._loss_fn: Callable[..., torch.Tensor] | None = None  # the loop's, learnt at the first step
@@ -273,45 +184,10 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         device: torch.device,
         parallelize_fn: Callable[[nn.Module, Any], object] | None = None,
     ) -> nn.Module:
-        """This rank's stage on ``device``, and the pipeline's and the replicas' groups.
-
-        Rank 0 builds the whole model (seeded, its random state restored after, as fsdp
-        does) and sends each other rank its stage; the others build it on the meta device
-        (no memory), allocate only their stage and receive it. So only rank 0 ever holds the
-        whole model. A model whose stage could not be sent as it is built whole on every rank
-        instead, as before: one with non-persistent buffers or non-tensor (extra) state,
-        parameters it shares between layers (a stage allocated afresh would split them), or
-        a model_fn the meta device cannot run."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        skeleton = _skeleton(model_fn)
-        whole = skeleton if skeleton is not None and rank != 0 else None
-        if skeleton is None:
-            whole = build_model(model_fn)
-        elif rank == 0:
-            with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
-                whole = build_model(model_fn)
-        assert whole is not None
-        starts = cls.cut(whole, config, world)
-        layout = Layout.of(config, world)
-        groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
-        children = list(whole.named_children())
-        mine = children[starts[groups.stage] : starts[groups.stage + 1]]
-        stage = StageModule(
-            collections.OrderedDict(mine), groups, [name for name, _ in whole.named_parameters()]
-        )
-        if skeleton is not None and rank == 0:
-            stages = [
-                [f"{name}.{key}" for name, layer in children[a:b] for key in layer.state_dict()]
-                for a, b in itertools.pairwise(starts)
-            ]
-            send_stages(whole.state_dict(), stages, layout.stage_of, device)
-        elif skeleton is not None:
-            stage.to_empty(device=device)
-            receive_stage(stage.state_dict())
-        del whole, skeleton, children, mine  # rank 0: the other stages' layers go now
-        if config.training.activation_checkpointing:
-            checkpoint_layers(stage)
-        return stage.to(device)
+        """This rank's stage on ``device``, and the pipeline's and the replicas' groups
+        (:func:`~sparkdl.strategies.pipeline_stage.build_stage`: only rank 0 holds the whole
+        model)."""
+        return build_stage(model_fn, config, device, cls.cut)
 
     @classmethod
     def load_full_state(

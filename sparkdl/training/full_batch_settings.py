@@ -1,6 +1,6 @@
 """What ``optimizer = "lbfgs"`` is built from, and the settings it cannot run with: the
 algorithm's settings from ``[lbfgs]`` and ``[optimizer]``, and the refusals, each with its
-fix, that :func:`sparkdl.training.strategy.check_settings` applies before any worker starts.
+fix, that :func:`sparkdl.strategies.registry.check_settings` applies before any worker starts.
 """
 
 from __future__ import annotations
@@ -40,11 +40,19 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
     Raises:
         ConfigError: naming the setting and what to set instead.
     """
-    training, optimizer, runtime = config.training, config.optimizer, config.runtime
-    if optimizer.optimizer is not OptimizerName.LBFGS:
+    if config.optimizer.optimizer is not OptimizerName.LBFGS:
         return
+    for clash, message in (*_layout_refusals(config).values(), *_step_refusals(config).values()):
+        if clash:
+            raise ConfigError(f"optimizer = 'lbfgs' with {message}")
+
+
+def _layout_refusals(config: SparkDLConfig) -> dict[str, tuple[bool, str]]:
+    """Where L-BFGS's vectors may live, and what the server's layout cannot do: each
+    setting's clash and its message."""
+    training, runtime = config.training, config.runtime
     ps, served = config.parameter_server, training.strategy is Strategy.PARAMETER_SERVER
-    refusals = {
+    return {
         "strategy": (
             training.strategy not in (Strategy.ALLREDUCE, Strategy.PARAMETER_SERVER),
             f"strategy = {training.strategy.value!r}: L-BFGS sums every worker's gradient over its whole "
@@ -80,6 +88,14 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
             "across re-run stages, and the shards' vectors are not checkpointed yet; unset "
             "checkpoint_dir, or use strategy 'allreduce' to checkpoint every checkpoint_every iterations",
         ),
+    }
+
+
+def _step_refusals(config: SparkDLConfig) -> dict[str, tuple[bool, str]]:
+    """The settings of steps, which a pass over the whole partition gives no meaning, and
+    sums the line search cannot trust: each setting's clash and its message."""
+    training, optimizer, runtime = config.training, config.optimizer, config.runtime
+    return {
         "precision": (
             training.precision.value == "fp16",
             "precision = 'fp16' scales the loss step by step; use 'bf16' or 'fp32'",
@@ -99,7 +115,9 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
             "(batch_size only sets the rows of one forward); set accumulate_steps = 1",
         ),
         "lr_schedule": (
-            optimizer.lr_schedule is not LrSchedule.CONSTANT or optimizer.warmup_steps or optimizer.scale_lr,
+            optimizer.lr_schedule is not LrSchedule.CONSTANT
+            or bool(optimizer.warmup_steps)
+            or bool(optimizer.scale_lr),
             "lr_schedule, warmup_steps and scale_lr: the line search chooses each step's length; "
             "leave them at their defaults",
         ),
@@ -113,9 +131,6 @@ def check_full_batch_settings(config: SparkDLConfig) -> None:
             "max_iterations; set it to 0",
         ),
     }
-    for clash, message in refusals.values():
-        if clash:
-            raise ConfigError(f"optimizer = 'lbfgs' with {message}")
 
 
 def check_full_batch_inputs(

@@ -1,6 +1,6 @@
 """What a layer of the user's model expected, against what the preflight batch gave it.
 
-Used by :mod:`sparkdl.training.trial`: the layer that was running when a forward pass
+Used by :mod:`sparkdl.training.preflight`: the layer that was running when a forward pass
 failed (found with forward hooks) is compared with its input, and the mismatch is said in
 the user's terms (the feature columns, the widths, the layout a layer expects, the fix).
 Pure torch.

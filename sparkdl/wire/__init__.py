@@ -4,7 +4,8 @@ encrypted framing that each protocol fills with its own messages
 spends a thread on it (:mod:`sparkdl.wire.listener`)."""
 
 from sparkdl.wire.framing import Channel, WireProtocol, accept_hello, client_hello, server_hello
-from sparkdl.wire.listener import ConnectionListener, Refusals, close_quietly
+from sparkdl.wire.listener import ConnectionListener
+from sparkdl.wire.refusals import Refusals, close_quietly
 
 __all__ = [
     "Channel",

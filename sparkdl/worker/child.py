@@ -22,24 +22,14 @@ import sys
 import traceback
 from typing import Any
 
+from sparkdl.worker.returned import cpu_state, is_state_dict
+
 FUNCTION_FILE = "function.pkl"
 TENSORS_FILE = "output.pt"
 PICKLE_FILE = "output.pkl"
 ERROR_FILE = "error.json"
 
-
-def is_state_dict(value: Any) -> bool:
-    """Whether ``value`` is a non-empty dict of named tensors (what ``state_dict()`` returns)."""
-    if not isinstance(value, dict) or not value:
-        return False
-    import torch
-
-    return all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
-
-
-def cpu_state(value: dict[str, Any]) -> dict[str, Any]:
-    """A returned state dict as contiguous CPU tensors, detached from any graph."""
-    return {k: v.detach().cpu().contiguous() for k, v in value.items()}
+__all__ = ["ERROR_FILE", "FUNCTION_FILE", "PICKLE_FILE", "TENSORS_FILE", "main", "save_error", "save_output"]
 
 
 def _write(directory: str, name: str, write: Any) -> None:

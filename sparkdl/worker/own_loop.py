@@ -43,12 +43,11 @@ from sparkdl.services.progress.channel import ProgressEndpoint
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.training.own_loop import RunningStep
 from sparkdl.training.planning import Filler
-from sparkdl.worker import child as child_files
 from sparkdl.worker.assembly import checkpoint_store, feed_options
 from sparkdl.worker.builder import Builder, Placement, start_worker
 from sparkdl.worker.context import TrainContext
 from sparkdl.worker.prepare import Preparer
-from sparkdl.worker.torchrun import Returned, returned_state
+from sparkdl.worker.returned import Returned, returned_value
 
 log = logging.getLogger(__name__)
 
@@ -234,15 +233,3 @@ def _returned(store: Any, world_size: int, rank: int) -> dict[int, int]:
         except (RuntimeError, ValueError):
             continue
     return found
-
-
-def returned_value(value: Any, weights: WeightsEndpoint | None) -> Returned:
-    """Rank 0's return value for the driver: a state dict through the weights server (no
-    pickle, no JVM) where it listens, else as tensors; anything else cloudpickled."""
-    if child_files.is_state_dict(value):
-        return returned_state(child_files.cpu_state(value), weights)
-    if value is None:
-        return Returned()
-    import cloudpickle
-
-    return Returned(pickled=cloudpickle.dumps(value))

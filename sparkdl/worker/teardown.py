@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from sparkdl.comm.interfaces import interface_of
+from sparkdl.comm.network_interfaces import interface_of
 from sparkdl.comm.rendezvous import ProcessGroups
 from sparkdl.training.strategy import SyncStrategy
 

@@ -32,7 +32,7 @@ from sparkdl.spark.inference import (
 from sparkdl.spark.preflight import check_label_range
 from sparkdl.training.factory import state_to_bytes
 from sparkdl.training.losses import resolve_loss
-from sparkdl.training.trial import preflight
+from sparkdl.training.preflight import preflight
 
 VOCAB, LENGTH = 11, 6
 LM = CausalLMFactory(VOCAB, LENGTH, dim=8, layers=1, heads=2)

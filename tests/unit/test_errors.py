@@ -126,7 +126,7 @@ def test_a_record_of_an_unknown_class_keeps_its_message():
     ],
 )
 def test_a_stage_that_ran_out_of_memory_fails_naming_the_memory_and_the_setting(failure, setting):
-    from sparkdl.spark.driver import translate_failure
+    from sparkdl.spark.stage import translate_failure
 
     error = translate_failure(Exception(f"Job aborted due to stage failure: {failure}"))
     assert setting in error.message and "memory" in error.message

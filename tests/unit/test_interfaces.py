@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from sparkdl.comm.interfaces import interface_addresses, interface_of
+from sparkdl.comm.network_interfaces import interface_addresses, interface_of
 from sparkdl.worker.teardown import socket_interface
 
 NAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -502,7 +502,7 @@ def dist_world() -> float:
 @pytest.mark.gpu
 @needs_cuda
 def test_the_distributors_local_mode_runs_nccl_on_the_gpu_and_returns_a_state_dict():
-    from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+    from sparkdl.worker.distributor_agent import LaunchSpec, Program, run_local
 
     program = Program(function=cloudpickle.dumps((nccl_function, (0.1,), {})), name="nccl_function")
     returned = run_local(LaunchSpec(program, 1, use_gpu=True, rendezvous_timeout_s=60), ("0",))
@@ -546,7 +546,7 @@ def raises_on(rank: int, delay_s: float = 0.0):
 @pytest.mark.parametrize("failing", [0, 1])
 def test_local_mode_blames_the_rank_that_failed_first_not_its_echoes(failing):
     from sparkdl.errors import TrainFunctionError
-    from sparkdl.worker.torchrun import LaunchSpec, Program, run_local
+    from sparkdl.worker.distributor_agent import LaunchSpec, Program, run_local
 
     program = Program(function=cloudpickle.dumps((raises_on, (failing, 0.5), {})), name="raises_on")
     with pytest.raises(TrainFunctionError) as caught:

@@ -26,7 +26,7 @@ from sparkdl.spark.environment import (
     environment_problems,
     mismatch_message,
 )
-from sparkdl.training.trial import preflight
+from sparkdl.training.preflight import preflight
 
 FEATURES = "the feature columns ['features']"
 LABEL = "the label column 'y'"

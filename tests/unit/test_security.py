@@ -34,7 +34,7 @@ from sparkdl.services.ps.store import PsMode, ShardStore
 from sparkdl.services.weights.client import download, upload
 from sparkdl.services.weights.server import WeightServer
 from sparkdl.wire.framing import CHALLENGE, TAG_BYTES, Channel
-from sparkdl.wire.listener import one_line
+from sparkdl.wire.refusals import one_line
 
 SECRET = b"k" * 32
 

@@ -23,7 +23,7 @@ from sparkdl.services.weights.codec import (
 )
 from sparkdl.services.weights.server import KEEP_RELEASED, WeightServer, default_upload_budget
 from sparkdl.training.factory import module_with_state
-from sparkdl.wire.listener import close_quietly
+from sparkdl.wire.refusals import close_quietly
 
 
 class Owner:

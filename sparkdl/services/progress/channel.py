@@ -46,7 +46,8 @@ from sparkdl.services.progress.protocol import (
     client_hello,
 )
 from sparkdl.wire.handshake import with_retries
-from sparkdl.wire.listener import ConnectionListener, close_quietly, one_line
+from sparkdl.wire.listener import ConnectionListener
+from sparkdl.wire.refusals import close_quietly, one_line
 
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("sparkdl.worker")

@@ -40,7 +40,7 @@ from sparkdl.services.ps.parking import ParkedPulls
 from sparkdl.services.ps.protocol import BF16, FLOAT32, MAX_ERROR_BYTES, Frame, Kind, error_frame
 from sparkdl.services.ps.served_attempt import StageAttempts
 from sparkdl.services.ps.store import ShardStore
-from sparkdl.wire.listener import Refusals, one_line
+from sparkdl.wire.refusals import Refusals, one_line
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.services.ps.connection import Park, Waiting, WarmBuffers
 from sparkdl.services.ps.protocol import Frame, PsChannel, error_frame
 from sparkdl.services.ps.store import ShardStore
-from sparkdl.wire.listener import Refusals
+from sparkdl.wire.refusals import Refusals
 
 #: The WEIGHTS answer to a pull now, in its connection's buffers; None while it must wait.
 TryWeights = Callable[[Frame, WarmBuffers], Frame | None]

@@ -21,7 +21,7 @@ from sparkdl.services.weights.protocol import (
     send_state,
 )
 from sparkdl.wire.handshake import with_retries
-from sparkdl.wire.listener import close_quietly
+from sparkdl.wire.refusals import close_quietly
 
 
 def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor]) -> int:

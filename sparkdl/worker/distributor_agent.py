@@ -45,7 +45,6 @@ from sparkdl.errors import (
     agreed,
 )
 from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
-from sparkdl.services.weights.client import upload
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.worker import child as child_files
 from sparkdl.worker.builder import HEARTBEAT_S, Placement
@@ -61,6 +60,7 @@ from sparkdl.worker.launcher import (
     join_store,
     supervise,
 )
+from sparkdl.worker.returned import Returned, returned_state
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +113,6 @@ class LaunchSpec:
     progress: ProgressEndpoint | None = None
     weights: WeightsEndpoint | None = None
     meeting: MeetingPoint | None = None
-
-
-@dataclass
-class Returned:
-    """What a run brought back: rank 0's value, in one of two forms.
-
-    Attributes:
-        pickled: cloudpickle bytes of the value (b"": a state dict, or a script's None).
-        state_dict: the value, when it was a dict of tensors (None otherwise).
-        uploaded: rank 0 sent its state dict to the driver's weights server.
-    """
-
-    pickled: bytes = b""
-    state_dict: dict[str, torch.Tensor] | None = None
-    uploaded: bool = False
 
 
 # --------------------------------------------------------------------------- one task's agent
@@ -269,16 +254,6 @@ def _returned(directory: str, weights: WeightsEndpoint | None) -> Returned:
         with open(pickled, "rb") as source:
             return Returned(pickled=source.read())
     return Returned()
-
-
-def returned_state(state: dict[str, torch.Tensor], weights: WeightsEndpoint | None) -> Returned:
-    """A returned state dict (CPU tensors): sent to the driver's weights server (no pickle,
-    no JVM) where it listens, else kept for the result rows."""
-    if weights is None:
-        return Returned(state_dict=state)
-    sent = upload(weights, state)
-    log.info("rank 0 sent its returned state dict (%.1f MB) to the driver", sent / 1e6)
-    return Returned(uploaded=True)
 
 
 # --------------------------------------------------------------------------- outcomes as errors

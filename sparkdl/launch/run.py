@@ -2,9 +2,11 @@
 DataFrame's partition as batches of tensors, ``ctx.prepare`` for any models and optimizers
 under the strategy one setting chooses, ``ctx.report``, checkpoints a re-run resumes from.
 
-The driver's side: check the settings and the DataFrame's columns (as ``fit`` does), open
-the stage's servers, run one barrier task per worker (:mod:`sparkdl.spark.own_loop_task`)
-followed by a shuffle (so that Spark re-runs the stage after a lost worker), and bring
+The driver's side: check the settings and the DataFrame's columns (as ``fit`` does), then
+run one barrier task per worker (:mod:`sparkdl.spark.own_loop_task`) on the barrier-stage
+kit every entry point uses (:mod:`sparkdl.spark.stage`: the cluster checked, the stage's
+servers and progress, a shuffle after it so that Spark re-runs it after a lost worker),
+with the parameter server where the strategy hosts the model on the driver, and bring
 back rank 0's return value and history.
 """
 
@@ -25,18 +27,15 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ClusterConfigError, ConfigError
-from sparkdl.launch.distributor import pickled_call, rank0_value, showing_worker_output
-from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
-from sparkdl.spark.driver import plan_inputs, run_barrier_stage, stage_input, start_progress_channel
-from sparkdl.spark.launch_task import LAUNCH_SCHEMA
+from sparkdl.launch.user_code import pickled_call, showing_worker_output
+from sparkdl.spark.cluster import driver_host
+from sparkdl.spark.driver import plan_inputs
 from sparkdl.spark.own_loop_task import META, own_loop_partition
 from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import serve_parameters
-from sparkdl.spark.resources import training_profile
-from sparkdl.spark.stage_servers import stage_servers
+from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value
+from sparkdl.spark.stage import stage_input, training_site, training_stage
 from sparkdl.spark.tracking import check_tracking, log_run
-from sparkdl.spark.watch import MARGIN_S, fit_job_group
 from sparkdl.strategies import check_settings, strategy_class
 from sparkdl.training.factory import OptimizerFn
 from sparkdl.worker.own_loop import LoopSpec
@@ -101,18 +100,7 @@ def run(
     config = (config or SparkDLConfig()).replace(num_workers=num_workers, strategy=strategy, **settings)
     check_own_loop_settings(config)
     config = check_settings(config)
-    hosted = strategy_class(config.training.strategy).hosted_on_driver
-    name = config.training.strategy.value
-    if hosted and df is None:
-        raise ConfigError(
-            f"strategy = {name!r} in your own loop pushes and pulls at every step of ctx.batches, "
-            "which needs a DataFrame: pass df=..., or use allreduce or weight_averaging"
-        )
-    if hosted and model_fn is None:
-        raise ConfigError(
-            f"strategy = {name!r} hosts the model on the driver: pass model_fn= (the function that "
-            "builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
-        )
+    _check_hosted(config, df, model_fn)
     check_tracking(config)  # a store MLflow refuses fails now, not after the run
     name, payload = pickled_call(train_fn, args, {}, "sparkdl.run")
     if spark is None:
@@ -135,6 +123,28 @@ def run(
     return result
 
 
+def _check_hosted(config: SparkDLConfig, df: Any, model_fn: Callable[[], nn.Module] | None) -> None:
+    """A strategy whose model the driver hosts needs the model's function, and a DataFrame
+    (every step of ``ctx.batches`` pushes and pulls).
+
+    Raises:
+        ConfigError: either is missing.
+    """
+    if not strategy_class(config.training.strategy).hosted_on_driver:
+        return
+    name = config.training.strategy.value
+    if df is None:
+        raise ConfigError(
+            f"strategy = {name!r} in your own loop pushes and pulls at every step of ctx.batches, "
+            "which needs a DataFrame: pass df=..., or use allreduce or weight_averaging"
+        )
+    if model_fn is None:
+        raise ConfigError(
+            f"strategy = {name!r} hosts the model on the driver: pass model_fn= (the function that "
+            "builds the model train_fn prepares) and optimizer_fn= or the optimizer settings"
+        )
+
+
 def _label_kind(df: Any, label: str) -> LabelKind:
     """Integer labels are class ids (int64); anything else is a real target (float32)."""
     if not label:
@@ -152,47 +162,32 @@ def _run_stage(
     optimizer_fn: OptimizerFn | None = None,
 ) -> RunResult:
     config = spec.config
-    runtime, n = config.runtime, config.training.num_workers
-    connect = is_connect(spark)
-    profile = None if connect else training_profile(spark, runtime.use_gpu)
-    check_cluster(spark, n, runtime.executor_wait_timeout_s, runtime.collective_timeout_s, profile)
-    group = "" if connect else fit_job_group(spark)
-    attempt_started = attempt_gate(spark.sparkContext, group) if group else None
+    n = config.training.num_workers
+    site = training_site(spark, config)
     with contextlib.ExitStack() as stack:
         if model_fn is not None and strategy_class(config.training.strategy).hosted_on_driver:
-            if connect:
+            if site.connect:
                 raise ClusterConfigError(
                     f"strategy {config.training.strategy.value!r} hosts its server in the Spark driver "
                     "process, which a Spark Connect client cannot run code in; use 'allreduce' or "
                     "'weight_averaging'"
                 )
             server, _, endpoint = serve_parameters(
-                config, model_fn, optimizer_fn, driver_host(spark), attempt_started
+                config, model_fn, optimizer_fn, driver_host(spark), site.attempt_started
             )
             stack.callback(server.stop)
             spec = dataclasses.replace(spec, ps=endpoint)
-        servers = stack.enter_context(
-            stage_servers(spark, group, runtime.collective_timeout_s, runtime.encrypt)
-        )
-        progress = start_progress_channel(spark, config, attempt_started)
-        if progress is not None:
-            stack.callback(progress.stop)
+        stage = stack.enter_context(training_stage(site, config))
         spec = dataclasses.replace(
-            spec,
-            weights=servers.weights,
-            meeting=servers.meeting,
-            progress=progress.endpoint() if progress is not None else None,
+            spec, weights=stage.weights, meeting=stage.meeting, progress=stage.progress_endpoint
         )
         if df is not None and spec.plan is not None:
             data = stage_input(df, spec.plan.column_names, n)
         else:
             data = spark.range(0, n, 1, n)
-        bound_s = runtime.collective_timeout_s + runtime.teardown_timeout_s + MARGIN_S
-        silence = progress.silence if progress is not None else None
         task = functools.partial(own_loop_partition, spec)
-        with described(spark, f"sparkdl run: {spec.name} on {n} workers"):
-            rows = run_barrier_stage(data, task, LAUNCH_SCHEMA, profile, silence, bound_s, group)
-        value = rank0_value(rows, servers.upload.take() if servers.upload is not None else None)
+        rows = stage.run(data, task, RETURNED_SCHEMA, f"sparkdl run: {spec.name} on {n} workers")
+        value = rank0_value(rows, stage.uploaded())
         metas = {row["rank"]: json.loads(bytes(row["chunk"])) for row in rows if row["kind"] == META}
         return RunResult(
             value,

@@ -1,0 +1,154 @@
+"""A pipeline's stage on one worker: the run of the whole model's top-level layers it
+holds, built so that only rank 0 ever holds the whole model (:func:`build_stage`), and
+called as a module, the whole pipeline's forward in lockstep with the other stages
+(:class:`StageModule`). The strategy is :mod:`sparkdl.strategies.pipeline`."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from sparkdl.config import SparkDLConfig
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups
+from sparkdl.strategies.pipeline_transfer import (
+    gather_rows,
+    receive_stage,
+    recv_tensor,
+    scatter_rows,
+    send_stages,
+    send_tensor,
+)
+from sparkdl.strategies.rows import row_counts
+from sparkdl.training.factory import build_model, checkpoint_layers, tied_parameters
+from sparkdl.training.precision import Precision as StepPrecision
+
+#: ``(whole model, config, world) -> the index of each stage's first layer, and the end``
+Cut = Callable[[nn.Module, SparkDLConfig, int], list[int]]
+
+
+def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
+    """``model_fn``'s model on the meta device, if a stage of it can be allocated alone and
+    filled from rank 0's state dict (None: build it whole on every rank)."""
+    try:
+        with torch.device("meta"):
+            skeleton = build_model(model_fn)
+    except ConfigError:
+        raise
+    except Exception:  # model_fn does something the meta device cannot
+        return None
+    state = skeleton.state_dict()
+    unsaved = any(name not in state for name, _ in skeleton.named_buffers())
+    if tied_parameters(skeleton) or unsaved or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        return None
+    return skeleton
+
+
+class StageModule(nn.Sequential):
+    """This worker's stage: a run of the whole model's top-level layers, under their names
+    in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
+    the other stages of its pipeline (inference only); :meth:`run_layers` runs its own."""
+
+    def __init__(
+        self, layers: collections.OrderedDict[str, nn.Module], groups: PipelineGroups, whole_names: list[str]
+    ) -> None:
+        super().__init__(layers)
+        self.groups = groups
+        #: every parameter's name in the whole model, in its order (optimizer state's numbering)
+        self.whole_parameter_names = whole_names
+        #: the last collective forward's input and output on this stage (their shapes and dtypes
+        #: are what the schedule's stage is built with)
+        self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, super().forward(x))
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Every worker of the pipeline calls it with its own rows, at the same point; each
+        gets the whole model's output for its rows."""
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            names = [f"positional {i}" for i in range(len(args))] + list(kwargs)
+            raise ConfigError(
+                f"strategy = 'pipeline' feeds stage 0 one input tensor; the model got {len(names)} "
+                f"({', '.join(names)}): join the inputs into one (feature_cols) or use another strategy"
+            )
+        (x,) = args
+        groups = self.groups
+        device = x.device
+        with torch.no_grad():
+            counts = row_counts(len(x), groups.pipeline, device)
+            rows = gather_rows(x, counts, groups.ranks[0], groups)
+            if groups.first:
+                received = cast(torch.Tensor, rows)
+            else:
+                received = recv_tensor(groups.ranks[groups.stage - 1], groups.pipeline, device)
+            hidden = self.run_layers(received)
+            self.seen = (received, hidden)
+            if not groups.last:
+                send_tensor(hidden, groups.ranks[groups.stage + 1], groups.pipeline)
+            return scatter_rows(hidden if groups.last else None, counts, groups, device)
+
+
+class StageLayers(nn.Module):
+    """What the schedule runs on this worker: the stage's own layers, under autocast, with
+    the bytes of the activations it sends counted."""
+
+    def __init__(self, stage: StageModule, precision: StepPrecision) -> None:
+        super().__init__()
+        self.stage = stage
+        self._precision = precision
+        self.sent = 0  # bytes of activations sent on (forward) and of input gradients sent back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._precision.autocast():
+            out = self.stage.run_layers(x)
+        groups = self.stage.groups
+        self.sent += (0 if groups.last else out.nbytes) + (0 if groups.first else x.nbytes)
+        return out
+
+
+def build_stage(
+    model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device, cut: Cut
+) -> nn.Module:
+    """This rank's stage on ``device``, and the pipeline's and the replicas' groups.
+
+    Rank 0 builds the whole model (seeded, its random state restored after, as fsdp
+    does) and sends each other rank its stage; the others build it on the meta device
+    (no memory), allocate only their stage and receive it. So only rank 0 ever holds the
+    whole model. A model whose stage could not be sent as it is built whole on every rank
+    instead, as before: one with non-persistent buffers or non-tensor (extra) state,
+    parameters it shares between layers (a stage allocated afresh would split them), or
+    a model_fn the meta device cannot run."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    skeleton = _skeleton(model_fn)
+    whole = skeleton if skeleton is not None and rank != 0 else None
+    if skeleton is None:
+        whole = build_model(model_fn)
+    elif rank == 0:
+        with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
+            whole = build_model(model_fn)
+    assert whole is not None
+    starts = cut(whole, config, world)
+    layout = Layout.of(config, world)
+    groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
+    children = list(whole.named_children())
+    mine = children[starts[groups.stage] : starts[groups.stage + 1]]
+    stage = StageModule(collections.OrderedDict(mine), groups, [name for name, _ in whole.named_parameters()])
+    if skeleton is not None and rank == 0:
+        stages = [
+            [f"{name}.{key}" for name, layer in children[a:b] for key in layer.state_dict()]
+            for a, b in itertools.pairwise(starts)
+        ]
+        send_stages(whole.state_dict(), stages, layout.stage_of, device)
+    elif skeleton is not None:
+        stage.to_empty(device=device)
+        receive_stage(stage.state_dict())
+    del whole, skeleton, children, mine  # rank 0: the other stages' layers go now
+    if config.training.activation_checkpointing:
+        checkpoint_layers(stage)
+    return stage.to(device)

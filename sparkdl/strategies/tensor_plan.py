@@ -1,0 +1,169 @@
+"""Which layers tensor parallelism splits, and how (pure: ``torch.nn`` only, no DTensor):
+the built-in plan (:func:`megatron_plan`: Megatron's pairs of linear layers, and
+embeddings by their vocabulary), a user's ``tensor_plan`` by module name
+(:func:`users_plan`), or what a user's ``parallelize_fn`` split, read back
+(:func:`split_layers`). The strategy that applies a plan is :mod:`sparkdl.strategies.tensor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from sparkdl.config import SparkDLConfig, Strategy
+from sparkdl.errors import ConfigError
+
+COLUMNS, ROWS, VOCABULARY = "columns", "rows", "vocabulary"
+
+
+#: Layers that act on each value alone (or pass it through): a split pair may have them
+#: between its two linear layers, where each worker holds a slice of the hidden features.
+ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid,
+    nn.ELU, nn.CELU, nn.SELU, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+    nn.Dropout, nn.Identity,
+)  # fmt: skip
+
+
+def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
+    """Which layers to split, and how: ``{name: "columns" | "rows" | "vocabulary"}``. A pair is,
+    inside an ``nn.Sequential`` (whose order is the data's path), a ``Linear`` then, past
+    element-wise layers only (:data:`ELEMENTWISE`: a softmax or a norm over the features
+    would see one worker's slice), a ``Linear`` taking its output; the hidden width must
+    divide by ``size`` (a pair that does not is left whole). A PReLU with one weight per
+    feature is not element-wise across a split and ends a pair. An ``nn.Embedding`` is
+    split by its rows, Megatron's vocabulary-parallel embedding: each worker holds a slice of
+    the vocabulary, looks up the ids that fall in it, and one all-reduce sums the lookups
+    (its vocabulary must divide by ``size``; one with ``max_norm`` or sparse gradients,
+    which a slice cannot honour, stays whole)."""
+    plan: dict[str, str] = {}
+    for name, node in module.named_modules():
+        if isinstance(node, nn.Embedding) and _splits(node, size):
+            plan[name] = VOCABULARY
+    for parent, node in module.named_modules():
+        if not isinstance(node, nn.Sequential):
+            continue
+        children = list(node.named_children())
+        i = 0
+        while i < len(children):
+            name, first = children[i]
+            j = i + 1
+            while j < len(children) and _elementwise(children[j][1]):
+                j += 1
+            if isinstance(first, nn.Linear) and j < len(children):
+                second_name, second = children[j]
+                if (
+                    isinstance(second, nn.Linear)
+                    and second.in_features == first.out_features
+                    and first.out_features % size == 0
+                ):
+                    plan[_joined(parent, name)] = COLUMNS
+                    plan[_joined(parent, second_name)] = ROWS
+                    i = j + 1
+                    continue
+            i += 1
+    return plan
+
+
+#: The dimension each way of splitting divides among the group.
+_SPLIT_WIDTH = {COLUMNS: "out_features", ROWS: "in_features", VOCABULARY: "num_embeddings"}
+
+
+def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, str]:
+    """``tensor_plan``'s entries (``"name:columns|rows|vocabulary"``) as a plan, each checked
+    against the layer it names.
+
+    Raises:
+        ConfigError: an entry that is malformed, names no such layer, splits a layer of another
+            kind, or a dimension that does not divide by ``size``.
+    """
+    kinds = {COLUMNS: nn.Linear, ROWS: nn.Linear, VOCABULARY: nn.Embedding}
+    plan: dict[str, str] = {}
+    for entry in given:
+        name, _, how = entry.rpartition(":")
+        if not name or how not in kinds:
+            raise ConfigError(
+                f"tensor_plan entry {entry!r} is not 'layer.name:columns', ':rows' or ':vocabulary'"
+            )
+        try:
+            layer = module.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(
+                f"tensor_plan names {name!r}, which is no module of the model; its modules are "
+                f"{', '.join(n for n, _ in module.named_modules() if n)}"
+            ) from None
+        if not isinstance(layer, kinds[how]):
+            raise ConfigError(
+                f"tensor_plan splits {name!r} by {how}, which needs an nn.{kinds[how].__name__}; it is "
+                f"{type(layer).__name__}"
+            )
+        width = getattr(layer, _SPLIT_WIDTH[how])
+        if width % size:
+            raise ConfigError(
+                f"tensor_plan splits {name!r} by {how} over {size} workers, but its {width} do not divide "
+                f"by {size}; set tp_size to a divisor of {width}"
+            )
+        plan[name] = how
+    return plan
+
+
+def check_parallelize_fn(config: SparkDLConfig) -> None:
+    """Refuse a ``parallelize_fn`` the settings would not use, or would contradict.
+
+    Raises:
+        ConfigError: the strategy is not tensor parallelism, or ``tensor_plan`` is set too.
+    """
+    if config.training.strategy is not Strategy.TENSOR:
+        raise ConfigError(
+            f"parallelize_fn splits the model for strategy = 'tensor', but strategy = "
+            f"{config.training.strategy.value!r}; set strategy = 'tensor', or drop parallelize_fn"
+        )
+    if config.tensor.tensor_plan:
+        raise ConfigError(
+            f"parallelize_fn and tensor_plan = {list(config.tensor.tensor_plan)} both say how to split the "
+            "model; use one: drop tensor_plan (parallelize_fn replaces it), or drop parallelize_fn"
+        )
+
+
+def split_layers(module: nn.Module, size: int) -> dict[str, str]:
+    """What a user's ``parallelize_fn`` split, read back from the weights' placements: a linear
+    layer sharded by its outputs (``Shard(0)``) is a columns layer, by its inputs (``Shard(1)``)
+    a rows layer; an embedding sharded by its vocabulary a vocabulary layer, by its width a
+    columns one. The traffic counters follow it.
+
+    Raises:
+        ConfigError: no layer's weight is sharded over the group.
+    """
+    plan: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        placements = getattr(getattr(layer, "weight", None), "placements", ())
+        dims = [placement.dim for placement in placements if placement.is_shard()]
+        if not dims or not isinstance(layer, nn.Linear | nn.Embedding):
+            continue
+        if isinstance(layer, nn.Embedding):
+            plan[name] = VOCABULARY if dims[0] == 0 else COLUMNS
+        else:
+            plan[name] = COLUMNS if dims[0] == 0 else ROWS
+    if not plan:
+        raise ConfigError(
+            f"parallelize_fn split no layer over the tensor-parallel group of {size} workers: every "
+            "nn.Linear and nn.Embedding weight is whole; shard some with "
+            "torch.distributed.tensor.parallel.parallelize_module(module, mesh, {name: ColwiseParallel(), "
+            "...}) on the mesh it is given, or leave parallelize_fn unset for the built-in plan"
+        )
+    return plan
+
+
+def _splits(embedding: nn.Embedding, size: int) -> bool:
+    return embedding.num_embeddings % size == 0 and embedding.max_norm is None and not embedding.sparse
+
+
+def _elementwise(layer: nn.Module) -> bool:
+    if isinstance(layer, nn.PReLU):
+        return layer.num_parameters == 1
+    return isinstance(layer, ELEMENTWISE)
+
+
+def _joined(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
