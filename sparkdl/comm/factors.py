@@ -32,23 +32,44 @@ from torch.utils.hooks import RemovableHandle
 from sparkdl.comm.exchange import Exchange
 from sparkdl.comm.traffic import factors_pay
 from sparkdl.config import SufficientFactors
+from sparkdl.errors import ConfigError, agreed
 
 
 def factorable(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     """``module``'s fully connected layers whose weight gradient may travel as factors, with
     their weight's parameter name: every ``nn.Linear`` with a trainable weight that no other
-    layer shares (a shared weight's gradient is no single layer's ``δᵀ x``). The worker and the
-    parameter server find the same ones in the same model."""
-    owners: dict[int, int] = {}
+    module holds (a weight an embedding or a second layer shares has a gradient that is no
+    single layer's ``δᵀ x``). The worker and the parameter server find the same ones in the
+    same model. A weight used outside its layer by a function (``x @ layer.weight``) is no
+    module's: :meth:`Factors.sum_gradients` finds it at the first step."""
+    holders: dict[int, int] = {}
     for sub in module.modules():
-        if isinstance(sub, nn.Linear):
-            owners[id(sub.weight)] = owners.get(id(sub.weight), 0) + 1
+        for param in sub._parameters.values():
+            if param is not None:
+                holders[id(param)] = holders.get(id(param), 0) + 1
     names = {id(p): name for name, p in module.named_parameters()}
     return [
         (names[id(sub.weight)], sub)
         for sub in module.modules()
-        if isinstance(sub, nn.Linear) and sub.weight.requires_grad and owners[id(sub.weight)] == 1
+        if isinstance(sub, nn.Linear) and sub.weight.requires_grad and holders[id(sub.weight)] == 1
     ]
+
+
+def other_uses(layers: Sequence[FactorLayer]) -> list[str]:
+    """The layers whose weight's gradient, as autograd accumulated it on this worker, is not
+    the sum of their own rows' factors: the weight is used elsewhere too (a function of it in
+    the forward, a tie the modules do not show), and its factors would drop that share."""
+    found = []
+    for layer in layers:
+        grad = layer.module.weight.grad
+        if not layer.rows or grad is None:
+            continue
+        x, delta = layer.factors()
+        own = delta.t() @ x
+        scale = float(grad.abs().max()) + float(own.abs().max())
+        if float((grad - own).abs().max()) > 1e-4 * scale + 1e-7:
+            found.append(layer.name)
+    return found
 
 
 @dataclass
@@ -147,6 +168,7 @@ class Factors:
         ]
         self._capture = FactorCapture(taken)
         self._layers = self._capture.layers
+        self._checked = False  # the first step compares the factors with autograd's gradient
 
     @property
     def weight_names(self) -> list[str]:
@@ -159,6 +181,8 @@ class Factors:
         matrices). Every worker calls it after the step's last backward; clears the capture."""
         if not self._layers:
             return
+        if not self._checked:
+            self._check_single_use()
         world = self._exchange.world_size
         counts = torch.tensor([layer.row_count() for layer in self._layers], dtype=torch.int64)
         every = self._exchange.gather_control(counts)  # [world, layers]
@@ -172,6 +196,28 @@ class Factors:
         if chosen:
             self._sum_factors(chosen, every)
         self._capture.clear()
+
+    def _check_single_use(self) -> None:
+        """At the first step, every worker compares each taken layer's factors with the
+        gradient autograd accumulated for its weight, and all stop together when one found
+        another use.
+
+        Raises:
+            ConfigError: naming the layers (agreed: every worker raises it).
+        """
+        self._checked = True
+        found = other_uses(self._layers)
+        flags = torch.tensor([float(layer.name in found) for layer in self._layers], dtype=torch.float64)
+        self._exchange.sum_control_(flags)
+        shared = [layer.name for layer, flag in zip(self._layers, flags.tolist(), strict=True) if flag]
+        if shared:
+            raise agreed(
+                ConfigError(
+                    f"sufficient_factors: the weight of {shared} is used outside its nn.Linear (a "
+                    "function of it in the forward, or a tie), so its gradient is not its rows' "
+                    "factors; set sufficient_factors = 'off', or use the weight only through its layer"
+                )
+            )
 
     def _sum_matrices(self, layers: Sequence[FactorLayer]) -> None:
         if not layers:

@@ -15,11 +15,16 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def sum_gradients(module: nn.Module, group: dist.ProcessGroup) -> int:
-    """Add up every trainable parameter's gradient (this rank's part of it) over ``group``
-    in one flat all-reduce; return the bytes this rank sent (a ring's). A parameter without
-    a gradient takes part as zeros, and gets them: every rank of the group then sends the
+    """Add up every trainable parameter's gradient of ``module`` over ``group``
+    (:func:`sum_parameter_gradients`)."""
+    return sum_parameter_gradients([p for p in module.parameters() if p.requires_grad], group)
+
+
+def sum_parameter_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> int:
+    """Add up the gradients of ``params`` (this rank's part of each) over ``group`` in one
+    flat all-reduce; return the bytes this rank sent (a ring's). A parameter without a
+    gradient takes part as zeros, and gets them: every rank of the group then sends the
     same layout, whichever of its parameters its own rows reached."""
-    params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -157,6 +157,7 @@ class ParameterServerStrategy(SyncStrategy):
             loss = self._backward(step, step.batches, 1.0)
             verdict = self._judge(step, loss)
             if verdict is Verdict.APPLY:
+                self._refuse_shared_factors()
                 clipped = 1.0
                 if self._clip_norm:  # this worker's gradient (the server's shards hold no global norm)
                     norm = torch.nn.utils.clip_grad_norm_(self.ctx.module.parameters(), self._clip_norm)
@@ -171,6 +172,19 @@ class ParameterServerStrategy(SyncStrategy):
                     self._factors.drop()
         self.step_done(step.step)
         return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
+
+    def _refuse_shared_factors(self) -> None:
+        """Stop every worker (through the server) when a factored weight is used outside its
+        layer: its factors would drop that share of its gradient."""
+        shared = self._factors.used_elsewhere() if self._factors is not None else []
+        if shared:
+            self._stop(
+                ConfigError(
+                    f"sufficient_factors: the weight of {shared} is used outside its nn.Linear (a "
+                    "function of it in the forward, or a tie), so its gradient is not its rows' "
+                    "factors; set sufficient_factors = 'off', or use the weight only through its layer"
+                )
+            )
 
     def add_gradients(self, rows: int) -> None:
         """Add the model's gradients (of a mean loss over ``rows`` rows) to what the next push

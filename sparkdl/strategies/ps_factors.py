@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sparkdl.comm.factors import FactorCapture, factorable
+from sparkdl.comm.factors import FactorCapture, factorable, other_uses
 from sparkdl.comm.traffic import fewer_values
 from sparkdl.services.ps.client import Gradient
 from sparkdl.services.ps.factored import FactorLayout
@@ -37,6 +37,16 @@ class FactorPushes:
         where = {id(p): (s, i) for s, shard in enumerate(shards) for i, p in enumerate(shard)}
         self._where = [where[id(layer.module.weight)] for layer in self._capture.layers]
         self._pending: list[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in shards]
+        self._checked = False
+
+    def used_elsewhere(self) -> list[str]:
+        """At the first step with rows (before clipping changes the gradients): the layers
+        whose weight autograd's gradient shows used outside the layer, whose factors would
+        drop that share (:func:`~sparkdl.comm.factors.other_uses`); none after."""
+        if self._checked or not any(layer.rows for layer in self._capture.layers):
+            return []
+        self._checked = True
+        return other_uses(self._capture.layers)
 
     def add(self, weight: float) -> None:
         """The step's gradients were added to the push with ``weight`` (its rows, times the

@@ -22,6 +22,18 @@ row of the step, as single-process SGD on their union. Called as a module outsid
 step (validation, the label probe), the model gathers the group's rows the same way and
 returns each worker its own rows' outputs.
 
+Random draws (dropout). The workers of a group compute on the same rows, so a layer every
+worker holds whole must draw the same mask on each: the group shares one random stream
+(:attr:`TensorParallelStrategy.random_stream`, its replica's, also when checkpoints reseed it
+per step). Between the two layers of a pair each worker holds a slice of the hidden
+features, and its slice needs a mask of its own: those layers draw from a stream of the
+worker's own (:class:`_SliceRandom`, as Megatron's model-parallel RNG tracker does), seeded
+from the shared one, so that a resumed run and an activation checkpoint's recompute draw the
+same masks again. A parameter of a layer between the two (a PReLU's weight) sees one slice:
+its gradient is summed over the group. At the end (and before each validation) the layers
+every worker holds whole are compared over the group; a difference is logged with the
+layers' names.
+
 Checkpoints and the final weights are gathered whole to rank 0
 (:class:`~sparkdl.strategies.distributed_state.DistributedState`), in every strategy's format.
 """
@@ -29,6 +41,7 @@ Checkpoints and the final weights are gathered whole to rank 0
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -51,7 +64,7 @@ from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import DistributedState
-from sparkdl.strategies.gradients import local_part, sum_gradients
+from sparkdl.strategies.gradients import local_part, sum_gradients, sum_parameter_gradients
 from sparkdl.strategies.rows import padded, row_counts
 from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
 from sparkdl.strategies.tensor_plan import (
@@ -59,11 +72,13 @@ from sparkdl.strategies.tensor_plan import (
     ROWS,
     VOCABULARY,
     check_parallelize_fn,
+    inside_pairs,
     megatron_plan,
+    refuse_untied,
     split_layers,
     users_plan,
 )
-from sparkdl.training.factory import build_model, checkpoint_layers
+from sparkdl.training.factory import build_model, checkpoint_layers, tied_parameters
 from sparkdl.training.strategy import CollectiveForward, StepInput, StepOutcome, StrategyContext
 
 __all__ = [  # the plans are tensor_plan.py's (pure): re-exported where the strategy is
@@ -74,6 +89,9 @@ __all__ = [  # the plans are tensor_plan.py's (pure): re-exported where the stra
     "check_parallelize_fn",
     "megatron_plan",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 class TensorParallelStrategy(DistributedState, CollectiveForward):
@@ -90,6 +108,12 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         groups = cast(_Groups, getattr(ctx.module, _GROUPS))
         self._groups = groups
         self._tp, self._dp = groups.tp, groups.dp
+
+    @property
+    def random_stream(self) -> int:
+        """The group's replica: every worker of a group draws the same masks where it holds
+        the same layers (inside a split pair, :class:`_SliceRandom` gives each its own)."""
+        return int(self._dp.get_local_rank())
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -125,6 +149,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         world = dist.get_world_size()
         size = config.tensor.tp_size or world
         mesh = _mesh(device, world, size, config.runtime.collective_timeout_s)
+        tied = tied_parameters(module)
         if parallelize_fn is not None:
             parallelize_fn(module, mesh["tp"])
             plan = split_layers(module, size)
@@ -139,7 +164,14 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
                 for name, how in plan.items()
             }
             parallelize_module(module, mesh["tp"], styles)
+        refuse_untied(tied, tied_parameters(module))
         groups = _Groups(mesh)
+        slice_random = _SliceRandom(device, dist.get_rank())
+        for name in inside_pairs(module, plan):  # each worker runs these on its slice
+            layer = module.get_submodule(name)
+            layer.register_forward_pre_hook(slice_random.enter)
+            layer.register_forward_hook(slice_random.leave)
+            groups.sliced.extend(p for p in layer.parameters() if p.requires_grad)
         for name, how in plan.items():
             layer = module.get_submodule(name)
             if how in (ROWS, VOCABULARY):  # forward: the partial outputs summed
@@ -195,11 +227,36 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
                 loss = self._backward(step, tuple(unions), rows / step.global_rows)
         else:  # the whole group is out of rows: its replicas' gradients only
             loss = torch.zeros((), device=device)
+        if self._groups.sliced:  # a layer inside a pair saw one slice: the group's sum is its gradient
+            self.stats.bytes_sent += sum_parameter_gradients(self._groups.sliced, self._tp.get_group())
         if self._dp.size() > 1:
             self.stats.bytes_sent += sum_gradients(self.ctx.module, self._dp.get_group())
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._groups.take_sent()
         return self._step_on_shared_gradients(step, loss)
+
+    def finish(self) -> None:
+        """Every worker's weights are final: check that the layers every worker of the group
+        holds whole are the same on each (they take the same steps from the same start)."""
+        super().finish()
+        whole = [(n, p) for n, p in self.ctx.module.named_parameters() if not hasattr(p, "placements")]
+        if self._tp.size() < 2 or not whole:
+            return
+        mine = torch.stack([p.detach().double().sum() for _, p in whole])
+        every = [torch.empty_like(mine) for _ in range(self._tp.size())]
+        dist.all_gather(every, mine, group=self._tp.get_group())
+        apart = [
+            name
+            for i, (name, _) in enumerate(whole)
+            if any(not math.isclose(float(e[i]), float(mine[i]), rel_tol=1e-6, abs_tol=1e-9) for e in every)
+        ]
+        if apart:
+            log.warning(
+                "rank %d: the layers every worker of the tensor-parallel group holds whole differ "
+                "between its workers after training: %s (the returned model is rank 0's)",
+                self.ctx.rank,
+                ", ".join(apart[:8]) + (f" and {len(apart) - 8} more" if len(apart) > 8 else ""),
+            )
 
     def _clip_gradients(self) -> None:
         """Clip by the whole model's gradient norm: the split layers' slices summed over the
@@ -242,11 +299,43 @@ def _mesh(device: torch.device, world: int, size: int, timeout_s: float) -> Devi
     )
 
 
+class _SliceRandom:
+    """The random stream of the layers inside a split pair, one per worker: entering such a
+    layer draws a seed from the group's shared stream (the same draw on every worker of the
+    group, so the shared stream stays in step) and seeds the device's generator with it and
+    the worker's rank; leaving restores the shared stream. An activation checkpoint restores
+    the shared stream before its recompute, so the recompute draws the same masks."""
+
+    def __init__(self, device: torch.device, rank: int) -> None:
+        self._cuda = device if device.type == "cuda" else None
+        self._offset = (rank + 1) * 0x9E3779B97F4A7C15
+        self._outer: list[torch.Tensor] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        seed = int(torch.randint(0, 1 << 62, (1,)))  # the shared CPU stream, the same on the group
+        if self._cuda is not None:
+            self._outer.append(torch.cuda.get_rng_state(self._cuda))
+            torch.cuda.default_generators[self._cuda.index or 0].manual_seed(
+                (seed ^ self._offset) % (1 << 63)
+            )
+        else:
+            self._outer.append(torch.get_rng_state())
+            torch.manual_seed((seed ^ self._offset) % (1 << 63))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        outer = self._outer.pop()
+        if self._cuda is not None:
+            torch.cuda.set_rng_state(outer, self._cuda)
+        else:
+            torch.set_rng_state(outer)
+
+
 class _Groups:
     """The mesh, and the hooks that give each worker of a group its own rows' outputs."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.tp, self.dp = mesh["tp"], mesh["dp"]
+        self.sliced: list[nn.Parameter] = []  # parameters of the layers inside the pairs
         self.gathering = True  # off inside a step, whose rows are already the group's
         self._own: tuple[int, int] | None = None
         size = self.tp.size()

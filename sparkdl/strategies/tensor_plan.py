@@ -3,6 +3,16 @@ the built-in plan (:func:`megatron_plan`: Megatron's pairs of linear layers, and
 embeddings by their vocabulary), a user's ``tensor_plan`` by module name
 (:func:`users_plan`), or what a user's ``parallelize_fn`` split, read back
 (:func:`split_layers`). The strategy that applies a plan is :mod:`sparkdl.strategies.tensor`.
+
+Between the two layers of a pair each worker holds a slice of the hidden features: the
+layers there (:func:`inside_pairs`) see one slice, so a parameter of theirs gets one
+slice's share of its gradient (the strategy sums it over the group), and a random draw
+there must differ between the slices (the strategy gives them their own stream).
+
+Tied weights (one parameter used by two layers, as a language model's head and its
+embedding): splitting one use would leave the other whole, two copies trained apart. The
+built-in plan leaves a tied layer whole (with its pair), a ``tensor_plan`` that names one
+is refused (:func:`refuse_tied`), and so is a ``parallelize_fn`` that split one.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from torch import nn
 
 from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
+from sparkdl.training.factory import tied_parameters
 
 COLUMNS, ROWS, VOCABULARY = "columns", "rows", "vocabulary"
 
@@ -36,10 +47,12 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
     split by its rows, Megatron's vocabulary-parallel embedding: each worker holds a slice of
     the vocabulary, looks up the ids that fall in it, and one all-reduce sums the lookups
     (its vocabulary must divide by ``size``; one with ``max_norm`` or sparse gradients,
-    which a slice cannot honour, stays whole)."""
+    which a slice cannot honour, stays whole). A layer whose weight another layer shares
+    stays whole, with its pair."""
     plan: dict[str, str] = {}
+    tied = tied_layers(module)
     for name, node in module.named_modules():
-        if isinstance(node, nn.Embedding) and _splits(node, size):
+        if isinstance(node, nn.Embedding) and _splits(node, size) and name not in tied:
             plan[name] = VOCABULARY
     for parent, node in module.named_modules():
         if not isinstance(node, nn.Sequential):
@@ -57,6 +70,7 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
                     isinstance(second, nn.Linear)
                     and second.in_features == first.out_features
                     and first.out_features % size == 0
+                    and not {_joined(parent, name), _joined(parent, second_name)} & tied
                 ):
                     plan[_joined(parent, name)] = COLUMNS
                     plan[_joined(parent, second_name)] = ROWS
@@ -105,7 +119,70 @@ def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, 
                 f"by {size}; set tp_size to a divisor of {width}"
             )
         plan[name] = how
+    refuse_tied(module, plan)
     return plan
+
+
+def tied_layers(module: nn.Module) -> set[str]:
+    """The layers (module names) holding a parameter that another layer holds too."""
+    return {name.rpartition(".")[0] for names in tied_parameters(module) for name in names}
+
+
+def refuse_tied(module: nn.Module, plan: dict[str, str]) -> None:
+    """Refuse a plan that splits a layer whose parameter another layer shares.
+
+    Raises:
+        ConfigError: naming the layers that share it, and the fixes.
+    """
+    for names in tied_parameters(module):
+        layers = sorted({name.rpartition(".")[0] for name in names})
+        split = [layer for layer in layers if layer in plan]
+        if split:
+            raise ConfigError(
+                f"tensor parallelism would split {split[0]!r}, whose parameter {layers} share (tied "
+                "weights): the other use would keep a whole copy, trained apart from the slices. Leave "
+                f"{split[0]!r} whole (drop it from tensor_plan or parallelize_fn), or untie the weights"
+            )
+
+
+def refuse_untied(before: list[list[str]], after: list[list[str]]) -> None:
+    """Refuse a split that left the tied parameter groups ``before`` (names) no longer one
+    parameter ``after`` (what ``parallelize_fn`` did).
+
+    Raises:
+        ConfigError: naming the group that came apart.
+    """
+    kept = {frozenset(names) for names in after}
+    for names in before:
+        if frozenset(names) not in kept:
+            layers = sorted({name.rpartition(".")[0] for name in names})
+            raise ConfigError(
+                f"parallelize_fn split a parameter that {layers} share (tied weights): the layers now "
+                "hold a slice and a whole copy, trained apart. Leave the tied layers whole, or untie "
+                "the weights"
+            )
+
+
+def inside_pairs(module: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The layers between the two of each split pair, inside an ``nn.Sequential`` (whose order
+    is the data's path): a columns layer, then everything up to the rows layer after it.
+    Each worker runs them on its slice of the hidden features."""
+    inside: list[str] = []
+    for parent, node in module.named_modules():
+        if not isinstance(node, nn.Sequential):
+            continue
+        between: list[str] | None = None
+        for name, _ in node.named_children():
+            full = _joined(parent, name)
+            how = plan.get(full)
+            if how == COLUMNS:
+                between = []
+            elif how == ROWS and between is not None:
+                inside.extend(between)
+                between = None
+            elif between is not None:
+                between.append(full)
+    return inside
 
 
 def check_parallelize_fn(config: SparkDLConfig) -> None:

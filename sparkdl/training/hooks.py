@@ -64,11 +64,12 @@ class StepHook:
 
 
 class ReseedHook(StepHook):
-    """The random stream of a step depends only on (seed, rank, step): a resumed run draws
-    the same dropout masks as one that never failed."""
+    """The random stream of a step depends only on (seed, stream, step): a resumed run draws
+    the same dropout masks as one that never failed. ``stream`` is the strategy's
+    (``SyncStrategy.random_stream``): the rank, or one a tensor-parallel group shares."""
 
-    def __init__(self, seed: int, rank: int) -> None:
-        self._base = seed * 1_000_003 + rank * 7_919
+    def __init__(self, seed: int, stream: int) -> None:
+        self._base = seed * 1_000_003 + stream * 7_919
 
     def before_step(self, position: Position) -> None:
         torch.manual_seed(self._base + position.global_steps_done)

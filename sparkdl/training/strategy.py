@@ -307,6 +307,13 @@ class SyncStrategy(abc.ABC):
             self.ctx.module.load_state_dict(state)
 
     @property
+    def random_stream(self) -> int:
+        """Which random stream this worker's steps draw from, when checkpoints reseed it per
+        step (``ReseedHook``: seed, stream, step): its rank by default; workers that compute
+        on the same rows with the same layers (a tensor-parallel group) share one."""
+        return self.ctx.rank
+
+    @property
     def checkpoint_multiple(self) -> int:
         """Checkpoints fall only on global steps that are multiples of this."""
         return 1

@@ -257,7 +257,7 @@ def _hooks(
     config = spec.config
     hooks: list[StepHook] = []
     if store is not None:
-        hooks.append(ReseedHook(config.training.seed, rank))
+        hooks.append(ReseedHook(config.training.seed, strategy.random_stream))
     drill = config.reliability.drill
     if drill is not None:
         hooks.append(DrillHook(drill, rank, module))

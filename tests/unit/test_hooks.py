@@ -71,13 +71,13 @@ def test_weight_averaging_checkpoints_an_epoch_end_only_on_an_average(gloo_group
 
 
 def test_the_random_stream_of_a_step_depends_only_on_seed_rank_and_step():
-    hook = ReseedHook(seed=3, rank=1)
+    hook = ReseedHook(seed=3, stream=1)
     hook.before_step(Position(1, 0, 42))
     first = torch.rand(3)
     torch.rand(10)  # whatever ran in between
     hook.before_step(Position(5, 9, 42))
     assert torch.equal(torch.rand(3), first)
-    ReseedHook(seed=3, rank=0).before_step(Position(1, 0, 42))
+    ReseedHook(seed=3, stream=0).before_step(Position(1, 0, 42))
     assert not torch.equal(torch.rand(3), first)
 
 

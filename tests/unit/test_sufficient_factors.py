@@ -255,3 +255,68 @@ def test_a_factored_push_saves_the_matrix_less_its_rows_factors(tmp_path):
     saved = 4 * (64 * 64 - 8 * (64 + 64)) - 4 * 3
     assert plain_epoch["bytes_sent"] - factored_epoch["bytes_sent"] == 8 * saved
     assert plain_epoch["bytes_received"] == factored_epoch["bytes_received"]  # the pulls are alike
+
+
+# -- weights used by more than their layer (issue 52) ---------------------------------------------
+
+
+class ReusedWeightNet(nn.Module):
+    """The head's weight used twice: by its layer, and by a function of it in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        return self.head(h) + 0.5 * (h @ self.head.weight.t())
+
+
+def test_a_weight_an_embedding_shares_keeps_its_matrix():
+    """A language model's head tied to its embedding: the weight's gradient has the
+    embedding's share too, which the head's factors would drop (the issue's max error 0.333)."""
+    from tests.unit.test_tensor_models import TiedLM
+
+    assert [name for name, _ in factorable(TiedLM())] == ["body.3.weight", "body.5.weight"]
+
+
+def test_a_weight_used_by_a_function_too_is_found_at_the_first_step():
+    model = ReusedWeightNet()
+    factors = Factors(model, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=4)
+    assert factors.weight_names == ["up.weight", "head.weight"]  # no module shows the second use
+    model(torch.randn(5, 6)).square().sum().backward()
+    with pytest.raises(ConfigError, match=r"the weight of \['head.weight'\] is used outside its nn.Linear"):
+        factors.sum_gradients()
+    plain = _SeqNet()
+    checked = Factors(plain, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=4)
+    plain(torch.randn(4, 7, 5)).square().sum().backward()
+    checked.sum_gradients()  # a layer called twice is still its own rows' factors: accepted
+    factors.close()
+    checked.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])
+def test_a_tied_head_with_factors_gives_single_process_sgds_weights(tmp_path, strategy):
+    from tests.unit.test_tensor_models import TiedLM
+
+    shards = make_shards([40, 23])
+    state, _ = run_workers(
+        shards, tmp_path, _plain_sgd, model_fn=TiedLM, strategy=strategy, sufficient_factors="on",
+        batch_size=8, epochs=2, shuffle=True,
+    )  # fmt: skip
+    expected = reference_sgd(shards, 8, 2, 0, LR, 0.0, True, model_fn=TiedLM)
+    assert max_abs_diff(state, expected) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server"])
+def test_a_weight_used_by_a_function_too_stops_every_worker_at_the_first_step(tmp_path, strategy):
+    shards = make_shards([16, 16])
+    with pytest.raises(
+        AssertionError, match=r"the weight of \['head.weight'\] is used outside its nn.Linear"
+    ):
+        run_workers(
+            shards, tmp_path, _plain_sgd, model_fn=ReusedWeightNet, strategy=strategy,
+            sufficient_factors="on", batch_size=8, epochs=1,
+        )  # fmt: skip
