@@ -17,13 +17,12 @@ from sparkdl.services.ps.client import PsClient
 from sparkdl.services.ps.factored import FACTORS
 from sparkdl.services.ps.protocol import PS_WIRE, ErrorCode, Frame, Kind, client_hello
 from sparkdl.services.ps.server import ParameterServer, _all_finite
+from sparkdl.services.ps.sharding import shard_count, split_into_shards
 from sparkdl.services.ps.store import (
     PsMode,
     PsTimeoutError,
     PushRejected,
     ShardStore,
-    shard_count,
-    split_into_shards,
 )
 from sparkdl.wire.framing import CHALLENGE
 
