@@ -4,18 +4,17 @@ gloo, left alone, takes its address from the host name, which a stock Debian or 
 host resolves to loopback (``127.0.1.1`` in ``/etc/hosts``): ranks on other hosts then
 cannot connect, and the process group fails only after the collective timeout. Spark
 already knows each executor's real address (the barrier task infos), so the worker
-binds the interface that holds it (Linux: ``SIOCGIFADDR`` on each interface; IPv4).
+binds the interface that holds it. Every IPv4 address of every interface counts, the
+secondary ones too (an executor bound to an address added beside the interface's first:
+``getifaddrs``, through psutil).
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import socket
-import struct
 
-_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
-_IFREQ = struct.Struct("16s16s")
+import psutil
 
 
 def interface_of(host: str) -> str | None:
@@ -25,27 +24,21 @@ def interface_of(host: str) -> str | None:
         address = ipaddress.IPv4Address(socket.gethostbyname(host))
     except (OSError, ValueError):
         return None
-    for name, value in interface_addresses().items():
-        if value == address:
+    for name, values in interface_addresses().items():
+        if address in values:
             return name
     return None
 
 
-def interface_addresses() -> dict[str, ipaddress.IPv4Address]:
-    """Every interface with an IPv4 address, by name (empty where the system has no
-    ``SIOCGIFADDR``, as on macOS)."""
-    found: dict[str, ipaddress.IPv4Address] = {}
+def interface_addresses() -> dict[str, list[ipaddress.IPv4Address]]:
+    """Every interface with an IPv4 address, by name, with each of its addresses (the
+    first first; empty where the system cannot say)."""
     try:
-        names = [name for _, name in socket.if_nameindex()]
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        found = psutil.net_if_addrs()
     except OSError:
-        return found
-    with probe:
-        for name in names:
-            try:
-                request = _IFREQ.pack(name.encode()[:15], b"")
-                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
-            except OSError:  # down, or no IPv4 address
-                continue
-            found[name] = ipaddress.IPv4Address(reply[20:24])
-    return found
+        return {}
+    return {
+        name: [ipaddress.IPv4Address(a.address) for a in entries if a.family == socket.AF_INET]
+        for name, entries in found.items()
+        if any(a.family == socket.AF_INET for a in entries)
+    }

@@ -69,19 +69,22 @@ class TeardownWatchdog:
 def socket_interface(setting: str, host: str) -> Iterator[None]:
     """Point gloo and NCCL at an interface for this worker only; restore the environment.
 
-    The interface: ``setting`` (``runtime.network_interface``) when given; else none when
-    the environment already names one (``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME``);
-    else the one holding ``host``, the address Spark gave this executor (left to torch
-    where no interface holds it): torch's own choice follows the host name, which many
-    hosts resolve to loopback, where ranks on other hosts cannot connect.
+    The interface: ``setting`` (``runtime.network_interface``) when given; else, for each of
+    ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` on its own, the one the environment
+    already names, or the one holding ``host``, the address Spark gave this executor (left
+    to torch where no interface holds it): torch's own choice follows the host name, which
+    many hosts resolve to loopback, where ranks on other hosts cannot connect. Naming one
+    in the environment (NCCL's, for InfiniBand) leaves the other chosen as ever.
     """
     names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     saved = {name: os.environ.get(name) for name in names}
-    interface = setting
-    if not interface and not any(saved.values()):
-        interface = interface_of(host) or ""
-    if interface:
-        for name in names:
+    detected: str | None = None
+    for name in names:
+        interface = setting or saved[name]
+        if not interface:
+            detected = interface_of(host) if detected is None else detected
+            interface = detected or ""
+        if interface:
             os.environ[name] = interface
     try:
         yield
