@@ -60,7 +60,9 @@ A user's own loop. The model comes back as it is; after every ``sync_every`` ste
 ``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
 weighted by the rows its optimizer trained since the last average (an optimizer step
 post-hook says which steps it took: :class:`_PeriodFace`). A worker whose rows ran out
-takes no step: its weight in the next average is the rows it did train.
+takes no step: its weight in the next average is the rows it did train. ``ctx.state_dict``
+between two averages averages first, so a checkpoint holds one point every worker resumes
+from, not rank 0's drift.
 """
 
 from __future__ import annotations
@@ -391,3 +393,14 @@ class _PeriodFace(OwnLoopFace):
         if self._stepped:
             self._pending_rows, self._stepped = 0, False
         self._strategy.local_step_done(step, trained)
+
+    def model_state(self) -> dict[str, Any]:
+        """The averaged model: between two averages every worker holds its own drift, so the
+        workers average first (a plain one, as before a validation; every rank calls this at
+        the same point), and a checkpoint of it resumes every worker from one point."""
+        self._strategy.finish()
+        return super().model_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._strategy.finish()  # averaged with the weights (average_optimizer_state)
+        return super().optimizer_state(optimizer)

@@ -597,3 +597,47 @@ def test_precision_is_a_setting_of_the_own_loop_through_ctx_autocast():
         assert layer.weight.dtype is torch.float32  # the weights stay float32
     with pytest.raises(ConfigError, match="GradScaler"):
         check_own_loop_settings(SparkDLConfig().replace(precision="fp16"))
+
+
+def checkpoints_between_averages(ctx, folder: str):
+    """Weight averaging every 4 steps; at step 2 of epoch 1, between two averages, every rank
+    asks for the model's state, as a checkpoint does; each rank keeps what it held before,
+    what ctx.state_dict gave, and what it holds after."""
+    import os
+
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), batch.label).backward()
+            optimizer.step()
+            if ctx.global_step == 2:
+                before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                given = ctx.state_dict(model)
+                after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                torch.save(
+                    {"before": before, "given": given, "after": after}, os.path.join(folder, f"{ctx.rank}.pt")
+                )
+
+
+@pytest.mark.slow
+def test_a_checkpoint_between_two_averages_holds_the_averaged_model(tmp_path):
+    """Before: ctx.state_dict gave rank 0's own drift, and every worker resumed from one
+    worker's weights. Now the workers average first: the state is the mean of their
+    weights (equal rows: a plain mean), and every worker holds it after."""
+    shards = make_shards([32, 32])
+    results = run_loop(
+        shards, tmp_path, checkpoints_between_averages, str(tmp_path), strategy="weight_averaging",
+        sync_every=4, batch_size=8, epochs=1, shuffle=False,
+    )  # fmt: skip
+    assert not [e for _, _, e in results.values() if e]
+    kept = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in range(2)]
+    assert max_abs_diff(kept[0]["before"], kept[1]["before"]) > 1e-3  # two steps apart on their own rows
+    mean = {k: (kept[0]["before"][k] + kept[1]["before"][k]) / 2 for k in kept[0]["before"]}
+    assert max_abs_diff(kept[0]["given"], mean) < 1e-6
+    assert max_abs_diff(kept[0]["after"], kept[0]["given"]) == 0.0
+    assert max_abs_diff(kept[1]["after"], kept[0]["given"]) == 0.0
+    assert kept[1]["given"] == {}  # rank 0's alone, as for every strategy
