@@ -81,6 +81,13 @@ class Hierarchy(str, enum.Enum):
     EXECUTOR = "executor"  # tasks of the same executor (several executors may share a host)
 
 
+class LbfgsObjective(str, enum.Enum):
+    """What ``optimizer = "lbfgs"`` minimizes."""
+
+    MEAN = "mean"  # mean loss over every row (weighted rows over the row count), L2 on every weight
+    SPARK = "spark"  # Spark ML's: weighted rows over the weights' sum, L2 on every weight but biases
+
+
 class LrSchedule(str, enum.Enum):
     """How the learning rate changes over the run."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from sparkdl.config.choices import (
     DEFAULT_LOSS,
     LOSS_NAMES,
+    LbfgsObjective,
     LrSchedule,
     OptimizerName,
     Precision,
@@ -223,6 +224,16 @@ class LbfgsConfig:
     tolerance_change: float = field(
         default=1e-9,
         metadata=about("Stop once the loss or the step changes by less than this.", bound=">= 0"),
+    )
+    objective: LbfgsObjective = field(
+        default=LbfgsObjective.MEAN,
+        metadata=about(
+            "What it minimizes: mean (the mean loss over every row, a weight column's products over "
+            "the row count, plus weight_decay / 2 x |w|^2 on every weight: torch.optim.LBFGS's "
+            "objective on the whole data) or spark (Spark ML's LogisticRegression and "
+            "LinearRegression: a weight column's products over the weights' sum, and no decay on "
+            "biases, the intercepts; allreduce only)."
+        ),
     )
 
     def __post_init__(self) -> None:

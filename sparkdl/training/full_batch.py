@@ -3,10 +3,12 @@ whole partition, and L-BFGS (:mod:`sparkdl.training.lbfgs`) drives the passes.
 
 The objective is the mean loss over every row of every partition (weighted by the weight
 column where there is one), plus ``weight_decay / 2 * |w|^2``: exactly what one process
-would compute on the union of the partitions. A worker sums its rows' losses and
-gradients, and one sum over the workers (the worker's exchange, as every strategy's
-sums) makes the mean. The first pass streams the partition from Spark into the epoch
-cache; every later one replays the cache.
+would compute on the union of the partitions. With ``lbfgs.objective = "spark"`` it is
+Spark ML's instead (``LogisticRegression``, ``LinearRegression``): the weighted rows' sum
+over the weights' sum, and the L2 term over every weight but the biases (the intercepts).
+A worker sums its rows' losses and gradients, and one sum over the workers (the worker's
+exchange, as every strategy's sums) makes the mean. The first pass streams the partition
+from Spark into the epoch cache; every later one replays the cache.
 
 With strategy allreduce every worker holds every vector whole
 (:class:`ReplicatedVectors`) and takes the same decisions on the same numbers, so the
@@ -59,6 +61,8 @@ class Objective:
         check_labels: finds labels the model cannot take, while the rows stream.
         precision: autocast of forward and loss.
         rank: this worker, for messages.
+        spark: Spark ML's objective: the rows' weighted sum over the weights' sum (not the
+            row count), and no L2 term on a parameter named ``bias``.
     """
 
     def __init__(
@@ -72,9 +76,20 @@ class Objective:
         check_labels: Callable[[Batch], BadDataError | None],
         precision: Precision,
         rank: int,
+        spark: bool = False,
     ) -> None:
         self._module = module
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._spark = spark
+        # which values the L2 term covers (None: every one): Spark ML leaves the intercepts out
+        biases = [n.rpartition(".")[2] == "bias" for n, _ in named]
+        self._decayed: torch.Tensor | None = None
+        if spark and any(biases):
+            kept = [float(not bias) for bias in biases]
+            self._decayed = torch.cat(
+                [torch.full((p.numel(),), k, device=p.device) for (_, p), k in zip(named, kept, strict=True)]
+            )
         self._device = next(module.parameters()).device
         self._source = source
         self._loss_fn = loss_fn
@@ -85,6 +100,7 @@ class Objective:
         self._precision = precision
         self._rank = rank
         self.passes = 0
+        self._weight_sum = 0.0  # this worker's weight column's sum in the last pass (spark)
         self.rows = 0  # every worker's rows, once the first pass has counted them
         self.local_rows = 0  # this worker's
         self.output_shape: tuple[int, ...] = ()
@@ -97,9 +113,10 @@ class Objective:
     def __call__(self) -> tuple[float, torch.Tensor]:
         """The objective and its gradient (a new flat tensor) at the module's weights."""
         loss_sum, rows, rejected = self.local_pass()
-        totals = torch.tensor([loss_sum, float(rows), float(rejected is not None)], dtype=torch.float64)
+        local = [loss_sum, float(rows), float(rejected is not None), self._weight_sum]
+        totals = torch.tensor(local, dtype=torch.float64)
         self._exchange.sum_control_(totals)
-        global_loss, global_rows, rejections = totals.tolist()
+        global_loss, global_rows, rejections, global_weight = totals.tolist()
         if rejections:
             raise agreed(
                 rejected
@@ -116,10 +133,21 @@ class Objective:
         self.rows, self.local_rows = int(global_rows), rows
         gradient = flat_gradient(self._params)
         self._exchange.weighted_sum_([[("gradient", gradient)]], 1.0, lossless=True)
-        gradient.div_(global_rows)
-        loss = global_loss / global_rows
+        divisor = global_weight if self._spark else global_rows
+        if divisor <= 0:
+            raise agreed(
+                BadDataError(
+                    f"lbfgs.objective = 'spark' divides by the weight column's sum, which is {divisor:g} "
+                    "over every row; give rows positive weights",
+                    bad_rows=0,
+                )
+            )
+        gradient.div_(divisor)
+        loss = global_loss / divisor
         if self._weight_decay:
             weights = torch.cat([p.detach().reshape(-1) for p in self._params])
+            if self._decayed is not None:
+                weights.mul_(self._decayed)
             gradient.add_(weights, alpha=self._weight_decay)
             loss += 0.5 * self._weight_decay * float(weights.double().square().sum())
         return loss, gradient
@@ -133,6 +161,8 @@ class Objective:
         batches, source = self._source.epoch(self.passes)
         streaming = source == "spark"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)  # read once, at the end
+        weight_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        self._weight_sum = 0.0
         rows = 0
         self._module.train()
         iterator = iter(batches)
@@ -151,6 +181,9 @@ class Objective:
             (loss * len(batch)).backward()
             loss_sum += loss.detach().double() * len(batch)
             rows += len(batch)
+            if self._spark:
+                weight_sum += batch.weight.double().sum() if batch.weight is not None else len(batch)
+        self._weight_sum = float(weight_sum)
         return float(loss_sum), rows, None
 
     def _batch_loss(self, batch: Batch) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sparkdl.config import (
     Compression,
+    LbfgsObjective,
     LrSchedule,
     OptimizerName,
     PsMode,
@@ -87,6 +88,11 @@ def _layout_refusals(config: SparkDLConfig) -> dict[str, tuple[bool, str]]:
             "checkpoint_dir and strategy 'parameter_server': the driver's coordinator carries the run "
             "across re-run stages, and the shards' vectors are not checkpointed yet; unset "
             "checkpoint_dir, or use strategy 'allreduce' to checkpoint every checkpoint_every iterations",
+        ),
+        "objective": (
+            served and config.lbfgs.objective is LbfgsObjective.SPARK,
+            "objective = 'spark' and strategy 'parameter_server': the shards' coordinator divides by "
+            "the rows, not yet by the weights' sum; use strategy 'allreduce'",
         ),
     }
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.comm.exchange import Exchange
-from sparkdl.config import DrillKind, FaultDrillSpec, SparkDLConfig
+from sparkdl.config import DrillKind, FaultDrillSpec, LbfgsObjective, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import PartitionFeed
 from sparkdl.errors import CheckpointError, SparkDLError, agreed
@@ -88,6 +88,7 @@ def full_batch_trainer(
         check_labels,
         Precision(config.training.precision, device),
         rank,
+        spark=config.lbfgs.objective is LbfgsObjective.SPARK,
     )
     if served is not None:
         return ServedPasses(objective, served, module, rank, config.reliability.drill)

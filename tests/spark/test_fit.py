@@ -507,3 +507,51 @@ def test_a_model_fn_the_executors_cannot_import_names_the_missing_module(spark, 
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("netdef_only_on_driver", None)
+
+
+def logistic_regression() -> torch.nn.Module:
+    """Spark ML's binomial LogisticRegression as a model: one logit (coefficients and an intercept)."""
+    return torch.nn.Linear(4, 1)
+
+
+def test_lbfgs_minimizes_spark_mls_logistic_regression_objective(spark):
+    """lbfgs.objective = "spark": a weight column's products over the weights' sum, and no L2
+    term on the intercept. Spark's LogisticRegression (standardization off, so its L2 term is
+    on the coefficients as given) and the estimator reach the same minimum to 1e-4."""
+    from pyspark.ml.classification import LogisticRegression
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(240, 4)) * np.array([1.0, 2.0, 0.5, 1.5]) + np.array([0.5, -1.0, 0.0, 2.0])
+    logit = x @ np.array([1.2, -0.7, 2.0, 0.3]) - 0.8
+    y = (rng.random(240) < 1 / (1 + np.exp(-logit))).astype(float)
+    w = rng.uniform(0.2, 3.0, size=240)
+    rows = [(Vectors.dense(x[i]), float(y[i]), float(w[i])) for i in range(240)]
+    df = spark.createDataFrame(rows, ["features", "label", "w"]).repartition(2)
+    reg = 0.05
+
+    def objective(coefficients: np.ndarray, intercept: float) -> float:
+        margin = x @ coefficients + intercept
+        losses = np.logaddexp(0.0, margin) - y * margin
+        return float((w * losses).sum() / w.sum() + reg / 2 * (coefficients**2).sum())
+
+    spark_model = LogisticRegression(
+        regParam=reg, elasticNetParam=0.0, standardization=False, weightCol="w", maxIter=500, tol=1e-12
+    ).fit(df)
+    theirs = objective(spark_model.coefficients.toArray(), spark_model.intercept)
+    fitted = estimator(
+        model_fn=logistic_regression, optimizer_fn=None, loss_fn="bce_with_logits", weight_col="w",
+        optimizer="lbfgs", lr=1.0, weight_decay=reg, objective="spark", max_iterations=200,
+        tolerance_grad=1e-9, tolerance_change=1e-12,
+    ).fit(df)  # fmt: skip
+    state = fitted.module.state_dict()
+    ours = objective(state["weight"].double().numpy().reshape(-1), float(state["bias"]))
+    assert abs(ours - theirs) < 1e-4, (ours, theirs)
+    assert fitted.history[-1]["loss"] == pytest.approx(ours, abs=1e-4)  # it minimized this function
+    coefficients = np.concatenate([spark_model.coefficients.toArray(), [spark_model.intercept]])
+    assert (
+        np.abs(
+            np.concatenate([state["weight"].numpy().reshape(-1), state["bias"].numpy()]) - coefficients
+        ).max()
+        < 1e-2
+    )
