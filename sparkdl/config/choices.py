@@ -85,7 +85,7 @@ class LbfgsObjective(str, enum.Enum):
     """What ``optimizer = "lbfgs"`` minimizes."""
 
     MEAN = "mean"  # mean loss over every row (weighted rows over the row count), L2 on every weight
-    SPARK = "spark"  # Spark ML's: weighted rows over the weights' sum, L2 on every weight but biases
+    SPARK = "spark"  # Spark ML's LogisticRegression's: weighted rows over the weights' sum, no L2 on biases
 
 
 class LrSchedule(str, enum.Enum):

@@ -230,9 +230,9 @@ class LbfgsConfig:
         metadata=about(
             "What it minimizes: mean (the mean loss over every row, a weight column's products over "
             "the row count, plus weight_decay / 2 x |w|^2 on every weight: torch.optim.LBFGS's "
-            "objective on the whole data) or spark (Spark ML's LogisticRegression and "
-            "LinearRegression: a weight column's products over the weights' sum, and no decay on "
-            "biases, the intercepts; allreduce only)."
+            "objective on the whole data) or spark (Spark ML's LogisticRegression's: a weight "
+            "column's products over the weights' sum, and no decay on biases, the intercepts; "
+            "allreduce only)."
         ),
     )
 

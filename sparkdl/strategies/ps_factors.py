@@ -40,10 +40,11 @@ class FactorPushes:
         self._checked = False
 
     def used_elsewhere(self) -> list[str]:
-        """At the first step with rows (before clipping changes the gradients): the layers
-        whose weight autograd's gradient shows used outside the layer, whose factors would
-        drop that share (:func:`~sparkdl.comm.factors.other_uses`); none after."""
-        if self._checked or not any(layer.rows for layer in self._capture.layers):
+        """At this worker's first step with rows (the caller's; before clipping changes the
+        gradients): the layers whose weight autograd's gradient shows used outside the layer,
+        whose factors would drop that share (:func:`~sparkdl.comm.factors.other_uses`); none
+        after."""
+        if self._checked:
             return []
         self._checked = True
         return other_uses(self._capture.layers)

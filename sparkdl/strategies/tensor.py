@@ -245,11 +245,10 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
         mine = torch.stack([p.detach().double().sum() for _, p in whole])
         every = [torch.empty_like(mine) for _ in range(self._tp.size())]
         dist.all_gather(every, mine, group=self._tp.get_group())
-        apart = [
-            name
-            for i, (name, _) in enumerate(whole)
-            if any(not math.isclose(float(e[i]), float(mine[i]), rel_tol=1e-6, abs_tol=1e-9) for e in every)
-        ]
+        sums = torch.stack(every).cpu()  # one copy to the host, however many layers
+        own = sums[self._tp.get_local_rank()]
+        close = torch.isclose(sums, own.expand_as(sums), rtol=1e-6, atol=1e-9).all(dim=0).tolist()
+        apart = [name for (name, _), agrees in zip(whole, close, strict=True) if not agrees]
         if apart:
             log.warning(
                 "rank %d: the layers every worker of the tensor-parallel group holds whole differ "

@@ -187,7 +187,21 @@ class WeightAveragingStrategy(SyncStrategy):
         return StepOutcome(loss, trained=not cut_short, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
     def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
-        return _PeriodFace(self, optimizer)
+        return _PeriodFace(self, optimizer, step)
+
+    def average_now(self, rows_in_flight: int, inside_a_step: bool) -> None:
+        """A user's loop asks for the model between two averages (every rank at the same
+        point): average now, plainly, counting ``rows_in_flight`` (the rows of the step under
+        way whose optimizer already stepped). Whether to is the same on every rank: steps
+        since the last average, or a call inside a step (whose update may have moved this
+        worker)."""
+        if self._streaming is not None:
+            self.finish()
+            return
+        if not (self._steps_since_sync or inside_a_step):
+            return
+        self._rows_since_sync += rows_in_flight
+        self._end_period(full_round=False)
 
     def local_step_done(self, step: int, rows: int) -> None:
         """Global step ``step`` trained ``rows`` rows on this worker (0: none, or the step was
@@ -377,11 +391,15 @@ class _PeriodFace(OwnLoopFace):
     a skipped step, e.g. by an fp16 scaler, never puts the ranks out of step), and the rows
     its optimizer trained."""
 
-    def __init__(self, strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, strategy: WeightAveragingStrategy, optimizer: torch.optim.Optimizer, step: RunningStep
+    ) -> None:
         super().__init__(strategy, optimizer, strategy.ctx.rank)
         self._strategy = strategy
+        self._step = step
         self._stepped = False
         self._pending_rows = 0  # rows since the optimizer's last step (accumulated gradients)
+        self._averaged_in_step = False  # the step under way's rows went into an average already
         optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: object) -> None:
@@ -392,15 +410,24 @@ class _PeriodFace(OwnLoopFace):
         trained = self._pending_rows if self._stepped else 0
         if self._stepped:
             self._pending_rows, self._stepped = 0, False
+        if self._averaged_in_step:  # counted by the average asked for inside the step
+            trained, self._pending_rows, self._averaged_in_step = 0, 0, False
         self._strategy.local_step_done(step, trained)
 
     def model_state(self) -> dict[str, Any]:
         """The averaged model: between two averages every worker holds its own drift, so the
         workers average first (a plain one, as before a validation; every rank calls this at
         the same point), and a checkpoint of it resumes every worker from one point."""
-        self._strategy.finish()
+        self._average_now()
         return super().model_state()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self._strategy.finish()  # averaged with the weights (average_optimizer_state)
+        self._average_now()  # averaged with the weights (average_optimizer_state)
         return super().optimizer_state(optimizer)
+
+    def _average_now(self) -> None:
+        inside = self._step.inside
+        in_flight = self._pending_rows + self._step.rows if inside and self._stepped else 0
+        self._strategy.average_now(in_flight, inside)
+        if in_flight:  # the step's update is in the average: its step_done counts no rows again
+            self._averaged_in_step = True

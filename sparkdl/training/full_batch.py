@@ -4,8 +4,9 @@ whole partition, and L-BFGS (:mod:`sparkdl.training.lbfgs`) drives the passes.
 The objective is the mean loss over every row of every partition (weighted by the weight
 column where there is one), plus ``weight_decay / 2 * |w|^2``: exactly what one process
 would compute on the union of the partitions. With ``lbfgs.objective = "spark"`` it is
-Spark ML's instead (``LogisticRegression``, ``LinearRegression``): the weighted rows' sum
-over the weights' sum, and the L2 term over every weight but the biases (the intercepts).
+Spark ML's ``LogisticRegression``'s instead: the weighted rows' sum over the weights' sum,
+and the L2 term over every weight but the biases (the intercepts). (Spark's
+``LinearRegression`` halves its squared error, so ``mse`` matches it without weight decay.)
 A worker sums its rows' losses and gradients, and one sum over the workers (the worker's
 exchange, as every strategy's sums) makes the mean. The first pass streams the partition
 from Spark into the epoch cache; every later one replays the cache.

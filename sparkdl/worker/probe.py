@@ -232,7 +232,15 @@ class Bench:
         # a sharded (DTensor) parameter counts whole
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         optimizer = build_optimizer(module.parameters(), train.optimizer_fn, config.optimizer)
-        return build.strategy(module, optimizer, build.exchange(module), ps=candidate.ps, start_step=start)
+        return build.strategy(
+            module,
+            optimizer,
+            build.exchange(module),
+            ps=candidate.ps,
+            start_step=start,
+            lr=train.lr,
+            scheduler_fn=train.scheduler_fn,
+        )
 
     def _epoch(self, trainer: Trainer, clock: StepClock, rows_per_step: int) -> tuple[float, float, float]:
         """One cached epoch: seconds per step, its wall seconds, bytes sent per step."""

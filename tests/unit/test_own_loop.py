@@ -599,10 +599,10 @@ def test_precision_is_a_setting_of_the_own_loop_through_ctx_autocast():
         check_own_loop_settings(SparkDLConfig().replace(precision="fp16"))
 
 
-def checkpoints_between_averages(ctx, folder: str):
-    """Weight averaging every 4 steps; at step 2 of epoch 1, between two averages, every rank
-    asks for the model's state, as a checkpoint does; each rank keeps what it held before,
-    what ctx.state_dict gave, and what it holds after."""
+def checkpoints_between_averages(ctx, folder: str, at: int = 2):
+    """Weight averaging every 4 steps; at step ``at`` of epoch 1, after its optimizer step,
+    every rank asks for the model's state, as a checkpoint does; each rank keeps what it held
+    before, what ctx.state_dict gave, and what it holds after."""
     import os
 
     torch.manual_seed(0)
@@ -614,7 +614,7 @@ def checkpoints_between_averages(ctx, folder: str):
             optimizer.zero_grad()
             F.cross_entropy(model(x), batch.label).backward()
             optimizer.step()
-            if ctx.global_step == 2:
+            if ctx.global_step == at:
                 before = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 given = ctx.state_dict(model)
                 after = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -624,13 +624,15 @@ def checkpoints_between_averages(ctx, folder: str):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_between_two_averages_holds_the_averaged_model(tmp_path):
+@pytest.mark.parametrize("at", [2, 5])  # inside a period; the first step after an average
+def test_a_checkpoint_between_two_averages_holds_the_averaged_model(tmp_path, at):
     """Before: ctx.state_dict gave rank 0's own drift, and every worker resumed from one
     worker's weights. Now the workers average first: the state is the mean of their
-    weights (equal rows: a plain mean), and every worker holds it after."""
-    shards = make_shards([32, 32])
+    weights (equal rows: a plain mean), and every worker holds it after; also at the first
+    step after an average, whose own update had moved each worker already."""
+    shards = make_shards([48, 48])  # 6 steps: averages after steps 4 (and at the end)
     results = run_loop(
-        shards, tmp_path, checkpoints_between_averages, str(tmp_path), strategy="weight_averaging",
+        shards, tmp_path, checkpoints_between_averages, str(tmp_path), at, strategy="weight_averaging",
         sync_every=4, batch_size=8, epochs=1, shuffle=False,
     )  # fmt: skip
     assert not [e for _, _, e in results.values() if e]

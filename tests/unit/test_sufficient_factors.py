@@ -320,3 +320,37 @@ def test_a_weight_used_by_a_function_too_stops_every_worker_at_the_first_step(tm
             shards, tmp_path, _plain_sgd, model_fn=ReusedWeightNet, strategy=strategy,
             sufficient_factors="on", batch_size=8, epochs=1,
         )  # fmt: skip
+
+
+class CalledAsAFunction(nn.Module):
+    """A layer never called: its weight used by a function alone (its factors would be none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(x)) @ self.head.weight.t()
+
+
+def test_the_first_step_check_sees_a_layer_never_called_and_tolerates_bf16():
+    model = CalledAsAFunction()
+    factors = Factors(model, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=4)
+    model(torch.randn(5, 6)).square().sum().backward()
+    with pytest.raises(ConfigError, match=r"\['head.weight'\] is used outside its nn.Linear"):
+        factors.sum_gradients()
+    factors.close()
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    checked = Factors(wide, FlatExchange(world_size=1), SufficientFactors.ON, rows_hint=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16's rounding is no other use
+        out = wide(torch.randn(64, 16))
+    out.float().square().sum().backward()
+    checked.sum_gradients()
+    checked.close()
+
+
+def test_an_attention_blocks_output_projection_keeps_its_matrix():
+    """nn.MultiheadAttention calls its out_proj's weight as a function, never the layer."""
+    block = nn.TransformerEncoderLayer(8, 2, 16)
+    assert [name for name, _ in factorable(block)] == ["linear1.weight", "linear2.weight"]
