@@ -97,8 +97,10 @@ class PeerStopped(SparkDLError):
     """Another worker rejected its input or stopped training; this worker stopped with it."""
 
 
-class ClusterConfigError(SparkDLError):
-    """The Spark cluster cannot run the barrier stage as configured."""
+class ClusterConfigError(SparkDLError, RuntimeError):
+    """The Spark cluster cannot run the barrier stage as configured (a ``RuntimeError`` too,
+    as PySpark's ``TorchDistributor`` raises for missing GPUs: code written for it catches
+    that)."""
 
 
 class ExecutorEnvironmentError(ClusterConfigError):
@@ -227,10 +229,11 @@ class TrainingFailedError(SparkDLError):
         self.causes = {int(rank): str(text) for rank, text in (causes or {}).items()}
 
 
-class TrainFunctionError(SparkDLError):
+class TrainFunctionError(SparkDLError, RuntimeError):
     """The user's own training code failed on a worker (``TorchDistributor.run``,
     ``sparkdl.run``): the exception it raised, or a script's exit status, with the last
-    lines it wrote to stderr."""
+    lines it wrote to stderr. A ``RuntimeError`` too, as PySpark's ``TorchDistributor``
+    raises when training fails."""
 
     fields = ("python_type", "exit_code", "output_tail")
 

@@ -230,3 +230,22 @@ def test_a_lightning_trainer_runs_unchanged_inside_run(spark: Any) -> None:
     assert result["world_size"] == 2 and result["global_rank"] == 0
     assert result["loss"] < 0.05, result  # it learned y = x @ (1, -2, 0.5, 3)
     torch.testing.assert_close(result["weight"], torch.tensor([[1.0, -2.0, 0.5, 3.0]]), atol=0.1, rtol=0)
+
+
+def test_pysparks_gpu_fallback_runs_unchanged(spark: Any) -> None:
+    """Notebook code written for PySpark's distributor catches RuntimeError where GPUs are
+    missing and runs on the CPU instead (issue 54); sparkdl's errors for a missing GPU and
+    for the code's own failure are RuntimeErrors too, as PySpark's are."""
+    from sparkdl import ClusterConfigError, TorchDistributor
+
+    try:
+        result = TorchDistributor(num_processes=1, local_mode=True, use_gpu=True).run(train, 1e-3)
+        fell_back = False
+    except RuntimeError as exc:
+        assert isinstance(exc, ClusterConfigError) and "GPU" in str(exc)
+        result = TorchDistributor(num_processes=1, local_mode=True, use_gpu=False).run(train, 1e-3)
+        fell_back = True
+    assert fell_back == (not torch.cuda.is_available())
+    assert result is not None
+    with pytest.raises(RuntimeError, match="bad batch on rank 1"):
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fails_on_rank_1)
