@@ -25,11 +25,12 @@ import torch
 
 from sparkdl.config import UseGpu
 from sparkdl.errors import ClusterConfigError, ConfigError
-from sparkdl.launch.user_code import pickled_call, showing_worker_output
+from sparkdl.launch.user_code import showing_worker_output
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.spark.cluster import is_connect
 from sparkdl.spark.distributor_task import launch_partition
 from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value, unpickled
+from sparkdl.spark.shipping import pickled_call
 from sparkdl.spark.stage import barrier_stage, stage_site
 from sparkdl.spark.watch import MARGIN_S
 from sparkdl.worker.distributor_agent import LaunchSpec, Program, run_local

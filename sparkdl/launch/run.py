@@ -27,13 +27,14 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ClusterConfigError, ConfigError
-from sparkdl.launch.user_code import pickled_call, showing_worker_output
+from sparkdl.launch.user_code import showing_worker_output
 from sparkdl.spark.cluster import driver_host
 from sparkdl.spark.driver import plan_inputs
 from sparkdl.spark.own_loop_task import META, own_loop_partition
 from sparkdl.spark.preflight import sample_batch
 from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value
+from sparkdl.spark.shipping import pickled_call
 from sparkdl.spark.stage import stage_input, training_site, training_stage
 from sparkdl.spark.tracking import check_tracking, log_run
 from sparkdl.strategies import check_settings, strategy_class

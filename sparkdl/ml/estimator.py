@@ -52,6 +52,7 @@ from sparkdl.spark.inference import (
     prediction_schema,
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
+from sparkdl.spark.shipping import check_shippable
 from sparkdl.spark.tracking import check_tracking, log_fit
 from sparkdl.strategies import check_settings
 from sparkdl.strategies.tensor_plan import check_parallelize_fn
@@ -288,6 +289,17 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         """
         if self.model_fn is None:
             raise ConfigError("TorchEstimator needs model_fn: a function that builds the torch.nn.Module")
+        check_shippable(
+            {
+                "model_fn": self.model_fn,
+                "optimizer_fn": self.optimizer_fn,
+                "loss_fn": self.loss_fn,
+                "transform_fn": self.transform_fn,
+                "scheduler_fn": self.scheduler_fn,
+                "parallelize_fn": self.parallelize_fn,
+            },
+            "TorchEstimator",
+        )
         if is_rdd(dataset):  # Rows, dicts or (features, label) tuples, typed where they live
             dataset = rdd_to_dataframe(dataset)
         config = self.get_config()
