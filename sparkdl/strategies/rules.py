@@ -59,21 +59,24 @@ def refuse_fp16(config: SparkDLConfig, why: str, instead: str = "") -> None:
 
 def refuse_compression(config: SparkDLConfig, why: str = "") -> None:
     """A strategy whose collectives have no codec (``why``) sends float32 as it is."""
-    compression = config.runtime.compression
-    if compression is not Compression.NONE:
-        because = f" ({why})" if why else ""
-        raise ConfigError(
-            f"compression = {compression.value!r} is not available with strategy = "
-            f"{config.training.strategy.value!r}{because}; set compression = 'none'"
-        )
+    _refuse_unless_off(config, "compression", config.runtime.compression, Compression.NONE, why)
 
 
 def refuse_hierarchy(config: SparkDLConfig, why: str = "") -> None:
     """A strategy whose collectives are not the exchange's (``why``) has no two levels."""
-    level = config.runtime.hierarchy
-    if level is not Hierarchy.NONE:
+    _refuse_unless_off(config, "hierarchy", config.runtime.hierarchy, Hierarchy.NONE, why)
+
+
+def _refuse_unless_off(
+    config: SparkDLConfig,
+    setting: str,
+    value: Compression | Hierarchy,
+    off: Compression | Hierarchy,
+    why: str,
+) -> None:
+    if value is not off:
         because = f" ({why})" if why else ""
         raise ConfigError(
-            f"hierarchy = {level.value!r} is not available with strategy = "
-            f"{config.training.strategy.value!r}{because}; set hierarchy = 'none'"
+            f"{setting} = {value.value!r} is not available with strategy = "
+            f"{config.training.strategy.value!r}{because}; set {setting} = {off.value!r}"
         )
