@@ -32,7 +32,7 @@ from sparkdl.comm.factors import Factors
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.strategies.rules import refuse_compressed_hierarchy
-from sparkdl.training.own_loop import OwnLoopFace, RunningStep, scale_gradients_by_rows
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
@@ -90,7 +90,7 @@ class AllReduceStrategy(SyncStrategy):
 
     def own_loop(self, optimizer: torch.optim.Optimizer, step: RunningStep) -> OwnLoopFace:
         if self.ctx.world_size > 1:
-            scale_gradients_by_rows(self.ctx.module, step)
+            _scale_gradients_by_rows(self.ctx.module, step)
         return OwnLoopFace(self, optimizer, self.ctx.rank)
 
     @property
@@ -114,3 +114,18 @@ class AllReduceStrategy(SyncStrategy):
         self._ddp = None
         if self._factors is not None:
             self._factors.close()
+
+
+def _scale_gradients_by_rows(module: nn.Module, step: RunningStep) -> None:
+    """Scale each parameter's gradient by the step's share before it is averaged (a tensor
+    hook runs before the gradient is accumulated, so before DDP's hook reads it). A filler's
+    gradient becomes zeros, not ``0 * g``, which an infinite value would turn into NaN."""
+
+    def scaled(grad: torch.Tensor) -> torch.Tensor | None:
+        if step.scale == 1.0:
+            return None
+        return torch.zeros_like(grad) if step.scale == 0.0 else grad * step.scale
+
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            parameter.register_hook(scaled)

@@ -66,7 +66,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
 from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
 from sparkdl.training.factory import build_model, checkpoint_layers
-from sparkdl.training.own_loop import OwnLoopFace, RunningStep, refuse_stepped_optimizer
+from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     CollectiveForward,
     StepInput,
@@ -161,7 +161,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
             ConfigError: the optimizer has stepped already (its state is of the whole
                 parameters); this torch has no custom reduce-scatter.
         """
-        refuse_stepped_optimizer(optimizer, cls.name.value)
+        _refuse_stepped_optimizer(optimizer, cls.name.value)
         from torch.distributed.fsdp import FSDPModule
 
         if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
@@ -235,6 +235,23 @@ class _ShardedFace(OwnLoopFace):
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         self._strategy.load_whole_optimizer(state)
+
+
+def _refuse_stepped_optimizer(optimizer: torch.optim.Optimizer, strategy: str) -> None:
+    """A strategy that replaces the model's parameters (their shards) needs an optimizer
+    whose state is still to be built over them.
+
+    Raises:
+        ConfigError: the optimizer holds state already.
+    """
+    if optimizer.state:
+        raise ConfigError(
+            f"ctx.prepare got a {type(optimizer).__name__} that holds state already (it stepped, or it "
+            f"builds its state when constructed, as Adagrad does); with strategy = {strategy!r} its "
+            "state must be built over the shards: prepare the model and optimizer before the first "
+            "step (load a checkpoint with ctx.load_state_dict after), or use an optimizer that builds "
+            "its state at its first step"
+        )
 
 
 def _deferred_sync_refused(*_: object, **__: object) -> None:

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import nn
-
-from sparkdl.errors import ConfigError
 
 
 @dataclass
@@ -90,35 +87,3 @@ class OwnLoopFace:
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         """Set ``optimizer`` (one of the model's) to ``state``, held by every rank."""
         optimizer.load_state_dict(state)
-
-
-def scale_gradients_by_rows(module: nn.Module, step: RunningStep) -> None:
-    """Scale each parameter's gradient by the step's share before it is averaged (a tensor
-    hook runs before the gradient is accumulated, so before DDP's hook reads it). A filler's
-    gradient becomes zeros, not ``0 * g``, which an infinite value would turn into NaN."""
-
-    def scaled(grad: torch.Tensor) -> torch.Tensor | None:
-        if step.scale == 1.0:
-            return None
-        return torch.zeros_like(grad) if step.scale == 0.0 else grad * step.scale
-
-    for parameter in module.parameters():
-        if parameter.requires_grad:
-            parameter.register_hook(scaled)
-
-
-def refuse_stepped_optimizer(optimizer: torch.optim.Optimizer, strategy: str) -> None:
-    """A strategy that replaces the model's parameters (their shards) needs an optimizer
-    whose state is still to be built over them.
-
-    Raises:
-        ConfigError: the optimizer holds state already.
-    """
-    if optimizer.state:
-        raise ConfigError(
-            f"ctx.prepare got a {type(optimizer).__name__} that holds state already (it stepped, or it "
-            f"builds its state when constructed, as Adagrad does); with strategy = {strategy!r} its "
-            "state must be built over the shards: prepare the model and optimizer before the first "
-            "step (load a checkpoint with ctx.load_state_dict after), or use an optimizer that builds "
-            "its state at its first step"
-        )
