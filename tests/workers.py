@@ -26,3 +26,20 @@ def worker_context(fresh: bool = False) -> BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def keep_built_strategies() -> list:
+    """In a worker process: from now on, every strategy the worker builder creates is also
+    appended to the returned list (``run_worker`` returns rank 0's weights only; a test that
+    needs every rank's reads them from its strategy)."""
+    import sparkdl.worker.builder as builder
+
+    built: list = []
+    create = builder.create_strategy
+
+    def keep(ctx):
+        built.append(create(ctx))
+        return built[-1]
+
+    builder.create_strategy = keep
+    return built

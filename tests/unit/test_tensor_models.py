@@ -19,7 +19,7 @@ from tests.reference import make_shards, max_abs_diff, reference_sgd, shard_plan
 from tests.unit.test_tensor_parallel import Buckets
 from tests.unit.test_tensor_parallel import train as train_tensor
 from tests.unit.test_worker_gloo import LR, MOMENTUM, _file_all_gather, _sgd
-from tests.workers import worker_context
+from tests.workers import keep_built_strategies, worker_context
 
 
 def make_dropout_net() -> nn.Module:
@@ -73,17 +73,8 @@ def _worker_keeping_its_layers(rank, world, record_batches, spec, store_path, ou
     """run_worker, then this rank's layers that every worker of the group holds whole."""
     import os
 
-    import sparkdl.worker.builder as builder
-
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    built = []
-    create = builder.create_strategy
-
-    def keep(ctx):
-        built.append(create(ctx))
-        return built[-1]
-
-    builder.create_strategy = keep
+    built = keep_built_strategies()
     try:
         gather = _file_all_gather(store_path, rank, world)
         run_worker(spec, iter(record_batches), Placement(rank, world, "127.0.0.1"), gather)

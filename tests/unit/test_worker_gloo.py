@@ -25,7 +25,7 @@ from tests.reference import (
     shard_plan,
     shard_to_batch,
 )
-from tests.workers import worker_context
+from tests.workers import keep_built_strategies, worker_context
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -85,16 +85,7 @@ class _OwnWeights:
 
 
 def _worker_sending_its_weights(rank, world, shards, spec, store_path, out, peers=()):
-    import sparkdl.worker.builder as builder
-
-    built = []
-    create = builder.create_strategy
-
-    def keep(ctx):
-        built.append(create(ctx))
-        return built[-1]
-
-    builder.create_strategy = keep
+    built = keep_built_strategies()
     _worker(rank, world, shards, spec, store_path, _OwnWeights(out, built), peers)
 
 
