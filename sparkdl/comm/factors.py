@@ -80,9 +80,9 @@ def other_uses(layers: Sequence[FactorLayer]) -> list[str]:
                 found.append(layer.name)
             continue
         x, delta = layer.factors()
-        own = delta.t() @ x
-        apart = float((grad.float() - own.float()).norm())
-        if apart > OTHER_USE_SHARE * max(float(grad.float().norm()), float(own.float().norm())) + 1e-12:
+        own, autograds = (delta.t() @ x).float(), grad.float()
+        apart = float((autograds - own).norm())
+        if apart > OTHER_USE_SHARE * max(float(autograds.norm()), float(own.norm())) + 1e-12:
             found.append(layer.name)
     return found
 

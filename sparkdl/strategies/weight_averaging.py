@@ -400,6 +400,7 @@ class _PeriodFace(OwnLoopFace):
         self._stepped = False
         self._pending_rows = 0  # rows since the optimizer's last step (accumulated gradients)
         self._averaged_in_step = False  # the step under way's rows went into an average already
+        self._asked = False  # averaged for a state asked since the last step: the same on every rank
         optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: object) -> None:
@@ -412,6 +413,7 @@ class _PeriodFace(OwnLoopFace):
             self._pending_rows, self._stepped = 0, False
         if self._averaged_in_step:  # counted by the average asked for inside the step
             trained, self._pending_rows, self._averaged_in_step = 0, 0, False
+        self._asked = False
         self._strategy.local_step_done(step, trained)
 
     def model_state(self) -> dict[str, Any]:
@@ -426,6 +428,11 @@ class _PeriodFace(OwnLoopFace):
         return super().optimizer_state(optimizer)
 
     def _average_now(self) -> None:
+        """Average for a state asked for, once until the next step (the model's and then the
+        optimizer's state of one checkpoint cost one average, and count its rows once)."""
+        if self._asked:
+            return
+        self._asked = True
         inside = self._step.inside
         in_flight = self._pending_rows + self._step.rows if inside and self._stepped else 0
         self._strategy.average_now(in_flight, inside)
