@@ -17,7 +17,8 @@ averaging loses accuracy.
 
 Every worker runs the same step on the same averaged values, so all of them keep the same
 ``ref`` and ``v`` without any message; ``v`` goes into checkpoints (rank 0's copy stands for
-all) and a resumed run starts from it, with ``ref`` the checkpointed weights.
+all) and a resumed run starts from it, with ``ref`` the checkpointed weights (or, where the
+checkpoint was written mid-round, as Streaming DiLoCo's are, the ``ref`` it carries).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch
 
 #: The checkpoint entry that holds the outer momentum (a list of CPU tensors, one per parameter).
 CHECKPOINT_KEY = "weight_averaging_outer_momentum"
+#: The checkpoint entry that holds the weights the rounds under way started from, where they are
+#: not the checkpointed weights (Streaming DiLoCo; a list of float32 CPU tensors, one per parameter).
+REFERENCE_KEY = "weight_averaging_outer_reference"
 
 
 class NesterovOuterStep:
@@ -38,6 +42,8 @@ class NesterovOuterStep:
         lr: the outer learning rate.
         momentum: the outer Nesterov momentum.
         velocity: a checkpoint's momentum (CPU tensors, one per parameter), or None for zeros.
+        reference: a checkpoint's ``ref`` (CPU tensors, one per parameter), or None for the
+            parameters as they stand.
     """
 
     def __init__(
@@ -46,25 +52,37 @@ class NesterovOuterStep:
         lr: float,
         momentum: float,
         velocity: Sequence[torch.Tensor] | None = None,
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self._parameters = [p.detach() for p in parameters]
         self._lr, self._momentum = lr, momentum
         # float32 whatever the parameters' dtype: a bf16 model's small outer updates and its
         # momentum would otherwise round away
-        self._reference = [p.float().clone() for p in self._parameters]
+        self._reference = [
+            p.float().clone()
+            for p in self._checked(reference, "weights its rounds started from", self._parameters)
+        ]
         if velocity is None:
             self._velocity = [torch.zeros_like(r) for r in self._reference]
         else:
-            shapes = [tuple(v.shape) for v in velocity]
-            if shapes != [tuple(p.shape) for p in self._parameters]:
-                raise ValueError(
-                    f"the checkpoint's outer momentum has {len(shapes)} tensors of shapes {shapes[:4]}..., "
-                    f"the model {len(self._parameters)} parameters: resume with the model that wrote it"
-                )
-            self._velocity = [
-                v.to(device=r.device, dtype=torch.float32, copy=True)
-                for v, r in zip(velocity, self._reference, strict=True)
-            ]
+            self._velocity = self._checked(velocity, "outer momentum", self._reference)
+
+    def _checked(
+        self, saved: Sequence[torch.Tensor] | None, what: str, like: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """A checkpoint's tensors, one per parameter, as float32 on ``like``'s devices (``like``
+        itself where there are none)."""
+        if saved is None:
+            return list(like)
+        shapes = [tuple(v.shape) for v in saved]
+        if shapes != [tuple(p.shape) for p in self._parameters]:
+            raise ValueError(
+                f"the checkpoint's {what} has {len(shapes)} tensors of shapes {shapes[:4]}..., "
+                f"the model {len(self._parameters)} parameters: resume with the model that wrote it"
+            )
+        return [
+            v.to(device=p.device, dtype=torch.float32, copy=True) for v, p in zip(saved, like, strict=True)
+        ]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -93,13 +111,10 @@ class NesterovOuterStep:
         """The weights the next round starts from (float32), the same on every worker."""
         return self._reference
 
-    @torch.no_grad()
-    def restart(self) -> None:
-        """Every worker holds the same weights (a plain average of all of them): the next
-        round starts from them; the momentum is kept."""
-        for param, reference in zip(self._parameters, self._reference, strict=True):
-            reference.copy_(param)
-
     def velocity(self) -> list[torch.Tensor]:
         """The outer momentum as CPU tensors, for a checkpoint."""
         return [v.detach().cpu().clone() for v in self._velocity]
+
+    def reference(self) -> list[torch.Tensor]:
+        """``ref`` as CPU tensors, for a checkpoint written mid-round."""
+        return [r.detach().cpu().clone() for r in self._reference]

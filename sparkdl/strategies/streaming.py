@@ -24,10 +24,17 @@ shared-memory or two-level exchange it is made at the send step and held until t
 delay is over: the same values, without the overlap.
 
 Full averages. Before a checkpoint, a validation and at every epoch end (and at the end of
-training) every fragment still in flight is applied and the whole model, buffers and,
-with ``average_optimizer_state``, the optimizer state are averaged plainly; each fragment's
-global weights restart from that average. So a checkpoint, written when every worker holds
-the same weights, resumes the run exactly, with the outer momentum.
+training) every fragment still in flight is applied and the whole model, buffers and, with
+``average_optimizer_state``, the optimizer state are averaged plainly, as plain DiLoCo
+averages a round cut short: each fragment weighted by the rows each worker trained since the
+fragment's last round (what the workers' copies differ by), the rest by the rows since the
+previous full average. Each fragment's global weights stay where its last round left them:
+its next round measures its change from there, so what was trained before the full average
+still reaches the model through the outer optimizer, with its momentum (restarting the
+fragments there would pass it at outer lr 1 without momentum, and with epochs shorter than
+``sync_every`` the outer optimizer would see little of training). A checkpoint carries the
+fragments' global weights with their momentum: written when every worker holds the same
+weights, it resumes the run exactly.
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ class StreamingRounds:
         outer: ``(tensors, velocity) -> NesterovOuterStep`` for a fragment's tensors (lr 1 and
             momentum 0 for plain averaging).
         velocity: the checkpoint's outer momentum, one CPU tensor per parameter, or None.
+        reference: the checkpoint's global weights, one CPU tensor per parameter, or None (the
+            parameters as they stand).
         exchange: the worker's exchange.
         bucket_bytes: the largest piece of a fragment sent as one sum.
     """
@@ -117,8 +126,11 @@ class StreamingRounds:
         tau: int,
         delay: int,
         mix: float,
-        outer: Callable[[list[torch.Tensor], list[torch.Tensor] | None], NesterovOuterStep],
+        outer: Callable[
+            [list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None], NesterovOuterStep
+        ],
         velocity: Sequence[torch.Tensor] | None,
+        reference: Sequence[torch.Tensor] | None,
         exchange: Exchange,
         bucket_bytes: int,
     ) -> None:
@@ -130,8 +142,10 @@ class StreamingRounds:
         start = 0
         for index, run in enumerate(runs):
             moments = list(velocity[start : start + len(run)]) if velocity is not None else None
+            globals_ = list(reference[start : start + len(run)]) if reference is not None else None
             tensors = [t for _, t in run]
-            self.fragments.append(Fragment(run, outer(tensors, moments), send_offset(index, len(runs), tau)))
+            step = outer(tensors, moments, globals_)
+            self.fragments.append(Fragment(run, step, send_offset(index, len(runs), tau)))
             start += len(run)
 
     def step_done(self, step: int, rows: int, total_rows: RowsSum) -> None:
@@ -151,17 +165,27 @@ class StreamingRounds:
             if fragment.in_flight is not None:
                 self._apply(fragment)
 
-    def restart(self) -> None:
-        """Every worker holds the same weights (a full average): each fragment's global
-        weights restart from them, and its rows from zero."""
-        for fragment in self.fragments:
-            fragment.outer.restart()
+    def average(self) -> None:
+        """The parameters' share of a full average (after :meth:`drain`; every worker calls it
+        at the same point): each fragment weighted by the rows each worker trained since the
+        fragment's last round (after a round with ``mix = 0`` the workers differ by those rows'
+        progress only; where nobody trained since, a plain mean). Each fragment's global weights
+        stay, so its next round passes all its change since its last one through the outer
+        optimizer, as plain DiLoCo does after a round cut short."""
+        rows = torch.tensor([float(f.rows) for f in self.fragments], dtype=torch.float64)
+        self._exchange.sum_control_(rows)  # one small sum for every fragment
+        for fragment, total in zip(self.fragments, rows.tolist(), strict=True):
+            weight = fragment.rows / total if total > 0 else 1.0 / self._exchange.world_size
+            self._exchange.weighted_sum_(list(buckets(fragment.named, self._bucket_bytes)), weight)
             fragment.rows = 0
-        self._exchange.remember([named for f in self.fragments for named in f.named])
 
     def velocity(self) -> list[torch.Tensor]:
         """The outer momentum of every parameter, in order (CPU tensors)."""
         return [v for fragment in self.fragments for v in fragment.outer.velocity()]
+
+    def reference(self) -> list[torch.Tensor]:
+        """The global weights of every parameter, in order (float32 CPU tensors)."""
+        return [r for fragment in self.fragments for r in fragment.outer.reference()]
 
     def _send(self, fragment: Fragment, step: int, total_rows: RowsSum) -> None:
         total = total_rows(fragment.rows)

@@ -50,7 +50,9 @@ change is then applied at its end, from the same start.
 
 Streaming. With ``fragments > 1`` the parameters travel in fragments at staggered steps, each
 fragment's sum overlapping ``fragment_delay`` steps of training (Streaming DiLoCo;
-:mod:`sparkdl.strategies.streaming`); the whole model is averaged at epoch ends and checkpoints.
+:mod:`sparkdl.strategies.streaming`); the whole model is averaged plainly at epoch ends and
+checkpoints, the fragments' next rounds passing what was trained before through the outer
+optimizer (their global weights go into checkpoints).
 
 Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the host into
 its leader, all-reduces it among the leaders and broadcasts it back
@@ -126,6 +128,9 @@ class WeightAveragingStrategy(SyncStrategy):
         self._period = 0  # averages so far: the same count on every rank
         self._cut_short = False  # the period ended without this worker
         self._trained_throughout = True  # rows at every step of the period so far
+        # a round's average cut short (a validation, a user's checkpoint): the outer optimizer's
+        # reference is no longer the model's weights, and a checkpoint must carry it
+        self._averaged_mid_round = outer.REFERENCE_KEY in ctx.resumed_state
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             ctx.exchange.broadcast_(tensor, src=0)
         ctx.exchange.remember(list(self._model_tensors()))
@@ -222,7 +227,6 @@ class WeightAveragingStrategy(SyncStrategy):
             self._streaming.drain()
             if self._steps_since_sync:
                 self._average(full_round=False)
-                self._streaming.restart()
         elif self._steps_since_sync:  # a round cut short (validation, the end): averaged plainly
             self._end_period(full_round=False)
 
@@ -275,7 +279,8 @@ class WeightAveragingStrategy(SyncStrategy):
         total, states = self._round_message(self._rows_since_sync, state)
         if self.ctx.rank == 0:  # every rank is past its last look at the period's counter: drop it
             self._ending.forget(self._period)
-        named: list[Named] = list(self._model_tensors())
+        # streaming: the fragments weigh the parameters by their own rounds' rows
+        named: list[Named] = list(self._model_tensors() if self._streaming is None else self._buffers())
         exact: list[Named] = []  # averaged without a lossy codec
         if state > 0 and all(other == state for other in states):  # the same state everywhere
             for key, tensor_named in self._optimizer_state():
@@ -289,6 +294,9 @@ class WeightAveragingStrategy(SyncStrategy):
             if self._outer is not None and full_round:  # the round's change is a pseudo-gradient
                 self._outer.step()
                 exchange.remember(list(self._parameters()))  # the next changes start here
+        if self._streaming is not None:
+            self._streaming.average()
+        self._averaged_mid_round = not full_round
         self.stats.sync_rounds += 1
         self._rows_since_sync = self._steps_since_sync = 0
         self._period += 1
@@ -296,16 +304,28 @@ class WeightAveragingStrategy(SyncStrategy):
 
     def checkpoint_state(self, global_step: int) -> dict[str, Any]:
         if self._streaming is not None:
-            return {outer.CHECKPOINT_KEY: self._streaming.velocity()}
-        return {} if self._outer is None else {outer.CHECKPOINT_KEY: self._outer.velocity()}
+            return {
+                outer.CHECKPOINT_KEY: self._streaming.velocity(),
+                outer.REFERENCE_KEY: self._streaming.reference(),
+            }
+        if self._outer is None:
+            return {}
+        state = {outer.CHECKPOINT_KEY: self._outer.velocity()}
+        if self._averaged_mid_round:  # a user's loop saves mid-round: the round's start is not the model
+            state[outer.REFERENCE_KEY] = self._outer.reference()
+        return state
 
     def rebase(self, resumed_state: Mapping[str, Any]) -> None:
         self.ctx.exchange.remember(list(self._model_tensors()))
+        self._averaged_mid_round = outer.REFERENCE_KEY in resumed_state
         self._streaming = _streaming_rounds(self.ctx, resumed_state)
         self._outer = None if self._streaming else _outer_step(self.ctx, resumed_state)
 
     def _model_tensors(self) -> Iterator[Named]:
         yield from self._parameters()
+        yield from self._buffers()
+
+    def _buffers(self) -> Iterator[Named]:
         module = self.ctx.module
         yield from ((f"buffer {name}", b) for name, b in module.named_buffers() if b.is_floating_point())
 
@@ -334,7 +354,8 @@ def _outer_step(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> outer
         return None
     parameters = [p.data for p in ctx.module.parameters()]
     velocity = resumed_state.get(outer.CHECKPOINT_KEY)
-    return outer.NesterovOuterStep(parameters, section.outer_lr, section.outer_momentum, velocity)
+    reference = resumed_state.get(outer.REFERENCE_KEY)
+    return outer.NesterovOuterStep(parameters, section.outer_lr, section.outer_momentum, velocity, reference)
 
 
 def _streaming_rounds(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> StreamingRounds | None:
@@ -352,8 +373,11 @@ def _streaming_rounds(ctx: StrategyContext, resumed_state: Mapping[str, Any]) ->
         section.sync_every,
         section.fragment_delay,
         section.fragment_mix,
-        lambda tensors, velocity: outer.NesterovOuterStep(tensors, lr, momentum, velocity),
+        lambda tensors, velocity, reference: outer.NesterovOuterStep(
+            tensors, lr, momentum, velocity, reference
+        ),
         resumed_state.get(outer.CHECKPOINT_KEY),
+        resumed_state.get(outer.REFERENCE_KEY),
         ctx.exchange,
         int(ctx.config.runtime.bucket_cap_mb * 1024 * 1024),
     )

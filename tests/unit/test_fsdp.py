@@ -38,7 +38,7 @@ from tests.reference import (
     shard_plan,
     shard_to_batch,
 )
-from tests.unit.test_worker_gloo import LR, MOMENTUM, _file_all_gather, _sgd, run_workers
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, file_all_gather, run_workers
 from tests.workers import worker_context
 
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def _worker(rank, world, record_batches, spec, store_path, out, runs=1, gpus=Fal
     try:
         placement = Placement(rank, world, "127.0.0.1", gpu_addresses=(str(rank),) if gpus else ())
         for run in range(runs):  # the last run is the one measured
-            gather = _file_all_gather(f"{store_path}-{run}", rank, world)
+            gather = file_all_gather(f"{store_path}-{run}", rank, world)
             result = run_worker(spec, iter(record_batches), placement, gather)
         peak = _status_kib("VmHWM") - _BASELINE[0] if _BASELINE else 0
         out.put((rank, result.history, None, peak, result.state))

@@ -323,14 +323,14 @@ def _worker_of_attempt(rank, world, shards, spec, store_path, out, attempt):
 
     from sparkdl.worker.assembly import Placement, run_worker
     from tests.reference import shard_to_batch
-    from tests.unit.test_worker_gloo import _file_all_gather
+    from tests.unit.test_worker_gloo import file_all_gather
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     x, y = shards[rank]
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
         placement = Placement(rank, world, "127.0.0.1", task_attempt=attempt)
-        result = run_worker(spec, batches, placement, _file_all_gather(store_path, rank, world))
+        result = run_worker(spec, batches, placement, file_all_gather(store_path, rank, world))
         out.put((rank, result.state, result.history, None))
     except Exception as exc:
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))

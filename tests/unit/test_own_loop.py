@@ -25,7 +25,7 @@ from tests.reference import (
     shard_plan,
     shard_to_batch,
 )
-from tests.unit.test_worker_gloo import _file_all_gather
+from tests.unit.test_worker_gloo import file_all_gather
 from tests.workers import worker_context
 
 LR, MOMENTUM = 0.1, 0.9
@@ -57,7 +57,7 @@ def _worker(rank, world, shards, spec, store_path, out):
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
         placement = Placement(rank, world, "127.0.0.1")
-        result = run_own_loop(spec, batches, placement, _file_all_gather(store_path, rank, world))
+        result = run_own_loop(spec, batches, placement, file_all_gather(store_path, rank, world))
         buffer = io.BytesIO()
         torch.save(result.returned.state_dict or {}, buffer)
         out.put((rank, buffer.getvalue(), result.history, None))
@@ -327,13 +327,24 @@ def test_own_loop_with_weight_averaging_every_4_steps_is_the_estimators_weight_a
 
 
 @pytest.mark.slow
-def test_own_loop_resumes_the_outer_optimizers_momentum_from_ctxs_checkpoint(tmp_path):
-    shards = make_shards([48, 32])  # 6 steps an epoch: each epoch ends right after an average
+@pytest.mark.parametrize(
+    ("sync_every", "stop_after"),
+    [
+        (3, 2),  # each epoch (6 steps) ends right after an average
+        # epoch 1 ends mid-round: the checkpoint averages plainly, and the round's outer step
+        # at step 8 must still measure its change from the round's start (the checkpoint holds it)
+        (4, 1),
+    ],
+)
+def test_own_loop_resumes_the_outer_optimizers_momentum_from_ctxs_checkpoint(
+    tmp_path, sync_every, stop_after
+):
+    shards = make_shards([48, 32])  # 6 steps an epoch
     settings = dict(
-        strategy="weight_averaging", sync_every=3, batch_size=8, epochs=3, shuffle=True,
+        strategy="weight_averaging", sync_every=sync_every, batch_size=8, epochs=3, shuffle=True,
         outer_optimizer="nesterov", checkpoint_dir=str(tmp_path / "ckpt"),
     )  # fmt: skip
-    run_loop(shards, tmp_path / "first", portable_loop, LR, MOMENTUM, 2, **settings)  # epochs 1-2
+    run_loop(shards, tmp_path / "first", portable_loop, LR, MOMENTUM, stop_after, **settings)
     resumed = _state(run_loop(shards, tmp_path / "resumed", portable_loop, LR, MOMENTUM, 3, **settings))
     settings["checkpoint_dir"] = str(tmp_path / "other")
     whole = _state(run_loop(shards, tmp_path / "whole", portable_loop, LR, MOMENTUM, 3, **settings))

@@ -5,19 +5,25 @@ without a delay, a mix and the outer optimizer; resume from a checkpoint; the re
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sparkdl.config import SparkDLConfig
+from sparkdl.data.inputs import LabelKind, plan_data
 from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
-from sparkdl.strategies.outer import CHECKPOINT_KEY
+from sparkdl.strategies.outer import CHECKPOINT_KEY, REFERENCE_KEY
 from sparkdl.strategies.streaming import cut_into_fragments, send_offset
-from tests.reference import make_shards, make_tiny_net, max_abs_diff
+from sparkdl.worker.assembly import Placement, run_worker
+from tests.reference import make_shards, make_tiny_net, max_abs_diff, shard_to_batch
 from tests.unit.test_outer_optimizer import run_workers_failing
-from tests.unit.test_worker_gloo import run_workers
+from tests.unit.test_worker_gloo import file_all_gather, run_workers
 
 LR = 0.1
 
@@ -55,12 +61,13 @@ def reference_streaming(
     """One process, one model per worker, plain PyTorch: local SGD steps; every fragment's
     weighted average at its send steps, ``torch.optim.SGD(nesterov=True)`` on its global copy
     ``delay`` steps later, merged with ``mix`` of each worker's own; at each epoch's end the
-    fragments in flight applied, then the whole model averaged (weighted by rows)."""
+    fragments in flight applied, then the whole model averaged (each fragment weighted by the
+    rows since its last round), the global copies left where their rounds put them (the next
+    round's change counts from there)."""
     torch.manual_seed(seed)
     base = make_tiny_net()
     workers = [copy.deepcopy(base) for _ in shards]
     inner = [torch.optim.SGD(w.parameters(), lr=LR) for w in workers]
-    names = [name for name, _ in base.named_parameters()]
     groups = [[n for n, _ in run] for run in cut_into_fragments(list(base.named_parameters()), fragments)]
     global_ = {n: p.detach().clone() for n, p in base.named_parameters()}
     outer = {}
@@ -69,7 +76,6 @@ def reference_streaming(
         nesterov = outer_momentum > 0
         outer[index] = torch.optim.SGD(tensors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
     rows_since = [[0] * len(shards) for _ in groups]
-    rows_full = [0] * len(shards)
     in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
     def params(w):
@@ -100,7 +106,6 @@ def reference_streaming(
                     inner[rank].zero_grad()
                     loss.backward()
                     inner[rank].step()
-                rows_full[rank] += rows
                 for index in range(len(groups)):
                     rows_since[index][rank] += rows
             for index, group in enumerate(groups):
@@ -121,14 +126,14 @@ def reference_streaming(
             step += 1
         for index in list(in_flight):
             apply(index)
-        total = sum(rows_full)
-        with torch.no_grad():
-            for n in names:
-                mean = sum(r / total * params(w)[n].detach() for r, w in zip(rows_full, workers, strict=True))
-                for w in workers:
-                    params(w)[n].copy_(mean)
-                global_[n].data.copy_(mean)
-        rows_full = [0] * len(shards)
+        with torch.no_grad():  # each fragment weighted by the rows since its last round
+            for index, group in enumerate(groups):
+                total = sum(rows_since[index])
+                weights = [r / total for r in rows_since[index]] if total else [1 / len(shards)] * len(shards)
+                for n in group:
+                    mean = sum(a * params(w)[n].detach() for a, w in zip(weights, workers, strict=True))
+                    for w in workers:
+                        params(w)[n].copy_(mean)
         rows_since = [[0] * len(shards) for _ in groups]
     return {k: v.detach().clone() for k, v in workers[0].state_dict().items()}
 
@@ -185,6 +190,62 @@ def test_streaming_gives_the_weights_of_a_plain_simulation_of_its_rounds(
     assert results[0][1][0]["bytes_sent"] == expected_bytes
 
 
+def _held_out(x, y) -> pa.RecordBatch:
+    """The shard's rows with every fifth one held out to validate."""
+    batch = shard_to_batch(x, y)
+    return batch.append_column("held_out", pa.array(np.arange(len(y)) % 5 == 4))
+
+
+def _validating_worker(rank, world, shards, spec, store_path, out, peers=()):
+    """``run_worker`` on the shard with a validation column: every epoch ends in a validation,
+    which every strategy makes one model for first."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    batch = _held_out(*shards[rank])
+    plan = plan_data(
+        batch.schema,
+        feature_cols=("features",),
+        label_col="label",
+        label_kind=LabelKind.CLASS_INDEX,
+        validation_col="held_out",
+    )
+    spec = dataclasses.replace(spec, plan=plan)
+    try:
+        placement = Placement(rank, world, "127.0.0.1", peers=peers)
+        result = run_worker(spec, iter([batch]), placement, file_all_gather(store_path, rank, world))
+        out.put((rank, result.state, result.history, None))
+    except Exception as exc:  # reported to the test process
+        out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
+
+
+def _one_tensor_model() -> torch.nn.Module:
+    """A model of one parameter tensor: however many fragments are asked for, there is one."""
+    torch.manual_seed(3)
+    return torch.nn.Linear(6, 3, bias=False)
+
+
+@pytest.mark.slow
+def test_one_fragment_with_epoch_end_averages_is_plain_diloco_with_its_rounds_cut_short(tmp_path):
+    """Epochs of 7 steps, rounds of 4: streaming averages the whole model at each epoch's end,
+    as plain DiLoCo does for a validation; either way what was trained before that average
+    must reach the model through the outer optimizer at the round's end, so one fragment
+    (the one tensor's) is plain DiLoCo's rounds, step for step."""
+    shards = make_shards([50, 21])
+    settings = {
+        **STREAMING,
+        "outer_optimizer": "nesterov",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "epochs": 3,
+    }
+    common = {"model_fn": _one_tensor_model, "worker": _validating_worker}
+    plain, results = run_workers(shards, tmp_path / "plain", _plain_sgd, **common, **settings)
+    streamed, _ = run_workers(shards, tmp_path / "streamed", _plain_sgd, **common, fragments=2, **settings)
+    history = results[0][1]
+    assert [record["steps"] for record in history] == [5, 5, 5]  # rounds cut short after steps 5 and 10
+    assert "val_loss" in history[0]
+    assert max_abs_diff(streamed, plain) == 0.0  # the same rounds, the same sums, bit for bit
+
+
 @pytest.mark.slow
 def test_streaming_resumes_from_a_checkpoint_with_its_momentum(tmp_path):
     shards = make_shards([50, 21])
@@ -203,17 +264,19 @@ def test_streaming_resumes_from_a_checkpoint_with_its_momentum(tmp_path):
     assert saved.latest() == 8
     state = saved.load(8)
     assert len(state["strategy"][CHECKPOINT_KEY]) == 4  # every parameter's momentum, both fragments
+    assert len(state["strategy"][REFERENCE_KEY]) == 4  # and the weights their rounds started from
     resumed, results = run_workers(shards, tmp_path / "resumed", optimizer_fn=_plain_sgd, **resumable)
     assert results[0][1][-1]["resumed_from_step"] == 8
     # the same run without the fault: its checkpoint steps average the whole model too
     again = {**resumable, "checkpoint_dir": str(tmp_path / "again")}
     uninterrupted, _ = run_workers(shards, tmp_path / "uninterrupted", optimizer_fn=_plain_sgd, **again)
     assert max_abs_diff(resumed, uninterrupted) < 1e-6
-    state["strategy"].pop(CHECKPOINT_KEY)  # without the momentum, to show that it is used
-    forgetful = {**resumable, "checkpoint_dir": str(tmp_path / "forgetful")}
-    CheckpointStore(forgetful["checkpoint_dir"]).save(8, state)
-    without, _ = run_workers(shards, tmp_path / "without", optimizer_fn=_plain_sgd, **forgetful)
-    assert max_abs_diff(without, uninterrupted) > 1e-4
+    for key in (CHECKPOINT_KEY, REFERENCE_KEY):  # each left out, to show that it is used
+        forgetful = {**resumable, "checkpoint_dir": str(tmp_path / f"forgetful-{key}")}
+        strategy_state = {k: v for k, v in state["strategy"].items() if k != key}
+        CheckpointStore(forgetful["checkpoint_dir"]).save(8, {**state, "strategy": strategy_state})
+        without, _ = run_workers(shards, tmp_path / f"without-{key}", optimizer_fn=_plain_sgd, **forgetful)
+        assert max_abs_diff(without, uninterrupted) > 1e-4, key
 
 
 @pytest.mark.parametrize(

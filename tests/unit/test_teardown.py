@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from tests.reference import make_shards
-from tests.unit.test_worker_gloo import _file_all_gather
+from tests.unit.test_worker_gloo import file_all_gather
 from tests.workers import worker_context
 
 
@@ -84,7 +84,7 @@ def _fits_in_one_process(rank, world, shards, spec, store_dir, fits, out):
     try:
         for fit in range(fits):
             x, y = shards[rank]
-            gather = _file_all_gather(os.path.join(store_dir, f"fit{fit}"), rank, world)
+            gather = file_all_gather(os.path.join(store_dir, f"fit{fit}"), rank, world)
             run_worker(spec, iter([shard_to_batch(x, y)]), Placement(rank, world, "127.0.0.1"), gather)
             assert not dist.is_initialized(), "the process group outlived its fit"
         leaked = [t.name for t in threading.enumerate() if t.name.startswith("sparkdl-")]

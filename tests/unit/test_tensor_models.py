@@ -18,7 +18,7 @@ from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
 from tests.reference import make_shards, max_abs_diff, reference_sgd, shard_plan, shard_to_batch
 from tests.unit.test_tensor_parallel import Buckets
 from tests.unit.test_tensor_parallel import train as train_tensor
-from tests.unit.test_worker_gloo import LR, MOMENTUM, _file_all_gather, _sgd
+from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, file_all_gather
 from tests.workers import keep_built_strategies, worker_context
 
 
@@ -76,7 +76,7 @@ def _worker_keeping_its_layers(rank, world, record_batches, spec, store_path, ou
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     built = keep_built_strategies()
     try:
-        gather = _file_all_gather(store_path, rank, world)
+        gather = file_all_gather(store_path, rank, world)
         run_worker(spec, iter(record_batches), Placement(rank, world, "127.0.0.1"), gather)
         module = built[0].ctx.module
         whole = {n: p.detach().clone() for n, p in module.named_parameters() if not hasattr(p, "placements")}

@@ -38,7 +38,7 @@ def _plain_sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
 
-def _file_all_gather(path: str, rank: int, world: int):
+def file_all_gather(path: str, rank: int, world: int):
     import torch.distributed as dist
 
     store = dist.FileStore(path, world)
@@ -62,7 +62,7 @@ def _worker(rank, world, shards, spec, store_path, out, peers=()):
     batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
         placement = Placement(rank, world, "127.0.0.1", peers=peers)
-        result = run_worker(spec, batches, placement, _file_all_gather(store_path, rank, world))
+        result = run_worker(spec, batches, placement, file_all_gather(store_path, rank, world))
         out.put((rank, result.state, result.history, None))
     except Exception as exc:  # reported to the test process
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
@@ -197,7 +197,7 @@ def _worker_reporting_exchange(rank, world, shards, spec, store_path, out, peers
     x, y = shards[rank]
     try:
         placement = Placement(rank, world, "127.0.0.1", peers=peers)
-        all_gather = _file_all_gather(store_path, rank, world)
+        all_gather = file_all_gather(store_path, rank, world)
         result = run_worker(spec, iter([shard_to_batch(x, y)]), placement, all_gather)
         out.put((rank, result.state, [result.device], None))
     except Exception as exc:
