@@ -134,23 +134,43 @@ def test_dropout_keeps_the_whole_layers_the_same_on_every_worker_of_a_group(tmp_
     assert max_abs_diff(layers[0], initial) > 1e-3  # it trained
 
 
-def test_inside_a_pair_each_worker_draws_its_own_masks_from_the_groups_stream():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_inside_a_pair_each_worker_draws_its_own_masks_from_the_groups_stream(device):
     """Two workers of a group enter a layer inside the pair with the same shared stream: each
     draws a mask of its own; both leave the shared stream where it would be after one draw,
     in step; an activation checkpoint's recompute (the shared stream restored) draws the
-    same mask again."""
+    same mask again. On a GPU the masks come from the device's generator, the seed from the
+    CPU's stream, and both are left in step."""
+    where = torch.device(device)
     layer = nn.Dropout(0.5)
-    ones = torch.ones(4096)
+    ones = torch.ones(4096, device=where)
+
+    def states() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(where) if where.type == "cuda" else None
+
+    def restore(saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None:
+            torch.cuda.set_rng_state(saved[1], where)
 
     def masks(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         torch.manual_seed(11)
-        random = _SliceRandom(torch.device("cpu"), rank)
-        before = torch.get_rng_state()
+        random = _SliceRandom(where, rank)
+        before = states()
         random.enter(layer, ())
         first = layer(ones)
         random.leave(layer, (), first)
-        after = torch.rand(3)
-        torch.set_rng_state(before)  # what a checkpoint's recompute does
+        after = torch.rand(3, device=where)
+        restore(before)  # what a checkpoint's recompute does
         random.enter(layer, ())
         again = layer(ones)
         random.leave(layer, (), again)
@@ -163,7 +183,7 @@ def test_inside_a_pair_each_worker_draws_its_own_masks_from_the_groups_stream():
     assert 0.45 < float((first0 == 0).float().mean()) < 0.55
     torch.manual_seed(11)
     torch.randint(0, 1 << 62, (1,))
-    assert torch.equal(after0, after1) and torch.equal(after0, torch.rand(3))
+    assert torch.equal(after0, after1) and torch.equal(after0, torch.rand(3, device=where))
 
 
 def test_the_layers_inside_a_pair_are_found():
