@@ -64,7 +64,8 @@ class WeightAveragingConfig:
         metadata=about(
             "Streaming DiLoCo: cut the parameters into this many fragments of about equal bytes, each "
             "averaged every sync_every steps at its own offset, so one fragment crosses the network at "
-            "a time; the whole model is still averaged at epoch ends and checkpoints (plainly; the fragments' next rounds pass what came before through the outer optimizer). 1: the whole "
+            "a time; the whole model is still averaged at epoch ends and checkpoints (plainly; the "
+            "fragments' next rounds pass what came before through the outer optimizer). 1: the whole "
             "model every sync_every steps.",
             bound="> 0",
         ),

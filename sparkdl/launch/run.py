@@ -28,6 +28,7 @@ from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import TransformFn
 from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.launch.user_code import showing_worker_output
+from sparkdl.services.progress.board import announce
 from sparkdl.spark.cluster import driver_host
 from sparkdl.spark.driver import plan_inputs
 from sparkdl.spark.own_loop_task import META, own_loop_partition
@@ -115,6 +116,8 @@ def run(
     if df is not None:
         label = config.data.label_col if config.data.label_col in df.columns else ""
         plan = plan_inputs(df, config.data, _label_kind(df, label), transform_fn, with_label=bool(label))
+        if config.runtime.progress:
+            announce("reading the first rows (a Spark job)")
         sample = sample_batch(df, plan)
         spec = dataclasses.replace(spec, plan=plan, template=sample.head(2) if sample is not None else None)
     started = time.perf_counter()

@@ -33,6 +33,7 @@ from sparkdl.errors import (
     WeightTransferError,
     WorkersLostError,
 )
+from sparkdl.services.progress.board import announce
 from sparkdl.spark.cluster import max_concurrent_tasks
 from sparkdl.spark.environment import check_executor_environment
 from sparkdl.spark.fit_task import RESULT_SCHEMA, TrainSpec, train_partition
@@ -273,7 +274,14 @@ def _preflight(df: Any, spec: TrainSpec) -> tuple[Batch | None, SparkDLConfig | 
     (else None: :func:`cut_by_time` builds one)."""
     runtime = spec.config.runtime
     if not runtime.preflight:
+        if runtime.progress:
+            announce("reading the first rows (a Spark job)")
         return sample_batch(df, spec.plan), None
+    if runtime.progress:
+        announce(
+            "checking before training (runtime.preflight): the first rows, the model on them here, "
+            "the executors' Python"
+        )
     sample = sample_batch(df, spec.plan)  # first: the check's tasks would hold every slot
     cut: list[SparkDLConfig] = []
 

@@ -122,10 +122,18 @@ class Stage:
         each, described as ``description`` in the Spark UI (see :func:`run_barrier_stage`)."""
         site = self.site
         silence = self.progress.silence if self.progress is not None else None
+        board = self.progress.board if self.progress is not None else None
+        if board is not None:
+            board.stage_submitted(
+                f"starting {board.num_workers} workers: each executor starts Python and imports torch first"
+            )
         with described(site.spark, description):
-            return run_barrier_stage(
+            rows = run_barrier_stage(
                 data, task, schema, site.profile, silence, self.bound_s, site.group, slots
             )
+        if board is not None:
+            board.finish()
+        return rows
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ same points. A rank that does not join waits at most ``collective_timeout_s``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -157,6 +158,7 @@ class TrainContext:
             for planned in planned_steps(take, coordinator, self.rank):
                 assert planned.plan is not None  # nothing skipped: a loaded checkpoint's steps are trained
                 self.global_step += 1
+                self._epoch_steps += 1  # every rank counts every step, sat out or not
                 batch = planned.batches[0] if planned.batches else None
                 if batch is not None:
                     self._filler.remember(batch)
@@ -166,7 +168,6 @@ class TrainContext:
                 rows = planned.rows
                 self._step.rows, self._step.inside = rows, True
                 self._step.scale = self.world_size * rows / planned.plan.global_rows
-                self._epoch_steps += 1
                 self._samples += rows
                 yield (batch if batch is not None else self._filler.batch()).to(self.device)
                 # the steps up to a loaded checkpoint's were trained before it: none of their rows count
@@ -178,6 +179,8 @@ class TrainContext:
         if coordinator.streaming:
             self._counts = exchange_row_counts(self.rank, self.world_size, self._feed.cached_rows, sum_)
         self._open_epoch, self._epoch_done = 0, True
+        self._total_steps = self._epoch_steps  # the epoch's last report: its length is known
+        self._send_report()
         if epoch == self.config.training.epochs:  # the code after the loop sees the final weights
             self._preparer.finish(self.global_step)
 
@@ -261,19 +264,29 @@ class TrainContext:
             self._loss_sum += float(metrics["loss"]) * rows
             self._loss_rows += rows
         reporter = self._reporter
-        if reporter is not None and reporter.due() and self._epoch <= self.config.training.epochs:
-            reporter.send(
-                Report(
-                    rank=self.rank,
-                    epoch=self._epoch,
-                    attempt=reporter.attempt,
-                    steps=self._epoch_steps,
-                    total_steps=self._total_steps,
-                    samples=self._samples,
-                    loss_sum=self._loss_sum / max(self._loss_rows, 1) * self._samples,
-                    seconds=time.perf_counter() - self._started,
-                )
+        if reporter is not None and reporter.due():
+            self._send_report()
+
+    def _send_report(self) -> None:
+        """The running epoch's figures to the driver's progress channel (an epoch past the
+        configured ones, e.g. a loop that trains longer, has no bar there)."""
+        reporter = self._reporter
+        if reporter is None or not 1 <= self._epoch <= self.config.training.epochs:
+            return
+        # the mean of the reported losses, by their rows, over the epoch's rows; NaN: none reported
+        loss = self._loss_sum / self._loss_rows if self._loss_rows else math.nan
+        reporter.send(
+            Report(
+                rank=self.rank,
+                epoch=self._epoch,
+                attempt=reporter.attempt,
+                steps=self._epoch_steps,
+                total_steps=self._total_steps,
+                samples=self._samples,
+                loss_sum=loss * self._samples,
+                seconds=time.perf_counter() - self._started,
             )
+        )
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._epoch_steps, self._total_steps = epoch, 0, -1

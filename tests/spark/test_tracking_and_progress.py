@@ -4,28 +4,101 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from tests.reference import make_shards
+from tests.reference import make_shards, make_tiny_net
 from tests.spark.test_fit import estimator, shards_dataframe
 
 pytestmark = pytest.mark.spark
 
 
-def test_a_fit_without_a_terminal_writes_one_line_per_epoch_and_a_quiet_one_none(spark, capsys):
+def slow_loss(output, target):
+    """Cross entropy taking 25 ms a step more: epochs long enough to time."""
+    time.sleep(0.025)
+    return torch.nn.functional.cross_entropy(output, target.long())
+
+
+def epoch_lines(err: str) -> list[str]:
+    return [line for line in err.replace("\r", "\n").splitlines() if line.startswith("epoch ")]
+
+
+def line_seconds(line: str) -> float:
+    match = re.search(r", (\d+\.\d)s, ", line)
+    assert match, line
+    return float(match.group(1))
+
+
+def test_a_fit_without_a_terminal_tells_each_phase_and_each_epoch_in_one_line_and_a_quiet_one_nothing(
+    spark, capsys
+):
+    """Before training, what runs (the checks, the workers' start); one line per epoch with
+    the seconds the workers measured, within 20% of history's; one summary line at the end."""
     df = shards_dataframe(spark, make_shards([96, 96]))
-    estimator(epochs=2, progress_interval_s=0.01).fit(df)
-    err = capsys.readouterr().err.replace("\r", "\n")  # captured: no terminal redraws a bar
-    lines = [line for line in err.splitlines() if line.startswith("epoch ")]
-    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"], lines
-    # epoch 2 knows its length (12 steps: 96 rows / 8 per step) and ends full
-    assert lines[1].startswith("epoch 2/2: 12/12 steps, "), lines
+    model = estimator(epochs=3, progress_interval_s=0.05, loss_fn=slow_loss).fit(df)
+    err = capsys.readouterr().err  # captured: no terminal redraws a bar
+    lines = epoch_lines(err)
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], lines
+    # every epoch ends full (12 steps: 96 rows / 8 per step), epoch 1 too, whose length streamed
+    assert all(line.split(": ")[1].startswith("12/12 steps, ") for line in lines), lines
     assert all(re.search(r", loss=\d+\.\d{4}, samples_s=[\d,]+$", line) for line in lines), lines
+    for line, record in zip(lines, model.history, strict=True):
+        assert line_seconds(line) == pytest.approx(record["seconds"], rel=0.2, abs=0.05), (line, record)
+    said = [line for line in err.splitlines() if line.startswith("sparkdl: ")]
+    assert said[0].startswith("sparkdl: checking before training"), said
+    assert said[1].startswith("sparkdl: starting 2 workers"), said
+    assert said[2].startswith("sparkdl: all 2 workers started, "), said
+    assert said[-1].startswith("sparkdl: 3 epochs trained in "), said
+    assert f"36 steps, {3 * 192} samples" in said[-1], said
     estimator(epochs=2, progress=False).fit(df)
-    assert "epoch 1/2" not in capsys.readouterr().err
+    assert "epoch 1/2" not in (quiet := capsys.readouterr().err) and "sparkdl: " not in quiet
+
+
+def timed_loop(ctx):
+    """The README's loop, each step 25 ms slower, timing its own epochs."""
+    model = make_tiny_net()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in ctx.epochs:
+        started = time.perf_counter()
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            loss = torch.nn.functional.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss=loss.item())
+            time.sleep(0.025)
+        ctx.report(epoch_seconds=time.perf_counter() - started)
+
+
+def test_an_own_loops_progress_ends_each_epoch_with_its_real_figures_and_the_run_with_a_summary(
+    spark, capsys
+):
+    """Before: the epoch's line held the last rate-limited report (10 of 12 steps; epoch 3's
+    never written) and the driver's seconds since its first report; nothing after the run."""
+    import sparkdl
+
+    df = shards_dataframe(spark, make_shards([96, 96]))
+    result = sparkdl.run(timed_loop, df=df, num_workers=2, batch_size=8, epochs=3, progress_interval_s=0.2)
+    err = capsys.readouterr().err
+    lines = epoch_lines(err)
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], lines
+    assert all(line.split(": ")[1].startswith("12/12 steps, ") for line in lines), lines
+    measured = [h["epoch_seconds"] for h in result.history if "epoch_seconds" in h]
+    for line, seconds in zip(lines, measured, strict=True):
+        assert line_seconds(line) == pytest.approx(seconds, rel=0.2, abs=0.05), (line, seconds)
+    # the loss over the epoch's rows, from the reported losses: rank 0's reports of epoch 3
+    losses = [h["loss"] for h in result.history if h["epoch"] == 3 and "loss" in h]
+    assert float(re.search(r"loss=(\d+\.\d+)", lines[2]).group(1)) == pytest.approx(
+        sum(losses) / len(losses), abs=0.05
+    )
+    said = [line for line in err.splitlines() if line.startswith("sparkdl: ")]
+    assert said[0] == "sparkdl: reading the first rows (a Spark job)", said
+    assert said[1].startswith("sparkdl: starting 2 workers"), said
+    assert said[-1].startswith("sparkdl: 3 epochs trained in "), said
 
 
 def warning_loss(output, target):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -27,17 +28,22 @@ SECRET = b"p" * 32
 
 
 class FakeBar:
-    """Records what a tqdm bar would have been told."""
+    """Records what a bar was told to show."""
 
     def __init__(self, title):
-        self.title, self.total, self.n, self.postfix, self.closed = title, None, 0, {}, False
-        self.bar_format = ""
+        self.title, self.total, self.n, self.figures, self.closed = title, None, 0, "", False
 
-    def set_postfix(self, refresh=True, **values):
-        self.postfix = values
+    def show(self, steps, total, figures):
+        self.n, self.total, self.figures = steps, total, figures
 
-    def refresh(self):
-        pass
+    @property
+    def postfix(self) -> dict[str, str]:
+        """The figures after the time, by name."""
+        return dict(part.split("=") for part in self.figures.split(", ")[1:])
+
+    @property
+    def time(self) -> str:
+        return self.figures.split(", ")[0]
 
     def close(self):
         self.closed = True
@@ -67,6 +73,64 @@ def test_without_a_terminal_each_epoch_is_one_line_written_when_it_ends(capsys):
     b.close()
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("epoch 2/2: 3/3 steps, ") and line.endswith(", loss=0.1000, samples_s=60"), line
+
+
+def test_an_epochs_line_carries_the_seconds_the_workers_measured_not_the_drivers(capsys):
+    """Reports reach the driver in jumps, the first one late: the line's seconds are the
+    slowest worker's own count since the epoch began (before: the driver's, from its first
+    report, 0.0s here)."""
+    b = ProgressBoard(2, 1)
+    b.update(Report(0, 1, 0, steps=8, total_steps=8, samples=64, loss_sum=32.0, seconds=2.25))
+    b.update(Report(1, 1, 0, steps=8, total_steps=8, samples=64, loss_sum=32.0, seconds=2.5))
+    b.close()
+    assert capsys.readouterr().err == "epoch 1/1: 8/8 steps, 2.5s, loss=0.5000, samples_s=54\n"
+
+
+def test_the_bar_shows_the_time_left_at_the_epochs_pace_and_no_loss_where_none_was_reported():
+    b, bars = board()
+    b.update(Report(0, 2, 0, steps=2, total_steps=8, samples=16, loss_sum=math.nan, seconds=1.0))
+    assert bars[0].figures == "1.0s<3.0s, samples_s=16"  # 6 steps left at 0.5 s each
+    b.update(Report(0, 2, 0, steps=8, total_steps=8, samples=64, loss_sum=math.nan, seconds=125.0))
+    assert bars[0].figures == "02:05, samples_s=1"  # the end: nothing left; minutes as tqdm writes them
+
+
+def test_the_board_says_what_happens_before_and_after_the_epochs(capsys):
+    now = [100.0]
+    b = ProgressBoard(2, 2, bar_factory=FakeBar, clock=lambda: now[0])
+    b.stage_submitted("starting 2 workers")
+    now[0] = 112.5
+    b.worker_started(1, attempt=0)
+    b.worker_started(1, attempt=0)  # a second connection of the same rank: counted once
+    assert capsys.readouterr().err == "sparkdl: starting 2 workers\n"  # not every worker yet
+    b.worker_started(0, attempt=0)
+    assert capsys.readouterr().err == (
+        "sparkdl: all 2 workers started, 12.5s after the stage was submitted; "
+        "building the model and checking the first batch\n"
+    )
+    for epoch, seconds in ((1, 3.0), (2, 2.0)):
+        for rank in (0, 1):
+            b.update(
+                Report(rank, epoch, 0, steps=5, total_steps=5, samples=40, loss_sum=8.0, seconds=seconds)
+            )
+    now[0] = 120.0
+    b.finish()
+    assert capsys.readouterr().err == (
+        "sparkdl: 2 epochs trained in 5.0s, 10 steps, 160 samples, last epoch's loss 0.2000, "
+        "20.0s after the stage was submitted\n"
+    )
+    quiet = ProgressBoard(2, 2, show=False)
+    quiet.stage_submitted("starting 2 workers")
+    quiet.worker_started(0, 0), quiet.worker_started(1, 0), quiet.finish()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_re_run_stage_says_its_workers_started_again(capsys):
+    b = ProgressBoard(1, 1, bar_factory=FakeBar)
+    b.worker_started(0, attempt=3)  # attempts count the stages of the fit's job group
+    b.worker_started(0, attempt=4)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("sparkdl: the worker started; ")
+    assert lines[1].startswith("sparkdl: the worker started again (Spark re-ran the stage); ")
 
 
 def test_the_bar_shows_the_loss_over_every_row_and_the_samples_per_second_of_the_job():

@@ -1,11 +1,14 @@
 """What the driver shows while ``fit`` runs: one progress bar per epoch, fed by reports.
 
 Pure: no sockets. Each worker reports its own figures for the running epoch (steps
-done, rows, loss sum, seconds); the board adds them up across workers, so the bar
-shows the loss over every row trained so far in the epoch and the samples/s of the
-whole job. Bars come from ``tqdm.auto``: a text bar in a terminal, a widget in
-Jupyter or Databricks when ipywidgets is installed. Where nothing redraws a line (a log
-file, spark-submit's captured output, CI), each epoch is one line, written when it ends.
+done, rows, loss sum, seconds since the epoch began); the board adds them up across
+workers, so the bar shows the loss over every row trained so far in the epoch, the
+samples/s of the whole job and the epoch's seconds as the workers measured them (not when
+their reports happened to reach the driver). Bars come from ``tqdm.auto``: a text bar in a
+terminal, a widget in Jupyter or Databricks when ipywidgets is installed. Where nothing
+redraws a line (a log file, spark-submit's captured output, CI), each epoch is one line,
+written when it ends. Around the epochs the board says what is happening: the stage
+submitted, every worker started, and one summary line at the end.
 """
 
 from __future__ import annotations
@@ -30,9 +33,23 @@ class Report:
     steps: int
     total_steps: int  # -1 while unknown (epoch 1 streams from Spark)
     samples: int
-    loss_sum: float
-    seconds: float
+    loss_sum: float  # NaN: no loss reported (a user's loop that never calls ctx.report(loss=...))
+    seconds: float  # since the epoch began on this worker
     val_loss: float | None = None  # the epoch's validation loss, in its last report
+
+
+def announce(text: str) -> None:
+    """One line of what the run is doing, below any bar (a bar in a terminal stays whole)."""
+    line = f"sparkdl: {text}"
+    if _redraws():
+        tqdm.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def seconds_text(seconds: float) -> str:
+    """``12.3s`` under a minute, then tqdm's ``mm:ss`` / ``h:mm:ss``."""
+    return f"{seconds:.1f}s" if seconds < 60 else tqdm.format_interval(seconds)
 
 
 class ProgressBoard:
@@ -41,19 +58,80 @@ class ProgressBoard:
     Args:
         num_workers: ranks that report.
         epochs: epochs in the fit (for the bar's title).
-        show: draw bars; when False the board only keeps the figures.
-        bar_factory: builds a bar (``tqdm`` by default; tests pass their own).
+        show: draw bars and say what happens; when False the board only keeps the figures.
+        bar_factory: ``title -> bar`` with ``show(steps, total or None, figures text)`` and
+            ``close()`` (by default a tqdm bar where a line is redrawn, else one line an epoch).
+        clock: monotonic clock of the times announced (patched in tests).
     """
 
-    def __init__(self, num_workers: int, epochs: int, show: bool = True, bar_factory: Any = None) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        epochs: int,
+        show: bool = True,
+        bar_factory: Any = None,
+        clock: Any = time.monotonic,
+    ) -> None:
         self.num_workers = num_workers
         self.epochs = epochs
         self.show = show
-        self._bar_factory = bar_factory or (_tqdm_bar if _redraws() else _LineBar)
+        self._bar_factory = bar_factory or (_TerminalBar if _redraws() else _LineBar)
+        self._clock = clock
         self._lock = threading.Lock()
         self._reports: dict[int, dict[int, Report]] = {}  # epoch -> rank -> latest
         self._bar: Any = None
         self._bar_epoch = 0
+        self._submitted: float | None = None  # when the stage was submitted (clock)
+        self._started: dict[int, set[int]] = {}  # stage attempt -> ranks that connected
+
+    def stage_submitted(self, what: str) -> None:
+        """The stage's tasks were handed to Spark: say so (executors start Python and import
+        torch before any worker can report)."""
+        with self._lock:
+            self._submitted = self._clock()
+            if self.show:
+                announce(what)
+
+    def worker_started(self, rank: int, attempt: int) -> None:
+        """Rank ``rank`` of stage attempt ``attempt`` connected: once every rank of an attempt
+        did, say how long the start took and what comes before the first step."""
+        with self._lock:
+            started = self._started.setdefault(attempt, set())
+            if rank in started:
+                return
+            started.add(rank)
+            if len(started) == self.num_workers and self.show:
+                since = self._since_submitted()
+                again = " again (Spark re-ran the stage)" if len(self._started) > 1 else ""
+                who = "the worker" if self.num_workers == 1 else f"all {self.num_workers} workers"
+                announce(f"{who} started{again}{since}; building the model and checking the first batch")
+
+    def finish(self) -> None:
+        """The stage succeeded: close the last bar and write one line for the whole run."""
+        with self._lock:
+            self._close_bar()
+            if not self.show or not self._reports:
+                return
+            epochs = sorted(self._reports)
+            figures = [self._figures(self._reports[e]) for e in epochs]
+            last = figures[-1]
+            trained = sum(f["seconds"] for f in figures)
+            samples = sum(f["samples"] for f in figures)
+            steps = sum(f["steps"] for f in figures)
+            parts = [
+                f"{len(epochs)} epoch{'s' if len(epochs) > 1 else ''} trained in {seconds_text(trained)}"
+            ]
+            parts.append(f"{steps:,.0f} steps, {samples:,.0f} samples")
+            if math.isfinite(last["loss"]):
+                parts.append(f"last epoch's loss {last['loss']:.4f}")
+            if math.isfinite(last["val_loss"]):
+                parts.append(f"val_loss {last['val_loss']:.4f}")
+            announce(", ".join(parts) + self._since_submitted())
+
+    def _since_submitted(self) -> str:
+        if self._submitted is None:
+            return ""
+        return f", {seconds_text(self._clock() - self._submitted)} after the stage was submitted"
 
     def update(self, report: Report) -> None:
         with self._lock:
@@ -72,53 +150,85 @@ class ProgressBoard:
 
     def close(self) -> None:
         with self._lock:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+            self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def _figures(self, by_rank: dict[int, Report]) -> dict[str, float]:
         samples = sum(r.samples for r in by_rank.values())
         # each worker's own rate, summed: its reports arrive at other moments than its peers'
         rate = sum(r.samples / r.seconds for r in by_rank.values() if r.seconds > 0)
         return {
-            "loss": sum(r.loss_sum for r in by_rank.values()) / samples if samples else float("nan"),
+            # NaN where no worker reported a loss (its loss_sum is NaN): nothing to show
+            "loss": sum(r.loss_sum for r in by_rank.values()) / samples if samples else math.nan,
             "samples": float(samples),
             "samples_per_s": rate,
             "steps": float(min((r.steps for r in by_rank.values()), default=0)),
             "total_steps": float(max((r.total_steps for r in by_rank.values()), default=-1)),
             # every rank reports the same all-reduced value: any finite one is the epoch's
             "val_loss": next((r.val_loss for r in by_rank.values() if r.val_loss is not None), math.nan),
+            # the epoch's seconds as the slowest worker measured them
+            "seconds": max((r.seconds for r in by_rank.values()), default=0.0),
         }
 
     def _draw(self, epoch: int) -> None:
         if epoch != self._bar_epoch:
-            if self._bar is not None:
-                self._bar.close()
+            self._close_bar()
             self._bar = self._bar_factory(f"epoch {epoch}/{self.epochs}")
             self._bar_epoch = epoch
         figures = self._figures(self._reports[epoch])
-        total = int(figures["total_steps"])
-        if total > 0 and self._bar.total != total:
+        steps, total, seconds = int(figures["steps"]), int(figures["total_steps"]), figures["seconds"]
+        time_text = seconds_text(seconds)
+        if total > 0 and 0 < steps < total:  # what is left, at the epoch's pace so far
+            time_text += f"<{seconds_text(seconds / steps * (total - steps))}"
+        shown = [time_text]
+        if math.isfinite(figures["loss"]):
+            shown.append(f"loss={figures['loss']:.4f}")
+        shown.append(f"samples_s={figures['samples_per_s']:,.0f}")
+        if math.isfinite(figures["val_loss"]):
+            shown.append(f"val_loss={figures['val_loss']:.4f}")
+        self._bar.show(steps, total if total > 0 else None, ", ".join(shown))
+
+
+_UNKNOWN_LENGTH = "{desc}: step {n_fmt} [{figures}]"
+_KNOWN_LENGTH = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{figures}]"
+
+
+class _FiguresBar(tqdm):
+    """tqdm with the board's figures in its line: tqdm's own elapsed time and rate would be
+    wrong here (steps arrive in jumps, every ``progress_interval_s``, and the bar opens at the
+    driver's first report, not when the epoch began)."""
+
+    figures = ""
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        values = dict(super().format_dict)
+        values["figures"] = self.figures
+        return values
+
+
+class _TerminalBar:
+    """A bar redrawn in place: a terminal's line, or a notebook's widget."""
+
+    def __init__(self, title: str) -> None:
+        self._bar = _FiguresBar(
+            total=None, desc=title, unit="step", dynamic_ncols=True, leave=True, bar_format=_UNKNOWN_LENGTH
+        )
+
+    def show(self, steps: int, total: int | None, figures: str) -> None:
+        if total is not None and self._bar.total != total:
             self._bar.total = total
             self._bar.bar_format = _KNOWN_LENGTH
-        self._bar.n = int(figures["steps"])
-        postfix = {"loss": f"{figures['loss']:.4f}", "samples_s": f"{figures['samples_per_s']:,.0f}"}
-        if math.isfinite(figures["val_loss"]):
-            postfix["val_loss"] = f"{figures['val_loss']:.4f}"
-        self._bar.set_postfix(refresh=False, **postfix)
+        self._bar.n = steps
+        self._bar.figures = figures
         self._bar.refresh()
 
-
-# tqdm's own rate would be wrong here (steps arrive in jumps, every interval_s): the
-# bars show the workers' samples/s from the postfix instead.
-_UNKNOWN_LENGTH = "{desc}: step {n_fmt} [{elapsed}{postfix}]"
-_KNOWN_LENGTH = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}{postfix}]"
-
-
-def _tqdm_bar(title: str) -> Any:
-    return tqdm(
-        total=None, desc=title, unit="step", dynamic_ncols=True, leave=True, bar_format=_UNKNOWN_LENGTH
-    )
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _redraws() -> bool:
@@ -131,24 +241,17 @@ def _redraws() -> bool:
 
 
 class _LineBar:
-    """A bar for output nothing redraws: one line per epoch, when it closes, with the
-    figures the bar last showed (the attributes are tqdm's, as :class:`ProgressBoard` sets them)."""
+    """A bar for output nothing redraws: one line per epoch, when it closes, with what the
+    bar last showed."""
 
     def __init__(self, title: str) -> None:
         self.title = title
-        self.total: int | None = None
-        self.bar_format = _UNKNOWN_LENGTH
-        self.n = 0
-        self._postfix: dict[str, str] = {}
-        self._started = time.monotonic()
+        self._steps, self._figures = 0, ""
+        self._total: int | None = None
 
-    def set_postfix(self, refresh: bool = True, **postfix: str) -> None:
-        self._postfix = postfix
-
-    def refresh(self) -> None:
-        """Nothing: the line is written once, at :meth:`close`."""
+    def show(self, steps: int, total: int | None, figures: str) -> None:
+        self._steps, self._total, self._figures = steps, total, figures
 
     def close(self) -> None:
-        steps = f"{self.n}/{self.total} steps" if self.total else f"{self.n} steps"
-        figures = "".join(f", {name}={value}" for name, value in self._postfix.items())
-        print(f"{self.title}: {steps}, {time.monotonic() - self._started:.1f}s{figures}", file=sys.stderr)
+        steps = f"{self._steps}/{self._total} steps" if self._total else f"{self._steps} steps"
+        print(f"{self.title}: {steps}, {self._figures}", file=sys.stderr, flush=True)

@@ -149,6 +149,7 @@ class ProgressServer:
                     raise ProtocolError(f"a HELLO of stage attempt {hello.attempt}, which Spark does not run")
             self._heard(hello.rank, hello.attempt)
             channel.send(Ack(hello.rank, hello.attempt))
+            self.board.worker_started(hello.rank, hello.attempt)
             while not self._receive(hello, channel.recv(MAX_PAYLOAD)):
                 pass  # until the worker's GOODBYE, its connection's end or stop()
             self._forget(hello.rank, hello.attempt)  # the worker is done: its silence means nothing now
