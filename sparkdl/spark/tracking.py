@@ -114,11 +114,20 @@ def check_tracking(config: SparkDLConfig) -> None:
         if urlparse(uri).scheme not in _REMOTE_SCHEMES:
             client.search_experiments(max_results=1)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"MLflow cannot log this fit to tracking URI {uri!r}: {reason[:300]}. {_fix(uri, str(exc))}; "
+            f"MLflow cannot log this fit to tracking URI {uri!r}: {_reason(exc)} {_fix(uri, str(exc))}; "
             "or set mlflow = false to train without logging"
         ) from exc
+
+
+def _reason(exc: Exception, limit: int = 1_000) -> str:
+    """MLflow's first line, whole (its links and settings are the useful part), or cut at a
+    space near ``limit`` characters, never inside a word or a link."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if len(first) > limit:
+        first = first[: first.rfind(" ", 0, limit)] + " ..."
+    return first if first.endswith((".", "...")) else first + "."
 
 
 def _fix(uri: str, message: str) -> str:

@@ -65,6 +65,9 @@ def test_a_file_store_mlflow_refuses_fails_before_training_naming_the_uri_and_th
     assert f"tracking URI {uri!r}" in message
     assert "set the environment variable MLFLOW_ALLOW_FILE_STORE=true" in message
     assert "or set mlflow = false" in message
+    # MLflow's own text whole: its link and its opt-out were cut at 300 characters before
+    assert "https://mlflow.org/docs/latest/self-hosting/migrate-from-file-store " in message
+    assert "to opt out of this exception." in message
     check_tracking(SparkDLConfig().replace(mlflow=False))  # not logging: nothing to check
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     check_tracking(SparkDLConfig())  # the same store, opted in
@@ -98,3 +101,13 @@ def test_a_failure_while_logging_a_trained_model_warns_and_keeps_it(tmp_path, mo
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "sparkdl.spark.tracking"]
     assert f"the fit was trained but logging it to {uri} failed (" in warning
     assert "save it with model.save(path)" in warning
+
+
+def test_a_long_mlflow_reason_is_cut_at_a_space_never_inside_a_link():
+    from sparkdl.spark.tracking import _reason
+
+    link = "https://example.com/" + "x" * 40
+    reason = _reason(RuntimeError(("see " + link + " ") * 40 + "\nsecond line"))
+    assert reason.endswith(" ...") and len(reason) <= 1_004
+    assert all(word in ("see", link, "...") for word in reason.split())  # every link whole
+    assert _reason(RuntimeError("")) == "RuntimeError."
