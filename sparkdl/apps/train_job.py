@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
-from sparkdl.config.loading import about, check_bounds
+from sparkdl.config.loading import about, check_bounds, override_origins
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.strategies import check_settings
 
@@ -86,9 +86,11 @@ def load_job_sections(
 
     Returns the job's sections (and ``spark``) by name, and the library's config.
     """
+    overrides = list(overrides)
     raw = load_toml(path, overrides)
     library = typing.get_type_hints(SparkDLConfig)
-    built = config_from_tables(raw, str(path), {**own, "spark": SparkSection, **library})
+    sections = {**own, "spark": SparkSection, **library}
+    built = config_from_tables(raw, str(path), sections, override_origins(overrides))
     sparkdl = check_settings(SparkDLConfig(**{name: built.pop(name) for name in library}))
     return built, sparkdl
 

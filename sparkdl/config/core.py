@@ -57,6 +57,7 @@ from sparkdl.config.loading import (
     build_section,
     config_from_tables,
     load_toml,
+    override_origins,
     parse_override,
     section_owners,
     unknown_names,
@@ -177,6 +178,7 @@ def check_setting_names(names: Iterable[str]) -> None:
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> SparkDLConfig:
     """Load a :class:`SparkDLConfig` from a TOML file holding only sparkdl sections."""
+    overrides = list(overrides)
     raw = load_toml(path, overrides)
     jobs_own = sorted(set(raw) & {"job", "etl", "spark"})
     if jobs_own:
@@ -186,4 +188,4 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> SparkDLConfi
             "this loader takes "
             "the library's sections only: use load_job_config(path).sparkdl"
         )
-    return SparkDLConfig(**config_from_tables(raw, str(path), SECTIONS))
+    return SparkDLConfig(**config_from_tables(raw, str(path), SECTIONS, override_origins(overrides)))

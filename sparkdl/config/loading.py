@@ -8,7 +8,8 @@ Generic over frozen dataclasses (one per ``[section]``), so the jobs' own sectio
 * :func:`section_owners` maps each setting name to its section and refuses a name
   declared twice: the flat surface (keyword arguments, ``replace``) needs one owner per name.
 * :func:`config_from_tables` builds sections from raw TOML tables; an unknown key says
-  which section it belongs in, or which name was probably meant.
+  which section it belongs in, or which name was probably meant. An error names where the
+  setting came from: the file, or the ``--set`` option (:func:`override_origins`) that gave it.
 """
 
 from __future__ import annotations
@@ -132,17 +133,53 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, key.strip(), value
 
 
+def override_origins(overrides: Iterable[str]) -> dict[tuple[str, str], str]:
+    """Map each ``(section, key)`` that a ``section.key=value`` override sets to that override.
+
+    The last override of a key wins, as in :func:`load_toml`. Given to :func:`config_from_tables`,
+    so that an error about such a key names the ``--set`` option rather than the file.
+
+    Raises:
+        ConfigError: an override is malformed.
+    """
+    origins = {}
+    for item in overrides:
+        section, key, _ = parse_override(item)
+        origins[(section, key)] = item.strip()
+    return origins
+
+
 def config_from_tables(
-    raw: Mapping[str, Any], source: str, sections: Mapping[str, type[Any]]
+    raw: Mapping[str, Any],
+    source: str,
+    sections: Mapping[str, type[Any]],
+    set_by: Mapping[tuple[str, str], str] | None = None,
 ) -> dict[str, Any]:
     """Build one dataclass per expected section from raw TOML tables.
+
+    Args:
+        raw: the tables, the file's with the overrides applied (:func:`load_toml`).
+        source: the file the tables came from, named by errors about its settings.
+        sections: the dataclass of each expected section, by name.
+        set_by: the overrides that set a ``(section, key)`` (:func:`override_origins`);
+            errors about those keys name the ``--set`` option instead of ``source``.
 
     Raises:
         ConfigError: an unknown section, a key in the wrong or no section, a bad value.
     """
+    set_by = set_by or {}
     unknown = sorted(set(raw) - set(sections))
     if unknown:
-        raise ConfigError(f"{source}: {unknown_names('section', unknown, sections)}")
+        by_origin: dict[str, list[str]] = {}
+        for name in unknown:
+            given = [f"--set {item}" for (section, _), item in set_by.items() if section == name]
+            by_origin.setdefault(", ".join(given) or source, []).append(name)
+        raise ConfigError(
+            "; ".join(
+                f"{origin}: {unknown_names('section', names, sections)}"
+                for origin, names in by_origin.items()
+            )
+        )
     owners: dict[str, str] = {}
     for name, cls in sections.items():
         for f in dataclasses.fields(cls):
@@ -152,26 +189,73 @@ def config_from_tables(
         table = raw.get(name, {})
         if not isinstance(table, Mapping):
             raise ConfigError(f"{source}: [{name}] must be a table, got {table!r}")
-        out[name] = build_section(cls, table, source, name, owners)
+        out[name] = build_section(cls, table, source, name, owners, set_by)
     return out
 
 
 def build_section(
-    cls: type[T], table: Mapping[str, Any], source: str, section: str, owners: Mapping[str, str]
+    cls: type[T],
+    table: Mapping[str, Any],
+    source: str,
+    section: str,
+    owners: Mapping[str, str],
+    set_by: Mapping[tuple[str, str], str] | None = None,
 ) -> T:
     """Build section ``cls`` from ``table``, coercing values to the fields' types.
 
     ``owners`` maps the names of the other sections' settings to their section, so a
-    key in the wrong section is reported with the section it belongs in.
+    key in the wrong section is reported with the section it belongs in. ``set_by``
+    names the override that gave a key (see :func:`config_from_tables`).
     """
+    set_by = set_by or {}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = sorted(set(table) - set(names))
     if unknown:
-        raise ConfigError("; ".join(_misplaced(key, source, section, names, owners) for key in unknown))
-    where = f"{source} [{section}]" if source else f"[{section}]"
-    kwargs = {k: _coerce(v, hints[k], f"{where} {k}") for k, v in table.items()}
-    return cls(**kwargs)
+        raise ConfigError(
+            "; ".join(
+                _misplaced_override(key, set_by[(section, key)], section, names, owners)
+                if (section, key) in set_by
+                else _misplaced(key, source, section, names, owners)
+                for key in unknown
+            )
+        )
+    kwargs = {k: _coerce(v, hints[k], _where(k, source, section, set_by)) for k, v in table.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:  # a rule of the section: say which of its values the command line gave
+        given = [set_by[(section, k)] for k in table if (section, k) in set_by]
+        if not given:
+            raise
+        others = f"; the others come from {source}" if source else ""
+        raise ConfigError(f"{exc} ([{section}] settings given by --set: {', '.join(given)}{others})") from exc
+
+
+def _where(key: str, source: str, section: str, set_by: Mapping[tuple[str, str], str]) -> str:
+    """Where the value of ``section.key`` came from, to open an error about it."""
+    if (section, key) in set_by:
+        return f"--set {set_by[(section, key)]}: {section}.{key}"
+    return f"{source} [{section}] {key}" if source else f"[{section}] {key}"
+
+
+def _misplaced_override(
+    key: str, item: str, section: str, names: list[str], owners: Mapping[str, str]
+) -> str:
+    """Why the override ``item`` (``section.key=value``) names no key of ``[section]``, and the
+    ``--set`` option that was probably meant."""
+    value = item.partition("=")[2].strip()
+    owner = owners.get(key)
+    if owner is not None and owner != section:
+        return f"--set {item}: {key} belongs in [{owner}]; write --set {owner}.{key}={value}"
+    unknown = f"--set {item}: unknown key {key!r} in [{section}]"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if close:
+        return f"{unknown}; did you mean {close[0]!r}? (--set {section}.{close[0]}={value})"
+    elsewhere = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.75)
+    if elsewhere:
+        other = elsewhere[0]
+        return f"{unknown}; did you mean {owners[other]}.{other}? (--set {owners[other]}.{other}={value})"
+    return f"{unknown}; valid keys: {', '.join(sorted(names))}"
 
 
 def _misplaced(key: str, source: str, section: str, names: list[str], owners: Mapping[str, str]) -> str:

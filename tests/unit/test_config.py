@@ -68,6 +68,39 @@ def test_unknown_key_names_the_file_section_and_key(tmp_path):
         load_config(write(tmp_path, "[training]\nzzz = 1\n"))
 
 
+def test_a_misspelt_set_option_is_blamed_on_the_option_not_the_file():
+    # issue 54 item 6: jobs/train.py --config conf/local.toml --set training.batchsize=3
+    with pytest.raises(ConfigError) as info:
+        load_job_config(ROOT / "conf/local.toml", ["training.batchsize=3"])
+    message = str(info.value)
+    assert message == (
+        "--set training.batchsize=3: unknown key 'batchsize' in [training]; "
+        "did you mean 'batch_size'? (--set training.batch_size=3)"
+    )
+    assert "local.toml" not in message
+
+
+def test_each_error_names_where_its_setting_came_from(tmp_path):
+    path = write(tmp_path, "[training]\nbatch_sise = 16\n")
+    with pytest.raises(ConfigError, match=r"^\S*c\.toml \[training\]: unknown key 'batch_sise'"):
+        load_config(path, ["training.epochs=2"])  # the file's key, whatever the command line adds
+    path = write(tmp_path, "[training]\nepochs = 2\n")
+    with pytest.raises(ConfigError, match=r"^--set trainig\.epochs=3: unknown section 'trainig'"):
+        load_config(path, ["trainig.epochs=3"])
+    with pytest.raises(
+        ConfigError, match=r"^--set training\.epochs=three: training\.epochs = 'three' must be of type int$"
+    ):
+        load_config(path, ["training.epochs=three"])
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["training.batch_size=0"])
+    assert str(info.value) == (
+        "training.batch_size = 0 must be > 0 ([training] settings given by --set: "
+        f"training.batch_size=0; the others come from {path})"
+    )
+    with pytest.raises(ConfigError, match=r"c\.toml \[training\] epochs = 'three' must be of type int$"):
+        load_config(write(tmp_path, '[training]\nepochs = "three"\n'), ["training.batch_size=4"])
+
+
 def test_unknown_section_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown section 'trainig'; did you mean 'training'\?"):
         load_config(write(tmp_path, "[trainig]\nepochs = 1\n"))
@@ -124,8 +157,12 @@ def test_strategy_settings_live_in_the_section_named_after_their_strategy(tmp_pa
 )
 def test_a_key_in_the_wrong_section_names_the_section_it_belongs_in(tmp_path, override, owner):
     section, key = override.split("=")[0].split(".")
-    with pytest.raises(ConfigError, match=rf"{section}\.{key}: {key} belongs in \[{owner}\]"):
+    value = override.split("=")[1]
+    with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, ""), [override])
+    assert str(info.value) == (
+        f"--set {override}: {key} belongs in [{owner}]; write --set {owner}.{key}={value}"
+    )
     with pytest.raises(ConfigError, match=rf"{section}\.{key}: {key} belongs in \[{owner}\]"):
         load_config(write(tmp_path, f"[{section}]\n{key} = {override.split('=')[1]}\n"))
 

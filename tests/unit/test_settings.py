@@ -114,7 +114,11 @@ def test_a_misspelt_toml_key_or_override_says_did_you_mean(tmp_path):
         load_config(path)
     assert "epochs" not in str(info.value)
     path.write_text("")
-    with pytest.raises(ConfigError, match=r"unknown key 'batch_sise'; did you mean 'batch_size'\?$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set training\.batch_sise=16: unknown key 'batch_sise' in \[training\]; "
+        r"did you mean 'batch_size'\? \(--set training\.batch_size=16\)$",
+    ):
         load_config(path, ["training.batch_sise=16"])
 
 
