@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.apps.etl_job import load_etl_config, run_etl_job
+from sparkdl.apps.etl_job import ETL_EPILOG, load_etl_config, run_etl_job
 from sparkdl.apps.train_job import job_main
 
 
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         load_etl_config,
         run_etl_job,
         ("test_accuracy", "test_rows", "classes", "fit_seconds"),
+        epilog=ETL_EPILOG,
     )
 
 

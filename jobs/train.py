@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparkdl.apps.train_job import job_main, load_job_config, run_advise_job, run_train_job
+from sparkdl.apps.train_job import TRAIN_EPILOG, job_main, load_job_config, run_advise_job, run_train_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         run_train_job,
         ("test_accuracy", "final_loss", "fit_seconds", "train_rows", "test_rows"),
         advise=run_advise_job,
+        epilog=TRAIN_EPILOG,
     )
 
 

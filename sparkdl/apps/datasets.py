@@ -17,15 +17,26 @@ class LabeledArrays:
     num_classes: int
 
 
+# The data sets load_arrays knows, with what they hold (shown by the main job's --help).
+BUNDLED = {"digits": "scikit-learn's 1,797 8x8 handwritten digits (64 pixel features, 10 classes)"}
+
+
 def load_arrays(name: str) -> LabeledArrays:
-    """A bundled data set as arrays; ``digits``: scikit-learn's 1,797 8x8 handwritten digits."""
+    """A bundled data set as arrays (:data:`BUNDLED` lists them).
+
+    Raises:
+        ConfigError: ``name`` is not bundled; the message lists the names that are.
+    """
     if name == "digits":
         from sklearn.datasets import load_digits
 
         bunch = load_digits()
         features = (bunch.data / 16.0).astype(np.float32)  # pixel intensities 0..16 -> 0..1
         return LabeledArrays(features, bunch.target.astype(np.int64), 10)
-    raise ConfigError(f"dataset {name!r} is not bundled; choose 'digits'")
+    raise ConfigError(
+        f"job.dataset = {name!r} is not bundled; choose one of {', '.join(map(repr, BUNDLED))}, "
+        "or train on your own CSV/Parquet rows with jobs/etl_to_train.py"
+    )
 
 
 def train_test_split(

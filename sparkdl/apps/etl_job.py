@@ -84,6 +84,25 @@ class EtlSection:
             raise ConfigError(f"etl.test_fraction = {self.test_fraction} must be between 0 and 1")
 
 
+ETL_EPILOG = """\
+data: your own rows, set in the config's [etl] section or with --set:
+  --set etl.input_path=PATH       a file or directory, local or a URI every executor
+                                  can read (hdfs://, s3a://, dbfs:/)
+  --set etl.input_format=FORMAT   csv (with a header row) or parquet
+  --set etl.label_column=COLUMN   the label (text labels are indexed alphabetically)
+  --set etl.feature_columns='["a", "b"]'
+                                  numeric columns to assemble ([] = every numeric one
+                                  but the label)
+  --set etl.feature_sql='SELECT * FROM __THIS__'
+                                  a Spark SQL step over the raw rows first; conf/etl.toml's
+                                  keeps the rows with a digit, so set your own
+With no input at etl.input_path and etl.write_sample = true, the bundled digits are
+written there first, so the job runs offline as is.
+
+Every setting, with its default and meaning: .venv/bin/python -m sparkdl settings
+(docs/settings.md)."""
+
+
 @dataclass(frozen=True)
 class EtlConfig:
     etl: EtlSection

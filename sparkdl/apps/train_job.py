@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkdl.apps.datasets import BUNDLED
 from sparkdl.config import SparkDLConfig, config_from_tables, load_toml
 from sparkdl.config.loading import about, check_bounds, override_origins
 from sparkdl.errors import ConfigError, SparkDLError
@@ -33,7 +34,9 @@ class JobSection:
     dataset: str = field(
         default="digits",
         metadata=about(
-            "Bundled data set to train on (offline).", valid="a name sparkdl.apps.datasets knows, e.g. digits"
+            "Bundled data set to train on (offline).",
+            valid=f"one of the bundled: {', '.join(BUNDLED)} "
+            "(your own CSV/Parquet rows: jobs/etl_to_train.py)",
         ),
     )
     test_fraction: float = field(
@@ -101,6 +104,51 @@ def load_job_config(path: str | Path, overrides: Iterable[str] = ()) -> JobConfi
     return JobConfig(job=sections["job"], spark=sections["spark"], sparkdl=sparkdl)
 
 
+TRAIN_EPILOG = "\n".join(
+    [
+        "data: the job trains on a bundled data set only (offline), chosen with",
+        "--set job.dataset=NAME (the config's [job] dataset); the bundled ones:",
+        *(f"  {name}: {what}" for name, what in BUNDLED.items()),
+        "Your own rows (CSV or Parquet files, local or on hdfs://, s3a://, dbfs:/) go through",
+        "jobs/etl_to_train.py --config conf/etl.toml, with its [etl] settings: input_path,",
+        "label_column, feature_sql (its --help says each).",
+        "",
+        "Every setting, with its default and meaning: .venv/bin/python -m sparkdl settings",
+        "(docs/settings.md).",
+    ]
+)
+
+
+def job_parser(
+    description: str, defaults: tuple[str, str], advise: bool = False, epilog: str = ""
+) -> argparse.ArgumentParser:
+    """The argument parser of a job (see :func:`job_main`); its ``--help`` shows each default."""
+    parser = argparse.ArgumentParser(
+        description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=defaults[0], help="TOML config file (default: %(default)s)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of the config file (repeatable), e.g. --set training.epochs=3 "
+        "(default: none, the file's values)",
+    )
+    parser.add_argument(
+        "--output", default=defaults[1], help="directory for the results (default: %(default)s)"
+    )
+    if advise:
+        parser.add_argument(
+            "--advise",
+            action="store_true",
+            help="probe the cluster and print each strategy's predicted samples/s instead of training "
+            "(default: off, train)",
+        )
+    return parser
+
+
 def job_main(
     argv: list[str] | None,
     description: str,
@@ -109,34 +157,17 @@ def job_main(
     run: Callable[[Any, str], dict[str, Any]],
     summary_keys: tuple[str, ...],
     advise: Callable[[Any, str], dict[str, Any]] | None = None,
+    epilog: str = "",
 ) -> int:
     """The command line of a job: ``--config``, repeatable ``--set``, ``--output`` (and
     ``--advise`` when the job gives an ``advise`` runner).
 
-    ``defaults`` are the config file and output directory. Prints the metrics named
-    by ``summary_keys`` as JSON (with ``--advise``: the advice's table, and the
-    recommendation as JSON); a SparkDLError is one line on stderr and exit code 2.
+    ``defaults`` are the config file and output directory; ``epilog`` ends ``--help``
+    (the job's data, say). Prints the metrics named by ``summary_keys`` as JSON (with
+    ``--advise``: the advice's table, and the recommendation as JSON); a SparkDLError is
+    one line on stderr and exit code 2.
     """
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", default=defaults[0], help="TOML config file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one setting (repeatable), e.g. --set training.epochs=3",
-    )
-    parser.add_argument("--output", default=defaults[1], help="directory for the results")
-    if advise is not None:
-        parser.add_argument(
-            "--advise",
-            action="store_true",
-            help="probe the cluster and print each strategy's predicted samples/s instead of training",
-        )
-    args = parser.parse_args(argv)
+    args = job_parser(description, defaults, advise is not None, epilog).parse_args(argv)
     if advise is not None and args.advise:
         run, summary_keys = advise, ("recommended", "settings", "samples_per_s")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
