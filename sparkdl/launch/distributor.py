@@ -27,7 +27,7 @@ from sparkdl.config import UseGpu
 from sparkdl.errors import ClusterConfigError, ConfigError
 from sparkdl.launch.user_code import showing_worker_output
 from sparkdl.services.progress.board import ProgressBoard
-from sparkdl.spark.cluster import is_connect
+from sparkdl.spark.cluster import is_connect, is_local_mode
 from sparkdl.spark.distributor_task import launch_partition
 from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value, unpickled
 from sparkdl.spark.shipping import pickled_call
@@ -110,14 +110,14 @@ class TorchDistributor:
                 return self._run_local(program)
             return self._run_distributed(program)
 
-    def _spec(self, program: Program, **endpoints: Any) -> LaunchSpec:
+    def _spec(self, program: Program, **fields: Any) -> LaunchSpec:
         return LaunchSpec(
             program,
             self.num_processes,
             self.use_gpu,
             self.timeout_s,
             self.rendezvous_timeout_s,
-            **endpoints,
+            **fields,
         )
 
     def _run_local(self, program: Program) -> Any:
@@ -142,7 +142,11 @@ class TorchDistributor:
             interval_s=1.0,
         ) as stage:
             spec = self._spec(
-                program, progress=stage.progress_endpoint, weights=stage.weights, meeting=stage.meeting
+                program,
+                progress=stage.progress_endpoint,
+                weights=stage.weights,
+                meeting=stage.meeting,
+                tasks_print_on_driver=tasks_print_on_driver(spark),
             )
             task = functools.partial(launch_partition, spec)
             description = f"sparkdl TorchDistributor: {program.name} on {n} processes"
@@ -174,6 +178,13 @@ def make_program(
         )
     name, payload = pickled_call(train_object, args, kwargs, "TorchDistributor.run")
     return Program(function=payload, name=name)
+
+
+def tasks_print_on_driver(spark: Any) -> bool:
+    """Whether the tasks' own stdout and stderr reach this driver's: under a ``local[N]``
+    master the executor is the driver's JVM, which writes its Python workers' output on its
+    stderr (a cluster's, and ``local-cluster``'s, executors keep theirs in their own logs)."""
+    return not is_connect(spark) and is_local_mode(spark.sparkContext.master)
 
 
 def local_gpus(spark: Any, num_processes: int) -> tuple[str, ...]:

@@ -6,7 +6,8 @@ agent on the driver for every child (``local_mode = True``). An agent:
 
 1. meets the others (rank 0's agent hosts the store first: :func:`~sparkdl.comm.rendezvous.serve_store`),
    and probes every peer's address, so a rank that cannot reach another fails in seconds;
-2. launches its child with torchrun's environment and relays its output;
+2. launches its child with torchrun's environment and relays its output (each line shown
+   once on the driver: see :func:`_relay_to`);
 3. supervises it: the first child to fail stops every other (noticed within 0.2 s);
 4. brings back rank 0's return value, or the failure as an error record.
 
@@ -103,6 +104,10 @@ class LaunchSpec:
         progress: the driver's channel for output and heartbeats (None: none).
         weights: where rank 0 sends a returned state dict (None: in the result rows).
         meeting: the driver's meeting point (None: Spark's allGather).
+        tasks_print_on_driver: the tasks' own stdout and stderr are the driver's (a
+            ``local[N]`` master: the executor is the driver's JVM, which writes its Python
+            workers' output on its stderr), so a line the progress channel carried is not
+            written there again.
     """
 
     program: Program
@@ -113,6 +118,7 @@ class LaunchSpec:
     progress: ProgressEndpoint | None = None
     weights: WeightsEndpoint | None = None
     meeting: MeetingPoint | None = None
+    tasks_print_on_driver: bool = False
 
 
 # --------------------------------------------------------------------------- one task's agent
@@ -143,7 +149,8 @@ def run_agent(spec: LaunchSpec, place: Placement, all_gather: AllGather) -> Retu
             place.rank, place.world_size, 0, 1, place.rank, place.world_size, gpus, place.torch_threads
         )
         env = child_environment(slot, rendezvous)
-        child = _launch(spec.program, place.rank, env, directory, _relay_to(reporter))
+        sink = _relay_to(reporter, spec.tasks_print_on_driver)
+        child = _launch(spec.program, place.rank, env, directory, sink)
         board = FailureBoard(store, place.world_size)
         (outcome,) = supervise([child], board, spec.timeout_s)
         _say_done(store)
@@ -230,15 +237,16 @@ def _launch(program: Program, rank: int, env: dict[str, str], directory: str, si
     return Child(rank, program.argv(directory), env, sink)
 
 
-def _relay_to(reporter: ProgressReporter | None) -> LineSink:
-    """Each line a child writes: into this process's own stream (the executor's log), and
-    to the driver, where its progress channel listens."""
+def _relay_to(reporter: ProgressReporter | None, prints_on_driver: bool) -> LineSink:
+    """Each line a child writes: to the driver, where its progress channel listens (shown
+    there as ``[rank N] line``), and into this process's own stream, the executor's log.
+    Not into that stream when it is the driver's own (``prints_on_driver``: a ``local[N]``
+    master) and the channel carried the line: the driver shows each line once."""
 
     def sink(rank: int, stream: str, line: str) -> None:
-        out = sys.stderr if stream == "stderr" else sys.stdout
-        print(line, file=out, flush=True)
-        if reporter is not None:
-            reporter.log(logging.INFO, line)
+        sent = reporter is not None and reporter.log(logging.INFO, line)
+        if not (sent and prints_on_driver):
+            print(line, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
     return sink
 

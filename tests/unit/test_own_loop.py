@@ -566,6 +566,67 @@ def test_local_mode_blames_the_rank_that_failed_first_not_its_echoes(failing):
     assert f"bad shard on rank {failing}" in caught.value.message
 
 
+@pytest.mark.parametrize(
+    ("prints_on_driver", "driver_listens", "kept_here"),
+    [
+        (True, True, False),  # local[N]: the executor's stream is the driver's stderr
+        (False, True, True),  # a cluster: the line stays in the executor's log too
+        (True, False, True),  # the driver refused the channel: the executor's stream is all it has
+    ],
+)
+def test_each_line_of_a_distributor_child_reaches_the_driver_once(
+    capsys, caplog, prints_on_driver, driver_listens, kept_here
+):
+    """Before: under local[N] every line showed twice on the driver, ``[rank N] line`` from
+    the progress channel and bare from the agent's own stdout (which the driver's JVM
+    writes on its stderr)."""
+    import logging
+    import time
+
+    from sparkdl.services.progress.board import ProgressBoard
+    from sparkdl.services.progress.channel import ProgressReporter, ProgressServer
+    from sparkdl.worker.distributor_agent import _relay_to
+
+    server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", b"p" * 32, interval_s=0.05)
+    endpoint = server.endpoint()
+    if not driver_listens:
+        server.stop()
+    reporter = ProgressReporter(endpoint, rank=1, attempt=0)
+    try:
+        sink = _relay_to(reporter, prints_on_driver)
+        with caplog.at_level(logging.INFO, logger="sparkdl.worker"):
+            sink(1, "stdout", "epoch 1 loss 0.5")
+            sink(1, "stderr", "a warning of the child")
+            deadline = time.monotonic() + (10 if driver_listens else 0.5)
+            while len([r for r in caplog.records if r.name == "sparkdl.worker"]) < 2:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+    finally:
+        reporter.close()
+        server.stop()
+    shown = [r.getMessage() for r in caplog.records if r.name == "sparkdl.worker"]
+    relayed = ["[rank 1] epoch 1 loss 0.5", "[rank 1] a warning of the child"]
+    assert shown == (relayed if driver_listens else [])
+    here = capsys.readouterr()
+    if kept_here:
+        assert (here.out, here.err) == ("epoch 1 loss 0.5\n", "a warning of the child\n")
+    else:
+        assert (here.out, here.err) == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("master", "on_driver"),
+    [("local[2]", True), ("local", True), ("local-cluster[2,1,1024]", False), ("spark://host:7077", False)],
+)
+def test_only_a_local_masters_tasks_print_on_the_driver(master, on_driver):
+    from types import SimpleNamespace
+
+    from sparkdl.launch.distributor import tasks_print_on_driver
+
+    assert tasks_print_on_driver(SimpleNamespace(sparkContext=SimpleNamespace(master=master))) is on_driver
+
+
 def returns_early_on_rank_1(ctx):
     model = make_tiny_net()
     model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

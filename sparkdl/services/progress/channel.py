@@ -278,10 +278,13 @@ class ProgressReporter:
         self._last = self._clock()
         self._send(report)
 
-    def log(self, level: int, message: str) -> None:
-        """Send a log record; the driver logs it again as ``sparkdl.worker`` with the rank."""
-        if self._channel is not None:
-            self._send(Log(self.rank, self.attempt, level, message[:MAX_LOG_CHARS]))
+    def log(self, level: int, message: str) -> bool:
+        """Send a log record; the driver logs it again as ``sparkdl.worker`` with the rank.
+
+        Returns:
+            whether it was sent (False: no channel to the driver, which will not see it).
+        """
+        return self._send(Log(self.rank, self.attempt, level, message[:MAX_LOG_CHARS]))
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (bounded), say GOODBYE (the driver stops
@@ -308,17 +311,20 @@ class ProgressReporter:
             else:
                 wait = every - idle
 
-    def _send(self, message: Message) -> None:
+    def _send(self, message: Message) -> bool:
+        """Send ``message``; whether it went (False: no channel, or it just closed)."""
         with self._lock:
             if self._channel is None:
-                return
+                return False
             try:
                 self._channel.send(message)
                 self._last_sent = time.monotonic()
+                return True
             except OSError as exc:  # the driver went away: train on, silently
                 log.info("rank %d: progress channel closed: %s", self.rank, exc)
                 close_quietly(self._channel.sock)
                 self._channel = None
+                return False
 
 
 class ForwardToDriver(logging.Handler):
