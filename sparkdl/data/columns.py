@@ -205,7 +205,7 @@ def _array_to_numpy(column: pa.Array, name: str) -> np.ndarray:
     rows = len(column)
     if pa.types.is_fixed_size_list(column.type):
         width = column.type.list_size
-        return _numeric_to_numpy(column.flatten(), name).reshape(rows, width)
+        return _elements(column, name).reshape(rows, width)
     lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
     width = int(lengths[0]) if rows else 0
     ragged = lengths != width
@@ -218,7 +218,38 @@ def _array_to_numpy(column: pa.Array, name: str) -> np.ndarray:
             column=name,
             bad_rows=int(ragged.sum()),
         )
-    return _numeric_to_numpy(column.flatten(), name).reshape(rows, width)
+    return _elements(column, name).reshape(rows, width)
+
+
+def _elements(column: pa.Array, name: str) -> np.ndarray:
+    """The numbers of an array column, flattened; a null among them is a BadDataError."""
+    flat = column.flatten()
+    _refuse_null_elements(column, flat, 1, name)
+    return _numeric_to_numpy(flat, name)
+
+
+def _refuse_null_elements(column: pa.Array, leaves: pa.Array, depth: int, name: str) -> None:
+    """Raise a BadDataError for null numbers inside the arrays of ``column`` (``leaves``: its
+    numbers, ``depth`` levels of arrays down): how many rows hold one, the first, and the fixes."""
+    if not leaves.null_count:
+        return
+    rows = np.unique(_row_of(column, depth)[pc.is_null(leaves).to_numpy(zero_copy_only=False)])
+    first = repr(column[int(rows[0])].as_py())
+    first = first if len(first) <= 60 else first[:56] + " ..."
+    fill, numbers = "lambda x: F.coalesce(x, F.lit(0.0))", repr(name)
+    for level in range(depth - 1):  # array<array<...>>: one F.transform per level reaches the numbers
+        fill, numbers = f"lambda a{level}: F.transform(a{level}, {fill})", f"F.flatten({numbers})"
+    nulls = leaves.null_count
+    raise BadDataError(
+        f"array column {name!r}: {len(rows)} of {len(column)} rows of this batch hold a null element "
+        f"({nulls} null{'s' if nulls > 1 else ''} in all; the first in row {int(rows[0])}: {first}); "
+        "a null inside an array is never read as 0: fill the nulls before fit "
+        f"(df.withColumn({name!r}, F.transform({name!r}, {fill})), F = pyspark.sql.functions), "
+        f"drop those rows (df.where(~F.exists({numbers}, lambda x: x.isNull()))), "
+        "or set on_bad_rows = 'skip' to leave them out and count them",
+        column=name,
+        bad_rows=len(rows),
+    )
 
 
 def _vector_to_numpy(column: pa.StructArray, name: str) -> np.ndarray:
@@ -316,7 +347,7 @@ def decode_sequence(column: pa.Array | pa.ChunkedArray, spec: ColumnSpec) -> Rag
             "remove it from sequence_cols"
         )
     offsets = _list_offsets(column)
-    values = natural_dtype(_numeric_to_numpy(column.flatten(), spec.name))
+    values = natural_dtype(_elements(column, spec.name))
     return Ragged(values, offsets - offsets[0])
 
 
@@ -396,6 +427,7 @@ def _nested_to_numpy(column: pa.Array, name: str) -> np.ndarray:
         if level.null_count:
             _refuse_nulls(level, name)
         level = level.flatten()
+    _refuse_null_elements(column, level, len(shape), name)
     return _numeric_to_numpy(level, name).reshape(rows, *shape)
 
 

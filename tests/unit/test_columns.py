@@ -83,6 +83,57 @@ def test_nulls_are_an_error_naming_column_and_count():
     assert info.value.column == "x" and info.value.bad_rows == 2
 
 
+FIX_FEATURES = (
+    "a null inside an array is never read as 0: fill the nulls before fit "
+    "(df.withColumn('features', F.transform('features', lambda x: F.coalesce(x, F.lit(0.0)))), "
+    "F = pyspark.sql.functions), drop those rows (df.where(~F.exists('features', lambda x: x.isNull()))), "
+    "or set on_bad_rows = 'skip' to leave them out and count them"
+)
+
+
+@pytest.mark.parametrize(
+    "typ", [pa.list_(pa.float64()), pa.list_(pa.float32(), 3), pa.large_list(pa.float64())], ids=str
+)
+def test_a_null_element_inside_an_array_names_the_column_the_row_and_the_fix(typ):
+    rows = [
+        [0.0, 0.0, 0.0],
+        [1.0, 1.0, 1.0],
+        [2.0, 2.0, 2.0],
+        [1.0, None, 3.0],
+        [4.0, 5.0, 6.0],
+        [None, None, 9.0],
+    ]
+    batch = pa.RecordBatch.from_pydict(
+        {"features": pa.array(rows, typ), "label": pa.array([0, 1, 0, 1, 0, 1])}
+    ).slice(2, 4)  # rows 0 and 1 of this batch are sound; its row 1 holds the first null
+    with pytest.raises(BadDataError) as info:
+        features(batch, plan(batch, ["features"]))
+    assert str(info.value) == (
+        "array column 'features': 2 of 4 rows of this batch hold a null element "
+        f"(3 nulls in all; the first in row 1: [1.0, None, 3.0]); {FIX_FEATURES}"
+    )
+    assert info.value.column == "features" and info.value.bad_rows == 2
+
+
+def test_a_null_element_inside_a_nested_array_gives_the_fix_for_its_depth():
+    batch = pa.RecordBatch.from_pydict(
+        {"features": pa.array([[[1.0], [2.0]], [[3.0], [None]]]), "label": pa.array([0, 1])}
+    )
+    p = plan_data(batch.schema, inputs={"x": "features"}, label_col="label")
+    with pytest.raises(BadDataError) as info:
+        decode_block(batch, p)
+    message = str(info.value)
+    assert message.startswith(
+        "array column 'features': 1 of 2 rows of this batch hold a null element "
+        "(1 null in all; the first in row 1: [[3.0], [None]]);"
+    )
+    assert (
+        "F.transform('features', lambda a0: F.transform(a0, lambda x: F.coalesce(x, F.lit(0.0))))" in message
+    )
+    assert "df.where(~F.exists(F.flatten('features'), lambda x: x.isNull()))" in message
+    assert info.value.column == "features" and info.value.bad_rows == 1
+
+
 def test_ragged_arrays_are_an_error_with_the_count():
     batch = pa.RecordBatch.from_pydict(
         {"arr": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0, 5.0]]), "label": pa.array([0, 0, 1, 1])}

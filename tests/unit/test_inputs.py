@@ -150,9 +150,13 @@ def test_ragged_arrays_not_declared_as_sequences_are_bad_data():
 
 def test_a_null_element_in_a_sequence_is_bad_data():
     batch = batch_of(tok=pa.array([[1, None], [4], [None, 2, None]], pa.list_(pa.int32())), label=labels(3))
-    with pytest.raises(BadDataError, match=r"column 'tok' has 3 null elements") as info:
+    with pytest.raises(
+        BadDataError,
+        match=r"^array column 'tok': 2 of 3 rows of this batch hold a null element \(3 nulls in all; "
+        r"the first in row 0: \[1, None\]\); .*F\.coalesce.*on_bad_rows = 'skip'",
+    ) as info:
         decode_block(batch, sequence_plan(batch))
-    assert info.value.column == "tok"
+    assert info.value.column == "tok" and info.value.bad_rows == 2
 
 
 def test_only_arrays_of_numbers_can_be_sequences():
