@@ -1,10 +1,13 @@
 """A real standalone cluster on loopback: a master and two workers started with PySpark's own
-``sbin/spark-daemon.sh`` (what ``start-master.sh`` / ``start-worker.sh`` run), the main job
-submitted to it with ``spark-submit``, then the cluster stopped."""
+``sbin/spark-daemon.sh`` (what ``start-master.sh`` / ``start-worker.sh`` run), whose own Python
+has neither torch nor sparkdl; the main job submitted to it with ``spark-submit``, the
+environment it needs packed by ``scripts/pack_env.sh`` from sparkdl's wheel and shipped with
+``--archives``, as a user's first cluster run goes; then the cluster stopped."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,18 +24,23 @@ WORKER = "org.apache.spark.deploy.worker.Worker"
 
 
 class StandaloneCluster:
-    def __init__(self, base: Path) -> None:
+    """Its daemons, and so its executors, run in ``env`` (the workers' own environment)."""
+
+    def __init__(self, base: Path, python: str) -> None:
         import pyspark
 
         self.home = Path(pyspark.__file__).parent
         self.logs = base / "logs"
-        self.env = spark_env(
-            base,
-            SPARK_HOME=str(self.home),
-            SPARK_LOG_DIR=str(self.logs),
-            SPARK_PID_DIR=str(base / "pids"),
-            SPARK_IDENT_STRING="sparkdl-test",
-        )
+        self.work = base / "work"
+        own = spark_env(base, PYSPARK_PYTHON=python)
+        own.pop("PYTHONPATH")  # not this repository's sparkdl: the executors get theirs shipped
+        self.env = {
+            **own,
+            "SPARK_HOME": str(self.home),
+            "SPARK_LOG_DIR": str(self.logs),
+            "SPARK_PID_DIR": str(base / "pids"),
+            "SPARK_IDENT_STRING": "sparkdl-test",
+        }
         self.port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
 
@@ -72,8 +80,19 @@ class StandaloneCluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
-    standalone = StandaloneCluster(tmp_path)
+def bare_python(tmp_path: Path) -> str:
+    """The workers' own Python: a new virtual environment, without torch and without sparkdl."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    python = str(tmp_path / "bare/bin/python")
+    for module in ("torch", "sparkdl"):
+        found = subprocess.run([python, "-c", f"import {module}"], capture_output=True, env={}, cwd=tmp_path)
+        assert found.returncode != 0, f"the workers' own Python must lack {module}"
+    return python
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, bare_python: str) -> Iterator[StandaloneCluster]:
+    standalone = StandaloneCluster(tmp_path, bare_python)
     standalone.start()
     try:
         yield standalone
@@ -83,12 +102,34 @@ def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
     assert not list((tmp_path / "pids").glob("*.pid"))  # spark-daemon.sh removed every pid file
 
 
-def test_spark_submit_trains_on_a_standalone_master_with_two_workers(cluster, tmp_path):
+def test_spark_submit_trains_on_a_standalone_cluster_whose_python_lacks_torch_and_sparkdl(cluster, tmp_path):
+    """What docs/guide/install.md tells a user: pack the environment from the wheel, ship it
+    with --archives, point the executors' Python at it; the main job trains to its accuracy."""
+    archive = tmp_path / "sparkdl-env.tar.gz"
+    settings = {
+        "OUTPUT": str(archive),
+        "PYTHON": sys.executable,
+        "COMPILE_BYTECODE": "0",
+        "COMPRESS_LEVEL": "1",
+    }
+    packed = subprocess.run(
+        ["bash", str(ROOT / "scripts/pack_env.sh")],
+        env={**os.environ, **settings},  # sources only, gzip's fastest: packed in half the time
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=tmp_path,
+    )
+    assert packed.returncode == 0, packed.stdout[-2000:] + packed.stderr[-4000:]
+    assert not list(ROOT.glob("build/lib/sparkdl"))  # the wheel was built outside the repository
     spark_submit = Path(sys.executable).with_name("spark-submit")
-    env = {**cluster.env, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env = cluster.env
     command = [
         str(spark_submit),
         "--master", cluster.url,
+        "--archives", f"{archive}#environment",
+        "--conf", "spark.pyspark.python=./environment/bin/python",
+        "--conf", f"spark.pyspark.driver.python={sys.executable}",  # the driver: this environment
         "--conf", "spark.driver.host=127.0.0.1",
         "--conf", "spark.ui.enabled=false",
         "--conf", "spark.executor.cores=1",
@@ -102,10 +143,18 @@ def test_spark_submit_trains_on_a_standalone_master_with_two_workers(cluster, tm
         "--output", str(tmp_path / "out"),
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, _first_exception(done.stderr)
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
     assert metrics["test_accuracy"] >= 0.93
     assert metrics["history"][-1]["worker_samples"][0] > 0 and metrics["history"][-1]["worker_samples"][1] > 0
-    # both workers ran an executor for the application
+    # both workers ran an executor for the application, in the environment shipped to it
     for instance in (1, 2):
         assert "Asked to launch executor app-" in cluster.log_text(WORKER, instance)
+    unpacked = sorted(cluster.work.glob("app-*/*/environment/bin/python"))
+    assert len(unpacked) == 2, unpacked
+
+
+def _first_exception(stderr: str) -> str:
+    """The first Java or Python exception of a failed job's output, and its end."""
+    at = min((i for i in (stderr.find("Exception"), stderr.find("Traceback")) if i >= 0), default=0)
+    return stderr[max(at - 300, 0) : at + 2500] + "\n...\n" + stderr[-1500:]
