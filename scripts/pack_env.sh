@@ -5,7 +5,7 @@
 #
 #   bash scripts/pack_env.sh                       # -> dist/sparkdl-env.tar.gz
 #   TORCH_BUILD=cuda bash scripts/pack_env.sh      # torch's CUDA build, for GPU executors
-#   COMPRESS_LEVEL=1 bash scripts/pack_env.sh      # 3x sooner, 1.3x the bytes (gzip's level; default 4)
+#   COMPRESS_LEVEL=1 bash scripts/pack_env.sh      # gzip's fastest (default 4): sooner, a little larger
 #
 # Keep the .tar.gz (or .zip): Spark unpacks a plain .tar with Hadoop's Java untar, which refuses
 # the packed bin/python's link to the interpreter outside the archive.

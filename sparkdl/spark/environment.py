@@ -150,7 +150,9 @@ def mismatch_message(driver: Interpreter, executor: Interpreter, problems: list[
         f"executors run {executor.executable} ({executor.python}), where {'; '.join(problems)}; "
         f"set PYSPARK_PYTHON (now {setting!r}) to an interpreter with sparkdl and torch "
         f"{driver.torch} installed (the driver runs {driver.executable}, Python {driver.python}), "
-        "before the SparkContext starts"
+        "before the SparkContext starts, or ship one to the executors: bash scripts/pack_env.sh, then "
+        "spark.archives = 'dist/sparkdl-env.tar.gz#environment' and spark.pyspark.python = "
+        "'./environment/bin/python' (docs/guide/install.md)"
     )
 
 
