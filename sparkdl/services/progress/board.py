@@ -202,7 +202,7 @@ class _FiguresBar(tqdm):
     wrong here (steps arrive in jumps, every ``progress_interval_s``, and the bar opens at the
     driver's first report, not when the epoch began)."""
 
-    figures = ""
+    figures = "starting"
 
     @property
     def format_dict(self) -> dict[str, Any]:
