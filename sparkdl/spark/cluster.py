@@ -144,6 +144,27 @@ def parse_seconds(text: str) -> float:
 
 
 @contextlib.contextmanager
+def own_local_properties(spark: Any) -> Iterator[None]:
+    """Inside, this thread's Spark local properties (its job group, description, ...) are a
+    copy of its own: what it sets there reaches no other thread, and the caller's are back
+    after. PySpark's tuning (``CrossValidator``, ``TrainValidationSplit`` with
+    ``parallelism`` > 1) gives all its trial threads one properties object
+    (``inheritable_thread_target(session)`` clones once, then sets that one clone in every
+    thread), so a fit setting its job group there would set it for the trials beside it,
+    whose stages would then run in its group (nothing over Spark Connect)."""
+    if is_connect(spark):
+        yield
+        return
+    context = spark.sparkContext._jsc.sc()
+    shared = context.getLocalProperties()
+    context.setLocalProperties(shared.clone())
+    try:
+        yield
+    finally:
+        context.setLocalProperties(shared)
+
+
+@contextlib.contextmanager
 def described(spark: Any, text: str) -> Iterator[None]:
     """The Spark UI's description of the jobs started inside; the caller's restored after
     (nothing over Spark Connect, whose client has no SparkContext)."""

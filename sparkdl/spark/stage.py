@@ -29,7 +29,7 @@ from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressEndpoint, ProgressServer
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect
+from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect, own_local_properties
 from sparkdl.spark.environment import failure_excerpt, memory_hint
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import StageServers, stage_servers
@@ -127,7 +127,7 @@ class Stage:
             board.stage_submitted(
                 f"starting {board.num_workers} workers: each executor starts Python and imports torch first"
             )
-        with described(site.spark, description):
+        with own_local_properties(site.spark), described(site.spark, description):
             rows = run_barrier_stage(
                 data, task, schema, site.profile, silence, self.bound_s, site.group, slots
             )
