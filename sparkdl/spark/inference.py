@@ -96,19 +96,21 @@ class ModelWeights:
         return download(self.endpoint) if self.endpoint is not None else state_from_bytes(self.data)
 
 
-def model_weights(spark: Any, owner: object, module: torch.nn.Module) -> ModelWeights:
+def model_weights(spark: Any, module: torch.nn.Module) -> ModelWeights:
     """Offer ``module``'s weights to the tasks of a ``transform`` (on the driver).
 
-    The weights server serves the module's own tensors while ``owner`` (the TorchModel)
-    lives; the same unchanged tensors keep their slot, so Python workers that loaded them
-    load nothing again.
+    The weights server serves the module's own tensors while the module lives: a TorchModel
+    and its copies share it, so ``model.transform(df, params)`` (a copy whose own life ends
+    when the call returns, as in pyspark.ml's tuning, which then evaluates the lazy
+    DataFrame while other trials offer theirs) is served as long as the model is. The same
+    unchanged tensors keep their slot, so Python workers that loaded them load nothing again.
     """
     state = {name: tensor.detach() for name, tensor in module.state_dict().items()}
     if is_connect(spark):
         data = state_to_bytes(module)
         return ModelWeights(hashlib.sha256(data).hexdigest(), data=data)  # hashed once, not per task
     fingerprint = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
-    endpoint = weight_server(driver_host(spark)).offer(state, owner, fingerprint)
+    endpoint = weight_server(driver_host(spark)).offer(state, module, fingerprint)
     return ModelWeights(endpoint.key, endpoint=endpoint)
 
 

@@ -200,3 +200,27 @@ def test_a_transform_while_a_fit_runs_gives_what_it_gives_alone(spark):
     assert not isinstance(outcome["fit"], Exception), outcome["fit"]
     assert beside == alone
     assert len(outcome["fit"].history) == 6
+
+
+def test_a_transform_with_params_is_served_while_its_model_lives_whatever_is_offered_meanwhile(spark):
+    """pyspark.ml's tuning evaluates ``model.transform(validation, params)``, lazy, while the
+    other trials offer their models: the copy that transform made is gone by then, and its
+    offer was pruned after KEEP_RELEASED newer ones (WeightTransferError: 'the driver no
+    longer serves the weights of this model'). The offer now lives as long as the module the
+    model and its copies share."""
+    import gc
+
+    from sparkdl.services.weights.server import KEEP_RELEASED
+
+    df = shards_dataframe(spark, make_shards([12, 12]))
+    model = trial_estimator(1, epochs=1).fit(df)
+    expected = [row[0] for row in model.transform(df).select("prediction").collect()]
+    lazy = model.transform(df, {model.getParam("prediction_col"): "guess"})  # made by a copy
+    gc.collect()  # the copy is gone
+    for _ in range(KEEP_RELEASED + 2):  # as many other trials offering their models
+        other = model.copy()
+        other.module = make_tiny_net()
+        other.transform(df).count()
+        del other
+        gc.collect()
+    assert [row[0] for row in lazy.select("guess").collect()] == expected
