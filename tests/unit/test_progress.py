@@ -280,3 +280,19 @@ def test_a_frame_naming_another_rank_than_its_hello_is_refused(caplog):
         assert b.epoch_figures(1)["samples"] == 0
     finally:
         server.stop()
+
+
+def test_a_stage_whose_workers_have_not_started_says_what_it_waits_for_once(capsys):
+    b = ProgressBoard(2, 1, bar_factory=FakeBar)
+    b.stage_submitted("starting 2 workers", note_wait_s=0.05)
+    time.sleep(0.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "sparkdl: starting 2 workers"
+    assert lines[1].startswith("sparkdl: no worker started yet, 0s after the stage was submitted: its 2 ")
+    assert len(lines) == 2
+    started = ProgressBoard(2, 1, bar_factory=FakeBar)
+    started.stage_submitted("starting 2 workers", note_wait_s=0.05)
+    started.worker_started(0, attempt=0)
+    time.sleep(0.5)
+    assert "no worker started yet" not in capsys.readouterr().err  # one had: nothing to explain
+    b.close(), started.close()

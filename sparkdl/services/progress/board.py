@@ -38,6 +38,10 @@ class Report:
     val_loss: float | None = None  # the epoch's validation loss, in its last report
 
 
+#: How long after a stage's submission with no worker started the board says why it may wait.
+WAIT_NOTE_S = 15.0
+
+
 def announce(text: str) -> None:
     """One line of what the run is doing, below any bar (a bar in a terminal stays whole)."""
     line = f"sparkdl: {text}"
@@ -83,14 +87,29 @@ class ProgressBoard:
         self._bar_epoch = 0
         self._submitted: float | None = None  # when the stage was submitted (clock)
         self._started: dict[int, set[int]] = {}  # stage attempt -> ranks that connected
+        self._waiting: threading.Timer | None = None
 
-    def stage_submitted(self, what: str) -> None:
+    def stage_submitted(self, what: str, note_wait_s: float = WAIT_NOTE_S) -> None:
         """The stage's tasks were handed to Spark: say so (executors start Python and import
-        torch before any worker can report)."""
+        torch before any worker can report), and again if no worker started ``note_wait_s``
+        later (a barrier stage starts only when all its tasks have slots at once: another
+        fit's stage may hold them)."""
         with self._lock:
             self._submitted = self._clock()
             if self.show:
                 announce(what)
+                self._waiting = threading.Timer(note_wait_s, self._note_waiting, args=(note_wait_s,))
+                self._waiting.daemon = True
+                self._waiting.start()
+
+    def _note_waiting(self, waited_s: float) -> None:
+        with self._lock:
+            if not any(self._started.values()) and self._waiting is not None:
+                announce(
+                    f"no worker started yet, {waited_s:.0f}s after the stage was submitted: its "
+                    f"{self.num_workers} tasks wait for {self.num_workers} free task slots at once (another "
+                    "stage, e.g. a fit beside this one, may hold them) or for executors to start"
+                )
 
     def worker_started(self, rank: int, attempt: int) -> None:
         """Rank ``rank`` of stage attempt ``attempt`` connected: once every rank of an attempt
@@ -110,6 +129,7 @@ class ProgressBoard:
         """The stage succeeded: close the last bar and write one line for the whole run."""
         with self._lock:
             self._close_bar()
+            self._stop_waiting()
             if not self.show or not self._reports:
                 return
             epochs = sorted(self._reports)
@@ -151,6 +171,12 @@ class ProgressBoard:
     def close(self) -> None:
         with self._lock:
             self._close_bar()
+            self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
+            self._waiting = None
 
     def _close_bar(self) -> None:
         if self._bar is not None:
