@@ -311,3 +311,29 @@ def test_an_owner_collected_while_the_server_holds_its_lock_does_not_deadlock_it
     assert done.wait(5), "the finalizer blocked on the server's lock"
     server.offer({"w": torch.ones(2)}, Owner(), 1)  # the next offer prunes: still served, newest-but-one
     assert server.serves(offered.slot)
+
+
+def test_fits_side_by_side_share_the_server_and_each_gets_its_own_weights(server):
+    """The one process-wide weights server under eight fits at once from threads (issue 58):
+    each offers its model, uploads its trained weights and reads both back, all interleaved;
+    every thread gets its own, and every slot is its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def fit(index: int) -> tuple[bool, bool, int, int]:
+        owner, state = Owner(), {"w": torch.full((64,), float(index)), "b": torch.arange(index + 1.0)}
+        offered = server.offer(state, owner, f"v{index}")
+        inbox = server.expect_upload()
+        upload(inbox.endpoint, {"w": state["w"] * 2})
+        got, trained = download(offered), inbox.take()
+        return (
+            all(torch.equal(got[k], v) for k, v in state.items()),
+            trained is not None and torch.equal(trained["w"], state["w"] * 2),
+            offered.slot,
+            inbox.endpoint.slot,
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(fit, range(8)))
+    assert all(own_offer and own_upload for own_offer, own_upload, _, _ in results)
+    slots = [slot for _, _, offer, inbox in results for slot in (offer, inbox)]
+    assert len(set(slots)) == 16
