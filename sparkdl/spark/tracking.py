@@ -7,7 +7,10 @@ exports with an example batch (loading it runs no Python code of ours). A model 
 does not export is logged pickled only when ``mlflow_pickle_model`` asks for it (loading
 a pickle runs its code); otherwise only its weights are logged, as a ``weights_only``
 torch file that ``TorchModel.load``'s own format reads back into ``model_fn()``. Inside
-an active run (a notebook's, or a pipeline's) the fit becomes a nested run.
+an active run (a notebook's, or a pipeline's) the fit becomes a nested run; so does a fit
+in a thread of its own while another thread holds a run, as pyspark.ml's tuning fits its
+trials in pool threads while the caller's thread holds the tuning run (MLflow keeps the
+active run per thread).
 
 Nothing is logged unless a tracking URI was chosen (``MLFLOW_TRACKING_URI``,
 ``mlflow.set_tracking_uri``, Databricks' own) or a run is active: sparkdl never
@@ -26,6 +29,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -83,7 +87,25 @@ def mlflow_if_configured(config: SparkDLConfig) -> Any | None:
         return None
     if os.environ.get("MLFLOW_TRACKING_URI") or mlflow.active_run() is not None or _uri_was_set():
         return mlflow
-    return None
+    return mlflow if _other_threads_run(mlflow) is not None else None
+
+
+def _other_threads_run(mlflow: Any) -> Any | None:
+    """The run another live thread of this process holds, when exactly one run is held
+    elsewhere and none here: the tuning run whose trials this thread fits (pyspark.ml's
+    tuning fits them in pool threads, and MLflow's active run is per thread). None where
+    this MLflow keeps no per-thread table of runs."""
+    stacks = getattr(getattr(mlflow.tracking, "fluent", None), "_active_run_stack", None)
+    every_thread = getattr(stacks, "get_all_thread_values", None)
+    if every_thread is None or mlflow.active_run() is not None:
+        return None
+    here, alive = threading.get_ident(), {thread.ident for thread in threading.enumerate()}
+    held = {
+        runs[-1].info.run_id: runs[-1]
+        for ident, runs in every_thread().items()
+        if ident != here and ident in alive and runs
+    }
+    return next(iter(held.values())) if len(held) == 1 else None
 
 
 def _uri_was_set() -> bool:
@@ -205,6 +227,14 @@ def _started_run(mlflow: Any, config: SparkDLConfig) -> Any:
     MLflow state (``mlflow.set_experiment`` would)."""
     tracking = config.tracking
     nested = mlflow.active_run() is not None
+    parent = None if nested else _other_threads_run(mlflow)
+    if parent is not None:  # a trial of a tuning run held by the thread that started it
+        return mlflow.start_run(
+            run_name=tracking.mlflow_run_name or None,
+            nested=True,
+            parent_run_id=parent.info.run_id,
+            experiment_id=parent.info.experiment_id,
+        )
     experiment_id = (
         _experiment_id(mlflow, tracking.mlflow_experiment)
         if tracking.mlflow_experiment and not nested

@@ -111,3 +111,50 @@ def test_a_long_mlflow_reason_is_cut_at_a_space_never_inside_a_link():
     assert reason.endswith(" ...") and len(reason) <= 1_004
     assert all(word in ("see", link, "...") for word in reason.split())  # every link whole
     assert _reason(RuntimeError("")) == "RuntimeError."
+
+
+def test_a_fit_in_a_trial_thread_logs_a_run_nested_under_the_tuning_run_of_the_caller(tmp_path, monkeypatch):
+    """pyspark.ml's tuning fits each trial in a pool thread while the thread that called
+    cv.fit holds the tuning run; MLflow keeps the active run per thread, so before, every
+    trial logged a top-level run. Two runs held elsewhere: which one is ambiguous, top-level."""
+    import threading
+
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    model = TorchModel(module=nn.Linear(4, 3), model_fn=lambda: nn.Linear(4, 3), history=[])
+
+    def trial_run() -> str:
+        logged: list[str] = []
+        thread = threading.Thread(target=lambda: logged.append(log_fit(SparkDLConfig(), model, 1.0)))
+        thread.start()
+        thread.join(60)
+        return logged[0]
+
+    client = mlflow.tracking.MlflowClient()
+    with mlflow.start_run(run_name="tuning") as tuning:
+        trials = [trial_run() for _ in range(2)]
+    for run_id in trials:
+        run = client.get_run(run_id)
+        assert run.data.tags["mlflow.parentRunId"] == tuning.info.run_id
+        assert run.info.experiment_id == tuning.info.experiment_id
+    assert mlflow.active_run() is None  # the caller's thread left as it was
+
+    other_holds = threading.Event()
+    release = threading.Event()
+
+    def hold_another_run() -> None:
+        with mlflow.start_run(run_name="elsewhere"):
+            other_holds.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold_another_run)
+    holder.start()
+    other_holds.wait(60)
+    try:
+        with mlflow.start_run(run_name="tuning"):
+            ambiguous = trial_run()
+    finally:
+        release.set()
+        holder.join(60)
+    assert "mlflow.parentRunId" not in client.get_run(ambiguous).data.tags
