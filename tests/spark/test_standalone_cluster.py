@@ -24,16 +24,20 @@ WORKER = "org.apache.spark.deploy.worker.Worker"
 
 
 class StandaloneCluster:
-    """Its daemons, and so its executors, run in ``env`` (the workers' own environment)."""
+    """Its daemons, and so its executors, run in ``env`` (the workers' own environment):
+    this interpreter with this repository on the path, or ``python`` (a bare one, whose
+    executors get sparkdl shipped)."""
 
-    def __init__(self, base: Path, python: str) -> None:
+    def __init__(self, base: Path, python: str | None = None) -> None:
         import pyspark
 
         self.home = Path(pyspark.__file__).parent
         self.logs = base / "logs"
         self.work = base / "work"
-        own = spark_env(base, PYSPARK_PYTHON=python)
-        own.pop("PYTHONPATH")  # not this repository's sparkdl: the executors get theirs shipped
+        own = spark_env(base)
+        if python is not None:
+            own["PYSPARK_PYTHON"] = python
+            own.pop("PYTHONPATH")  # not this repository's sparkdl: the executors get theirs shipped
         self.env = {
             **own,
             "SPARK_HOME": str(self.home),
