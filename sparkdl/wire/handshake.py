@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -133,15 +134,16 @@ def client_hello(
 
 #: How long a client retries a handshake the server closed before answering it (a flood of
 #: connections evicted it, or the server was at its cap), and its first and longest waits:
-#: longer than a listener's HELLO timeout (5 s), after which the handshakes in progress that
-#: held every place are gone; short, since a HELLO under a wrong secret is closed alike.
-HANDSHAKE_RETRY_S = 8.0
+#: three of a listener's HELLO timeouts (5 s), so that a flood whose connections are renewed
+#: as they expire cannot keep a client's every try in one unlucky phase; each wait is
+#: jittered (x0.5 to x1.5), so that clients turned away together do not return together.
+HANDSHAKE_RETRY_S = 15.0
 _RETRY_FIRST_S, _RETRY_MOST_S = 0.05, 1.0
 
 
 def with_retries(open_: Callable[[], T], what: str, deadline_s: float = HANDSHAKE_RETRY_S) -> T:
     """``open_()`` (connect, HELLO, and the server's first answer), tried again, with a
-    backoff doubling from 50 ms to 1 s, while the server turns the handshake away (it says
+    jittered backoff doubling from 50 ms to 1 s, while the server turns the handshake away (it says
     :data:`~sparkdl.wire.socket_io.BUSY`: its pending handshakes were full, a flood at its
     port) or resets it, for at most ``deadline_s``: a later try gets in. A HELLO the server
     refused (a wrong secret) is closed without a word and fails at once.
@@ -167,7 +169,7 @@ def with_retries(open_: Callable[[], T], what: str, deadline_s: float = HANDSHAK
                 exc,
                 wait,
             )
-            time.sleep(wait)
+            time.sleep(wait * random.uniform(0.5, 1.5))
             wait, tries = min(2 * wait, _RETRY_MOST_S), tries + 1
 
 

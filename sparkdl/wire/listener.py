@@ -9,12 +9,16 @@ so until a peer has proved it holds the secret it gets, from here:
   connection still in its handshake: no thread, no allocation it chooses;
 - ``hello_timeout_s`` to send its HELLO, counted from the accept, not per read;
 - a place among at most ``max_pending`` such connections, at most half of them from one
-  address: when they are full, a newcomer evicts the oldest connection that has not begun
-  its HELLO from the address holding the most (its own, when that is the flooder's), and
-  is refused where that would cost a HELLO in progress (bytes a HELLO of the protocol
-  starts with); so a flood from one address
-  evicts its own connections, never a worker's from another, and a worker whose HELLO is
-  on its way is not evicted by newcomers (its client retries a refused handshake anyway);
+  address: when they are full, a newcomer evicts a connection of the address holding the
+  most (its own, when that is the flooder's): the oldest that sent nothing a HELLO starts
+  with, else, among those past :data:`GRACE_S` since their accept, the one whose HELLO has
+  come least far (then the oldest). A connection younger than that is never evicted: a
+  worker's whole HELLO follows the challenge within a round trip, so a worker is in before
+  its grace ends, while a peer that sends a HELLO's first bytes and stalls (which used to
+  hold its place, unevictable, until its timeout) is evicted by the next newcomer. Where
+  every place is young the newcomer is turned away (its client retries, over a window
+  longer than the HELLO timeout). So a flood from one address evicts its own connections,
+  never a worker's from another, and no pattern of stalled HELLOs keeps workers out;
 - no log line of its own: refusals are counted by reason, the first of each reason logged,
   then one line per reason and ``every_s`` with the count (:class:`Refusals`).
 
@@ -62,6 +66,9 @@ _POLL_S = 0.2  # how often the loop looks at stop() and at expired handshakes, a
 _ACCEPT_BATCH = 64  # accepts per wake-up, so that reading HELLOs is never starved
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _BACKOFF_S = 0.05  # an accept failed and nothing could be freed: wait this long
+#: A pending connection this young is never evicted: time for a worker's HELLO to follow the
+#: challenge (one round trip, and a busy executor's scheduling) before newcomers may take its place.
+GRACE_S = 0.5
 
 
 def hello_prefix(protocol: WireProtocol) -> bytes:
@@ -88,6 +95,7 @@ class _Pending:
     challenge: Challenge
     deadline: float
     hello: bytearray
+    accepted: float
     received: int = 0
 
 
@@ -289,12 +297,9 @@ class ConnectionListener(Generic[M]):
         except OSError:
             close_quietly(sock)
             return
+        now = time.monotonic()
         pending = _Pending(
-            sock,
-            peer,
-            challenge,
-            time.monotonic() + self._hello_timeout_s,
-            bytearray(self._protocol.hello_size),
+            sock, peer, challenge, now + self._hello_timeout_s, bytearray(self._protocol.hello_size), now
         )
         self._pending[sock] = pending
         self._per_address[peer[0]] += 1
@@ -302,18 +307,19 @@ class ConnectionListener(Generic[M]):
 
     def _make_room(self, peer: tuple[str, int]) -> bool:
         """Whether a connection from ``peer`` may wait for its HELLO, after evicting another
-        where the pending are full: the oldest not yet begun from the address holding the
-        most (``peer``'s own when it holds as many, or has half the places already)."""
+        where the pending are full, of the address holding the most (``peer``'s own when it
+        holds as many, or has half the places already): see :meth:`_victim`."""
         address = peer[0]
         own = self._per_address[address] + 1  # with the newcomer
         if own <= self._max_per_address and len(self._pending) < self._max_pending:
             return True
         top, held = self._per_address.most_common(1)[0] if self._per_address else (address, 0)
         source = address if own > self._max_per_address or own >= held else top
-        victim = self._idlest(source)
-        if victim is None:  # every one of them has begun its HELLO: the newcomer waits its turn
+        victim = self._victim(source, time.monotonic())
+        if victim is None:  # every one of them is within its grace: the newcomer tries again
             self.refusals.add(
-                f"refused: {self._max_pending} connections were waiting for their HELLO, each begun",
+                f"refused: {self._max_pending} connections were waiting for their HELLO, "
+                f"each accepted less than {GRACE_S:g} s ago or its HELLO begun",
                 peer,
                 f"{self._per_address[source]} of them from {source}",
             )
@@ -331,6 +337,17 @@ class ConnectionListener(Generic[M]):
         """``address``'s oldest pending connection that has not begun a HELLO of this
         protocol (nothing sent, or bytes no HELLO starts with)."""
         return next((p for p in self._pending.values() if p.peer[0] == address and not self._begun(p)), None)
+
+    def _victim(self, address: str, now: float) -> _Pending | None:
+        """Whom a newcomer evicts among ``address``'s pending connections past their grace
+        (:data:`GRACE_S` since the accept): the oldest that sent nothing a HELLO starts with,
+        else the one whose HELLO has come least far, the oldest of those; None where all of
+        them are within their grace."""
+        aged = [p for p in self._pending.values() if p.peer[0] == address and now - p.accepted >= GRACE_S]
+        idle = next((p for p in aged if not self._begun(p)), None)
+        if idle is not None:
+            return idle
+        return min(aged, key=lambda p: (p.received, p.accepted), default=None)
 
     def _begun(self, pending: _Pending) -> bool:
         """Whether ``pending`` has sent the first bytes of a HELLO of this protocol, as far as

@@ -35,6 +35,7 @@ from sparkdl.services.weights.client import download, upload
 from sparkdl.services.weights.server import WeightServer
 from sparkdl.wire.framing import CHALLENGE, TAG_BYTES, Channel
 from sparkdl.wire.refusals import one_line
+from sparkdl.wire.socket_io import BUSY
 
 SECRET = b"k" * 32
 
@@ -264,6 +265,88 @@ def test_a_flood_never_fails_a_worker_whose_hello_comes_late(source):
     if source == FLOODER:
         assert len(tries) == 20  # not one handshake was lost: the flood evicted its own
         assert listener.refusals.counts.get("evicted: 32 connections were waiting for their HELLO", 0) > 0
+
+
+def _stalled_hellos(host, port, sources, per_source, first_byte, stop):
+    """Keep ``per_source`` connections from each of ``sources`` that sent one byte of a HELLO
+    and stall, each renewed as soon as the server closes it (its timeout, or an eviction);
+    bounded: at most 5,000 connections in all."""
+    held: dict[socket.socket, str] = {}
+
+    def open_one(source):
+        try:
+            sock = socket.create_connection((host, port), timeout=2, source_address=(source, 0))
+            sock.sendall(first_byte)
+            sock.setblocking(False)
+            held[sock] = source
+        except OSError:
+            time.sleep(0.001)
+
+    opened = 0
+    try:
+        for source in sources:
+            for _ in range(per_source):
+                open_one(source)
+                opened += 1
+        while not stop.is_set() and opened < 5_000:
+            readable, _, _ = select.select(list(held), [], [], 0.05)
+            for sock in readable:
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                if not data or data.endswith(BUSY):  # closed or turned away: renew it
+                    source = held.pop(sock)
+                    sock.close()
+                    open_one(source)
+                    opened += 1
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [(FLOODER, "127.0.0.3"), ("127.0.0.1",)],
+    ids=["two other addresses", "the workers' own address"],
+)
+def test_stalled_hellos_renewed_as_they_expire_never_keep_the_workers_out(sources):
+    """Issue 53's attack: connections that send one byte of the public HELLO prefix and stall
+    counted as "begun", were never evicted, and turned newcomers away; renewed as they
+    expired (every 5 s, inside the client's retry window) they let 0 of 20 workers in. Now a
+    stalled HELLO past its grace is evicted by the next newcomer: every worker gets in."""
+    from sparkdl.wire.handshake import with_retries
+    from sparkdl.wire.listener import ConnectionListener, hello_prefix
+
+    served: list[int] = []
+    listener = ConnectionListener(
+        "127.0.0.1", PS_WIRE, SECRET, lambda h, c, p: (served.append(h.rank), c.send(Frame(Kind.ACK))),
+        "test-stalled", logging.getLogger("test"), max_pending=32,
+    )  # fmt: skip
+    stop = threading.Event()
+    per_source = 16  # an address's half of the places: from the workers' own, all they may have
+    attack = threading.Thread(
+        target=_stalled_hellos,
+        args=(listener.host, listener.port, sources, per_source, hello_prefix(PS_WIRE)[:1], stop),
+    )
+    attack.start()
+    try:
+        assert wait_until(lambda: listener.pending >= per_source * len(sources) - 2)  # the places are held
+        time.sleep(0.6)  # past their grace
+        for rank in range(20):
+
+            def handshake(rank=rank):
+                with socket.create_connection((listener.host, listener.port), timeout=5) as sock:
+                    channel = client_hello(sock, SECRET, rank=rank, attempt=0)
+                    assert channel.recv(1 << 20).kind is Kind.ACK
+
+            with_retries(handshake, f"rank {rank}")
+    finally:
+        stop.set()
+        attack.join(30)
+        listener.stop()
+    assert sorted(served) == list(range(20))
+    assert any(reason.startswith("evicted") for reason in listener.refusals.counts), listener.refusals.counts
 
 
 def test_a_connection_that_never_finishes_its_hello_is_closed_after_the_timeout():
@@ -567,11 +650,14 @@ def test_encrypted_weights_upload_and_download_round_trip():
         server.stop()
 
 
-def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_handshake_loop():
+def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_handshake_loop(monkeypatch):
     """Eviction and reading meet in one selector batch: a connection evicted by a newer one
-    may have its bytes reported in the same batch. The loop must skip it, not die."""
+    may have its bytes reported in the same batch. The loop must skip it, not die. (No grace:
+    the burst's connections are evictable as soon as they are accepted.)"""
+    from sparkdl.wire import listener as listener_module
     from sparkdl.wire.listener import ConnectionListener
 
+    monkeypatch.setattr(listener_module, "GRACE_S", 0.0)
     served = []
     listener = ConnectionListener(
         "127.0.0.1",
