@@ -43,9 +43,7 @@ cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/sparkdl" "$WORK/src/"
 wheel=("$WORK"/dist/sparkdl_torch-*.whl)
 step "installing $(basename "${wheel[0]}") and its dependencies but PySpark"
 # the wheel's requirements (with EXTRAS') less PySpark, whose 480 MB Spark has on every executor
-requirements=()
-while IFS= read -r requirement; do requirements+=("$requirement"); done < <(
-    "$WORK/env/bin/python" - "${wheel[0]}" "$EXTRAS" <<'PY'
+"$WORK/env/bin/python" - "${wheel[0]}" "$EXTRAS" > "$WORK/requirements.txt" <<'PY'
 import re
 import sys
 import zipfile
@@ -55,21 +53,30 @@ wheel, extras = sys.argv[1], set(filter(None, sys.argv[2].split(",")))
 with zipfile.ZipFile(wheel) as archive:
     metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
     fields = Parser().parsestr(archive.read(metadata).decode())
+offered = set(fields.get_all("Provides-Extra") or [])
+if extras - offered:
+    sys.exit(f"error: EXTRAS names {sorted(extras - offered)}; the wheel offers {sorted(offered)}")
 for line in fields.get_all("Requires-Dist") or []:
     requirement, _, marker = (part.strip() for part in line.partition(";"))
-    extra = re.search(r'extra == "([^"]+)"', marker)
     name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
-    if (extra is None or extra.group(1) in extras) and name not in {"pyspark", "torch", "sparkdl-torch"}:
-        print(requirement)
+    if name in {"pyspark", "torch", "sparkdl-torch"}:
+        continue
+    extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+    if extra is None:
+        print(line.strip())  # with its marker (a Python version, a platform): the installer weighs it
+    elif extra.group(1) in extras:
+        print(requirement)  # an extra's: this project's extras carry no other marker
 PY
-)
+requirements=()
+while IFS= read -r requirement; do requirements+=("$requirement"); done < "$WORK/requirements.txt"
 "${PIP[@]}" --no-deps "${wheel[0]}"
 "${PIP[@]}" "${requirements[@]}" "torch==$(torch_installed)" venv-pack
 pack=("$WORK/env/bin/venv-pack" --prefix "$WORK/env" --output "$OUTPUT" --force --quiet
     --compress-level "${COMPRESS_LEVEL:-4}")
 # not on the executors: the installer and the packer
+read -ra more <<< "${EXCLUDE:-}"  # split on spaces, never globbed against this folder
 for pattern in 'lib/python*/site-packages/uv/*' 'lib/python*/site-packages/uv-*' 'bin/uv' 'bin/uvx' \
-    'lib/python*/site-packages/venv_pack*' 'bin/venv-pack' ${EXCLUDE:-}; do
+    'lib/python*/site-packages/venv_pack*' 'bin/venv-pack' ${more[@]+"${more[@]}"}; do
     pack+=(--exclude "$pattern")
 done
 mkdir -p "$(dirname "$OUTPUT")"

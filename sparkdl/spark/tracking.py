@@ -25,11 +25,13 @@ is the user's to log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -90,20 +92,30 @@ def mlflow_if_configured(config: SparkDLConfig) -> Any | None:
     return mlflow if _other_threads_run(mlflow) is not None else None
 
 
+#: The runs this process's fits started and have not ended: never a parent of another fit's
+#: (trials side by side each hold their own while they log).
+_OURS: set[str] = set()
+_OURS_LOCK = threading.Lock()
+
+
 def _other_threads_run(mlflow: Any) -> Any | None:
     """The run another live thread of this process holds, when exactly one run is held
-    elsewhere and none here: the tuning run whose trials this thread fits (pyspark.ml's
-    tuning fits them in pool threads, and MLflow's active run is per thread). None where
-    this MLflow keeps no per-thread table of runs."""
+    elsewhere and none here, and it is not a fit's own: the tuning run whose trials this
+    thread fits (pyspark.ml's tuning fits them in pool threads, and MLflow's active run is
+    per thread). None where this MLflow keeps no per-thread table of runs."""
     stacks = getattr(getattr(mlflow.tracking, "fluent", None), "_active_run_stack", None)
     every_thread = getattr(stacks, "get_all_thread_values", None)
     if every_thread is None or mlflow.active_run() is not None:
         return None
     here, alive = threading.get_ident(), {thread.ident for thread in threading.enumerate()}
+    with _OURS_LOCK:
+        ours = set(_OURS)
     held = {
-        runs[-1].info.run_id: runs[-1]
+        run.info.run_id: run
         for ident, runs in every_thread().items()
-        if ident != here and ident in alive and runs
+        if ident != here and ident in alive
+        for run in runs
+        if run.info.run_id not in ours
     }
     return next(iter(held.values())) if len(held) == 1 else None
 
@@ -221,7 +233,20 @@ def log_run(config: SparkDLConfig, history: list[dict[str, Any]], run_seconds: f
         return None
 
 
-def _started_run(mlflow: Any, config: SparkDLConfig) -> Any:
+@contextlib.contextmanager
+def _started_run(mlflow: Any, config: SparkDLConfig) -> Iterator[Any]:
+    """:func:`_new_run`, known as a fit's own while it lasts (:func:`_other_threads_run`)."""
+    with _new_run(mlflow, config) as run:
+        with _OURS_LOCK:
+            _OURS.add(run.info.run_id)
+        try:
+            yield run
+        finally:
+            with _OURS_LOCK:
+                _OURS.discard(run.info.run_id)
+
+
+def _new_run(mlflow: Any, config: SparkDLConfig) -> Any:
     """A new MLflow run for this fit or run: nested inside an active one (a notebook's, a
     pipeline's), else in ``mlflow_experiment``, without changing the caller's process-wide
     MLflow state (``mlflow.set_experiment`` would)."""

@@ -17,8 +17,11 @@ so until a peer has proved it holds the secret it gets, from here:
   its grace ends, while a peer that sends a HELLO's first bytes and stalls (which used to
   hold its place, unevictable, until its timeout) is evicted by the next newcomer. Where
   every place is young the newcomer is turned away (its client retries, over a window
-  longer than the HELLO timeout). So a flood from one address evicts its own connections,
-  never a worker's from another, and no pattern of stalled HELLOs keeps workers out;
+  longer than the HELLO timeout); before that it evicts from the other addresses, the most
+  first, where its own has room. So a flood from one address evicts its own connections,
+  never a worker's from another, and no pattern of stalled HELLOs keeps workers out (a
+  flood of new connections renewed faster than the grace, every place every 0.5 s, is a
+  connection-rate attack that only a firewall stops);
 - no log line of its own: refusals are counted by reason, the first of each reason logged,
   then one line per reason and ``every_s`` with the count (:class:`Refusals`).
 
@@ -315,11 +318,17 @@ class ConnectionListener(Generic[M]):
             return True
         top, held = self._per_address.most_common(1)[0] if self._per_address else (address, 0)
         source = address if own > self._max_per_address or own >= held else top
-        victim = self._victim(source, time.monotonic())
-        if victim is None:  # every one of them is within its grace: the newcomer tries again
+        now = time.monotonic()
+        victim = self._victim(source, now)
+        if victim is None and own <= self._max_per_address:  # the others', the most first
+            for other, _ in self._per_address.most_common():
+                victim = self._victim(other, now) if other != source else None
+                if victim is not None:
+                    break
+        if victim is None:  # every one it may evict is within its grace: the newcomer tries again
             self.refusals.add(
                 f"refused: {self._max_pending} connections were waiting for their HELLO, "
-                f"each accepted less than {GRACE_S:g} s ago or its HELLO begun",
+                f"each accepted less than {GRACE_S:g} s ago",
                 peer,
                 f"{self._per_address[source]} of them from {source}",
             )

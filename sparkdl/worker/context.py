@@ -264,7 +264,9 @@ class TrainContext:
             self._loss_sum += float(metrics["loss"]) * rows
             self._loss_rows += rows
         reporter = self._reporter
-        if reporter is not None and reporter.due():
+        # after the epoch's batches (its last report just went out), a figure reported then
+        # (an epoch's mean loss, a validation) goes out at once, not at the next interval
+        if reporter is not None and (reporter.due() or self._epoch_done):
             self._send_report()
 
     def _send_report(self) -> None:

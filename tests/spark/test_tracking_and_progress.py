@@ -61,32 +61,42 @@ def test_a_fit_without_a_terminal_tells_each_phase_and_each_epoch_in_one_line_an
     assert "epoch 1/2" not in (quiet := capsys.readouterr().err) and "sparkdl: " not in quiet
 
 
-def timed_loop(ctx):
-    """The README's loop, each step 25 ms slower, timing its own epochs."""
+def timed_loop(ctx, per_step: bool):
+    """The README's loop, each step 25 ms slower, timing its own epochs; reporting the loss
+    every step, or once an epoch after its batches (its mean)."""
     model = make_tiny_net()
     model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for epoch in ctx.epochs:
-        started = time.perf_counter()
+        started, losses = time.perf_counter(), []
         for batch in ctx.batches(epoch):
             (x,) = batch.inputs.values()
             loss = torch.nn.functional.cross_entropy(model(x), batch.label)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            ctx.report(loss=loss.item())
+            losses.append(loss.item())
+            if per_step:
+                ctx.report(loss=loss.item())
             time.sleep(0.025)
-        ctx.report(epoch_seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if per_step:
+            ctx.report(epoch_seconds=seconds)
+        else:  # after the batches: sent at once (before: held back by the report interval)
+            ctx.report(loss=sum(losses) / len(losses), epoch_seconds=seconds)
 
 
+@pytest.mark.parametrize("per_step", [True, False], ids=["loss every step", "loss after each epoch"])
 def test_an_own_loops_progress_ends_each_epoch_with_its_real_figures_and_the_run_with_a_summary(
-    spark, capsys
+    spark, capsys, per_step
 ):
     """Before: the epoch's line held the last rate-limited report (10 of 12 steps; epoch 3's
     never written) and the driver's seconds since its first report; nothing after the run."""
     import sparkdl
 
     df = shards_dataframe(spark, make_shards([96, 96]))
-    result = sparkdl.run(timed_loop, df=df, num_workers=2, batch_size=8, epochs=3, progress_interval_s=0.2)
+    result = sparkdl.run(
+        timed_loop, per_step, df=df, num_workers=2, batch_size=8, epochs=3, progress_interval_s=0.2
+    )
     err = capsys.readouterr().err
     lines = epoch_lines(err)
     assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], lines

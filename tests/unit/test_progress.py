@@ -86,6 +86,15 @@ def test_an_epochs_line_carries_the_seconds_the_workers_measured_not_the_drivers
     assert capsys.readouterr().err == "epoch 1/1: 8/8 steps, 2.5s, loss=0.5000, samples_s=54\n"
 
 
+def test_the_loss_is_over_the_rows_of_the_workers_that_reported_one():
+    """A rank whose loop reports no loss (or that sat the epoch out) sends NaN: the others'
+    loss still shows (before: the NaN hid it)."""
+    b, bars = board()
+    b.update(Report(0, 1, 0, steps=4, total_steps=4, samples=40, loss_sum=20.0, seconds=2.0))
+    b.update(Report(1, 1, 0, steps=4, total_steps=4, samples=30, loss_sum=math.nan, seconds=2.0))
+    assert bars[0].postfix["loss"] == "0.5000"
+
+
 def test_the_bar_shows_the_time_left_at_the_epochs_pace_and_no_loss_where_none_was_reported():
     b, bars = board()
     b.update(Report(0, 2, 0, steps=2, total_steps=8, samples=16, loss_sum=math.nan, seconds=1.0))
@@ -112,15 +121,24 @@ def test_the_board_says_what_happens_before_and_after_the_epochs(capsys):
             b.update(
                 Report(rank, epoch, 0, steps=5, total_steps=5, samples=40, loss_sum=8.0, seconds=seconds)
             )
+    b.update(
+        Report(0, 2, 0, steps=4, total_steps=5, samples=32, loss_sum=6.4, seconds=1.6)
+    )  # a late frame ...
+    b.finish()  # the stage's result is back
+    b.update(
+        Report(0, 2, 0, steps=5, total_steps=5, samples=40, loss_sum=8.0, seconds=2.0)
+    )  # ... its last one
+    assert capsys.readouterr().err == ""  # the summary waits for the channel to close
     now[0] = 120.0
-    b.finish()
+    b.close()  # after the channel read what the workers sent last
+    b.update(Report(1, 2, 0, steps=5, total_steps=5, samples=40, loss_sum=8.0, seconds=2.0))  # nothing drawn
     assert capsys.readouterr().err == (
         "sparkdl: 2 epochs trained in 5.0s, 10 steps, 160 samples, last epoch's loss 0.2000, "
         "20.0s after the stage was submitted\n"
     )
     quiet = ProgressBoard(2, 2, show=False)
     quiet.stage_submitted("starting 2 workers")
-    quiet.worker_started(0, 0), quiet.worker_started(1, 0), quiet.finish()
+    quiet.worker_started(0, 0), quiet.worker_started(1, 0), quiet.finish(), quiet.close()
     assert capsys.readouterr().err == ""
 
 

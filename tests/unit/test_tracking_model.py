@@ -134,6 +134,28 @@ def test_a_fit_in_a_trial_thread_logs_a_run_nested_under_the_tuning_run_of_the_c
     client = mlflow.tracking.MlflowClient()
     with mlflow.start_run(run_name="tuning") as tuning:
         trials = [trial_run() for _ in range(2)]
+        # two trials at once, each inside its own run while the other starts: neither is the
+        # other's parent, nor makes the tuning run's parentage ambiguous
+        both_inside = threading.Barrier(2, timeout=30)
+        log_params = mlflow.log_params
+
+        def logging_together(params):
+            log_params(params)
+            both_inside.wait()
+
+        monkeypatch.setattr(mlflow, "log_params", logging_together)
+        together: list[str] = []
+        pair = [
+            threading.Thread(target=lambda: together.append(log_fit(SparkDLConfig(), model, 1.0)))
+            for _ in "ab"
+        ]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join(60)
+        monkeypatch.setattr(mlflow, "log_params", log_params)
+        trials += together
+    assert len(trials) == 4
     for run_id in trials:
         run = client.get_run(run_id)
         assert run.data.tags["mlflow.parentRunId"] == tuning.info.run_id

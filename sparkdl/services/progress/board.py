@@ -88,6 +88,7 @@ class ProgressBoard:
         self._submitted: float | None = None  # when the stage was submitted (clock)
         self._started: dict[int, set[int]] = {}  # stage attempt -> ranks that connected
         self._waiting: threading.Timer | None = None
+        self._succeeded = self._closed = False
 
     def stage_submitted(self, what: str, note_wait_s: float = WAIT_NOTE_S) -> None:
         """The stage's tasks were handed to Spark: say so (executors start Python and import
@@ -126,27 +127,28 @@ class ProgressBoard:
                 announce(f"{who} started{again}{since}; building the model and checking the first batch")
 
     def finish(self) -> None:
-        """The stage succeeded: close the last bar and write one line for the whole run."""
+        """The stage succeeded: its summary line is written at :meth:`close`, once the
+        channel has read what the workers sent last (their final reports may still be on
+        their way when the stage's result is back)."""
         with self._lock:
-            self._close_bar()
+            self._succeeded = True
             self._stop_waiting()
-            if not self.show or not self._reports:
-                return
-            epochs = sorted(self._reports)
-            figures = [self._figures(self._reports[e]) for e in epochs]
-            last = figures[-1]
-            trained = sum(f["seconds"] for f in figures)
-            samples = sum(f["samples"] for f in figures)
-            steps = sum(f["steps"] for f in figures)
-            parts = [
-                f"{len(epochs)} epoch{'s' if len(epochs) > 1 else ''} trained in {seconds_text(trained)}"
-            ]
-            parts.append(f"{steps:,.0f} steps, {samples:,.0f} samples")
-            if math.isfinite(last["loss"]):
-                parts.append(f"last epoch's loss {last['loss']:.4f}")
-            if math.isfinite(last["val_loss"]):
-                parts.append(f"val_loss {last['val_loss']:.4f}")
-            announce(", ".join(parts) + self._since_submitted())
+
+    def _summary(self) -> None:
+        """One line for the whole run (lock held)."""
+        epochs = sorted(self._reports)
+        figures = [self._figures(self._reports[e]) for e in epochs]
+        last = figures[-1]
+        trained = sum(f["seconds"] for f in figures)
+        samples = sum(f["samples"] for f in figures)
+        steps = sum(f["steps"] for f in figures)
+        parts = [f"{len(epochs)} epoch{'s' if len(epochs) > 1 else ''} trained in {seconds_text(trained)}"]
+        parts.append(f"{steps:,.0f} steps, {samples:,.0f} samples")
+        if math.isfinite(last["loss"]):
+            parts.append(f"last epoch's loss {last['loss']:.4f}")
+        if math.isfinite(last["val_loss"]):
+            parts.append(f"val_loss {last['val_loss']:.4f}")
+        announce(", ".join(parts) + self._since_submitted())
 
     def _since_submitted(self) -> str:
         if self._submitted is None:
@@ -160,7 +162,7 @@ class ProgressBoard:
             if previous is not None and previous.attempt > report.attempt:
                 return  # a late frame of a failed attempt
             by_rank[report.rank] = report
-            if self.show and report.epoch >= self._bar_epoch:
+            if self.show and not self._closed and report.epoch >= self._bar_epoch:
                 self._draw(report.epoch)
 
     def epoch_figures(self, epoch: int) -> dict[str, float]:
@@ -169,9 +171,16 @@ class ProgressBoard:
             return self._figures(self._reports.get(epoch, {}))
 
     def close(self) -> None:
+        """The channel is closed: close the last bar and, after :meth:`finish`, write the
+        run's summary line; nothing is drawn after."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._close_bar()
             self._stop_waiting()
+            if self._succeeded and self.show and self._reports:
+                self._summary()
 
     def _stop_waiting(self) -> None:
         if self._waiting is not None:
@@ -187,9 +196,12 @@ class ProgressBoard:
         samples = sum(r.samples for r in by_rank.values())
         # each worker's own rate, summed: its reports arrive at other moments than its peers'
         rate = sum(r.samples / r.seconds for r in by_rank.values() if r.seconds > 0)
+        # the loss over the rows of the workers that reported one (a worker whose loop reports
+        # none, or that sat the epoch out, sends NaN); NaN where none did: nothing to show
+        losses = [r for r in by_rank.values() if math.isfinite(r.loss_sum)]
+        loss_rows = sum(r.samples for r in losses)
         return {
-            # NaN where no worker reported a loss (its loss_sum is NaN): nothing to show
-            "loss": sum(r.loss_sum for r in by_rank.values()) / samples if samples else math.nan,
+            "loss": sum(r.loss_sum for r in losses) / loss_rows if loss_rows else math.nan,
             "samples": float(samples),
             "samples_per_s": rate,
             "steps": float(min((r.steps for r in by_rank.values()), default=0)),
