@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -100,8 +101,19 @@ def stage_attempts(spark, started: float) -> list[dict[str, object]]:
 
     app = spark.sparkContext.applicationId
     url = f"http://{HOSTS[0]}:4088/api/v1/applications/{app}/stages?details=false"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        stages = json.load(answer)
+
+    def read(address: str) -> Any:
+        """The UI's answer; on a loaded machine its server can take long: 3 tries of 30 s."""
+        for attempt in range(3):
+            try:
+                with urllib.request.urlopen(address, timeout=30) as answer:
+                    return json.load(answer)
+            except TimeoutError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    stages = read(url)
     offset = time.time() - (time.monotonic() - started)  # wall time of the fit's start
 
     def since(stamp: str | None) -> float | None:
@@ -112,8 +124,8 @@ def stage_attempts(spark, started: float) -> list[dict[str, object]]:
 
     def tasks(stage: dict) -> list[dict[str, object]]:
         path = f"{url.split('/stages?')[0]}/stages/{stage['stageId']}/{stage['attemptId']}/taskList"
-        with urllib.request.urlopen(path, timeout=10) as answer:
-            listed = json.load(answer)
+        listed = read(path)
+        assert isinstance(listed, list), listed
         return [
             {
                 "partition": task["index"],
