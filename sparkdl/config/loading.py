@@ -238,42 +238,58 @@ def _where(key: str, source: str, section: str, set_by: Mapping[tuple[str, str],
     return f"{source} [{section}] {key}" if source else f"[{section}] {key}"
 
 
+def _probable(
+    key: str, section: str, names: list[str], owners: Mapping[str, str]
+) -> tuple[bool, str, str] | None:
+    """What ``key`` under ``[section]`` probably meant, as ``(moved, owner, name)``: the same
+    key of another section (``moved``), else the closest name of this section, else of any;
+    None where nothing is close."""
+    owner = owners.get(key)
+    if owner is not None and owner != section:
+        return True, owner, key
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if close:
+        return False, section, close[0]
+    elsewhere = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.75)
+    if elsewhere:
+        return False, owners[elsewhere[0]], elsewhere[0]
+    return None
+
+
+def _meant(owner: str, name: str, section: str) -> str:
+    """A close name as a message says it: quoted in its own section, else with its section."""
+    return repr(name) if owner == section else f"{owner}.{name}"
+
+
 def _misplaced_override(
     key: str, item: str, section: str, names: list[str], owners: Mapping[str, str]
 ) -> str:
     """Why the override ``item`` (``section.key=value``) names no key of ``[section]``, and the
     ``--set`` option that was probably meant."""
     value = item.partition("=")[2].strip()
-    owner = owners.get(key)
-    if owner is not None and owner != section:
-        return f"--set {item}: {key} belongs in [{owner}]; write --set {owner}.{key}={value}"
     unknown = f"--set {item}: unknown key {key!r} in [{section}]"
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
-    if close:
-        return f"{unknown}; did you mean {close[0]!r}? (--set {section}.{close[0]}={value})"
-    elsewhere = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.75)
-    if elsewhere:
-        other = elsewhere[0]
-        return f"{unknown}; did you mean {owners[other]}.{other}? (--set {owners[other]}.{other}={value})"
-    return f"{unknown}; valid keys: {', '.join(sorted(names))}"
+    found = _probable(key, section, names, owners)
+    if found is None:
+        return f"{unknown}; valid keys: {', '.join(sorted(names))}"
+    moved, owner, name = found
+    if moved:
+        return f"--set {item}: {key} belongs in [{owner}]; write --set {owner}.{key}={value}"
+    return f"{unknown}; did you mean {_meant(owner, name, section)}? (--set {owner}.{name}={value})"
 
 
 def _misplaced(key: str, source: str, section: str, names: list[str], owners: Mapping[str, str]) -> str:
     """Why ``key`` is not a key of ``[section]``: it belongs elsewhere, or a close name was meant."""
-    owner = owners.get(key)
-    if owner is not None and owner != section:
+    unknown = f"{source} [{section}]: unknown key {key!r}"
+    found = _probable(key, section, names, owners)
+    if found is None:
+        return f"{unknown}; valid keys: {', '.join(sorted(names))}"
+    moved, owner, name = found
+    if moved:
         return (
             f"{source}: {section}.{key}: {key} belongs in [{owner}] "
             f"(write it under [{owner}], or --set {owner}.{key}=...)"
         )
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
-    if close:
-        return f"{source} [{section}]: unknown key {key!r}; did you mean {close[0]!r}?"
-    elsewhere = difflib.get_close_matches(key, list(owners), n=1, cutoff=0.75)
-    if elsewhere:
-        other = elsewhere[0]
-        return f"{source} [{section}]: unknown key {key!r}; did you mean {owners[other]}.{other}?"
-    return f"{source} [{section}]: unknown key {key!r}; valid keys: {', '.join(sorted(names))}"
+    return f"{unknown}; did you mean {_meant(owner, name, section)}?"
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
