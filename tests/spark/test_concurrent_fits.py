@@ -6,6 +6,7 @@ and waited at the driver's store until ``collective_timeout_s``."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -52,7 +53,7 @@ def test_the_trial_threads_of_pyspark_tuning_share_local_properties_but_not_a_fi
     seen: dict[str, Any] = {}
 
     def trial(name: str, own: bool) -> None:
-        with own_local_properties(spark) if own else _nothing():
+        with own_local_properties(spark) if own else contextlib.nullcontext():
             sc.setLocalProperty("spark.jobGroup.id", name)
             both_set.wait()
             seen[name] = sc.getLocalProperty("spark.jobGroup.id")
@@ -74,60 +75,45 @@ def test_the_trial_threads_of_pyspark_tuning_share_local_properties_but_not_a_fi
             assert seen["a"] == seen["b"]
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+def tuning_metrics(spark, tuner: type, workers: int, **settings: Any) -> dict[int, list[float]]:
+    """``tuner`` (CrossValidator or TrainValidationSplit) over two learning rates of
+    ``workers``-worker trials, fitted with parallelism 2 and then 1: each one's metrics."""
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    df = shards_dataframe(spark, make_shards([60, 60])).cache()
+    estimator = trial_estimator(workers)
+    grid = ParamGridBuilder().addGrid(estimator.lr, [0.05, 0.2]).build()
+    metrics = {}
+    for parallelism in (2, 1):
+        fitted = tuner(
+            estimator=estimator,
+            estimatorParamMaps=grid,
+            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+            parallelism=parallelism,
+            **settings,
+        ).fit(df)
+        metrics[parallelism] = fitted.avgMetrics if tuner is CrossValidator else fitted.validationMetrics
+    df.unpersist()
+    return metrics
 
 
 def test_cross_validation_of_one_worker_trials_side_by_side_gives_the_sequential_metrics(spark):
     """The issue's run: 1-worker trials, parallelism = 2 on local[2] (before: it hung, then
     failed with 'the workers did not all meet at the driver's store')."""
-    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+    from pyspark.ml.tuning import CrossValidator
 
-    df = shards_dataframe(spark, make_shards([60, 60])).cache()
-    estimator = trial_estimator(1)
-    grid = ParamGridBuilder().addGrid(estimator.lr, [0.05, 0.2]).build()
-    metrics = {}
-    for parallelism in (2, 1):
-        cv = CrossValidator(
-            estimator=estimator,
-            estimatorParamMaps=grid,
-            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
-            numFolds=2,
-            parallelism=parallelism,
-            seed=1,
-        )
-        metrics[parallelism] = cv.fit(df).avgMetrics
+    metrics = tuning_metrics(spark, CrossValidator, 1, numFolds=2, seed=1)
     assert metrics[2] == metrics[1]  # the same seeds, the same models: the same figures
-    df.unpersist()
 
 
 def test_two_worker_trials_on_two_slots_take_turns_and_give_the_sequential_metrics(spark):
     """Each trial needs both slots of local[2]: with parallelism = 2 one trial's barrier stage
     waits for the other's to end (no timeout counts that wait), then runs."""
-    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-    from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
+    from pyspark.ml.tuning import TrainValidationSplit
 
-    df = shards_dataframe(spark, make_shards([60, 60])).cache()
-    estimator = trial_estimator(2)
-    grid = ParamGridBuilder().addGrid(estimator.lr, [0.05, 0.2]).build()
-    metrics = {}
-    for parallelism in (2, 1):
-        split = TrainValidationSplit(
-            estimator=estimator,
-            estimatorParamMaps=grid,
-            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
-            trainRatio=0.75,
-            parallelism=parallelism,
-            seed=2,
-        )
-        metrics[parallelism] = split.fit(df).validationMetrics
+    metrics = tuning_metrics(spark, TrainValidationSplit, 2, trainRatio=0.75, seed=2)
     assert metrics[2] == metrics[1]
-    df.unpersist()
 
 
 def test_two_own_loops_from_two_threads_at_once_each_give_single_process_sgd(spark):
