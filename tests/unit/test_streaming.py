@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import numpy as np
 import pyarrow as pa
@@ -20,10 +19,9 @@ from sparkdl.errors import ConfigError
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies.outer import CHECKPOINT_KEY, REFERENCE_KEY
 from sparkdl.strategies.streaming import cut_into_fragments, send_offset
-from sparkdl.worker.assembly import Placement, run_worker
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, shard_to_batch
 from tests.unit.test_outer_optimizer import run_workers_failing
-from tests.unit.test_worker_gloo import file_all_gather, run_workers
+from tests.unit.test_worker_gloo import run_workers, train_on
 
 LR = 0.1
 
@@ -199,7 +197,6 @@ def _held_out(x, y) -> pa.RecordBatch:
 def _validating_worker(rank, world, shards, spec, store_path, out, peers=()):
     """``run_worker`` on the shard with a validation column: every epoch ends in a validation,
     which every strategy makes one model for first."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     batch = _held_out(*shards[rank])
     plan = plan_data(
         batch.schema,
@@ -208,13 +205,7 @@ def _validating_worker(rank, world, shards, spec, store_path, out, peers=()):
         label_kind=LabelKind.CLASS_INDEX,
         validation_col="held_out",
     )
-    spec = dataclasses.replace(spec, plan=plan)
-    try:
-        placement = Placement(rank, world, "127.0.0.1", peers=peers)
-        result = run_worker(spec, iter([batch]), placement, file_all_gather(store_path, rank, world))
-        out.put((rank, result.state, result.history, None))
-    except Exception as exc:  # reported to the test process
-        out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
+    train_on(rank, world, [batch], dataclasses.replace(spec, plan=plan), store_path, out, peers)
 
 
 def _one_tensor_model() -> torch.nn.Module:

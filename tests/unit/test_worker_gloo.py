@@ -55,14 +55,20 @@ def file_all_gather(path: str, rank: int, world: int):
 
 
 def _worker(rank, world, shards, spec, store_path, out, peers=()):
+    x, y = shards[rank]
+    batches = [shard_to_batch(x, y)] if len(y) else []
+    train_on(rank, world, batches, spec, store_path, out, peers)
+
+
+def train_on(rank, world, batches, spec, store_path, out, peers=()):
+    """``run_worker`` on ``batches`` as rank ``rank`` of ``world`` over loopback gloo; its
+    result, or its error, put on ``out``."""
     import os
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    x, y = shards[rank]
-    batches = iter([shard_to_batch(x, y)]) if len(y) else iter([])
     try:
         placement = Placement(rank, world, "127.0.0.1", peers=peers)
-        result = run_worker(spec, batches, placement, file_all_gather(store_path, rank, world))
+        result = run_worker(spec, iter(batches), placement, file_all_gather(store_path, rank, world))
         out.put((rank, result.state, result.history, None))
     except Exception as exc:  # reported to the test process
         out.put((rank, b"", [], f"{type(exc).__name__}: {exc}"))
