@@ -396,7 +396,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         schema = prediction_schema(dataset.schema, columns, mode)
         spec = PredictSpec(
             model_fn=self.model_fn,
-            weights=model_weights(dataset.sparkSession, self.module),
+            weights=model_weights(dataset.sparkSession, self.module, config.runtime.encrypt),
             plan=plan_inputs(dataset, config.data, LabelKind.REAL, self.transform_fn, with_label=False),
             columns=columns,
             mode=mode,

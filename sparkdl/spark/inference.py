@@ -39,6 +39,7 @@ from sparkdl.services.weights.client import download
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.server import weight_server
 from sparkdl.spark.cluster import driver_host, is_connect
+from sparkdl.spark.stage_servers import warn_if_tasks_travel_in_the_clear
 from sparkdl.training.factory import ModelFn, module_with_state, state_from_bytes, state_to_bytes
 from sparkdl.worker.device import choose_device
 
@@ -96,8 +97,9 @@ class ModelWeights:
         return download(self.endpoint) if self.endpoint is not None else state_from_bytes(self.data)
 
 
-def model_weights(spark: Any, module: torch.nn.Module) -> ModelWeights:
-    """Offer ``module``'s weights to the tasks of a ``transform`` (on the driver).
+def model_weights(spark: Any, module: torch.nn.Module, encrypt: bool = False) -> ModelWeights:
+    """Offer ``module``'s weights to the tasks of a ``transform`` (on the driver); with
+    ``encrypt`` (``runtime.encrypt``) from the encrypting weights server.
 
     The weights server serves the module's own tensors while the module lives: a TorchModel
     and its copies share it, so ``model.transform(df, params)`` (a copy whose own life ends
@@ -109,8 +111,10 @@ def model_weights(spark: Any, module: torch.nn.Module) -> ModelWeights:
     if is_connect(spark):
         data = state_to_bytes(module)
         return ModelWeights(hashlib.sha256(data).hexdigest(), data=data)  # hashed once, not per task
+    if encrypt:
+        warn_if_tasks_travel_in_the_clear(spark)
     fingerprint = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
-    endpoint = weight_server(driver_host(spark)).offer(state, module, fingerprint)
+    endpoint = weight_server(driver_host(spark), encrypt).offer(state, module, fingerprint)
     return ModelWeights(endpoint.key, endpoint=endpoint)
 
 

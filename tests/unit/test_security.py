@@ -650,6 +650,30 @@ def test_encrypted_weights_upload_and_download_round_trip():
         server.stop()
 
 
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_with_encrypt_transforms_weights_travel_sealed(encrypt):
+    """``transform`` offers its model's weights from the encrypting weights server under
+    ``runtime.encrypt`` (it used the plain one whatever the setting)."""
+    from dataclasses import replace
+
+    from sparkdl.spark.inference import model_weights
+
+    class Session:  # what model_weights reads of a classic session: the driver's address and conf
+        conf = {"spark.driver.host": "127.0.0.1"}
+        sparkContext = type("Context", (), {"getConf": lambda self: {}})()
+
+    module = nn.Linear(64, 1)
+    with torch.no_grad():
+        module.weight.fill_(1234.5)
+    offered = model_weights(Session(), module, encrypt=encrypt).endpoint
+    assert offered is not None and offered.encrypt == encrypt
+    relay = Relay((offered.host, offered.port))
+    fetched = download(replace(offered, port=relay.port))
+    assert relay.done.wait(10)
+    assert torch.equal(fetched["weight"], module.weight.detach())
+    assert (module.weight.detach().numpy().tobytes()[:64] in relay.from_server) == (not encrypt)
+
+
 def test_a_burst_that_evicts_connections_with_data_waiting_never_stops_the_handshake_loop(monkeypatch):
     """Eviction and reading meet in one selector batch: a connection evicted by a newer one
     may have its bytes reported in the same batch. The loop must skip it, not die. (No grace:
