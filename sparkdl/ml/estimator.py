@@ -241,6 +241,8 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
 
         The functions saved with it are pickled code and are unpickled, which runs it, only
         with ``trust_pickle=True``: for directories you trust (see :func:`sparkdl.loading`).
+        The settings in :data:`sparkdl.ml.persistence.UNTRUSTED_SETTINGS` keep their defaults
+        (a warning names each saved value ignored): set them after load if you trust the folder.
 
         Raises:
             ConfigError: a function it was saved with was not passed, and trust_pickle is not set.
@@ -432,8 +434,11 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
 
         The factory saved with it is pickled code and is unpickled, which runs it, only with
         ``trust_pickle=True``: for directories you trust (see :func:`sparkdl.loading`).
+        The settings in :data:`sparkdl.ml.persistence.UNTRUSTED_SETTINGS` keep their defaults
+        (a warning names each saved value ignored): set them after load if you trust the folder.
 
         Raises:
-            ConfigError: no model_fn was given and trust_pickle is not set.
+            ConfigError: no model_fn was given and trust_pickle is not set, or a local
+                ``weights.pt`` is a symlink out of the folder.
         """
         return TorchModelReader(cls, model_fn, transform_fn, trust_pickle).load(path)

@@ -17,6 +17,12 @@ arguments, the same choices apply through :func:`loading`::
     with sparkdl.loading(model_fn=make_model):
         pipeline = PipelineModel.load(path)
 
+A saved folder may come from someone else, so it does not choose the settings in
+:data:`UNTRUSTED_SETTINGS` (what is trusted, written where, sent in the clear): load keeps
+their defaults and warns about each saved value it ignored. And a file load reads from
+a local folder (the weights, the pickled functions) must lie in that folder: a symlink
+out of it is refused, so a folder cannot make load read any file of this machine.
+
 The weights file is written by ``torch.save`` straight to a file and loaded memory-mapped
 into a module built on the meta device, so saving or loading a model of N bytes holds
 about N bytes, not two or three copies.
@@ -25,6 +31,7 @@ about N bytes, not two or three copies.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -34,11 +41,27 @@ import torch
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
+from sparkdl.config import flat_field_owners
 from sparkdl.errors import ConfigError
 from sparkdl.storage import fs
 from sparkdl.training.factory import cpu_state_dict, module_with_state
 
 _LOADING = threading.local()
+_log = logging.getLogger(__name__)
+
+#: Settings load never takes from a saved folder's metadata: each decides what is trusted,
+#: where something is written, or what crosses the network in the clear or to where, so a
+#: folder from someone else must not choose them. The loaded stage keeps its defaults.
+UNTRUSTED_SETTINGS: tuple[str, ...] = (
+    "encrypt",  # whether the driver's sockets carry weights and gradients in the clear
+    "network_interface",  # which network the workers' plain-TCP traffic (gloo, NCCL) crosses
+    "cache_dir",  # where the workers write the decoded training rows
+    "checkpoint_dir",  # where checkpoints (the weights) are written, and what a fit resumes from
+    "checkpoint_every",  # needs checkpoint_dir: kept with it, or the settings would not validate
+    "fault_injection",  # writes a marker file at any path, kills workers or executor JVMs
+    "mlflow_experiment",  # where the run and the trained model are logged
+    "mlflow_pickle_model",  # logs a pickled model, which runs code when loaded
+)
 
 
 class SavedModel(Protocol):
@@ -89,6 +112,61 @@ def _refused(path: str, what: str, names: list[str], files: str, cls: str) -> Co
         f"PipelineModel.load or CrossValidatorModel.load: with sparkdl.loading({example}): ... "
         "(or sparkdl.loading(trust_pickle=True))"
     )
+
+
+def _without_untrusted(stage: Params, metadata: dict[str, Any], path: str) -> dict[str, Any]:
+    """``metadata`` less the :data:`UNTRUSTED_SETTINGS`, so ``stage`` keeps its defaults for
+    them; a warning names each saved value that differs from the default it keeps."""
+    saved = {**metadata.get("defaultParamMap", {}), **metadata.get("paramMap", {})}
+    ignored = {
+        name: saved[name]
+        for name in UNTRUSTED_SETTINGS
+        if name in saved and saved[name] != stage.getOrDefault(name)
+    }
+    if ignored:
+        owners, kind = flat_field_owners(), type(stage).__name__
+        var = "model" if kind.endswith("Model") else "estimator"
+        values = ", ".join(f"{owners[name]}.{name} = {value!r}" for name, value in ignored.items())
+        kept = ", ".join(f"{name} = {stage.getOrDefault(name)!r}" for name in ignored)
+        sets = "; ".join(f"{var}.set({var}.{name}, {value!r})" for name, value in ignored.items())
+        _log.warning(
+            "%s.load(%r) ignored settings saved with it that decide what is trusted, written where "
+            "or sent in the clear, which a folder from someone else must not choose: %s. It keeps "
+            "the defaults (%s). If you trust whoever wrote %s, set them after load: %s",
+            kind,
+            path,
+            values,
+            kept,
+            path,
+            sets,
+        )
+    cleaned = dict(metadata)
+    for key in ("paramMap", "defaultParamMap"):
+        if key in metadata:
+            cleaned[key] = {k: v for k, v in metadata[key].items() if k not in UNTRUSTED_SETTINGS}
+    return cleaned
+
+
+def _inside(folder: str, name: str) -> str:
+    """``folder/name``, checked to lie in ``folder`` when it is local (another scheme's files
+    are the JVM's to read, and a symlink there is its file system's business).
+
+    Raises:
+        ConfigError: the file is a symlink that resolves outside the folder.
+    """
+    path = f"{folder}/{name}"
+    local = fs.local_path(folder)
+    if local is None or not (local / name).is_symlink():
+        return path
+    target, home = (local / name).resolve(), local.resolve()
+    if not target.is_relative_to(home):
+        raise ConfigError(
+            f"{path} is a symlink to {target}, outside the saved folder {home}; load reads only "
+            "files inside the folder it was given (a folder from someone else could point a link "
+            f"at any file of this machine). If you meant that file, copy it into the folder in "
+            f"place of the link: cp --remove-destination {target} {local / name}"
+        )
+    return path
 
 
 class TorchModelWriter(MLWriter):
@@ -148,9 +226,9 @@ class TorchModelReader(MLReader[Any], Generic[R]):
             raise _refused(path, "its model's architecture", missing, files, "TorchModel")
         for name in missing:  # trusted: the saved code
             functions[name] = cloudpickle.loads(
-                fs.read_bytes(self.sparkSession, f"{path}/{name}.cloudpickle")
+                fs.read_bytes(self.sparkSession, _inside(path, f"{name}.cloudpickle"))
             )
-        with fs.local_file(self.sparkSession, f"{path}/weights.pt") as file:
+        with fs.local_file(self.sparkSession, _inside(path, "weights.pt")) as file:
             # memory-mapped: the weights are read from the file as they are used, not copied
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         model_fn = functions["model_fn"]
@@ -165,6 +243,7 @@ class TorchModelReader(MLReader[Any], Generic[R]):
             transform_fn=functions.get("transform_fn") if metadata.get("transform_fn") else None,
         )
         model._resetUid(metadata["uid"])
+        metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
         return model
 
@@ -205,7 +284,8 @@ class TorchEstimatorReader(MLReader[Any], Generic[R]):
         trust, functions = _options(self._trust, self._functions)
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         if trust:  # the saved code, under what the caller passed
-            saved = cloudpickle.loads(fs.read_bytes(self.sparkSession, f"{path}/functions.cloudpickle"))
+            data = fs.read_bytes(self.sparkSession, _inside(path, "functions.cloudpickle"))
+            saved = cloudpickle.loads(data)
             functions = {**saved, **functions}
         else:
             # the names of the functions saved; a directory of an older sparkdl does not say
@@ -217,5 +297,6 @@ class TorchEstimatorReader(MLReader[Any], Generic[R]):
         for name, value in functions.items():
             setattr(estimator, name, value)
         estimator._resetUid(metadata["uid"])
+        metadata = _without_untrusted(estimator, metadata, path)
         DefaultParamsReader.getAndSetParams(estimator, metadata)  # type: ignore[type-var]  # R is MLReadable too
         return estimator

@@ -24,6 +24,12 @@ def _local(path: str) -> Path | None:
     return None
 
 
+def local_path(path: str) -> Path | None:
+    """``path`` as a local :class:`~pathlib.Path` (no scheme, or ``file:``); None for another
+    scheme (``hdfs:``, ``s3a:``, ``dbfs:``, ...), whose files only the JVM reads."""
+    return _local(path)
+
+
 def write_bytes(spark: Any, path: str, data: bytes) -> None:
     """Write ``data`` to ``path``, replacing it."""
     local = _local(path)
