@@ -7,12 +7,13 @@ import dataclasses
 import gc
 import socket
 import threading
+from collections.abc import Mapping
 
 import pytest
 import torch
 
 from sparkdl.errors import ProtocolError, WeightTransferError
-from sparkdl.services.weights import codec
+from sparkdl.services.weights import codec, protocol
 from sparkdl.services.weights.client import download, upload
 from sparkdl.services.weights.codec import (
     StateAssembler,
@@ -21,7 +22,13 @@ from sparkdl.services.weights.codec import (
     encode_manifest,
     manifest_of,
 )
-from sparkdl.services.weights.server import KEEP_RELEASED, WeightServer, default_upload_budget
+from sparkdl.services.weights.protocol import ENTRY_BYTES, MANIFEST_PARSE_FACTOR
+from sparkdl.services.weights.server import (
+    KEEP_RELEASED,
+    MAX_UPLOADS_PER_SLOT,
+    WeightServer,
+    default_upload_budget,
+)
 from sparkdl.training.factory import module_with_state
 from sparkdl.wire.refusals import close_quietly
 
@@ -144,17 +151,114 @@ def test_an_upload_over_its_slots_budget_is_refused_before_anything_is_allocated
         real(self, entries)
 
     monkeypatch.setattr(codec.StateAssembler, "__init__", watched)
-    inbox = server.expect_upload(budget=4096)
+    inbox = server.expect_upload(budget=4096 + ENTRY_BYTES)
     with pytest.raises(WeightTransferError):
         upload(inbox.endpoint, {"w": torch.zeros(2048)})  # 8 KiB announced
     assert allocated == []  # refused at the manifest
-    refusal = "an upload of 8192 bytes, with 0 under way, is over the slot's budget of 4096 bytes"
+    refusal = (
+        "an upload of 10240 bytes (8192 of tensors, 2048 for each of its 1 entries), with 0 bytes "
+        "under way, is over the slot's budget of 6144 bytes"
+    )
     assert refusal in caplog.text
-    assert inbox.refusal() == refusal  # what fit adds to the worker's "Broken pipe"
-    upload(inbox.endpoint, {"w": torch.ones(1024)})  # 4 KiB: within it
+    assert inbox.refusal().startswith(refusal)  # what fit adds to the worker's "Broken pipe"
+    upload(inbox.endpoint, {"w": torch.ones(1024)})  # 4 KiB and its entry: within it
     received = inbox.take()
     assert received is not None and torch.equal(received["w"], torch.ones(1024))
     assert allocated == [4096]
+
+
+def empty_tensors(count: int, name: str = "e") -> dict[str, torch.Tensor]:
+    return {f"{name}{i}": torch.zeros(0, dtype=torch.bool) for i in range(count)}
+
+
+def test_a_manifest_is_charged_its_parse_before_its_payload_is_read(server, monkeypatch):
+    """Before, a 64 MiB manifest frame was read and parsed whatever the slot's budget (six
+    such uploads held 380 MB on a 1 MiB budget). Now the length its authenticated header
+    announces, times what parsing costs, is reserved first: over the budget, the payload is
+    never read, let alone parsed."""
+    parsed = []
+    real = protocol.decode_manifest
+    monkeypatch.setattr(
+        protocol, "decode_manifest", lambda payload: parsed.append(len(payload)) or real(payload)
+    )
+    inbox = server.expect_upload(budget=1 << 20)
+    attack = empty_tensors(30_000, "block.running_statistics.")  # a manifest of about 1.4 MB
+    length = len(codec.encode_manifest(manifest_of(attack)[0]))
+    with pytest.raises(WeightTransferError):
+        upload(inbox.endpoint, attack)
+    assert parsed == []
+    assert inbox.refusal().startswith(
+        f"a manifest of {length} bytes ({MANIFEST_PARSE_FACTOR} per byte to parse), with 0 bytes under "
+        "way, is over the slot's budget of 1048576 bytes"
+    )
+    upload(inbox.endpoint, {"w": torch.ones(4)})  # a real model's manifest is parsed and lands
+    assert len(parsed) == 1 and torch.equal(inbox.take()["w"], torch.ones(4))
+
+
+def test_each_manifest_entry_is_charged_against_the_budget_even_an_empty_tensor(server):
+    """Before, 300,000 empty tensors counted 0 bytes against the budget and held 269 MB of
+    Python and torch objects on the driver (11 s of CPU); now each entry counts ENTRY_BYTES."""
+    inbox = server.expect_upload(budget=1 << 20)
+    with pytest.raises(WeightTransferError):
+        upload(inbox.endpoint, empty_tensors(600))  # 600 entries: 1.2 MB, parsed within 1 MiB
+    assert inbox.refusal().startswith(
+        "an upload of 1228800 bytes (0 of tensors, 2048 for each of its 600 entries), with 0 bytes "
+        "under way, is over the slot's budget of 1048576 bytes"
+    )
+    upload(inbox.endpoint, empty_tensors(400))  # 819,200 bytes: within it
+    received = inbox.take()
+    assert received is not None and len(received) == 400
+
+
+class Stalled(Mapping):
+    """A state dict whose upload stops after the driver's ACK, until ``go`` is set: the
+    upload's connection stays open, as a slow (or hostile) sender's does."""
+
+    def __init__(self, state: dict[str, torch.Tensor], started: threading.Semaphore, go: threading.Event):
+        self._state, self._started, self._go = state, started, go
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._state[name]
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def __iter__(self):
+        self._started.release()
+        self._go.wait(10)
+        return iter(self._state)
+
+
+def test_a_slot_takes_two_uploads_at_once_and_refuses_a_third(server):
+    """Before, as many uploads as the listener's 256 sessions could each hold the slot's budget
+    at once; now a slot takes MAX_UPLOADS_PER_SLOT (a re-run stage's rank 0 beside a dying
+    one), and a third is refused before its ACK, said in the slot's refusal."""
+    inbox = server.expect_upload(budget=1 << 20)
+    started, go = threading.Semaphore(0), threading.Event()
+    results: list[object] = []
+
+    def stalled_upload(value: float) -> None:
+        try:
+            results.append(upload(inbox.endpoint, Stalled({"w": torch.full((4,), value)}, started, go)))
+        except WeightTransferError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=stalled_upload, args=(v,), daemon=True) for v in (1.0, 2.0)]
+    for thread in threads:
+        thread.start()
+    assert all(started.acquire(timeout=10) for _ in threads)  # both were ACKed and stall
+    with pytest.raises(WeightTransferError):
+        upload(inbox.endpoint, {"w": torch.zeros(4)})
+    assert inbox.refusal() == (
+        f"an upload into slot {inbox.endpoint.slot} while 2 are under way; a slot takes "
+        f"{MAX_UPLOADS_PER_SLOT} at once (a fit's rank 0, and a re-run stage's beside it)"
+    )
+    go.set()
+    for thread in threads:
+        thread.join(10)
+    assert results == [16, 16]  # the two under way land
+    upload(inbox.endpoint, {"w": torch.full((4,), 3.0)})  # and once they ended, another gets in
+    assert torch.equal(inbox.take()["w"], torch.full((4,), 3.0))
 
 
 def test_the_default_budget_is_half_the_available_memory_not_the_free(tmp_path):

@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 KEEP_RELEASED = 2
 RELEASED_BYTES = 512 * 1024 * 1024
 
+#: Uploads into one slot at once: a re-run stage's rank 0 may upload while the dying one's
+#: upload is still under way; a third is refused before its ACK (each holds a connection
+#: and a thread, and the listener takes 256 sessions).
+MAX_UPLOADS_PER_SLOT = 2
+
 
 @dataclass
 class _Offer:
@@ -83,6 +88,7 @@ class _Inbox:
     state: dict[str, torch.Tensor] | None = None
     total: int = 0
     in_flight: int = 0
+    uploads: int = 0  # connections uploading now (at most MAX_UPLOADS_PER_SLOT)
     arrived: threading.Event = field(default_factory=threading.Event)
     refused: str = ""  # why the newest refused upload was (the worker only sees its socket close)
 
@@ -245,8 +251,9 @@ class WeightServer:
     # --------------------------------------------------------------- connections
 
     @contextlib.contextmanager
-    def _reserve(self, inbox: _Inbox, nbytes: int) -> Iterator[None]:
-        """Hold ``nbytes`` of ``inbox``'s budget for one upload's length.
+    def _reserve(self, inbox: _Inbox, nbytes: int, what: str) -> Iterator[None]:
+        """Hold ``nbytes`` of ``inbox``'s budget for one step of an upload (``what``: what
+        they are for, said when refused).
 
         Raises:
             ProtocolError: the uploads under way would hold more than the budget.
@@ -254,8 +261,9 @@ class WeightServer:
         with self._lock:
             if inbox.in_flight + nbytes > inbox.budget:
                 raise ProtocolError(
-                    f"an upload of {nbytes} bytes, with {inbox.in_flight} under way, is over the slot's "
-                    f"budget of {inbox.budget} bytes"
+                    f"{what}, with {inbox.in_flight} bytes under way, is over the slot's budget of "
+                    f"{inbox.budget} bytes (a fit's is half the memory the driver had available when "
+                    "the fit began: give the driver more memory)"
                 )
             inbox.in_flight += nbytes
         try:
@@ -264,25 +272,41 @@ class WeightServer:
             with self._lock:
                 inbox.in_flight -= nbytes
 
+    @contextlib.contextmanager
+    def _upload_session(self, inbox: _Inbox, slot: int) -> Iterator[None]:
+        """One of the at most :data:`MAX_UPLOADS_PER_SLOT` uploads into ``inbox`` at once.
+
+        Raises:
+            ProtocolError: as many uploads into the slot are under way already.
+        """
+        with self._lock:
+            if inbox.uploads >= MAX_UPLOADS_PER_SLOT:
+                raise ProtocolError(
+                    f"an upload into slot {slot} while {inbox.uploads} are under way; a slot takes "
+                    f"{MAX_UPLOADS_PER_SLOT} at once (a fit's rank 0, and a re-run stage's beside it)"
+                )
+            inbox.uploads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                inbox.uploads -= 1
+
     def _serve(self, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
         held: _Offer | _Inbox | None = None
         try:
             channel.sock.settimeout(self._timeout_s)
             with self._lock:
                 held = self._slots.get(hello.slot)
-            if held is None:  # closed since its secret was looked up
-                return
-            channel.send(Ack(hello.op, hello.slot))
             if isinstance(held, _Offer):
+                channel.send(Ack(hello.op, hello.slot))
                 sent = send_state(channel, hello, held.state)
                 log.debug("sent %d bytes of weights (slot %d) to %s", sent, hello.slot, peer)
             elif isinstance(held, _Inbox):
-                state, total = receive_state(channel, hello, functools.partial(self._reserve, held))
-                with self._lock:
-                    held.state, held.total = state, total
-                held.arrived.set()
-                channel.send(Ack(hello.op, hello.slot, total))
-                log.debug("received %d bytes of trained weights (slot %d) from %s", total, hello.slot, peer)
+                with self._upload_session(held, hello.slot):
+                    channel.send(Ack(hello.op, hello.slot))
+                    self._receive(held, hello, channel, peer)
+            # None: the slot closed since its secret was looked up
         except ConnectionClosed:
             pass
         except ProtocolError as exc:
@@ -295,6 +319,15 @@ class WeightServer:
                 log.warning("weights transfer with %s failed: %s", peer, exc)
         except Exception as exc:  # e.g. a manifest whose tensors cannot be allocated
             log.warning("weights transfer with %s failed: %s: %s", peer, type(exc).__name__, exc)
+
+    def _receive(self, inbox: _Inbox, hello: Hello, channel: WeightsChannel, peer: tuple[str, int]) -> None:
+        """Receive one upload into ``inbox`` within its budget; confirm it with an ACK."""
+        state, total = receive_state(channel, hello, functools.partial(self._reserve, inbox))
+        with self._lock:
+            inbox.state, inbox.total = state, total
+        inbox.arrived.set()
+        channel.send(Ack(hello.op, hello.slot, total))
+        log.debug("received %d bytes of trained weights (slot %d) from %s", total, hello.slot, peer)
 
 
 _SERVERS: dict[tuple[str, bool], WeightServer] = {}
