@@ -17,7 +17,9 @@ What a worker can make the driver do is bounded: a connection is bound at its HE
 one rank and stage attempt (a frame claiming another closes it), a newer attempt is only
 believed when Spark started it (``attempt_started``), the board takes reports of the
 fit's own ranks and epochs only, and a worker's log record is escaped to one line and
-cut to :data:`MAX_LOG_CHARS` on the driver, whatever the worker sent.
+cut to :data:`MAX_LOG_CHARS` on the driver, whatever the worker sent; a rank's records are
+logged at most :data:`~sparkdl.services.worker_lines.BURST` at once, then
+:data:`~sparkdl.services.worker_lines.PER_S` a second, the others dropped and counted.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sparkdl.services.progress.protocol import (
     ProgressChannel,
     client_hello,
 )
+from sparkdl.services.worker_lines import WorkerLines
 from sparkdl.wire.handshake import with_retries
 from sparkdl.wire.listener import ConnectionListener
 from sparkdl.wire.refusals import close_quietly, one_line
@@ -103,6 +106,7 @@ class ProgressServer:
         self._heard_lock = threading.Lock()
         self._attempt = -1  # the newest stage attempt that said HELLO
         self._last_heard: dict[int, float] = {}  # rank -> clock of its last frame, in that attempt
+        self._lines = WorkerLines(board.num_workers, worker_log, "log records", clock=clock)
         self._listener = ConnectionListener(
             host,
             PROGRESS_WIRE,
@@ -135,6 +139,7 @@ class ProgressServer:
         (up to ``drain_s``: the tasks are over, their sockets at EOF), then close every
         connection, join the threads (bounded) and close the bar."""
         self._listener.stop(timeout, drain_s)
+        self._lines.flush()
         self.board.close()
 
     def _serve(self, hello: Message, channel: ProgressChannel, peer: tuple[str, int]) -> None:
@@ -183,8 +188,11 @@ class ProgressServer:
                 )
             self.board.update(message)
         elif isinstance(message, Log):
-            level = message.level if logging.DEBUG <= message.level <= logging.CRITICAL else logging.WARNING
-            worker_log.log(level, "[rank %d] %s", message.rank, one_line(message.text, MAX_LOG_CHARS))
+            if self._lines.admit(message.rank):
+                level = (
+                    message.level if logging.DEBUG <= message.level <= logging.CRITICAL else logging.WARNING
+                )
+                worker_log.log(level, "[rank %d] %s", message.rank, one_line(message.text, MAX_LOG_CHARS))
         elif isinstance(message, Goodbye):
             return True
         elif not isinstance(message, Heartbeat):

@@ -39,7 +39,8 @@ from sparkdl.services.ps.factored import FACTORS, FactorLayout
 from sparkdl.services.ps.parking import ParkedPulls
 from sparkdl.services.ps.protocol import BF16, FLOAT32, MAX_ERROR_BYTES, Frame, Kind, error_frame
 from sparkdl.services.ps.served_attempt import StageAttempts
-from sparkdl.services.ps.store import ShardStore
+from sparkdl.services.ps.store import ShardStore, all_finite
+from sparkdl.services.worker_lines import WorkerLines
 from sparkdl.wire.refusals import Refusals, one_line
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,15 @@ class RequestHandler:
         self._refusals = refusals
         self.rejected: collections.deque[str] = collections.deque(maxlen=100)  # the latest reasons
         self.rejected_pushes = 0
-        self.nonfinite_pushes = 0
+        self._nonfinite_values = 0  # pushes whose gradient or loss was NaN or infinite
         self.parked = ParkedPulls(stores, timeout_s, self._try_weights, refusals)
+        # a rank's ABORTs each log a line: at most a burst, then a steady rate (a secret holder's flood)
+        self.stop_lines = WorkerLines(max((s.num_workers for s in stores), default=0), log, "stop reasons")
+
+    @property
+    def nonfinite_pushes(self) -> int:
+        """Pushes refused for NaN or infinite values, or for an update that left a weight so."""
+        return self._nonfinite_values + sum(store.nonfinite_updates for store in self.stores)
 
     def handle(self, frame: Frame, warm: WarmBuffers, park: Park | None = None) -> Frame | None:
         """The answer to one request: its result, or an ERROR frame with the error's code;
@@ -123,19 +131,21 @@ class RequestHandler:
         store = self.stores[frame.shard]
         grad = self._gradient(frame, store.numel, warm.area if frame.area else None)
         if not all_finite(grad):
-            self.nonfinite_pushes += 1
+            self._nonfinite_values += 1
             raise PushRejected(
                 f"push to shard {frame.shard} at clock {frame.clock} holds NaN or infinite values; "
                 "it was not applied (the worker's own NaN guard should have skipped that step)"
             )
         if not math.isfinite(frame.loss):
-            self.nonfinite_pushes += 1
+            self._nonfinite_values += 1
             raise PushRejected(
                 f"push to shard {frame.shard} at clock {frame.clock} carries a loss of {frame.loss}; it was "
                 "not applied (the line search cannot compare a non-finite objective)"
             )
-        staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss)
-        self.parked.answer(frame.shard)
+        try:
+            staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss)
+        finally:  # an update undone still passed its clock: the pulls parked for it go on
+            self.parked.answer(frame.shard)
         return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)
 
     def _pull(self, frame: Frame, warm: WarmBuffers, park: Park | None) -> Frame | None:
@@ -154,7 +164,8 @@ class RequestHandler:
 
     def _abort(self, frame: Frame) -> Frame:
         reason = one_line(bytes(frame.payload).decode(errors="replace"), MAX_ERROR_BYTES)
-        log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
+        if self.stop_lines.admit(frame.rank):
+            log.warning("parameter server: rank %d stopped: %s", frame.rank, reason)
         for shard, each in enumerate(self.stores):
             each.abort(f"rank {frame.rank} stopped: {reason}")
             self.parked.answer(shard)
@@ -247,9 +258,3 @@ class RequestHandler:
             return self._layouts[frame.shard].decode(data)
         except ValueError as exc:
             raise PushRejected(f"push of factors to shard {frame.shard} does not decode: {exc}") from exc
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite: one float32 sum (NaN and infinities carry through it);
-    only a sum that overflowed needs the element-wise look."""
-    return math.isfinite(values.sum()) or bool(torch.isfinite(values).all())

@@ -187,6 +187,7 @@ class ParameterServer:
         # the waiting pulls woke with their error: let them send it before the sockets close
         self._sessions.wait_answered(min(timeout, _ANSWER_DRAIN_S))
         self._listener.stop(timeout)
+        self._requests.stop_lines.flush()
         if self.areas is not None:
             self.areas.close()
         if self._threads:

@@ -32,13 +32,23 @@ each complete clock's mean gradient and mean loss go to the driver's L-BFGS coor
 :meth:`~ShardStore.publish`-es the next point to evaluate; :meth:`~ShardStore.finish` then
 answers every pull that the run has ended.
 
-Memory: one copy of the weights and optimizer state per shard, plus one gradient
-accumulator per clock in flight (at most ``staleness + 1``), never one per worker.
+What a pusher can make the store hold or apply is bounded. A push of a clock more than
+``staleness`` clocks past the next one to be applied is refused (no honest worker pushes one:
+its pull of that clock waited for the clocks before it), so at most ``staleness + 1``
+clocks are pending; before, one holder of the fit's secret pushing clocks far ahead kept a
+gradient sum per clock (164 MB for 40 pushes). And every update is checked: one that leaves
+a weight NaN or infinite (finite gradients can: three pushes of 3e38) is undone, the shard
+keeps its weights from before it, and its push is refused; the weights served stay finite.
+
+Memory: two copies of the weights (the second, the weights before the update being applied)
+and the optimizer state per shard, plus one gradient accumulator per clock in flight (at
+most ``staleness + 1``), never one per worker.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -129,6 +139,8 @@ class ShardStore:
         self._cond = threading.Condition()
         self._pending: dict[int, _Clock] = {}
         self._spare: list[torch.Tensor] = []  # sums of applied clocks, reused
+        self._before: list[torch.Tensor] = []  # the weights before the update being applied
+        self.nonfinite_updates = 0  # updates undone: they left a weight NaN or infinite
         self._next_clock = [0] * num_workers  # the clock each worker pushes next
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
@@ -232,8 +244,8 @@ class ShardStore:
             self._next_clock[rank] = clock + 1
             if self.mode is PsMode.ASYNC:
                 staleness = max(self.version - clock, 0)  # async: clock = version it was based on
-                if rows > 0:
-                    self._apply(grad_sum.div_(rows))
+                if rows > 0 and not self._apply(grad_sum.div_(rows)):
+                    raise self._undone(f"rank {rank}'s push based on version {clock}")
                 self._cond.notify_all()
                 return staleness
             late = self.applied_clock - clock
@@ -254,7 +266,9 @@ class ShardStore:
             entry.rows += rows
             entry.loss_sum += loss_sum
             entry.pushed.add(rank)
-            self._apply_complete_clocks()
+            undone = self._apply_complete_clocks()
+            if undone:
+                raise self._undone(f"clock {undone[0]}, which rank {rank}'s push completed,")
             return 0
 
     def pull(
@@ -327,6 +341,12 @@ class ShardStore:
         return False
 
     @property
+    def pending_clocks(self) -> int:
+        """Clocks pushed and not applied yet, each holding a gradient sum (at most ``staleness + 1``)."""
+        with self._cond:
+            return len(self._pending)
+
+    @property
     def quorum(self) -> int:
         """Pushes that make a clock (sync with backup workers: fewer than the pushers)."""
         return self.num_workers - self._backup
@@ -355,19 +375,31 @@ class ShardStore:
                 f"gradient of {grad_sum.numel()} {grad_sum.dtype} values; this shard holds "
                 f"{self.numel} float32 values"
             )
+        if self.mode is PsMode.ASYNC:
+            return
         expected = self._next_clock[rank]
         skipped_ahead = self.quorum < self.num_workers and clock > expected  # a backup that caught up
-        if self.mode is not PsMode.ASYNC and clock != expected and not skipped_ahead:
+        if clock != expected and not skipped_ahead:
             raise PushRejected(
                 f"rank {rank} pushed clock {clock}, expected {self._next_clock[rank]} (duplicate or skipped)"
             )
+        if clock > self.applied_clock + self.staleness:  # its pull would still wait: kept, it holds a sum
+            raise PushRejected(
+                f"rank {rank} pushed clock {clock}, {clock - self.applied_clock} clocks past clock "
+                f"{self.applied_clock}, the next this shard applies; a push may run at most "
+                f"{self.staleness} clocks ahead (the staleness; 0 in sync mode), so it was not kept"
+            )
 
-    def _apply_complete_clocks(self) -> None:
+    def _apply_complete_clocks(self) -> list[int]:
+        """Apply every complete clock, in order; return those whose update was undone (each
+        passed as a clock that moved nothing, so that the pulls waiting for it go on)."""
+        undone: list[int] = []
         while True:
             entry = self._pending.get(self.applied_clock)
             if entry is None or len(entry.pushed) < self.quorum:
-                return
-            del self._pending[self.applied_clock]
+                return undone
+            clock = self.applied_clock
+            del self._pending[clock]
             if self._handoff is not None:  # the coordinator takes it; publish() makes the version
                 self._handoff(
                     self,
@@ -377,11 +409,12 @@ class ShardStore:
                 )
                 if len(self._spare) < 2:
                     self._spare.append(entry.grad_sum)
-                return  # one clock at a time: the next cannot be complete before the next version
-            if entry.rows:
-                self._apply(entry.grad_sum.div_(entry.rows))
-            else:  # no worker trained a row in this clock (e.g. an evaluation pass): nothing moves
+                return undone  # one clock at a time: the next cannot be complete before the next version
+            if not entry.rows:  # no worker trained a row in this clock (e.g. an evaluation pass)
                 self.version += 1
+            elif not self._apply(entry.grad_sum.div_(entry.rows)):
+                undone.append(clock)
+                self.version += 1  # as a clock of no rows: nothing moves
             if len(self._spare) < 2:  # warm memory for a later clock (no page faults)
                 self._spare.append(entry.grad_sum)
             self._cond.notify_all()
@@ -409,7 +442,10 @@ class ShardStore:
             self.finished = True
             self._cond.notify_all()
 
-    def _apply(self, grad: torch.Tensor) -> None:
+    def _apply(self, grad: torch.Tensor) -> bool:
+        """One optimizer step on ``grad`` (flat, float32); False when it left a weight NaN or
+        infinite: the weights are then as before it (its optimizer state as the step left it:
+        a later update it spoils is undone as well) and the version does not move."""
         assert self.optimizer is not None, "a coordinated store hands its clocks over"
         offset = 0
         for p in self.params:
@@ -418,9 +454,33 @@ class ShardStore:
             offset += p.numel()
         if self._lr is not None:  # the global step this version stands for
             self._lr.apply(int(self.version * self._steps_per_version))
-        self.optimizer.step()
-        for p in self.params:  # zero_grad(set_to_none=True) without its wrapper's 8 us
-            p.grad = None
+        with torch.no_grad():
+            if not self._before:
+                self._before = [torch.empty_like(p) for p in self.params]
+            for before, p in zip(self._before, self.params, strict=True):
+                before.copy_(p)
+            self.optimizer.step()
+            for p in self.params:  # zero_grad(set_to_none=True) without its wrapper's 8 us
+                p.grad = None
+            if not all(all_finite(p) for p in self.params):
+                for before, p in zip(self._before, self.params, strict=True):
+                    p.copy_(before)
+                self.nonfinite_updates += 1
+                return False
         if self._scheduler is not None:
             self._scheduler.step()
         self.version += 1
+        return True
+
+    def _undone(self, what: str) -> PushRejected:
+        return PushRejected(
+            f"the update of {what} left a weight NaN or infinite and was undone: the shard keeps its "
+            "weights from before it (a push of huge values, or a learning rate too high: lower "
+            "optimizer.lr, or clip the gradients)"
+        )
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite: one float32 sum (NaN and infinities carry through it);
+    only a sum that overflowed needs the element-wise look."""
+    return math.isfinite(values.sum()) or bool(torch.isfinite(values).all())
