@@ -5,13 +5,15 @@ Why. A worker's log records (the progress channel's LOG frames) and its reasons 
 line and cut to a few thousand characters; but nothing bounded how many there were, and one
 holder of the fit's secret wrote 100 MB of the driver's log in 2 s. Now each rank has a token
 bucket: :data:`BURST` lines at once, then :data:`PER_S` a second. The lines over it are
-dropped and counted, and the count is said once, in one line, when that rank's next line
-gets through or when the server stops (:meth:`WorkerLines.flush`).
+dropped and counted, and the count is said in one line when that rank's next line gets
+through, at most every :data:`SAY_EVERY_S` (a flood that goes on is one count a rank and
+half-minute), and when the server stops (:meth:`WorkerLines.flush`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,13 +23,16 @@ from dataclasses import dataclass
 BURST = 200
 #: Lines a rank may log a second once its burst is spent (at most 8,000 characters each).
 PER_S = 20.0
+#: How often the count of a rank's dropped lines is said while they go on being dropped.
+SAY_EVERY_S = 30.0
 
 
 @dataclass
 class _Bucket:
     tokens: float
     at: float  # the clock when ``tokens`` was counted
-    dropped: int = 0  # lines dropped since the last one let through
+    dropped: int = 0  # lines dropped and not said yet
+    said_at: float = -math.inf  # the clock when that count was last said
 
 
 class WorkerLines:
@@ -62,7 +67,8 @@ class WorkerLines:
 
     def admit(self, rank: int) -> bool:
         """Whether a line of ``rank`` may be logged now (False: it is dropped and counted). The
-        count of that rank's lines dropped before it is logged first."""
+        count of that rank's lines dropped before it is logged first, at most every
+        :data:`SAY_EVERY_S`."""
         key = rank if 0 <= rank < self._ranks else -1
         now = self._clock()
         with self._lock:
@@ -73,7 +79,9 @@ class WorkerLines:
                 bucket.dropped += 1
                 return False
             bucket.tokens -= 1
-            dropped, bucket.dropped = bucket.dropped, 0
+            dropped = 0
+            if bucket.dropped and now - bucket.said_at >= SAY_EVERY_S:
+                dropped, bucket.dropped, bucket.said_at = bucket.dropped, 0, now
         if dropped:
             self._say(key, dropped)
         return True

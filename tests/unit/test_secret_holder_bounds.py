@@ -19,7 +19,7 @@ from sparkdl.services.progress.channel import ProgressReporter, ProgressServer
 from sparkdl.services.ps.client import PsClient
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import PsMode, ShardStore
-from sparkdl.services.worker_lines import BURST, PER_S
+from sparkdl.services.worker_lines import BURST, PER_S, SAY_EVERY_S, WorkerLines
 
 SECRET = b"s" * 32
 
@@ -153,6 +153,29 @@ def test_a_sync_clock_whose_update_would_make_a_weight_infinite_passes_without_m
 
 def worker_lines(caplog, rank):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"[rank {rank}] ")]
+
+
+def test_a_rank_s_bucket_refills_at_its_rate_and_its_dropped_count_is_said_once_a_half_minute(caplog):
+    now = [0.0]
+    lines = WorkerLines(
+        2, logging.getLogger("test.lines"), "log records", burst=3, per_s=2.0, clock=lambda: now[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="test.lines"):
+        assert [lines.admit(0) for _ in range(5)] == [True, True, True, False, False]
+        assert lines.admit(1)  # every rank has its own bucket
+        now[0] = 1.0  # two lines' worth refilled
+        assert [lines.admit(0) for _ in range(3)] == [True, True, False]  # the first says the 2 dropped
+        now[0] = 2.0
+        assert lines.admit(0)  # the 1 dropped since is not said yet: within SAY_EVERY_S
+        assert [lines.admit(rank) for rank in (7, -1, 9, 9)] == [True, True, True, False]  # one bucket
+        now[0] = 1.0 + SAY_EVERY_S
+        lines.admit(0)
+        lines.flush()
+    assert [r.getMessage() for r in caplog.records] == [
+        "[rank 0] 2 log records dropped: a rank may log 3 at once, then 2 a second",
+        "[rank 0] 1 log records dropped: a rank may log 3 at once, then 2 a second",
+        "[ranks outside the fit's 2] 1 log records dropped: a rank may log 3 at once, then 2 a second",
+    ]
 
 
 def test_a_rank_s_log_records_are_a_burst_then_a_rate_and_the_rest_counted_once(caplog):
