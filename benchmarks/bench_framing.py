@@ -45,7 +45,8 @@ def _echo_server(ready, secret: bytes, size: int, encrypt: bool) -> None:
     """Two connections, one after the other in the client's order: bare, then framed. Each
     is served on its own process thread until the client closes it."""
     listener = socket.create_server(("127.0.0.1", 0))
-    ready.put(listener.getsockname()[1])
+    key = framing.ServerKey()
+    ready.put((listener.getsockname()[1], key.public))
     into = bytearray(size)
 
     def bare(conn: socket.socket) -> None:
@@ -53,7 +54,7 @@ def _echo_server(ready, secret: bytes, size: int, encrypt: bool) -> None:
 
     def framed(conn: socket.socket) -> None:
         with conn:
-            _, channel = framing.server_hello(conn, secret, PS_WIRE, encrypt)
+            _, channel = framing.server_hello(conn, secret, PS_WIRE, key, encrypt)
             place = memoryview(into)
             while True:
                 try:
@@ -72,12 +73,16 @@ def _echo_server(ready, secret: bytes, size: int, encrypt: bool) -> None:
         thread.join()
 
 
-def _client(port: int, secret: bytes, size: int, encrypt: bool, seconds: float, repeats: int, out) -> None:
+def _client(
+    port: int, server_key: bytes, secret: bytes, size: int, encrypt: bool, seconds: float, repeats: int, out
+) -> None:
     bare = socket.create_connection(("127.0.0.1", port))
     framed_sock = socket.create_connection(("127.0.0.1", port))
     for sock in (bare, framed_sock):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    channel = framing.client_hello(framed_sock, secret, PS_WIRE, Frame(Kind.HELLO), encrypt)
+    channel = framing.client_hello(
+        framed_sock, secret, PS_WIRE, Frame(Kind.HELLO), encrypt, server_key=server_key
+    )
     payload, answer = bytearray(os.urandom(size)), bytearray(bare_bytes(size))
     raw = bytes(bare_bytes(size))
     request = Frame(Kind.PUSH, payload=payload)
@@ -117,8 +122,10 @@ def bench(size: int, encrypt: bool, seconds: float, repeats: int) -> dict:
     ready, out, secret = ctx.Queue(), ctx.Queue(), os.urandom(32)
     server = ctx.Process(target=_echo_server, args=(ready, secret, size, encrypt))
     server.start()
-    port = ready.get(timeout=60)
-    client = ctx.Process(target=_client, args=(port, secret, size, encrypt, seconds, repeats, out))
+    port, server_key = ready.get(timeout=60)
+    client = ctx.Process(
+        target=_client, args=(port, server_key, secret, size, encrypt, seconds, repeats, out)
+    )
     client.start()
     runs = out.get(timeout=60 + 4 * seconds * repeats)
     client.join(60)

@@ -61,7 +61,9 @@ def main() -> None:
 
     def handshake() -> None:
         with socket.create_connection((listener.host, listener.port), timeout=5) as sock:
-            channel = client_hello(sock, SECRET, rank=0, attempt=0, encrypt=args.encrypt)
+            channel = client_hello(
+                sock, SECRET, rank=0, attempt=0, encrypt=args.encrypt, server_key=listener.public_key
+            )
             assert channel.recv(1 << 16).kind is Kind.ACK
 
     def bare_trip() -> None:

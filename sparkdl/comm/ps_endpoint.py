@@ -20,6 +20,9 @@ class PsEndpoint:
     host: str
     port: int
     secret: bytes
+    server_key: (
+        bytes  # the server's static public key: the handshake proves the server holds its private half
+    )
     shard_params: tuple[tuple[int, ...], ...]  # parameter indices of each shard
     timeout_s: float
     max_payload: int

@@ -9,7 +9,7 @@ The all-gather is called exactly once per worker, and everything the ranks must 
 each other before the process group exists travels in that one call (the store's
 address, and each task's attempt id, which names the stage attempt); anything later
 goes over the process group. It is the driver's meeting point
-(:mod:`sparkdl.comm.meeting_point`), or Spark's barrier ``allGather``, which answers by
+(:mod:`sparkdl.services.meeting.server`), or Spark's barrier ``allGather``, which answers by
 polling every second (measured: 1.0 s per call, whatever the payload).
 """
 

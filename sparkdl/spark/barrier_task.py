@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sparkdl.comm.meeting_point import MeetingPoint, gather_at
 from sparkdl.comm.rendezvous import AllGather
 from sparkdl.errors import ErrorRecord, WorkerFailed
+from sparkdl.services.meeting.client import gather_at
+from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.worker.builder import Placement
 
 T = TypeVar("T")

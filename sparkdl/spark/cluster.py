@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import socket
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,6 +132,86 @@ def executor_hosts(sc: Any) -> set[str]:
     executors = sc._jsc.sc().statusStore().executorList(True)  # active only
     summaries = [executors.apply(i) for i in range(executors.size())]
     return {str(e.hostPort()).rsplit(":", 1)[0] for e in summaries if str(e.id()) != "driver"}
+
+
+class ExecutorAddresses:
+    """The addresses the fit's tasks connect to the driver's servers from, as Spark knows
+    them now: every live executor's host resolved to its addresses, and the driver's own
+    (local mode's tasks run in the driver's JVM). A live view for the servers' listeners
+    (:class:`~sparkdl.wire.listener.ConnectionListener`'s ``known``), which reserve some of
+    their handshake places for these addresses.
+
+    A lookup reads a set and never waits: a miss more than :attr:`REFRESH_S` after the last
+    reading starts a new one on a thread of its own, so an executor that dynamic allocation
+    adds is known a moment after its first connection, and a flood from other addresses
+    costs one reading of Spark's status store (and of DNS) every :attr:`REFRESH_S`.
+    """
+
+    REFRESH_S = 2.0
+
+    def __init__(self, sc: Any) -> None:
+        self._sc = sc
+        self._addresses: frozenset[str] = frozenset()
+        self._read_at = -math.inf
+        self._reading = threading.Lock()
+        self._refresh()
+
+    def __contains__(self, address: object) -> bool:
+        if address in self._addresses:
+            return True
+        if time.monotonic() - self._read_at > self.REFRESH_S and not self._reading.locked():
+            threading.Thread(target=self._refresh, name="sparkdl-executor-addresses", daemon=True).start()
+        return False
+
+    def _refresh(self) -> None:
+        if not self._reading.acquire(blocking=False):
+            return
+        try:
+            self._read_at = time.monotonic()
+            hosts = {str(self._sc.getConf().get("spark.driver.host", "127.0.0.1"))}
+            try:
+                hosts |= executor_hosts(self._sc)
+            except Exception as exc:  # the context is stopping: keep what was known
+                log.debug("cannot read the executors from Spark's status store: %s", exc)
+            self._addresses = frozenset(self._addresses | _resolved(hosts))
+        finally:
+            self._reading.release()
+
+
+def _resolved(hosts: set[str]) -> set[str]:
+    """``hosts`` and every address they resolve to (a loopback one brings loopback's others:
+    a local task may connect from 127.0.0.1 to a driver bound to 127.0.1.1)."""
+    addresses = set(hosts)
+    for host in hosts:
+        try:
+            addresses |= {
+                str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            }
+        except OSError:
+            continue
+    if any(a.startswith("127.") or a == "::1" for a in addresses):
+        addresses |= {"127.0.0.1", "::1"}
+    return addresses
+
+
+_KNOWN: weakref.WeakKeyDictionary[Any, ExecutorAddresses] = weakref.WeakKeyDictionary()
+_KNOWN_LOCK = threading.Lock()
+
+
+def executor_addresses(spark: Any = None) -> ExecutorAddresses | None:
+    """The :class:`ExecutorAddresses` of ``spark``'s context (default: the active one),
+    made once per context; None over Spark Connect or where no context runs."""
+    if spark is not None and is_connect(spark):
+        return None
+    from pyspark import SparkContext
+
+    sc = spark.sparkContext if spark is not None else SparkContext._active_spark_context
+    if sc is None:
+        return None
+    with _KNOWN_LOCK:
+        if sc not in _KNOWN:
+            _KNOWN[sc] = ExecutorAddresses(sc)
+        return _KNOWN[sc]
 
 
 def parse_seconds(text: str) -> float:

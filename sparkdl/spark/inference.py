@@ -38,7 +38,7 @@ from sparkdl.errors import SchemaError
 from sparkdl.services.weights.client import download
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.server import weight_server
-from sparkdl.spark.cluster import driver_host, is_connect
+from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
 from sparkdl.spark.stage_servers import warn_if_tasks_travel_in_the_clear
 from sparkdl.training.factory import ModelFn, module_with_state, state_from_bytes, state_to_bytes
 from sparkdl.worker.device import choose_device
@@ -114,7 +114,9 @@ def model_weights(spark: Any, module: torch.nn.Module, encrypt: bool = False) ->
     if encrypt:
         warn_if_tasks_travel_in_the_clear(spark)
     fingerprint = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
-    endpoint = weight_server(driver_host(spark), encrypt).offer(state, module, fingerprint)
+    endpoint = weight_server(driver_host(spark), encrypt, executor_addresses(spark)).offer(
+        state, module, fingerprint
+    )
     return ModelWeights(endpoint.key, endpoint=endpoint)
 
 

@@ -20,7 +20,7 @@ from sparkdl.services.ps.full_batch import Coordinator, ShardedVectors
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.sharding import shard_count, split_into_shards
 from sparkdl.services.ps.store import ShardStore
-from sparkdl.spark.cluster import driver_host, is_connect
+from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
 from sparkdl.training.full_batch_settings import lbfgs_settings
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
@@ -162,6 +162,7 @@ def _serve(
         shared_memory_bytes=_shared_memory_bytes(config),
         factor_layouts=layouts,
         attempt_lock=vectors.attempt_lock if vectors is not None else None,
+        known=executor_addresses(),
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards, %s",

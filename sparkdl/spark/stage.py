@@ -22,14 +22,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.config import SparkDLConfig, UseGpu
 from sparkdl.errors import ErrorRecord, SparkDLError, StageStalledError, TrainingFailedError, WorkersLostError
+from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.progress.board import ProgressBoard
 from sparkdl.services.progress.channel import ProgressEndpoint, ProgressServer
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.spark.attempts import attempt_gate
-from sparkdl.spark.cluster import check_cluster, described, driver_host, is_connect, own_local_properties
+from sparkdl.spark.cluster import (
+    check_cluster,
+    described,
+    driver_host,
+    executor_addresses,
+    is_connect,
+    own_local_properties,
+)
 from sparkdl.spark.environment import failure_excerpt, memory_hint
 from sparkdl.spark.resources import training_profile
 from sparkdl.spark.stage_servers import StageServers, stage_servers
@@ -170,6 +177,7 @@ def barrier_stage(
                 interval_s,
                 encrypt=encrypt,
                 attempt_started=site.attempt_started,
+                known=executor_addresses(site.spark),
             )
             stack.callback(progress.stop)
         yield Stage(site, servers, progress, bound_s)

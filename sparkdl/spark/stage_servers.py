@@ -16,11 +16,12 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from sparkdl.comm.meeting_point import MeetingPoint, MeetingPointServer
+from sparkdl.services.meeting.endpoint import MeetingPoint
+from sparkdl.services.meeting.server import MeetingPointServer
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.server import Upload, weight_server
 from sparkdl.spark.attempts import AttemptPublisher
-from sparkdl.spark.cluster import driver_host, is_connect
+from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,10 @@ def stage_servers(spark: object, group: str, timeout_s: float, encrypt: bool) ->
     if encrypt:
         warn_if_tasks_travel_in_the_clear(spark)
     with contextlib.ExitStack() as stack:
-        upload = weight_server(host, encrypt).expect_upload()
+        known = executor_addresses(spark)
+        upload = weight_server(host, encrypt, known).expect_upload()
         stack.callback(upload.close)
-        meeting = stack.enter_context(MeetingPointServer(host, timeout_s))
+        meeting = stack.enter_context(MeetingPointServer(host, timeout_s, encrypt, known=known))
         attempts = AttemptPublisher(spark.sparkContext, group, meeting.publish)  # type: ignore[attr-defined]
         stack.callback(attempts.close)
         yield StageServers(upload, meeting.endpoint)

@@ -3,7 +3,10 @@
 A reader authenticates the header before it trusts its length or fields, so a peer
 allocates nothing, and places nothing, before it has proved it holds the secret; a
 replayed, reordered or reflected frame, or a piece moved within or between frames, fails
-because its nonce differs (:mod:`sparkdl.wire.keys`).
+because its nonce differs (:mod:`sparkdl.wire.keys`). With ``encrypt`` the header's
+protocol fields (a push's loss, rows and clock, a model's size) travel sealed too: only
+the prefix a reader needs to take the frame off the socket (protocol, kind, length) is
+plain, and authenticated as the fields' associated data.
 
 A payload travels in pieces of ``STREAM_CHUNK`` bytes, each with its tag: the sender tags
 a piece once the kernel holds it and the reader verifies each as it lands, so that neither
@@ -33,6 +36,7 @@ from sparkdl.wire.layout import (
     HEADER_TAG_INDEX,
     KIND_INDEX,
     LENGTH_INDEX,
+    PREFIX,
     STREAM_CHUNK,
     TAG_BYTES,
     M,
@@ -122,7 +126,7 @@ class Channel(Generic[M]):
             for index, (header, payload) in enumerate(frames):
                 seq = self._send_seq
                 self._send_seq += 1
-                parts += [memoryview(header), self._tag(seq, HEADER_TAG_INDEX, header)]
+                parts += self._header(seq, header)
                 total += frame_bytes(len(header), payload.nbytes)
                 if self._cipher is not None:
                     parts = self._seal(seq, header, payload, parts, last=index + 1 == len(frames))
@@ -169,10 +173,13 @@ class Channel(Generic[M]):
     def _recv(self, max_payload: int, into: PayloadPlacement | None) -> M:
         size = self.protocol.header.size
         tagged = recv_exactly(self.sock, size + TAG_BYTES, at_frame_start=True)  # every frame has both
-        header = bytes(tagged[:size])
-        check_prefix(header, self.protocol)
+        check_prefix(bytes(tagged[: PREFIX.size]), self.protocol)
         seq = self._recv_seq
-        self._verify(seq, HEADER_TAG_INDEX, header, memoryview(tagged)[size:])
+        if self._cipher is None:
+            header = bytes(tagged[:size])
+            self._verify(seq, HEADER_TAG_INDEX, header, memoryview(tagged)[size:])
+        else:
+            header = self._open_header(seq, tagged)
         values = self.protocol.header.unpack(header)
         kind, length, fields = values[KIND_INDEX], values[LENGTH_INDEX], values[FIELDS_INDEX:]
         check_length(length)
@@ -203,6 +210,28 @@ class Channel(Generic[M]):
                 chunk[:] = opened
         self._recv_seq += 1
         return self.protocol.decode(kind, fields, payload)
+
+    def _header(self, seq: int, header: bytes) -> list[memoryview]:
+        """Frame ``seq``'s header as sent: plain, the header and its tag; encrypted, the
+        prefix (what the reader needs to find the frame: protocol, kind, length) and the
+        protocol's fields sealed behind it, the prefix as associated data (its GCM tag
+        takes the header tag's place and nonce, under the other key)."""
+        if self._cipher is None:
+            return [memoryview(header), self._tag(seq, HEADER_TAG_INDEX, header)]
+        prefix = header[: PREFIX.size]
+        nonce = tag_nonce(self._send_dir, seq, HEADER_TAG_INDEX)
+        return [memoryview(prefix), memoryview(self._cipher.encrypt(nonce, header[PREFIX.size :], prefix))]
+
+    def _open_header(self, seq: int, tagged: bytearray) -> bytes:
+        """The plain header of an encrypted frame (its prefix, its fields opened)."""
+        assert self._cipher is not None
+        prefix = bytes(tagged[: PREFIX.size])
+        try:
+            return prefix + self._cipher.decrypt(
+                tag_nonce(self._recv_dir, seq, HEADER_TAG_INDEX), bytes(tagged[PREFIX.size :]), prefix
+            )
+        except InvalidTag:
+            raise self._refused() from None
 
     def _seal(
         self, seq: int, header: bytes, payload: memoryview, parts: list[memoryview], last: bool

@@ -21,7 +21,14 @@ gathered from the modules that hold them, each of which says why it is built as 
 """
 
 from sparkdl.wire.channel import MAX_POLL_MS, Channel
-from sparkdl.wire.handshake import Challenge, accept_hello, client_hello, server_challenge, server_hello
+from sparkdl.wire.handshake import (
+    Challenge,
+    ServerKey,
+    accept_hello,
+    client_hello,
+    server_challenge,
+    server_hello,
+)
 from sparkdl.wire.layout import (
     CHALLENGE,
     ENCRYPTED,
@@ -65,6 +72,7 @@ __all__ = [
     "PayloadPlacement",
     "ReusedBuffer",
     "SecretLookup",
+    "ServerKey",
     "WireProtocol",
     "accept_hello",
     "check_prefix",

@@ -1,16 +1,28 @@
 """The handshake that opens every framed connection and agrees on its transcript.
 
 The server speaks first: a CHALLENGE with a fresh 16-byte nonce, a fresh (ephemeral)
-X25519 public key, and whether the connection is encrypted. The client answers with a
-HELLO carrying its own fresh nonce and ephemeral public key, tagged with HMAC-SHA256 under
-the hello key over the HELLO and the whole challenge (:class:`sparkdl.wire.keys.ProtocolKeys`):
-the fit's secret authenticates both ephemeral keys, as in Noise's NNpsk0 pattern. The
-session's transcript is both nonces and the X25519 shared secret of the two ephemeral
-keys, so a recorded HELLO, or any frame after it, verifies on no other connection (the
-server's nonce differs), and a recorded session cannot be decrypted later, even by
-someone who learns the fit's secret: the ephemeral private keys never leave memory and
-die with the handshake (forward secrecy). Each side then holds a
-:class:`~sparkdl.wire.channel.Channel` keyed by that transcript.
+X25519 public key, its static X25519 public key, and whether the connection is encrypted.
+The client answers with a HELLO carrying its own fresh nonce and ephemeral public key,
+tagged with HMAC-SHA256 under the hello key over the HELLO and the whole challenge
+(:class:`sparkdl.wire.keys.ProtocolKeys`). The session's transcript is both nonces and two
+X25519 shared secrets: of the two ephemeral keys, and of the client's ephemeral key with
+the server's static key, as in Noise's NKpsk0 pattern:
+
+- the fit's secret (the pre-shared key) proves the client: a HELLO without it is refused;
+- the server's static key proves the server: its public half travels inside the task (the
+  client checks the challenge's against it), its private half never leaves the server's
+  process (:class:`ServerKey`), so someone on the path who holds the fit's secret (read
+  from a task Spark sent in the clear) can open a connection of their own as a worker, but
+  can neither read nor rewrite a worker's session: its keys hang on a shared secret they
+  cannot compute;
+- the ephemeral keys give forward secrecy: they never leave memory and die with the
+  handshake, so a recorded session cannot be decrypted later, even by someone who learns
+  the fit's secret and the server's static key;
+- both nonces make a recorded HELLO, or any frame after it, verify on no other connection.
+
+Each side then holds a :class:`~sparkdl.wire.channel.Channel` keyed by that transcript; the
+client learns that the server completed the exchange from the server's first frame, which
+verifies only under those keys.
 
 A HELLO's header fields may name the resource it asks for (a lookup then chooses the
 secret), but they are trusted only once its tag verified under that secret.
@@ -56,18 +68,35 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class ServerKey:
+    """A server's static X25519 key: made in memory when the server starts, never written
+    or sent; only :attr:`public` leaves the process (inside the tasks, which check the
+    server's challenge against it)."""
+
+    def __init__(self) -> None:
+        self._private = X25519PrivateKey.generate()
+        self.public = _public(self._private)
+
+    def exchange(self, peer_public: bytes, protocol: WireProtocol) -> bytes:
+        return _shared(self._private, peer_public, protocol)
+
+    def __repr__(self) -> str:  # never print the private half
+        return f"ServerKey({self.public.hex()[:16]}...)"
+
+
 @dataclass(frozen=True)
 class Challenge:
-    """A server's CHALLENGE as sent, and the private half of its ephemeral key (kept only
-    until the HELLO is verified)."""
+    """A server's CHALLENGE as sent, the private half of its ephemeral key (kept only
+    until the HELLO is verified) and the server's static key."""
 
     data: bytes
     ephemeral: X25519PrivateKey
+    key: ServerKey
 
 
-def server_challenge(protocol: WireProtocol, encrypt: bool = False) -> Challenge:
+def server_challenge(protocol: WireProtocol, key: ServerKey, encrypt: bool = False) -> Challenge:
     """The CHALLENGE a server sends first on a new connection: a fresh nonce, a fresh
-    ephemeral key, and whether the connection is encrypted."""
+    ephemeral key, the server's static public key, and whether the connection is encrypted."""
     ephemeral = X25519PrivateKey.generate()
     data = CHALLENGE.pack(
         MAGIC,
@@ -76,8 +105,9 @@ def server_challenge(protocol: WireProtocol, encrypt: bool = False) -> Challenge
         ENCRYPTED if encrypt else 0,
         os.urandom(NONCE_BYTES),
         _public(ephemeral),
+        key.public,
     )
-    return Challenge(data, ephemeral)
+    return Challenge(data, ephemeral, key)
 
 
 def _public(key: X25519PrivateKey) -> bytes:
@@ -90,20 +120,29 @@ def _shared(own: X25519PrivateKey, peer_public: bytes, protocol: WireProtocol) -
     try:
         return own.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:
-        raise ProtocolError(
-            f"{protocol.name} handshake: the peer's ephemeral key is unusable ({exc})"
-        ) from None
+        raise ProtocolError(f"{protocol.name} handshake: the peer's public key is unusable ({exc})") from None
 
 
 def client_hello(
-    sock: socket.socket, secret: bytes, protocol: WireProtocol[M], hello: M, encrypt: bool = False
+    sock: socket.socket,
+    secret: bytes,
+    protocol: WireProtocol[M],
+    hello: M,
+    encrypt: bool = False,
+    *,
+    server_key: bytes,
 ) -> Channel[M]:
     """Read the server's challenge and answer with ``hello`` (a message of the protocol's
-    HELLO kind); the caller then reads the protocol's answer on the returned channel.
+    HELLO kind); the caller then reads the protocol's answer on the returned channel (the
+    first frame that verifies proves the server holds ``server_key``'s private half).
+
+    Args:
+        server_key: the server's static public key, as the task was given it.
 
     Raises:
         ProtocolError: the server closed before its challenge (it refused the connection),
-            is not a sparkdl server of ``protocol``, or disagrees about encryption.
+            is not a sparkdl server of ``protocol``, is not the server this task was
+            given (another static key), or disagrees about encryption.
     """
     kind, fields, payload = protocol.encode(hello)
     if kind != protocol.hello_kind or len(payload):
@@ -115,8 +154,14 @@ def client_hello(
             f"the {protocol.name} server closed the connection before its challenge: it refused it "
             "(over its connection cap, or shutting down)"
         ) from None
-    magic, version, ident, flags, server_nonce, server_public = CHALLENGE.unpack(challenge)
+    magic, version, ident, flags, server_nonce, server_public, static = CHALLENGE.unpack(challenge)
     check_identity(magic, version, ident, protocol)
+    if static != server_key:
+        raise ProtocolError(
+            f"the {protocol.name} server at {_address(sock)} is not the one this task was given: its "
+            f"static key {static.hex()[:16]}... differs from the task's {server_key.hex()[:16]}... "
+            "(a server started since on the same port, or another process posing as the driver)"
+        )
     if bool(flags & ENCRYPTED) != encrypt:
         raise ProtocolError(
             f"the {protocol.name} server {'encrypts' if flags & ENCRYPTED else 'does not encrypt'} "
@@ -124,12 +169,20 @@ def client_hello(
             "disagree about runtime.encrypt"
         )
     ephemeral = X25519PrivateKey.generate()
-    shared = _shared(ephemeral, server_public, protocol)
+    shared = _shared(ephemeral, server_public, protocol) + _shared(ephemeral, static, protocol)
     offer = os.urandom(NONCE_BYTES) + _public(ephemeral)  # the HELLO's payload: nonce, public key
     header = protocol.pack(kind, fields, HELLO_PAYLOAD_BYTES)
     sock.sendall(header + offer + ProtocolKeys(secret, protocol).hello_tag(header + offer, challenge))
     transcript = offer[:NONCE_BYTES] + server_nonce + shared
     return Channel(sock, secret, protocol, transcript, client=True, encrypt=encrypt)
+
+
+def _address(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "(disconnected)"
 
 
 #: How long a client retries a handshake the server closed before answering it (a flood of
@@ -205,14 +258,21 @@ def accept_hello(
             f"{protocol.name} HELLO failed authentication (wrong or missing job secret, or a replayed HELLO)"
         )
     hello = protocol.decode(values[KIND_INDEX], values[FIELDS_INDEX:], bytearray())
-    _, _, _, flags, server_nonce, _ = CHALLENGE.unpack(challenge.data)
-    shared = _shared(challenge.ephemeral, offer[NONCE_BYTES:], protocol)  # only once authenticated
+    _, _, _, flags, server_nonce, _, _ = CHALLENGE.unpack(challenge.data)
+    client_public = offer[NONCE_BYTES:]  # the exchanges only once authenticated
+    shared = _shared(challenge.ephemeral, client_public, protocol) + challenge.key.exchange(
+        client_public, protocol
+    )
     transcript = offer[:NONCE_BYTES] + server_nonce + shared
     return hello, Channel(sock, key, protocol, transcript, client=False, encrypt=bool(flags & ENCRYPTED))
 
 
 def server_hello(
-    sock: socket.socket, secret: bytes | SecretLookup, protocol: WireProtocol[M], encrypt: bool = False
+    sock: socket.socket,
+    secret: bytes | SecretLookup,
+    protocol: WireProtocol[M],
+    key: ServerKey,
+    encrypt: bool = False,
 ) -> tuple[M, Channel[M]]:
     """The server's side of a handshake on one blocking socket: send a challenge, read and
     verify the HELLO (the listener does the same for many connections at once, without
@@ -222,7 +282,7 @@ def server_hello(
         ConnectionClosed: the peer closed before sending anything.
         ProtocolError: not a HELLO of ``protocol`` under ``secret``.
     """
-    challenge = server_challenge(protocol, encrypt)
+    challenge = server_challenge(protocol, key, encrypt)
     sock.sendall(challenge.data)
     raw = recv_exactly(sock, protocol.hello_size, at_frame_start=True)
     return accept_hello(sock, raw, challenge, secret, protocol)

@@ -1,10 +1,13 @@
 """The layout of the framing's bytes: the header, the challenge, the sizes of nonces and
 tags, and the :class:`WireProtocol` that each protocol fills in.
 
-    challenge = magic, framing version, protocol id, flags, server nonce   (server -> client)
-    hello     = header (kind HELLO, length 16) || client nonce || HMAC tag   (client -> server)
+    challenge = magic, framing version, protocol id, flags, server nonce,
+                ephemeral public key, static public key                      (server -> client)
+    hello     = header (kind HELLO, length 48) || client nonce || client's ephemeral public key
+                || HMAC tag                                                  (client -> server)
     frame     = header || header tag || payload pieces, each followed by its tag   (plain)
-              | header || header tag || ciphertext || AEAD tag                 (encrypted)
+              | prefix || sealed fields || their AEAD tag
+                || payload pieces' ciphertext, each followed by its AEAD tag     (encrypted)
     header    = magic, framing version, protocol id, kind, payload length (PREFIX, 16 bytes)
                 || the protocol's own fields (one fixed struct per protocol)
 
@@ -40,10 +43,13 @@ PayloadPlacement = Callable[[int, Fields, int], "memoryview | None"]
 SecretLookup = Callable[[Fields], "bytes | None"]
 
 MAGIC = b"SDNT"
-VERSION = 7  # 7: an X25519 key exchange in the handshake; 6: encrypted payloads in pieces
+#: 8: the server's static key in the handshake, an encrypted connection's header fields sealed;
+#: 7: an X25519 key exchange in the handshake; 6: encrypted payloads in pieces
+VERSION = 8
 PREFIX = struct.Struct("<4sBBBxQ")  # magic, version, protocol id, kind, (pad), payload length
-# magic, version, protocol id, flags, (pad), server nonce, server's ephemeral X25519 public key
-CHALLENGE = struct.Struct("<4sBBBx16s32s")
+# magic, version, protocol id, flags, (pad), server nonce, the server's ephemeral and static
+# X25519 public keys
+CHALLENGE = struct.Struct("<4sBBBx16s32s32s")
 ENCRYPTED = 1  # the challenge's flag: every payload of the connection is encrypted
 NONCE_BYTES = 16
 KEY_BYTES = 32  # an X25519 public key

@@ -19,9 +19,12 @@ so until a peer has proved it holds the secret it gets, from here:
   every place is young the newcomer is turned away (its client retries, over a window
   longer than the HELLO timeout); before that it evicts from the other addresses, the most
   first, where its own has room. So a flood from one address evicts its own connections,
-  never a worker's from another, and no pattern of stalled HELLOs keeps workers out (a
-  flood of new connections renewed faster than the grace, every place every 0.5 s, is a
-  connection-rate attack that only a firewall stops);
+  never a worker's from another, and no pattern of stalled HELLOs keeps workers out;
+- a quarter of the places reserved for the addresses the workers connect from (``known``:
+  the executors' hosts Spark knows): a connection from any other address evicts only
+  others' and is turned away once they hold the other three quarters, so that not even a
+  flood from many addresses whose connections are renewed faster than the grace (every
+  place young, none evictable) keeps the workers out;
 - no log line of its own: refusals are counted by reason, the first of each reason logged,
   then one line per reason and ``every_s`` with the count (:class:`Refusals`).
 
@@ -40,7 +43,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -53,6 +56,7 @@ from sparkdl.wire.framing import (
     Challenge,
     Channel,
     SecretLookup,
+    ServerKey,
     WireProtocol,
     accept_hello,
     server_challenge,
@@ -99,6 +103,7 @@ class _Pending:
     deadline: float
     hello: bytearray
     accepted: float
+    known: bool
     received: int = 0
 
 
@@ -113,7 +118,8 @@ class ConnectionListener(Generic[M]):
     each connection that completed the handshake of ``protocol`` under ``secret``.
 
     ``serve`` may leave its socket open: the listener closes it when ``serve`` returns,
-    and :meth:`stop` closes whatever is still open.
+    and :meth:`stop` closes whatever is still open. Its static key (the handshake's proof
+    that a client reached this server) is made here; clients need :attr:`public_key`.
 
     Args:
         host: the address to bind.
@@ -122,11 +128,15 @@ class ConnectionListener(Generic[M]):
         serve: the session, on its own thread, once the peer is authenticated.
         name: names the threads and the log lines.
         logger: where refusals are logged.
-        encrypt: every connection's payloads are encrypted.
+        encrypt: every connection's payloads (and header fields) are encrypted.
         hello_timeout_s: the time from accept to a complete HELLO.
         max_pending: connections in their handshake at once (at most half of them from one
             address; see the module's docstring for whom a newcomer evicts).
         max_sessions: authenticated connections at once (one more is refused).
+        known: the addresses the workers connect from (the executors' hosts Spark knows, a
+            live view): a quarter of the pending places is theirs alone, so that no flood
+            from other addresses, however fast it renews its connections, fills every
+            place. None: every address alike.
     """
 
     def __init__(
@@ -142,12 +152,19 @@ class ConnectionListener(Generic[M]):
         hello_timeout_s: float = 5.0,
         max_pending: int = 128,
         max_sessions: int = 256,
+        known: Container[str] | None = None,
     ) -> None:
         self._protocol = protocol
+        self._known = known
+        # places only the known addresses may take (none where no address is known)
+        self._reserved = max_pending // 4 if known is not None else 0
+        self._strangers = 0  # pending connections from addresses not known
         self._secret = secret
         self._serve = serve
         self._name = name
         self._encrypt = encrypt
+        self._key = ServerKey()  # this listener's static key: its public half goes in the tasks
+        self.public_key = self._key.public
         self._hello_timeout_s = hello_timeout_s
         self._max_pending = max_pending
         self._max_sessions = max_sessions
@@ -288,7 +305,7 @@ class ConnectionListener(Generic[M]):
         return True
 
     def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        challenge = server_challenge(self._protocol, self._encrypt)
+        challenge = server_challenge(self._protocol, self._key, self._encrypt)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -301,11 +318,19 @@ class ConnectionListener(Generic[M]):
             close_quietly(sock)
             return
         now = time.monotonic()
+        known = self._is_known(peer[0])
         pending = _Pending(
-            sock, peer, challenge, now + self._hello_timeout_s, bytearray(self._protocol.hello_size), now
+            sock,
+            peer,
+            challenge,
+            now + self._hello_timeout_s,
+            bytearray(self._protocol.hello_size),
+            now,
+            known,
         )
         self._pending[sock] = pending
         self._per_address[peer[0]] += 1
+        self._strangers += not known
         self._selector.register(sock, selectors.EVENT_READ, pending)
 
     def _make_room(self, peer: tuple[str, int]) -> bool:
@@ -313,15 +338,19 @@ class ConnectionListener(Generic[M]):
         where the pending are full, of the address holding the most (``peer``'s own when it
         holds as many, or has half the places already): see :meth:`_victim`."""
         address = peer[0]
+        known = self._is_known(address)
         own = self._per_address[address] + 1  # with the newcomer
-        if own <= self._max_per_address and len(self._pending) < self._max_pending:
+        room = known or self._strangers < self._max_pending - self._reserved
+        if own <= self._max_per_address and len(self._pending) < self._max_pending and room:
             return True
-        top, held = self._per_address.most_common(1)[0] if self._per_address else (address, 0)
+        # a stranger evicts only strangers: the reserved places stay the known addresses'
+        rivals = [(a, n) for a, n in self._per_address.most_common() if known or not self._is_known(a)]
+        top, held = rivals[0] if rivals else (address, 0)
         source = address if own > self._max_per_address or own >= held else top
         now = time.monotonic()
         victim = self._victim(source, now)
         if victim is None and own <= self._max_per_address:  # the others', the most first
-            for other, _ in self._per_address.most_common():
+            for other, _ in rivals:
                 victim = self._victim(other, now) if other != source else None
                 if victim is not None:
                     break
@@ -341,6 +370,9 @@ class ConnectionListener(Generic[M]):
         self._drop(victim, close=False)
         turn_away(victim.sock)
         return True
+
+    def _is_known(self, address: str) -> bool:
+        return self._known is not None and address in self._known
 
     def _idlest(self, address: str) -> _Pending | None:
         """``address``'s oldest pending connection that has not begun a HELLO of this
@@ -429,6 +461,7 @@ class ConnectionListener(Generic[M]):
         one already forgotten does nothing."""
         if self._pending.pop(pending.sock, None) is None:
             return
+        self._strangers -= not pending.known
         self._per_address[pending.peer[0]] -= 1
         if not self._per_address[pending.peer[0]]:
             del self._per_address[pending.peer[0]]

@@ -30,7 +30,6 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather
 from sparkdl.config import OnError, OptimizerName, SparkDLConfig
@@ -38,6 +37,7 @@ from sparkdl.data.columns import LabelKind
 from sparkdl.data.feed import FeedOptions, PartitionFeed
 from sparkdl.data.inputs import DataPlan
 from sparkdl.data.tensors import Batch
+from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.progress.board import Report
 from sparkdl.services.progress.channel import (
     ProgressEndpoint,

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.rendezvous import AllGather, meet_peers, serve_store
 from sparkdl.errors import (
     PeerStopped,
@@ -45,6 +44,7 @@ from sparkdl.errors import (
     WeightTransferError,
     agreed,
 )
+from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.progress.channel import ProgressEndpoint, ProgressReporter, reporting_to_driver
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.worker import child as child_files

@@ -23,7 +23,6 @@ from typing import Any
 import pyarrow as pa
 import torch.distributed as dist
 
-from sparkdl.comm.meeting_point import MeetingPoint
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.rendezvous import AllGather
 from sparkdl.config import SparkDLConfig
@@ -39,6 +38,7 @@ from sparkdl.errors import (
     WeightTransferError,
     agreed,
 )
+from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.progress.channel import ProgressEndpoint
 from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.training.own_loop import RunningStep

@@ -198,6 +198,8 @@ def test_a_flood_at_the_parameter_servers_port_during_a_fits_start_does_not_fail
     expected = reference_sgd(shards, 8, 1, 0, LR, MOMENTUM, False)
     assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
     ((hosted, _, _),) = floods
+    known = hosted.server._listener._known  # the executors' addresses: a quarter of the places is theirs
+    assert "127.0.0.1" in known and "127.0.0.2" not in known
     evicted = sum(
         n for reason, n in hosted.server.refusals.items() if reason.startswith(("evicted", "refused"))
     )

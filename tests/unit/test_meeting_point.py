@@ -1,9 +1,11 @@
-"""The driver's meeting point: ranks gather through a real TCPStore on loopback, under the
-stage attempt the driver published for their tasks, and refuse what the fit did not sign;
-then each rank probes the others before forming the process group."""
+"""The driver's meeting point: ranks gather through the real server on loopback, under the
+stage attempt the driver published for their tasks, authenticated like every driver port
+and bounded in what it holds; then each rank probes the others before forming the process
+group."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -13,9 +15,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from sparkdl.comm.meeting_point import MeetingPointServer, gather_at
 from sparkdl.comm.rendezvous import probe_peers
 from sparkdl.errors import RendezvousError, RendezvousTimeout
+from sparkdl.services.meeting.client import gather_at
+from sparkdl.services.meeting.protocol import MAX_MESSAGE_BYTES
+from sparkdl.services.meeting.server import MeetingPointServer
 
 HOST = "127.0.0.1"
 
@@ -31,24 +35,36 @@ def meet(server: MeetingPointServer, tasks: list[int], messages: list[str], time
         return [f.result(timeout=timeout_s + 10) for f in futures]
 
 
-def test_every_rank_gets_every_ranks_message_in_rank_order():
-    with MeetingPointServer(HOST, 30.0) as server:
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_every_rank_gets_every_ranks_message_in_rank_order_and_nothing_is_kept(encrypt):
+    with MeetingPointServer(HOST, 30.0, encrypt) as server:
         for task in (10, 11, 12):
             server.publish(task, 10)
         answers = meet(server, [12, 10, 11], ['{"r": 0}', '{"r": 1}', '{"r": 2}'])
+        assert server.held == 0  # the ranks have the messages: the server holds none
+        with pytest.raises(RendezvousError, match="stage attempt 10 met already"):
+            gather_at(server.endpoint, 11, 1, 3, 5.0)("late")  # an attempt meets once
     assert answers == [['{"r": 0}', '{"r": 1}', '{"r": 2}']] * 3
 
 
 def test_a_re_run_attempt_never_reads_the_failed_attempts_messages():
-    with MeetingPointServer(HOST, 30.0) as server:
+    with MeetingPointServer(HOST, 1.0) as server:
         server.publish(0, 0)
         server.publish(1, 0)
-        # attempt 0: rank 0 put its message, rank 1 died before it met (its wait times out)
+        # attempt 0: rank 0 said its message, rank 1 died before it met (its wait times out)
         with pytest.raises(RendezvousTimeout):
             gather_at(server.endpoint, 0, 0, 2, 1.0)("attempt 0, rank 0")
+        assert server.held == 0  # the failed meeting is dropped with its last waiter
         server.publish(2, 2)  # the re-run's tasks, published as the driver sees them start
         server.publish(3, 2)
-        answers = meet(server, [2, 3], ["attempt 1, rank 0", "attempt 1, rank 1"])
+        answers = meet(server, [2, 3], ["attempt 1, rank 0", "attempt 1, rank 1"], timeout_s=1.0)
     assert answers == [["attempt 1, rank 0", "attempt 1, rank 1"]] * 2
 
 
@@ -63,28 +79,54 @@ def test_a_task_waits_for_the_driver_to_publish_its_attempt():
     assert time.monotonic() - started >= 0.5
 
 
-def test_a_message_the_fit_did_not_sign_is_refused_by_every_reader():
+def test_without_the_stages_secret_nothing_is_stored_or_read():
+    """It was a TCPStore: a client without the secret stored 64 x 4 MiB and could overwrite
+    a rank's key. Now a store client, a raw writer and a client with a wrong secret are
+    turned away at the handshake, and hold nothing."""
     with MeetingPointServer(HOST, 30.0) as server:
+        point = server.endpoint
         server.publish(7, 7)
         server.publish(8, 7)
+        with pytest.raises(Exception):  # noqa: B017 - the store's own error, whatever its wording
+            intruder = dist.TCPStore(
+                point.host, point.port, None, is_master=False, timeout=timedelta(seconds=2)
+            )
+            intruder.set("attempt-7/1", "x" * (4 << 20))
+        writers = [socket.create_connection((point.host, point.port), timeout=5) for _ in range(8)]
+        for writer in writers:
+            try:
+                writer.sendall(b"\0" * (4 << 20))  # the HELLO is 104 bytes: the rest is never read
+            except OSError:  # closed once the bytes were no HELLO
+                pass
+        with pytest.raises(RendezvousError, match=r"the handshake with .* failed"):
+            gather_at(dataclasses.replace(point, secret=b"x" * 32), 8, 1, 2, 5.0)("forged rank 1")
+        assert server.held == 0
+        answers = meet(server, [7, 8], ["rank 0", "rank 1"])  # the real ranks meet as before
+        for writer in writers:
+            writer.close()
+        assert wait_until(lambda: server._listener.refusals.counts.get("HELLO refused", 0) >= 1)
+    assert answers == [["rank 0", "rank 1"]] * 2
+
+
+def test_what_a_secret_holder_says_is_bounded():
+    """A holder of the secret (a worker) seats at most max_world ranks, says at most
+    MAX_MESSAGE_BYTES, only for its own seat, and for a task the driver saw start."""
+    with MeetingPointServer(HOST, 2.0, max_world=4) as server:
         point = server.endpoint
-        # anyone who reaches the driver reaches the store: put rank 1's message first
-        intruder = dist.TCPStore(point.host, point.port, None, is_master=False, timeout=timedelta(seconds=5))
-        forged = "0" * 64 + '{"host": "10.0.0.66", "port": 1}'
-        intruder.set("attempt-7/1", forged)
-        with pytest.raises(RendezvousError, match=r"the message of rank 1 .* is not signed by this fit"):
-            gather_at(point, 7, 0, 2, 5.0)('{"host": "127.0.0.1", "port": 2}')
-        # nor can it tell a task another attempt: the task key is signed too
-        intruder.set("task/9", "9")
-        with pytest.raises(
-            RendezvousError,
-            match=r"^task 9's attempt at the driver's meeting point \(1 bytes\) is not signed by this fit",
-        ):
-            gather_at(point, 9, 0, 1, 5.0)("x")
+        server.publish(1, 1)
+        with pytest.raises(RendezvousError):  # over the seats: the connection is closed
+            gather_at(point, 1, 0, 5, 2.0)("x")
+        with pytest.raises(ValueError, match=f"at most {MAX_MESSAGE_BYTES} bytes"):
+            gather_at(point, 1, 0, 1, 2.0)("x" * (MAX_MESSAGE_BYTES + 1))
+        with pytest.raises(RendezvousError, match="task 99 is not a task of this stage"):
+            gather_at(point, 99, 0, 1, 2.0)("x")
+        assert server.held == 0
+        counts = server._listener.refusals.counts
+        assert counts.get("meeting refused") == 1, counts
 
 
-def test_a_rank_that_never_comes_fails_the_others_within_the_bound_naming_the_setting():
-    with MeetingPointServer(HOST, 30.0) as server:
+def test_a_rank_that_never_comes_fails_the_others_within_the_bound_naming_it_and_the_setting():
+    with MeetingPointServer(HOST, 1.0) as server:
         server.publish(1, 1)
         server.publish(2, 1)
         started = time.monotonic()
@@ -92,10 +134,11 @@ def test_a_rank_that_never_comes_fails_the_others_within_the_bound_naming_the_se
             gather_at(server.endpoint, 1, 0, 2, 1.0)("alone")
         assert time.monotonic() - started < 10
     assert raised.value.setting == "runtime.collective_timeout_s" and raised.value.limit_s == 1.0
-    assert "did not all meet at the driver's store 127.0.0.1:" in str(raised.value)
+    assert "did not all meet at the driver's meeting point 127.0.0.1:" in str(raised.value)
+    assert "1 of 2 ranks (ranks 1) did not arrive within 1s" in str(raised.value)
 
 
-def test_the_store_listens_on_the_drivers_address_only_and_its_endpoint_hides_the_secret():
+def test_the_server_listens_on_the_drivers_address_only_and_its_endpoint_hides_the_secret():
     with MeetingPointServer(HOST, 30.0) as server:
         assert server.endpoint.host == HOST and server.endpoint.secret not in repr(server.endpoint).encode()
         assert repr(server.endpoint) == f"MeetingPoint({HOST}:{server.endpoint.port})"

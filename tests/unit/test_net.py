@@ -43,6 +43,7 @@ from sparkdl.wire.framing import (
     STREAM_CHUNK,
     TAG_BYTES,
     Channel,
+    ServerKey,
     WireProtocol,
     accept_hello,
     client_hello,
@@ -54,6 +55,7 @@ from sparkdl.wire.layout import NONCE_BYTES
 from sparkdl.wire.listener import ConnectionListener
 
 SECRET = b"s" * 32
+KEY = ServerKey()  # the static key of the servers these tests play by hand
 NONCE = b"n" * 16
 log = logging.getLogger("test-net")
 
@@ -124,7 +126,7 @@ def listen(serve, name, **options):
 def connect(listener, secret=SECRET, timeout=5):
     """A client channel to ``listener`` after its handshake."""
     sock = socket.create_connection((listener.host, listener.port), timeout=timeout)
-    return client_hello(sock, secret, ECHO, (EchoKind.HELLO, (1, 2), b""))
+    return client_hello(sock, secret, ECHO, (EchoKind.HELLO, (1, 2), b""), server_key=listener.public_key)
 
 
 def test_the_listener_serves_each_authenticated_connection_on_its_own_thread():
@@ -534,13 +536,13 @@ def test_a_reflected_frame_fails():
 def answer(client_protocol, hello, secret=SECRET, server_protocol=None):
     """The HELLO a client of ``client_protocol`` sends in answer to a fresh challenge of
     ``server_protocol``'s id: (the challenge, the HELLO's bytes)."""
-    challenge = server_challenge(server_protocol or client_protocol)
+    challenge = server_challenge(server_protocol or client_protocol, KEY)
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(5)
         b.settimeout(5)
         b.sendall(challenge.data)
-        client_hello(a, secret, client_protocol, hello)
+        client_hello(a, secret, client_protocol, hello, server_key=KEY.public)
         raw = b""
         while len(raw) < client_protocol.hello_size:
             raw += b.recv(4096)
@@ -575,9 +577,9 @@ def test_a_client_refuses_a_server_of_another_protocol_before_it_says_anything()
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(5)
-        b.sendall(server_challenge(PS_WIRE).data)
+        b.sendall(server_challenge(PS_WIRE, KEY).data)
         with pytest.raises(ProtocolError, match="protocol 1 on a sparkdl-progress connection"):
-            client_hello(a, SECRET, PROGRESS_WIRE, Hello(0, 0))
+            client_hello(a, SECRET, PROGRESS_WIRE, Hello(0, 0), server_key=KEY.public)
         b.settimeout(0.2)
         with pytest.raises(TimeoutError):
             b.recv(1)  # no HELLO was sent
@@ -588,7 +590,7 @@ def test_a_hello_answers_one_challenge_only():
     hello, _ = accept(raw, challenge)
     assert hello == (EchoKind.HELLO, (0, 0), b"")
     with pytest.raises(ProtocolError, match="replayed HELLO"):  # the same HELLO, a new challenge
-        accept(raw, server_challenge(ECHO))
+        accept(raw, server_challenge(ECHO, KEY))
 
 
 def test_a_clean_eof_is_connection_closed_but_a_truncated_frame_is_a_protocol_error():
@@ -732,7 +734,9 @@ class Recorder:
         )
 
     def endpoint(self, interval_s=10.0):
-        return ProgressEndpoint(self.listener.host, self.listener.port, SECRET, interval_s)
+        return ProgressEndpoint(
+            self.listener.host, self.listener.port, SECRET, self.listener.public_key, interval_s
+        )
 
     def _serve(self, hello, channel, peer):
         try:
@@ -954,13 +958,15 @@ def _replay_to(transcript: bytes, recorded: bytes):
 
 def test_a_recorded_session_stays_sealed_to_whoever_learns_the_secret_later():
     # A full handshake and one encrypted frame, recorded as a listener on the wire sees them.
-    challenge = server_challenge(ECHO, encrypt=True)
+    challenge = server_challenge(ECHO, KEY, encrypt=True)
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(5)
         b.settimeout(5)
         b.sendall(challenge.data)
-        client = client_hello(a, SECRET, ECHO, (EchoKind.HELLO, (0, 0), b""), encrypt=True)
+        client = client_hello(
+            a, SECRET, ECHO, (EchoKind.HELLO, (0, 0), b""), encrypt=True, server_key=KEY.public
+        )
         hello = b""
         while len(hello) < ECHO.hello_size:
             hello += b.recv(4096)
@@ -972,14 +978,16 @@ def test_a_recorded_session_stays_sealed_to_whoever_learns_the_secret_later():
     client_nonce = hello[ECHO.header.size : ECHO.header.size + NONCE_BYTES]
     server_nonce = challenge.data[8 : 8 + NONCE_BYTES]
     client_public = hello[ECHO.header.size + NONCE_BYTES : ECHO.header.size + NONCE_BYTES + 32]
-    # Whoever holds the secret and the recording but neither ephemeral private key: the keys
-    # of version 6 (the nonces alone) open nothing, nor does a guess of the shared secret.
-    for guess in (b"", bytes(32), client_public):
+    # Whoever holds the secret, the recording and even the server's static key, but neither
+    # ephemeral private key: the keys of version 6 (the nonces alone) open nothing, nor does
+    # the static exchange alone or with a guess of the ephemeral one.
+    static = KEY.exchange(client_public, ECHO)
+    for guess in (b"", bytes(32) + static, client_public + static, static):
         with pytest.raises(ProtocolError, match="authentication"):
             _replay_to(client_nonce + server_nonce + guess, recorded)
     # The server's ephemeral key (gone after a real handshake) is what it takes.
     shared = challenge.ephemeral.exchange(X25519PublicKey.from_public_bytes(client_public))
-    kind, fields, payload = _replay_to(client_nonce + server_nonce + shared, recorded)
+    kind, fields, payload = _replay_to(client_nonce + server_nonce + shared + static, recorded)
     assert (kind, fields, payload) == (EchoKind.DATA, (1, 2), b"the weights of a model " * 4)
 
 

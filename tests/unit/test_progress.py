@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import socket
@@ -239,7 +240,7 @@ def test_a_reporter_with_the_wrong_secret_is_refused(caplog):
     server = ProgressServer(b, "127.0.0.1", SECRET, interval_s=0.05)
     try:
         endpoint = server.endpoint()
-        forged = type(endpoint)(endpoint.host, endpoint.port, b"x" * 32, endpoint.interval_s)
+        forged = dataclasses.replace(endpoint, secret=b"x" * 32)
         with caplog.at_level(logging.WARNING):
             reporter = ProgressReporter(forged, rank=0, attempt=0)
             assert not reporter.due()  # never connected
@@ -289,7 +290,7 @@ def test_a_frame_naming_another_rank_than_its_hello_is_refused(caplog):
             caplog.at_level(logging.WARNING, logger="sparkdl.services.progress"),
             socket.create_connection((server.host, server.port), timeout=5) as sock,
         ):
-            channel = client_hello(sock, SECRET, rank=1, attempt=0)
+            channel = client_hello(sock, SECRET, rank=1, attempt=0, server_key=server.public_key)
             assert channel.recv(MAX_PAYLOAD) == Ack(1, 0)
             channel.send(Report(2, 1, 0, steps=1, total_steps=-1, samples=8, loss_sum=1.0, seconds=0.1))
             with pytest.raises(ConnectionClosed):  # the driver closed the connection

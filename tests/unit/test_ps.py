@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import socket
 import struct
@@ -180,8 +181,7 @@ def server():
 
 
 def endpoint(ps, secret=SECRET):
-    e = ps.endpoint(((0,), (0,)))
-    return type(e)(e.host, e.port, secret, e.shard_params, e.timeout_s, e.max_payload)
+    return dataclasses.replace(ps.endpoint(((0,), (0,))), secret=secret)
 
 
 def real_workers_still_train(ps):
@@ -242,7 +242,7 @@ def test_no_credentials_truncated_and_oversized_frames_are_refused(server):
         sock.sendall(header(Frame(Kind.PUSH), 1 << 30).ljust(hello_size, b"\0"))
         assert_closed_after_challenge(sock)
     with raw_connection(server) as sock:  # an authenticated frame over the largest shard
-        channel = client_hello(sock, SECRET, rank=0, attempt=0)
+        channel = client_hello(sock, SECRET, rank=0, attempt=0, server_key=server.public_key)
         assert channel.recv(1 << 20).kind is Kind.ACK
         channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=b"\0" * 9000))
         with pytest.raises(ConnectionClosed):
@@ -258,7 +258,7 @@ def test_a_pickled_payload_is_never_unpickled(server):
             return (exec, ("raise SystemExit('unpickled!')",))
 
     with raw_connection(server) as sock:
-        channel = client_hello(sock, SECRET, rank=0, attempt=0)
+        channel = client_hello(sock, SECRET, rank=0, attempt=0, server_key=server.public_key)
         assert channel.recv(1 << 20).kind is Kind.ACK
         channel.send(Frame(Kind.PUSH, shard=0, rank=0, rows=1, payload=pickle.dumps(Boom())))
         reply = channel.recv(1 << 20)
@@ -515,7 +515,7 @@ def test_bf16_pulls_carry_half_the_bytes_and_the_servers_weights_rounded_to_bf16
 
 
 def test_a_pull_in_an_encoding_the_server_does_not_serve_closes_the_connection(server, caplog):
-    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0, server_key=server.public_key)
     try:
         assert channel.recv(1 << 20).kind is Kind.ACK  # of the HELLO
         channel.send(Frame(Kind.PULL, 0, 0, 0, 0, dtype=2))  # 1-bit weights: not a thing
@@ -531,7 +531,7 @@ def test_a_pull_in_an_encoding_the_server_does_not_serve_closes_the_connection(s
 def test_a_top_k_push_with_an_index_outside_its_shard_is_rejected_and_the_connection_lives(server, index):
     """Before, an index past the end killed the connection's thread with an IndexError, and a
     negative one was applied to a value counted from the end."""
-    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0, server_key=server.public_key)
     try:
         assert channel.recv(1 << 20).kind is Kind.ACK
         payload = struct.pack("<if", index, 1.0)  # shard 1 holds 4 values: top-k keeps 1
@@ -548,7 +548,7 @@ def test_a_top_k_push_with_an_index_outside_its_shard_is_rejected_and_the_connec
 
 
 def test_a_push_of_factors_to_a_server_not_started_for_them_is_rejected_and_the_connection_lives(server):
-    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0)
+    channel = client_hello(raw_connection(server), SECRET, 0, 0, 0, server_key=server.public_key)
     try:
         assert channel.recv(1 << 20).kind is Kind.ACK
         channel.send(Frame(Kind.PUSH, 1, 0, 0, 0, 1, struct.pack("<i4f", -1, 1, 2, 3, 4), dtype=FACTORS))

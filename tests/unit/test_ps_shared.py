@@ -184,7 +184,9 @@ def test_areas_run_out_then_connections_use_their_sockets_and_a_closed_one_gives
 def granted_channel(ps, want_area=True, rank=0, encrypt=False):
     """A raw worker connection; the ACK's area field."""
     sock = socket.create_connection((ps.host, ps.port), timeout=5)
-    channel = client_hello(sock, SECRET, rank, 0, encrypt=encrypt, want_area=want_area)
+    channel = client_hello(
+        sock, SECRET, rank, 0, encrypt=encrypt, want_area=want_area, server_key=ps.public_key
+    )
     return channel, channel.recv(1 << 20).area
 
 

@@ -31,7 +31,7 @@ def test_a_worker_that_stops_heartbeating_gets_the_stage_cancelled_and_named():
     alive = ProgressReporter(server.endpoint(), rank=0, attempt=5, heartbeat_s=0.2)
     # rank 1 says HELLO and then nothing at all: a process stuck with the GIL held
     stuck = socket.create_connection((server.host, server.port), timeout=5)
-    client_hello(stuck, secret, 1, 5)
+    client_hello(stuck, secret, 1, 5, server_key=server.public_key)
     cancelled = threading.Event()
     try:
         with StallMonitor(server.silence, bound_s=1.0, cancel=cancelled.set, poll_s=0.1) as monitor:
@@ -68,7 +68,7 @@ def test_a_connection_that_ends_without_a_goodbye_leaves_its_rank_watched():
     now = [0.0]
     server = ProgressServer(ProgressBoard(2, 1, show=False), "127.0.0.1", secret, 0.5, clock=lambda: now[0])
     vanished = socket.create_connection((server.host, server.port), timeout=5)
-    channel = client_hello(vanished, secret, 1, 2)
+    channel = client_hello(vanished, secret, 1, 2, server_key=server.public_key)
     try:
         assert channel.recv(1 << 16) is not None  # the ACK: rank 1 is in the session
         deadline = time.monotonic() + 5

@@ -29,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 
 from sparkdl.errors import ConfigError, ConnectionClosed, ProtocolError
@@ -65,6 +65,7 @@ class ProgressEndpoint:
     host: str
     port: int
     secret: bytes
+    server_key: bytes  # the server's static public key (the handshake proves the driver)
     interval_s: float
     encrypt: bool = False
 
@@ -84,6 +85,7 @@ class ProgressServer:
         encrypt: encrypt every frame (``runtime.encrypt``).
         attempt_started: whether Spark really started the stage attempt a HELLO claims
             (None believes any: for servers outside a Spark driver).
+        known: the executors' addresses (places are reserved for them; None: none known).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ProgressServer:
         *,
         encrypt: bool = False,
         attempt_started: Callable[[int], bool] | None = None,
+        known: Container[str] | None = None,
     ) -> None:
         self.board = board
         self._secret = secret
@@ -116,8 +119,13 @@ class ProgressServer:
             log,
             encrypt=encrypt,
             max_sessions=2 * board.num_workers + 16,
+            known=known,
         )
-        self.host, self.port = self._listener.host, self._listener.port
+        self.host, self.port, self.public_key = (
+            self._listener.host,
+            self._listener.port,
+            self._listener.public_key,
+        )
 
     @property
     def refusals(self) -> dict[str, int]:
@@ -125,7 +133,9 @@ class ProgressServer:
         return dict(self._listener.refusals.counts)
 
     def endpoint(self) -> ProgressEndpoint:
-        return ProgressEndpoint(self.host, self.port, self._secret, self._interval_s, self._encrypt)
+        return ProgressEndpoint(
+            self.host, self.port, self._secret, self.public_key, self._interval_s, self._encrypt
+        )
 
     def silence(self) -> dict[int, float]:
         """Seconds since the last frame (of any kind) of each rank that said HELLO in the
@@ -269,7 +279,14 @@ class ProgressReporter:
         sock = socket.create_connection((endpoint.host, endpoint.port), timeout=10)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = client_hello(sock, endpoint.secret, self.rank, self.attempt, endpoint.encrypt)
+            channel = client_hello(
+                sock,
+                endpoint.secret,
+                self.rank,
+                self.attempt,
+                endpoint.encrypt,
+                server_key=endpoint.server_key,
+            )
             if isinstance(channel.recv(MAX_PAYLOAD), Ack):
                 return channel
             raise ProtocolError("the driver answered the HELLO with something other than an ACK")

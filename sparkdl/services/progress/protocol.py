@@ -149,16 +149,10 @@ ProgressChannel = Channel[Message]
 
 
 def client_hello(
-    sock: socket.socket, secret: bytes, rank: int, attempt: int, encrypt: bool = False
+    sock: socket.socket, secret: bytes, rank: int, attempt: int, encrypt: bool = False, *, server_key: bytes
 ) -> ProgressChannel:
-    """Open a connection as worker ``rank``; the driver answers with an ACK."""
-    return wire.client_hello(sock, secret, PROGRESS_WIRE, Hello(rank, attempt), encrypt)
-
-
-def server_hello(sock: socket.socket, secret: bytes, encrypt: bool = False) -> tuple[Hello, ProgressChannel]:
-    """Read and verify a worker's HELLO on one blocking socket (the driver's server does
-    it in its listener); return it and the driver's side of the channel."""
-    hello, channel = wire.server_hello(sock, secret, PROGRESS_WIRE, encrypt)
-    if not isinstance(hello, Hello):  # the framing checked the kind; this tells mypy
-        raise ProtocolError(f"first progress frame was {type(hello).__name__}, expected a HELLO")
-    return hello, channel
+    """Open a connection as worker ``rank`` to the server whose static public key is
+    ``server_key``; the driver answers with an ACK."""
+    return wire.client_hello(
+        sock, secret, PROGRESS_WIRE, Hello(rank, attempt), encrypt, server_key=server_key
+    )

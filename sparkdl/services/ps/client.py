@@ -143,6 +143,7 @@ class PsClient:
                 self.endpoint.encrypt,
                 self.pushers,
                 want_area=self._memory is not None,
+                server_key=self.endpoint.server_key,
             )
             granted = self._expect(channel, Kind.ACK, handshake=True).area
         except BaseException:

@@ -172,17 +172,20 @@ def client_hello(
     encrypt: bool = False,
     pushers: int = 0,
     want_area: bool = False,
+    *,
+    server_key: bytes,
 ) -> PsChannel:
     """Open a connection as worker ``rank``; the caller then expects an ACK on the channel.
 
     ``start_clock`` > 0 says the workers resumed from the checkpoint of that step;
     ``pushers`` > 0 that the attempt pushes through that many pushers (a HELLO's ``rows``),
-    ``rank`` being this one's number among them; ``want_area`` asks for a shared-memory area.
+    ``rank`` being this one's number among them; ``want_area`` asks for a shared-memory area;
+    ``server_key`` is the server's static public key (:class:`~sparkdl.wire.framing.ServerKey`).
     """
     hello = Frame(
         Kind.HELLO, rank=rank, attempt=attempt, clock=start_clock, rows=pushers, area=int(want_area)
     )
-    return wire.client_hello(sock, secret, PS_WIRE, hello, encrypt)
+    return wire.client_hello(sock, secret, PS_WIRE, hello, encrypt, server_key=server_key)
 
 
 _CODES: tuple[tuple[type[SparkDLError], ErrorCode], ...] = (

@@ -30,7 +30,7 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 import torch
 
@@ -96,6 +96,7 @@ class ParameterServer:
             (``runtime.sufficient_factors``; None: the server takes none).
         attempt_lock: the lock a new stage attempt begins under (a full-batch coordinator's:
             it publishes every shard's next point under it; None: the server's own).
+        known: the executors' addresses (places are reserved for them; None: none known).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class ParameterServer:
         shared_memory_bytes: int = 0,
         factor_layouts: Sequence[FactorLayout] | None = None,
         attempt_lock: threading.Lock | None = None,
+        known: Container[str] | None = None,
     ) -> None:
         self.stores = list(stores)
         self._threads = _torch_threads.hold(torch_threads)
@@ -129,9 +131,18 @@ class ParameterServer:
         self.encrypt = encrypt
         self.areas: ServerAreas | None = None  # made once the port is bound (a failed bind leaks nothing)
         self._listener = ConnectionListener(
-            host, PS_WIRE, secret, self._serve, "sparkdl-ps", log, encrypt=encrypt, max_sessions=max_sessions
+            host,
+            PS_WIRE,
+            secret,
+            self._serve,
+            "sparkdl-ps",
+            log,
+            encrypt=encrypt,
+            max_sessions=max_sessions,
+            known=known,
         )
         self.host, self.port = self._listener.host, self._listener.port
+        self.public_key = self._listener.public_key  # the endpoints' server_key
         self.areas = _shared_areas(self.stores, codecs.values(), shared_memory_bytes)
         self._requests = RequestHandler(
             self.stores,
@@ -171,6 +182,7 @@ class ParameterServer:
             self.host,
             self.port,
             self.secret,
+            self.public_key,
             shard_params,
             self.timeout_s,
             self.max_payload,

@@ -35,7 +35,9 @@ def upload(endpoint: WeightsEndpoint, state: Mapping[str, torch.Tensor]) -> int:
     def open_upload() -> tuple[socket.socket, WeightsChannel]:
         sock = _connect(endpoint)
         try:
-            channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
+            channel = client_hello(
+                sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt, server_key=endpoint.server_key
+            )
             expect(channel, Ack, hello)
         except BaseException:
             close_quietly(sock)
@@ -76,7 +78,9 @@ def download(endpoint: WeightsEndpoint) -> dict[str, torch.Tensor]:
     sock = _connect(endpoint)
     try:
         hello = Hello(Op.DOWNLOAD, endpoint.slot)
-        channel = client_hello(sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt)
+        channel = client_hello(
+            sock, endpoint.secret, hello.op, hello.slot, endpoint.encrypt, server_key=endpoint.server_key
+        )
         try:
             expect(channel, Ack, hello)
         except ConnectionClosed:

@@ -13,6 +13,8 @@ class WeightsEndpoint:
     Attributes:
         host, port: the driver's weights server.
         slot: what is moved; its HELLO must verify under ``secret``, which is this slot's alone.
+        server_key: the server's static public key (the handshake proves the server holds
+            its private half).
         server_id: the serving process's random id: with ``slot``, a key no other model shares.
         timeout_s: how long a connect or a read may wait.
         encrypt: the server encrypts every transfer (``runtime.encrypt``).
@@ -22,6 +24,7 @@ class WeightsEndpoint:
     port: int
     slot: int
     secret: bytes
+    server_key: bytes
     server_id: str
     timeout_s: float = 120.0
     encrypt: bool = False

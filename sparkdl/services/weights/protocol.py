@@ -40,15 +40,7 @@ from sparkdl.services.weights.codec import (
     manifest_of,
     total_bytes,
 )
-from sparkdl.wire.framing import (
-    Channel,
-    Fields,
-    Payload,
-    PayloadPlacement,
-    SecretLookup,
-    WireProtocol,
-    member,
-)
+from sparkdl.wire.framing import Channel, Fields, Payload, PayloadPlacement, WireProtocol, member
 
 #: A slot's budget: called with the bytes a step of an upload will hold and what they are
 #: for, before they are allocated, it raises ProtocolError to refuse them; its context lasts
@@ -161,21 +153,11 @@ WeightsChannel = Channel[Message]
 
 
 def client_hello(
-    sock: socket.socket, secret: bytes, op: Op, slot: int, encrypt: bool = False
+    sock: socket.socket, secret: bytes, op: Op, slot: int, encrypt: bool = False, *, server_key: bytes
 ) -> WeightsChannel:
-    """Open a connection for ``op`` on ``slot``; the driver answers with an ACK."""
-    return wire.client_hello(sock, secret, WEIGHTS_WIRE, Hello(op, slot), encrypt)
-
-
-def server_hello(
-    sock: socket.socket, secret_of: SecretLookup, encrypt: bool = False
-) -> tuple[Hello, WeightsChannel]:
-    """Read a HELLO on one blocking socket and verify it under the secret of the slot it
-    names (the driver's server does it in its listener)."""
-    hello, channel = wire.server_hello(sock, secret_of, WEIGHTS_WIRE, encrypt)
-    if not isinstance(hello, Hello):  # the framing checked the kind; this tells mypy
-        raise ProtocolError(f"first weights frame was {type(hello).__name__}, expected a HELLO")
-    return hello, channel
+    """Open a connection for ``op`` on ``slot`` to the server whose static public key is
+    ``server_key``; the driver answers with an ACK."""
+    return wire.client_hello(sock, secret, WEIGHTS_WIRE, Hello(op, slot), encrypt, server_key=server_key)
 
 
 def expect(

@@ -31,7 +31,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Container, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -151,9 +151,12 @@ class WeightServer:
         host: the address to bind (the driver's, which executors reach).
         timeout_s: how long a connection may wait on its peer between two frames.
         encrypt: encrypt every transfer (a server encrypts all its connections or none).
+        known: the executors' addresses (places are reserved for them; None: none known).
     """
 
-    def __init__(self, host: str, timeout_s: float = 120.0, encrypt: bool = False) -> None:
+    def __init__(
+        self, host: str, timeout_s: float = 120.0, encrypt: bool = False, known: Container[str] | None = None
+    ) -> None:
         self.server_id = secrets.token_hex(8)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -162,9 +165,10 @@ class WeightServer:
         # Not "sparkdl-" named: it serves for the life of the driver process, not of one fit.
         self._encrypt = encrypt
         self._listener = ConnectionListener(
-            host, WEIGHTS_WIRE, self._secret_of, self._serve, "weights", log, encrypt=encrypt
+            host, WEIGHTS_WIRE, self._secret_of, self._serve, "weights", log, encrypt=encrypt, known=known
         )
         self.host, self.port = self._listener.host, self._listener.port
+        self.public_key = self._listener.public_key  # the endpoints' server_key
 
     def offer(
         self, state: Mapping[str, torch.Tensor], owner: object, fingerprint: Hashable
@@ -210,7 +214,14 @@ class WeightServer:
 
     def _endpoint(self, slot: int, secret: bytes) -> WeightsEndpoint:
         return WeightsEndpoint(
-            self.host, self.port, slot, secret, self.server_id, self._timeout_s, self._encrypt
+            self.host,
+            self.port,
+            slot,
+            secret,
+            self.public_key,
+            self.server_id,
+            self._timeout_s,
+            self._encrypt,
         )
 
     def _release(self, slot: int) -> None:
@@ -351,10 +362,10 @@ process.keep(
 )
 
 
-def weight_server(host: str, encrypt: bool = False) -> WeightServer:
+def weight_server(host: str, encrypt: bool = False, known: Container[str] | None = None) -> WeightServer:
     """This process's weights server on ``host`` (an encrypting one with ``encrypt``),
-    started on first use."""
+    started on first use (with ``known``, the executors' addresses)."""
     with _SERVERS_LOCK:
         if (host, encrypt) not in _SERVERS:
-            _SERVERS[(host, encrypt)] = WeightServer(host, encrypt=encrypt)
+            _SERVERS[(host, encrypt)] = WeightServer(host, encrypt=encrypt, known=known)
         return _SERVERS[(host, encrypt)]
