@@ -52,12 +52,13 @@ def running_attempts(sc: Any, group: str) -> set[int]:
     return set(newest_attempts(sc, group))
 
 
-def newest_attempts(sc: Any, group: str) -> dict[int, list[int]]:
-    """The task ids of the newest attempt of each stage of ``group``'s jobs that has
-    started tasks, by the attempt's name (its smallest task id)."""
+def newest_attempts(sc: Any, group: str) -> dict[int, dict[int, int]]:
+    """The tasks of the newest attempt of each stage of ``group``'s jobs that has started
+    tasks, each task id with its index in the stage (a barrier stage's rank: its
+    partition), by the attempt's name (its smallest task id)."""
     tracker = sc.statusTracker()
     store = sc._jsc.sc().statusStore()
-    attempts: dict[int, list[int]] = {}
+    attempts: dict[int, dict[int, int]] = {}
     for job in tracker.getJobIdsForGroup(group):
         info = tracker.getJobInfo(job)
         for stage in info.stageIds if info is not None else ():
@@ -65,8 +66,9 @@ def newest_attempts(sc: Any, group: str) -> dict[int, list[int]]:
             if stage_info is None or stage_info.currentAttemptId is None:
                 continue
             tasks = store.taskList(stage, stage_info.currentAttemptId, _MAX_TASKS)
-            ids = [tasks.apply(i).taskId() for i in range(tasks.size())]
-            if ids:
+            found = [tasks.apply(i) for i in range(tasks.size())]
+            if found:
+                ids = {int(task.taskId()): int(task.index()) for task in found}
                 attempts[min(ids)] = ids
     return attempts
 
@@ -83,10 +85,10 @@ class AttemptPublisher:
 
     Args:
         sc: the SparkContext; group: the fit's job group.
-        publish: ``(task_id, attempt_name) -> None``, the meeting point's.
+        publish: ``(task_id, attempt_name, rank) -> None``, the meeting point's.
     """
 
-    def __init__(self, sc: Any, group: str, publish: Callable[[int, int], None]) -> None:
+    def __init__(self, sc: Any, group: str, publish: Callable[[int, int, int], None]) -> None:
         self._sc, self._group, self._publish = sc, group, publish
         self._published: set[int] = set()
         self._stop = threading.Event()
@@ -98,9 +100,14 @@ class AttemptPublisher:
             settled = False  # no attempt yet, or tasks still coming
             try:
                 attempts = newest_attempts(self._sc, self._group)
-                new = [(t, name) for name, ids in attempts.items() for t in ids if t not in self._published]
-                for task, name in new:
-                    self._publish(task, name)
+                new = [
+                    (t, name, index)
+                    for name, tasks in attempts.items()
+                    for t, index in tasks.items()
+                    if t not in self._published
+                ]
+                for task, name, index in new:
+                    self._publish(task, name, index)
                     self._published.add(task)
                 settled = bool(attempts) and not new
             except Exception as exc:  # the context is stopping, or the status store changed shape

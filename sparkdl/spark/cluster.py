@@ -13,7 +13,6 @@ import math
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -135,47 +134,54 @@ def executor_hosts(sc: Any) -> set[str]:
 
 
 class ExecutorAddresses:
-    """The addresses the fit's tasks connect to the driver's servers from, as Spark knows
-    them now: every live executor's host resolved to its addresses, and the driver's own
-    (local mode's tasks run in the driver's JVM). A live view for the servers' listeners
-    (:class:`~sparkdl.wire.listener.ConnectionListener`'s ``known``), which reserve some of
-    their handshake places for these addresses.
+    """The addresses the fits' tasks connect to the driver's servers from, as Spark knows
+    them: every live executor's host resolved to its addresses, and the driver's own (local
+    mode's tasks run in the driver's JVM), of whichever SparkContext is active when it reads
+    (one view for the process: the weights server outlives a context). A live view for the
+    servers' listeners (:class:`~sparkdl.wire.listener.ConnectionListener`'s ``known``),
+    which reserve some of their handshake places for these addresses; it only grows.
 
     A lookup reads a set and never waits: a miss more than :attr:`REFRESH_S` after the last
-    reading starts a new one on a thread of its own, so an executor that dynamic allocation
-    adds is known a moment after its first connection, and a flood from other addresses
-    costs one reading of Spark's status store (and of DNS) every :attr:`REFRESH_S`.
+    reading schedules one new reading on a thread of its own, so an executor that dynamic
+    allocation adds is known a moment after its first connection, and a flood from other
+    addresses costs one reading of Spark's status store (and of DNS) every :attr:`REFRESH_S`.
     """
 
     REFRESH_S = 2.0
 
-    def __init__(self, sc: Any) -> None:
-        self._sc = sc
+    def __init__(self, context: Callable[[], Any]) -> None:
+        self._context = context  # the active SparkContext, or None
         self._addresses: frozenset[str] = frozenset()
         self._read_at = -math.inf
-        self._reading = threading.Lock()
-        self._refresh()
+        self._lock = threading.Lock()
+        self._resolved: dict[str, set[str]] = {}  # host -> its addresses, resolved once
 
     def __contains__(self, address: object) -> bool:
         if address in self._addresses:
             return True
-        if time.monotonic() - self._read_at > self.REFRESH_S and not self._reading.locked():
-            threading.Thread(target=self._refresh, name="sparkdl-executor-addresses", daemon=True).start()
+        with self._lock:  # one reading at a time, whatever the burst of misses
+            stale = time.monotonic() - self._read_at > self.REFRESH_S
+            if stale:
+                self._read_at = math.inf  # scheduled: no other miss starts one
+        if stale:
+            threading.Thread(target=self.refresh, name="sparkdl-executor-addresses", daemon=True).start()
         return False
 
-    def _refresh(self) -> None:
-        if not self._reading.acquire(blocking=False):
-            return
+    def refresh(self) -> None:
+        """Read the executors' hosts from Spark's status store and add their addresses."""
+        hosts: set[str] = set()
         try:
+            sc = self._context()
+            if sc is not None:
+                hosts.add(str(sc.getConf().get("spark.driver.host", "127.0.0.1")))
+                hosts |= executor_hosts(sc)
+        except Exception as exc:  # the context is stopping: keep what was known
+            log.debug("cannot read the executors from Spark's status store: %s", exc)
+        for host in hosts - set(self._resolved):
+            self._resolved[host] = _resolved({host})
+        self._addresses = self._addresses.union(*(self._resolved[h] for h in hosts))
+        with self._lock:
             self._read_at = time.monotonic()
-            hosts = {str(self._sc.getConf().get("spark.driver.host", "127.0.0.1"))}
-            try:
-                hosts |= executor_hosts(self._sc)
-            except Exception as exc:  # the context is stopping: keep what was known
-                log.debug("cannot read the executors from Spark's status store: %s", exc)
-            self._addresses = frozenset(self._addresses | _resolved(hosts))
-        finally:
-            self._reading.release()
 
 
 def _resolved(hosts: set[str]) -> set[str]:
@@ -184,9 +190,8 @@ def _resolved(hosts: set[str]) -> set[str]:
     addresses = set(hosts)
     for host in hosts:
         try:
-            addresses |= {
-                str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-            }
+            found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            addresses |= {str(info[4][0]) for info in found}
         except OSError:
             continue
     if any(a.startswith("127.") or a == "::1" for a in addresses):
@@ -194,24 +199,23 @@ def _resolved(hosts: set[str]) -> set[str]:
     return addresses
 
 
-_KNOWN: weakref.WeakKeyDictionary[Any, ExecutorAddresses] = weakref.WeakKeyDictionary()
-_KNOWN_LOCK = threading.Lock()
+def _active_context() -> Any:
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context
+
+
+_KNOWN = ExecutorAddresses(_active_context)
 
 
 def executor_addresses(spark: Any = None) -> ExecutorAddresses | None:
-    """The :class:`ExecutorAddresses` of ``spark``'s context (default: the active one),
-    made once per context; None over Spark Connect or where no context runs."""
+    """The process's :class:`ExecutorAddresses`, read now if it never was; None over Spark
+    Connect (whose executors never reach this process)."""
     if spark is not None and is_connect(spark):
         return None
-    from pyspark import SparkContext
-
-    sc = spark.sparkContext if spark is not None else SparkContext._active_spark_context
-    if sc is None:
-        return None
-    with _KNOWN_LOCK:
-        if sc not in _KNOWN:
-            _KNOWN[sc] = ExecutorAddresses(sc)
-        return _KNOWN[sc]
+    if not _KNOWN._addresses:
+        _KNOWN.refresh()
+    return _KNOWN
 
 
 def parse_seconds(text: str) -> float:

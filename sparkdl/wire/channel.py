@@ -61,8 +61,8 @@ class Channel(Generic[M]):
         sock: the connected socket.
         secret: the per-fit secret.
         protocol: the protocol spoken on it.
-        transcript: the session's nonces (the client's, then the server's) and the X25519
-            shared secret of the handshake's ephemeral keys.
+        transcript: what the handshake agreed (:mod:`sparkdl.wire.handshake`): both nonces,
+            its X25519 shared secrets and the hash of its bytes.
         client: True on the side that sent the HELLO (it sends with direction ``c``).
         encrypt: payloads travel encrypted (AES-256-GCM).
     """

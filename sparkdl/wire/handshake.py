@@ -4,9 +4,10 @@ The server speaks first: a CHALLENGE with a fresh 16-byte nonce, a fresh (epheme
 X25519 public key, its static X25519 public key, and whether the connection is encrypted.
 The client answers with a HELLO carrying its own fresh nonce and ephemeral public key,
 tagged with HMAC-SHA256 under the hello key over the HELLO and the whole challenge
-(:class:`sparkdl.wire.keys.ProtocolKeys`). The session's transcript is both nonces and two
-X25519 shared secrets: of the two ephemeral keys, and of the client's ephemeral key with
-the server's static key, as in Noise's NKpsk0 pattern:
+(:class:`sparkdl.wire.keys.ProtocolKeys`). The session's transcript is both nonces, two
+X25519 shared secrets (of the two ephemeral keys, and of the client's ephemeral key with
+the server's static key, as in Noise's NKpsk0 pattern) and the hash of the challenge and
+the HELLO, so that a HELLO's fields rewritten on the way leave the ends with other keys:
 
 - the fit's secret (the pre-shared key) proves the client: a HELLO without it is refused;
 - the server's static key proves the server: its public half travels inside the task (the
@@ -30,6 +31,7 @@ secret), but they are trusted only once its tag verified under that secret.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -173,8 +175,16 @@ def client_hello(
     offer = os.urandom(NONCE_BYTES) + _public(ephemeral)  # the HELLO's payload: nonce, public key
     header = protocol.pack(kind, fields, HELLO_PAYLOAD_BYTES)
     sock.sendall(header + offer + ProtocolKeys(secret, protocol).hello_tag(header + offer, challenge))
-    transcript = offer[:NONCE_BYTES] + server_nonce + shared
+    transcript = offer[:NONCE_BYTES] + server_nonce + shared + _said(challenge, header + offer)
     return Channel(sock, secret, protocol, transcript, client=True, encrypt=encrypt)
+
+
+def _said(challenge: bytes, hello: bytes) -> bytes:
+    """The hash of the handshake's every byte (the challenge, the HELLO's header and offer),
+    which the session's keys hang on: a HELLO whose fields someone holding the secret
+    rewrote on the way (and tagged again) leaves the two ends with different keys, so the
+    session fails at its first frame, as Noise's handshake hash does."""
+    return hashlib.sha256(challenge + hello).digest()
 
 
 def _address(sock: socket.socket) -> str:
@@ -263,7 +273,7 @@ def accept_hello(
     shared = _shared(challenge.ephemeral, client_public, protocol) + challenge.key.exchange(
         client_public, protocol
     )
-    transcript = offer[:NONCE_BYTES] + server_nonce + shared
+    transcript = offer[:NONCE_BYTES] + server_nonce + shared + _said(challenge.data, header + offer)
     return hello, Channel(sock, key, protocol, transcript, client=False, encrypt=bool(flags & ENCRYPTED))
 
 

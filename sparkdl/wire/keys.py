@@ -7,10 +7,11 @@ HMAC-SHA256 under the hello key. A connection's frames are tagged with GMAC (AES
 over an empty plaintext, the tagged bytes as associated data) under a per-connection key,
 ``HMAC-SHA256(frame key, transcript | "/mac")``; with ``encrypt`` its payloads are
 AES-256-GCM ciphertext under a second one, ``HMAC-SHA256(frame key, transcript | "/aead")``.
-The transcript is both nonces of the handshake and the X25519 shared secret of its two
-ephemeral keys, so nothing recorded on one connection verifies on another, and the fit's
-secret alone (learnt later, say from a task Spark sent in the clear) opens no recorded
-session: its keys also hang on ephemeral private keys that were never sent or stored.
+The transcript is both nonces of the handshake, its X25519 shared secrets (ephemeral with
+ephemeral, the client's ephemeral with the server's static key) and the hash of its bytes,
+so nothing recorded on one connection verifies on another, and the fit's secret alone
+(learnt later, say from a task Spark sent in the clear) opens no recorded session: its
+keys also hang on ephemeral private keys that were never sent or stored.
 
 Every tag has a nonce of its own: direction, sequence number and what it tags (the
 header, or a piece of the payload by its index); an encrypted payload's pieces take the

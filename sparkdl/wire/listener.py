@@ -1,7 +1,8 @@
 """A listening socket on the driver that authenticates before it spends anything on a peer.
 
-All three driver-side servers use it: the parameter server (:mod:`sparkdl.services.ps.server`), the
-progress channel (:mod:`sparkdl.services.progress.channel`) and the weights server
+All four driver-side servers use it: the meeting point (:mod:`sparkdl.services.meeting.server`),
+the parameter server (:mod:`sparkdl.services.ps.server`), the progress channel
+(:mod:`sparkdl.services.progress.channel`) and the weights server
 (:mod:`sparkdl.services.weights.server`). Their port is reachable by anyone on the cluster network,
 so until a peer has proved it holds the secret it gets, from here:
 
@@ -305,14 +306,16 @@ class ConnectionListener(Generic[M]):
         return True
 
     def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        challenge = server_challenge(self._protocol, self._key, self._encrypt)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not self._make_room(peer):
                 turn_away(sock)
                 return
-            if sock.send(challenge.data) != len(challenge.data):  # a fresh socket's buffer takes 56 bytes
+            challenge = server_challenge(
+                self._protocol, self._key, self._encrypt
+            )  # a key made only for those let in
+            if sock.send(challenge.data) != len(challenge.data):  # a fresh socket's buffer takes its 88 bytes
                 raise OSError("the challenge did not fit the socket's buffer")
         except OSError:
             close_quietly(sock)
@@ -343,8 +346,11 @@ class ConnectionListener(Generic[M]):
         room = known or self._strangers < self._max_pending - self._reserved
         if own <= self._max_per_address and len(self._pending) < self._max_pending and room:
             return True
-        # a stranger evicts only strangers: the reserved places stay the known addresses'
-        rivals = [(a, n) for a, n in self._per_address.most_common() if known or not self._is_known(a)]
+        # a stranger evicts only strangers (the reserved places stay the known addresses'); a
+        # known newcomer evicts strangers first
+        ranked = self._per_address.most_common()
+        rivals = [(a, n) for a, n in ranked if not self._is_known(a)]
+        rivals += [(a, n) for a, n in ranked if known and self._is_known(a)]
         top, held = rivals[0] if rivals else (address, 0)
         source = address if own > self._max_per_address or own >= held else top
         now = time.monotonic()

@@ -29,7 +29,9 @@ def test_a_new_executors_address_is_known_soon_after_its_first_miss_and_a_lookup
 
     monkeypatch.setattr(cluster, "executor_hosts", executor_hosts)
     monkeypatch.setattr(cluster.ExecutorAddresses, "REFRESH_S", 0.5)
-    known = cluster.ExecutorAddresses(Context("10.9.9.9"))
+    context = Context("10.9.9.9")
+    known = cluster.ExecutorAddresses(lambda: context)
+    known.refresh()
     assert "10.1.2.3" in known and "10.9.9.9" in known  # the executors' and the driver's own
     assert "10.1.2.4" not in known and len(reads) == 1  # read once; a miss this soon reads nothing
     hosts.add("10.1.2.4")  # dynamic allocation adds an executor
@@ -49,6 +51,17 @@ def test_a_new_executors_address_is_known_soon_after_its_first_miss_and_a_lookup
         assert "192.0.2.1" not in known
     time.sleep(0.3)
     assert len(reads) == 3
+
+
+def test_with_no_context_nothing_is_known_and_a_new_context_is_read():
+    """The weights server outlives a SparkContext: the view reads whichever is active."""
+    active = [None]
+    known = cluster.ExecutorAddresses(lambda: active[0])
+    known.refresh()
+    assert "127.0.0.1" not in known
+    active[0] = Context("127.0.0.1")
+    known.refresh()
+    assert "127.0.0.1" in known
 
 
 def test_a_loopback_driver_knows_loopbacks_addresses():

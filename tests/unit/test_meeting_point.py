@@ -45,12 +45,12 @@ def wait_until(condition, timeout=10.0):
 @pytest.mark.parametrize("encrypt", [False, True])
 def test_every_rank_gets_every_ranks_message_in_rank_order_and_nothing_is_kept(encrypt):
     with MeetingPointServer(HOST, 30.0, encrypt) as server:
-        for task in (10, 11, 12):
-            server.publish(task, 10)
+        for rank, task in enumerate((12, 10, 11)):
+            server.publish(task, 10, rank)
         answers = meet(server, [12, 10, 11], ['{"r": 0}', '{"r": 1}', '{"r": 2}'])
         assert server.held == 0  # the ranks have the messages: the server holds none
         with pytest.raises(RendezvousError, match="stage attempt 10 met already"):
-            gather_at(server.endpoint, 11, 1, 3, 5.0)("late")  # an attempt meets once
+            gather_at(server.endpoint, 10, 1, 3, 5.0)("late")  # an attempt meets once
     assert answers == [['{"r": 0}', '{"r": 1}', '{"r": 2}']] * 3
 
 
@@ -71,8 +71,8 @@ def test_a_re_run_attempt_never_reads_the_failed_attempts_messages():
 def test_a_task_waits_for_the_driver_to_publish_its_attempt():
     with MeetingPointServer(HOST, 30.0) as server:
         timer = threading.Timer(0.5, lambda: (server.publish(5, 5), server.publish(6, 5)))
-        timer.start()
         started = time.monotonic()
+        timer.start()
         answers = meet(server, [5, 6], ["a", "b"])
         timer.join()
     assert answers == [["a", "b"]] * 2
@@ -108,21 +108,61 @@ def test_without_the_stages_secret_nothing_is_stored_or_read():
     assert answers == [["rank 0", "rank 1"]] * 2
 
 
-def test_what_a_secret_holder_says_is_bounded():
+def test_what_a_secret_holder_says_is_bounded(monkeypatch):
     """A holder of the secret (a worker) seats at most max_world ranks, says at most
-    MAX_MESSAGE_BYTES, only for its own seat, and for a task the driver saw start."""
+    MAX_MESSAGE_BYTES, once per rank, only as the rank Spark gave its task, within the
+    meeting's byte cap, and for a task the driver saw start."""
+    from sparkdl.services.meeting import server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_MEETING_BYTES", 2000)
     with MeetingPointServer(HOST, 2.0, max_world=4) as server:
         point = server.endpoint
-        server.publish(1, 1)
-        with pytest.raises(RendezvousError):  # over the seats: the connection is closed
+        server.publish(1, 1, rank=0)
+        with pytest.raises(RendezvousError, match="a meeting seats ranks 0 to world - 1, at most 4"):
             gather_at(point, 1, 0, 5, 2.0)("x")
         with pytest.raises(ValueError, match=f"at most {MAX_MESSAGE_BYTES} bytes"):
             gather_at(point, 1, 0, 1, 2.0)("x" * (MAX_MESSAGE_BYTES + 1))
-        with pytest.raises(RendezvousError, match="task 99 is not a task of this stage"):
-            gather_at(point, 99, 0, 1, 2.0)("x")
+        with pytest.raises(RendezvousError, match="task 1 is rank 0 of its stage, not 2"):
+            gather_at(point, 1, 2, 3, 2.0)("posing as rank 2")
+        with pytest.raises(RendezvousTimeout, match="the driver did not see task 99 start"):
+            gather_at(point, 99, 0, 1, 1.0)("x")
+        for task in (2, 3, 4):
+            server.publish(task, 2)
+        with ThreadPoolExecutor(2) as pool:  # rank 0 waits; a second rank 0 is refused
+            first = pool.submit(gather_at(point, 2, 0, 3, 2.0), "a" * 1500)
+            assert wait_until(lambda: server.held == 1500)
+            with pytest.raises(RendezvousError, match="rank 0 of stage attempt 2 said its message already"):
+                gather_at(point, 3, 0, 3, 2.0)("the same rank again")
+            with pytest.raises(RendezvousError, match="holds 1500 bytes; 2000 at most"):
+                gather_at(point, 4, 1, 3, 2.0)("b" * 600)
+            with pytest.raises(RendezvousTimeout):
+                first.result(timeout=10)
         assert server.held == 0
         counts = server._listener.refusals.counts
-        assert counts.get("meeting refused") == 1, counts
+        assert counts.get("meeting refused") == 4, counts
+
+
+def test_a_rank_that_gives_up_fails_the_meeting_for_every_rank_and_a_closing_server_wakes_them():
+    """Ranks of one meeting get one outcome: the first rank whose wait ends fails it for all
+    (a later rank cannot complete it without that rank). And a server closed while ranks
+    wait tells them at once instead of holding the stage's end for their whole timeout."""
+    with MeetingPointServer(HOST, 1.0) as server:
+        for task in (1, 2, 3):
+            server.publish(task, 1)
+        with pytest.raises(RendezvousTimeout, match="2 of 3 ranks"):
+            gather_at(server.endpoint, 1, 0, 3, 1.0)("rank 0")
+        with pytest.raises(RendezvousTimeout):  # the meeting is gone with its last waiter
+            gather_at(server.endpoint, 2, 1, 3, 1.0)("rank 1")
+    server = MeetingPointServer(HOST, 60.0)
+    server.publish(5, 5)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(gather_at(server.endpoint, 5, 0, 2, 60.0), "alone")
+        assert wait_until(lambda: server.held > 0)
+        started = time.monotonic()
+        server.close()
+        with pytest.raises(RendezvousError, match="the stage is over"):
+            waiting.result(timeout=30)
+        assert time.monotonic() - started < 5
 
 
 def test_a_rank_that_never_comes_fails_the_others_within_the_bound_naming_it_and_the_setting():

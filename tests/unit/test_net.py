@@ -5,6 +5,7 @@ loopback only; every wait is bounded."""
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import logging
 import socket
@@ -982,12 +983,13 @@ def test_a_recorded_session_stays_sealed_to_whoever_learns_the_secret_later():
     # ephemeral private key: the keys of version 6 (the nonces alone) open nothing, nor does
     # the static exchange alone or with a guess of the ephemeral one.
     static = KEY.exchange(client_public, ECHO)
-    for guess in (b"", bytes(32) + static, client_public + static, static):
+    said = hashlib.sha256(challenge.data + hello[: ECHO.header.size + NONCE_BYTES + 32]).digest()
+    for guess in (b"", bytes(32) + static + said, client_public + static + said, static + said):
         with pytest.raises(ProtocolError, match="authentication"):
             _replay_to(client_nonce + server_nonce + guess, recorded)
     # The server's ephemeral key (gone after a real handshake) is what it takes.
     shared = challenge.ephemeral.exchange(X25519PublicKey.from_public_bytes(client_public))
-    kind, fields, payload = _replay_to(client_nonce + server_nonce + shared + static, recorded)
+    kind, fields, payload = _replay_to(client_nonce + server_nonce + shared + static + said, recorded)
     assert (kind, fields, payload) == (EchoKind.DATA, (1, 2), b"the weights of a model " * 4)
 
 

@@ -776,6 +776,56 @@ def test_a_secret_holder_on_the_path_can_neither_read_nor_rewrite_a_workers_sess
         ps.stop()
 
 
+def test_a_hello_whose_fields_a_secret_holder_rewrote_on_the_way_leaves_the_session_dead():
+    """A relay holding the secret can tag a HELLO again after rewriting its fields (here the
+    clock a worker resumes from): the tag verifies, but the session's keys hang on the hash
+    of the handshake's bytes, so the two ends disagree and the first frame fails. Before,
+    the driver took the rewritten HELLO and the session went on."""
+    from sparkdl.wire.keys import ProtocolKeys
+    from sparkdl.wire.layout import FIELDS_INDEX, HELLO_PAYLOAD_BYTES
+    from sparkdl.wire.socket_io import recv_exactly
+
+    ps = parameter_server(PsMode.ASYNC, workers=1)
+    listening = socket.create_server(("127.0.0.1", 0))
+    listening.settimeout(10)
+
+    def relay():
+        conn, _ = listening.accept()
+        upstream = socket.create_connection((ps.host, ps.port), timeout=5)
+        with conn, upstream:
+            challenge = bytes(recv_exactly(upstream, CHALLENGE.size))
+            conn.sendall(challenge)
+            hello = bytes(recv_exactly(conn, PS_WIRE.hello_size))
+            size = PS_WIRE.header.size
+            values = list(PS_WIRE.header.unpack(hello[:size]))
+            values[FIELDS_INDEX + 5] = 7  # the clock: fields dtype, error, shard, rank, attempt, clock
+            header = PS_WIRE.header.pack(*values)
+            offer = hello[size : size + HELLO_PAYLOAD_BYTES]
+            upstream.sendall(
+                header + offer + ProtocolKeys(SECRET, PS_WIRE).hello_tag(header + offer, challenge)
+            )
+            for _ in range(100):  # bounded: pass the rest on until either end closes
+                ready, _, _ = select.select([conn, upstream], [], [], 0.1)
+                for sock in ready:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    (upstream if sock is conn else conn).sendall(data)
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        worker = PsEndpoint(
+            "127.0.0.1", listening.getsockname()[1], SECRET, ps.public_key, ((0,),), 2.0, 1 << 20
+        )
+        with pytest.raises(Exception, match="authentication"):
+            PsClient(worker, 0, 0)
+        thread.join(15)
+    finally:
+        listening.close()
+        ps.stop()
+
+
 def test_a_flipped_ciphertext_bit_is_refused():
     a, b, _, server = encrypted_pair()
     x, y = socket.socketpair()

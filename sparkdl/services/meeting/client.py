@@ -69,6 +69,11 @@ def gather_at(point: MeetingPoint, task_id: int, rank: int, world_size: int, tim
         finally:
             close_quietly(sock)
         if answer.kind is Kind.MET and answer.seat == seat:
+            if answer.texts[rank] != message:  # the server seats a rank once: this cannot happen
+                raise RendezvousError(
+                    f"rank {rank}/{world_size}: {where} answered with another message under this "
+                    "rank than the one it said"
+                )
             return list(answer.texts)
         if answer.kind is Kind.TIMED_OUT:
             raise timed_out(answer.text)

@@ -37,6 +37,9 @@ from sparkdl.wire.framing import Channel, Fields, Payload, WireProtocol, member
 MAX_MESSAGE_BYTES = 16 * 1024
 #: The most ranks one meeting waits for: each waits on a connection (and a thread) of its own.
 MAX_WORLD = 4096
+#: The most one meeting holds of its ranks' messages (4,096 ranks of about 120 bytes take
+#: 0.5 MiB): its answer, encoded once, is this large at most.
+MAX_MEETING_BYTES = 4 * 1024 * 1024
 _LENGTH = struct.Struct("<I")
 
 
@@ -61,22 +64,29 @@ class Seat:
 @dataclass(frozen=True)
 class Note:
     """A frame of ``kind`` about ``seat``: empty (HELLO, ACK), one text (SAY, TIMED_OUT,
-    REFUSED) or every rank's (MET)."""
+    REFUSED) or every rank's (MET: ``texts`` received, or ``encoded`` to send: a meeting's
+    answer is encoded once, however many ranks it goes to)."""
 
     kind: Kind
     seat: Seat
     texts: tuple[str, ...] = ()
+    encoded: bytes = b""
 
     @property
     def text(self) -> str:
         return self.texts[0] if self.texts else ""
 
 
+def encode_met(texts: tuple[str, ...]) -> bytes:
+    """A MET frame's payload: each message behind its length."""
+    return b"".join(_LENGTH.pack(len(data)) + data for data in (t.encode() for t in texts))
+
+
 class _MeetingWire(WireProtocol[Note]):
     def encode(self, message: Note) -> tuple[int, Fields, Payload]:
         fields = (message.seat.task, message.seat.rank, message.seat.world)
         if message.kind is Kind.MET:
-            payload = b"".join(_LENGTH.pack(len(data)) + data for data in (t.encode() for t in message.texts))
+            payload = message.encoded or encode_met(message.texts)
         else:
             payload = message.text.encode()
         return message.kind, fields, payload
@@ -89,7 +99,7 @@ class _MeetingWire(WireProtocol[Note]):
                 raise ProtocolError(f"{which.name} with {len(payload)} payload bytes, expected none")
             return Note(which, seat)
         if which is not Kind.MET:
-            return Note(which, seat, (payload.decode(errors="replace"),))
+            return Note(which, seat, (_text(payload, which),))
         texts, at = [], 0
         while at < len(payload):
             if at + _LENGTH.size > len(payload):
@@ -98,11 +108,22 @@ class _MeetingWire(WireProtocol[Note]):
             at += _LENGTH.size
             if at + length > len(payload):
                 raise ProtocolError(f"a MET frame's message of {length} bytes runs past its end")
-            texts.append(bytes(payload[at : at + length]).decode())
+            texts.append(_text(payload[at : at + length], which))
             at += length
         if len(texts) != seat.world:
             raise ProtocolError(f"a MET frame with {len(texts)} messages for a meeting of {seat.world}")
         return Note(which, seat, tuple(texts))
+
+
+def _text(data: bytes | bytearray, kind: Kind) -> str:
+    """UTF-8, strictly: a text that is not would grow when encoded again (each bad byte to
+    three), past what the meeting counted."""
+    try:
+        return bytes(data).decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(
+            f"a {kind.name} frame's text is not UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 MEETING_WIRE = _MeetingWire("sparkdl-meeting", ident=4, fields="QII", hello_kind=Kind.HELLO)
@@ -111,7 +132,7 @@ MeetingChannel = Channel[Note]
 
 def met_bytes(world: int) -> int:
     """The largest MET frame of a meeting of ``world`` ranks."""
-    return world * (_LENGTH.size + MAX_MESSAGE_BYTES)
+    return min(world * (_LENGTH.size + MAX_MESSAGE_BYTES), MAX_MEETING_BYTES + world * _LENGTH.size)
 
 
 def client_hello(

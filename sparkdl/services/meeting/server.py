@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from sparkdl.errors import ConnectionClosed, ProtocolError
 from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.meeting.protocol import (
+    MAX_MEETING_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_WORLD,
     MEETING_WIRE,
@@ -44,19 +45,24 @@ from sparkdl.services.meeting.protocol import (
     MeetingChannel,
     Note,
     Seat,
+    encode_met,
 )
 from sparkdl.wire.listener import ConnectionListener
 
 log = logging.getLogger(__name__)
 
+_DRAIN_S = 2.0
+
 
 @dataclass
 class _Meeting:
-    """One stage attempt's meeting: what each rank said, until every rank has it."""
+    """One stage attempt's meeting: what each rank said, until every rank has the answer."""
 
     world: int
     said: dict[int, str] = field(default_factory=dict)
-    texts: tuple[str, ...] = ()  # every rank's message, once all arrived
+    nbytes: int = 0  # of what the ranks said, at most MAX_MEETING_BYTES
+    met: bytes = b""  # the answer, encoded once, when every rank said
+    failed: str = ""  # why it failed (a rank did not come in time): every rank waiting is told
     waiting: int = 0  # connections seated here now
 
 
@@ -82,7 +88,8 @@ class MeetingPointServer:
         self._timeout_s = timeout_s
         self._max_world = max_world
         self._changed = threading.Condition()
-        self._attempt_of: dict[int, int] = {}  # task id -> its stage attempt, as the driver saw it
+        self._attempt_of: dict[int, tuple[int, int | None]] = {}  # task -> (attempt, rank), as Spark says
+        self._closed = False
         self._meetings: dict[int, _Meeting] = {}  # stage attempt -> its meeting, while ranks wait
         self._met: set[int] = set()  # attempts whose ranks met: they meet once
         secret = secrets.token_bytes(32)
@@ -101,19 +108,23 @@ class MeetingPointServer:
 
     @property
     def held(self) -> int:
-        """The messages held now (read by tests)."""
+        """The bytes of messages held now, said or answered (read by tests)."""
         with self._changed:
-            return sum(len(m.said) + len(m.texts) for m in self._meetings.values())
+            return sum(m.nbytes for m in self._meetings.values())
 
-    def publish(self, task_id: int, attempt: int) -> None:
+    def publish(self, task_id: int, attempt: int, rank: int | None = None) -> None:
         """Tell the server that task ``task_id`` runs in stage attempt ``attempt`` (a name:
-        the attempt's smallest task id)."""
+        the attempt's smallest task id), as rank ``rank`` (its partition; None: any)."""
         with self._changed:
-            self._attempt_of[task_id] = attempt
+            self._attempt_of[task_id] = (attempt, rank)
             self._changed.notify_all()
 
     def close(self) -> None:
-        self._listener.stop()
+        """Wake every rank still waiting (each is told the stage is over), then stop."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._listener.stop(drain_s=_DRAIN_S)  # time for the woken ranks' answers to leave
 
     def __enter__(self) -> MeetingPointServer:
         return self
@@ -127,16 +138,14 @@ class MeetingPointServer:
         seat = hello.seat
         try:
             channel.sock.settimeout(self._timeout_s + 30)
-            if not 0 <= seat.rank < seat.world <= self._max_world:
-                raise ProtocolError(
-                    f"rank {seat.rank} of {seat.world}: a meeting seats ranks 0 to world - 1, "
-                    f"at most {self._max_world}"
-                )
             channel.send(Note(Kind.ACK, seat))
             said = channel.recv(MAX_MESSAGE_BYTES)
             if said.kind is not Kind.SAY or said.seat != seat:
                 raise ProtocolError(f"expected the SAY of {seat}, got a {said.kind.name} of {said.seat}")
-            channel.send(self._meet(seat, said.text))
+            answer = self._meet(seat, said.text)
+            if answer.kind is Kind.REFUSED:
+                self._listener.refusals.add("meeting refused", peer, answer.text)
+            channel.send(answer)
         except ConnectionClosed:
             pass
         except ProtocolError as exc:
@@ -151,40 +160,82 @@ class MeetingPointServer:
         rank's; the answer to send (MET, TIMED_OUT or REFUSED)."""
         deadline = time.monotonic() + self._timeout_s
         with self._changed:
-            if not self._changed.wait_for(lambda: seat.task in self._attempt_of, self._timeout_s):
-                return Note(Kind.REFUSED, seat, (
-                    f"task {seat.task} is not a task of this stage that the driver saw start within "
-                    f"{self._timeout_s:.0f}s",
-                ))  # fmt: skip
-            attempt = self._attempt_of[seat.task]
-            if attempt in self._met:
-                return Note(Kind.REFUSED, seat, (f"stage attempt {attempt} met already: it meets once",))
+            if not self._changed.wait_for(
+                lambda: seat.task in self._attempt_of or self._closed, self._timeout_s
+            ):
+                return _note(Kind.TIMED_OUT, seat, f"the driver did not see task {seat.task} start within "
+                             f"{self._timeout_s:.0f}s")  # fmt: skip
+            if self._closed:
+                return _note(Kind.REFUSED, seat, "the stage is over: its meeting point closed")
+            attempt, rank = self._attempt_of[seat.task]
+            refusal = self._refusal(seat, attempt, rank, len(text.encode()))
+            if refusal:
+                return _note(Kind.REFUSED, seat, refusal)
             meeting = self._meetings.setdefault(attempt, _Meeting(seat.world))
-            if meeting.world != seat.world:
-                return Note(Kind.REFUSED, seat, (
-                    f"rank {seat.rank} meets {seat.world} ranks, but stage attempt {attempt}'s "
-                    f"first rank said {meeting.world}",
-                ))  # fmt: skip
-            meeting.said[seat.rank] = text  # a rank that connects again says it again
+            if meeting.failed:
+                return _note(Kind.TIMED_OUT, seat, meeting.failed)
+            meeting.said[seat.rank] = text
+            meeting.nbytes += len(text.encode())
             meeting.waiting += 1
             if len(meeting.said) == meeting.world:
-                meeting.texts = tuple(meeting.said[r] for r in range(meeting.world))
+                meeting.met = encode_met(tuple(meeting.said[r] for r in range(meeting.world)))
                 meeting.said.clear()
                 self._met.add(attempt)
                 self._changed.notify_all()
             try:
-                arrived = self._changed.wait_for(lambda: bool(meeting.texts), deadline - time.monotonic())
-                if arrived:
-                    return Note(Kind.MET, seat, meeting.texts)
-                missing = sorted(set(range(meeting.world)) - set(meeting.said))
-                return Note(Kind.TIMED_OUT, seat, (
-                    f"{len(missing)} of {meeting.world} ranks ({_listed(missing)}) did not arrive "
-                    f"within {self._timeout_s:.0f}s",
-                ))  # fmt: skip
+                self._changed.wait_for(
+                    lambda: bool(meeting.met or meeting.failed) or self._closed, deadline - time.monotonic()
+                )
+                if meeting.met:
+                    return Note(Kind.MET, seat, encoded=meeting.met)
+                if self._closed:
+                    return _note(Kind.REFUSED, seat, "the stage is over: its meeting point closed")
+                if not meeting.failed:  # the first rank to give up fails the meeting for all
+                    missing = sorted(set(range(meeting.world)) - set(meeting.said))
+                    meeting.failed = (
+                        f"{len(missing)} of {meeting.world} ranks ({_listed(missing)}) did not arrive "
+                        f"within {self._timeout_s:.0f}s"
+                    )
+                    self._changed.notify_all()
+                return _note(Kind.TIMED_OUT, seat, meeting.failed)
             finally:
                 meeting.waiting -= 1
                 if not meeting.waiting:  # everyone seated has its answer: nothing is kept
                     self._meetings.pop(attempt, None)
+
+    def _refusal(self, seat: Seat, attempt: int, rank: int | None, nbytes: int) -> str:
+        """Why ``seat`` cannot say ``nbytes`` at stage attempt ``attempt``'s meeting ("" if it
+        can); the condition's lock held."""
+        if rank is not None and seat.rank != rank:
+            return f"task {seat.task} is rank {rank} of its stage, not {seat.rank}"
+        if not 0 <= seat.rank < seat.world <= self._max_world:
+            return (
+                f"rank {seat.rank} of {seat.world}: a meeting seats ranks 0 to world - 1, "
+                f"at most {self._max_world}"
+            )
+        if attempt in self._met:
+            return f"stage attempt {attempt} met already: it meets once"
+        meeting = self._meetings.get(attempt)
+        if meeting is None:
+            return ""
+        if meeting.world != seat.world:
+            return (
+                f"rank {seat.rank} meets {seat.world} ranks, but stage attempt {attempt}'s first rank "
+                f"said {meeting.world}"
+            )
+        if seat.rank in meeting.said:
+            return (
+                f"rank {seat.rank} of stage attempt {attempt} said its message already (a rank says it once)"
+            )
+        if meeting.nbytes + nbytes > MAX_MEETING_BYTES:
+            return (
+                f"stage attempt {attempt}'s meeting holds {meeting.nbytes} bytes; {MAX_MEETING_BYTES} at most"
+            )
+        return ""
+
+
+def _note(kind: Kind, seat: Seat, text: str) -> Note:
+    return Note(kind, seat, (text,))
 
 
 def _listed(ranks: list[int], most: int = 8) -> str:
