@@ -279,8 +279,16 @@ class DataConfig:
         default=(),
         metadata=about(
             "Array columns whose rows differ in length (token ids): padded per batch to the longest "
-            "row, with a boolean <input>_mask input.",
+            "row, with a boolean mask input named by mask_input.",
             valid="columns that are single-column inputs",
+        ),
+    )
+    mask_input: str = field(
+        default="{name}_mask",
+        metadata=about(
+            "The name a sequence input's mask reaches the model under: {name} is the input's name. "
+            'Hugging Face models take "attention_mask" (then one sequence input).',
+            valid='a keyword argument name, with {name} where the input\'s name goes, e.g. "attention_mask"',
         ),
     )
     max_sequence_length: int = field(
@@ -365,5 +373,11 @@ class DataConfig:
             raise ConfigError(
                 f"data.label_col = {self.label_col!r} is also a feature column; "
                 "a model must not see its own label"
+            )
+        mask = self.mask_input.replace("{name}", "input")
+        if not mask.isidentifier():
+            raise ConfigError(
+                f"data.mask_input = {self.mask_input!r} is not a keyword argument name once {{name}} is "
+                'replaced; use e.g. "{name}_mask" or "attention_mask"'
             )
         check_bounds(self, "data")

@@ -24,7 +24,7 @@ from sparkdl.data.columns import (
     flat_rows,
     nonfinite_rows,
 )
-from sparkdl.data.inputs import MASK_SUFFIX, DataPlan, InputKind, InputSpec
+from sparkdl.data.inputs import DataPlan, InputKind, InputSpec
 from sparkdl.errors import BadDataError, SchemaError
 
 
@@ -46,8 +46,7 @@ def decode_block(batch: pa.RecordBatch, plan: DataPlan, training: bool = True) -
             label = checked_label(produced.pop(plan.label.name), plan.label.name, plan.label_kind)
         if plan.weight is not None and plan.weight.name in produced:
             weight = checked_weight(produced.pop(plan.weight.name), plan.weight.name)
-        masks = {spec.name + MASK_SUFFIX for spec in plan.inputs if spec.kind is InputKind.SEQUENCE}
-        clash = sorted(set(produced) & (set(inputs) | masks))
+        clash = sorted(set(produced) & (set(inputs) | plan.masks))
         if clash:
             raise SchemaError(f"transform_fn returned {clash}, which are also names in inputs; rename one")
         inputs.update(produced)

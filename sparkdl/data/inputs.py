@@ -9,7 +9,8 @@ Three ways to feed a model, decided once on the driver from the DataFrame's sche
   ``[k]`` or the shape ``input_shapes`` gives, nested arrays N-d, Vectors dense, Spark
   images uint8 CHW that the batch turns into float32 in [0, 1]); a list of columns is one
   float32 matrix; a column listed in ``sequence_cols`` may hold arrays of any length,
-  padded per batch to the longest row with a boolean ``<name>_mask`` input.
+  padded per batch to the longest row with a boolean mask input (``<name>_mask``, or as
+  ``data.mask_input`` names it: ``attention_mask`` for Hugging Face models).
 * ``transform_fn(record_batch) -> {name: array}`` on the executors, for what no built-in
   decoder reads (image files as bytes, text): its keys other than the label and weight
   columns are inputs too.
@@ -40,7 +41,9 @@ from sparkdl.errors import SchemaError
 TransformFn = Callable[..., Mapping[str, Any]]
 
 POSITIONAL = "features"  # the one input of feature_cols, passed to the model positionally
-MASK_SUFFIX = "_mask"
+#: A sequence input's mask's name: ``{name}`` is the input's (``data.mask_input``; a Hugging
+#: Face model takes ``attention_mask``).
+DEFAULT_MASK = "{name}_mask"
 
 
 class InputKind(str, enum.Enum):
@@ -83,6 +86,7 @@ class DataPlan:
         validation_col: a boolean column whose true rows are held out to validate, or None.
         not_inputs: names transform_fn may return that never reach the model (at inference:
             the label and weight, which it returns when the rows have them, as in training).
+        mask_input: the name of a sequence input's mask, ``{name}`` standing for the input's.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -97,6 +101,16 @@ class DataPlan:
     validation_col: str | None = None
     _takes_training: bool = field(default=False, repr=False)
     not_inputs: tuple[str, ...] = ()
+    mask_input: str = DEFAULT_MASK
+
+    def mask_name(self, name: str) -> str:
+        """The name of sequence input ``name``'s mask, as the model takes it."""
+        return mask_name(self.mask_input, name)
+
+    @property
+    def masks(self) -> frozenset[str]:
+        """The names of every sequence input's mask."""
+        return frozenset(self.mask_name(s.name) for s in self.inputs if s.kind is InputKind.SEQUENCE)
 
     @property
     def column_names(self) -> list[str]:
@@ -169,6 +183,7 @@ def plan_data(
     cache_transformed: bool = False,
     validation_col: str | None = None,
     not_inputs: tuple[str, ...] = (),
+    mask_input: str = DEFAULT_MASK,
 ) -> DataPlan:
     """Check the columns against ``schema`` and decide how each is decoded.
 
@@ -188,7 +203,7 @@ def plan_data(
         _input_spec(schema, name, source, shapes.get(name, ()), sequence_cols, keyword)
         for name, source in inputs.items()
     )
-    _check_names(specs, shapes, sequence_cols, label_col, weight_col)
+    _check_names(specs, shapes, sequence_cols, label_col, weight_col, mask_input)
     label = _label_spec(schema, label_col, label_kind) if label_col else None
     weight = _weight_spec(schema, weight_col) if weight_col else None
     if validation_col:
@@ -208,6 +223,7 @@ def plan_data(
         validation_col or None,
         _takes_training=transform_fn is not None and _takes_training(transform_fn),
         not_inputs=tuple(n for n in not_inputs if n),
+        mask_input=mask_input,
     )
 
 
@@ -268,6 +284,7 @@ def _check_names(
     sequence_cols: tuple[str, ...],
     label_col: str | None,
     weight_col: str | None,
+    mask_input: str = DEFAULT_MASK,
 ) -> None:
     names = {s.name for s in specs}
     single = {s.name for s in specs if s.kind is InputKind.COLUMN}
@@ -286,18 +303,32 @@ def _check_names(
             f"sequence_cols names {odd_sequences}, which no input feeds alone; a sequence column "
             "must be an input of its own (inputs={'tokens': 'tokens'})"
         )
-    for spec in specs:
-        if spec.kind is InputKind.SEQUENCE and spec.name + MASK_SUFFIX in names:
+    sequences = [s.name for s in specs if s.kind is InputKind.SEQUENCE]
+    masks = [mask_name(mask_input, name) for name in sequences]
+    if len(set(masks)) < len(masks):
+        raise SchemaError(
+            f"data.mask_input = {mask_input!r} gives the masks of the sequence inputs {sequences} "
+            f"one name ({masks[0]!r}); put {{name}} in it (e.g. '{{name}}_mask'), or feed one sequence"
+        )
+    for name, mask in zip(sequences, masks, strict=True):
+        if mask in names:
             raise SchemaError(
-                f"input {spec.name + MASK_SUFFIX!r} clashes with the mask of sequence input "
-                f"{spec.name!r}; rename it"
+                f"input {mask!r} clashes with the mask of sequence input {name!r} "
+                f"(data.mask_input = {mask_input!r}); rename one"
             )
+    for spec in specs:
         for column in spec.columns:
             if column.name in (label_col, weight_col):
                 raise SchemaError(
                     f"column {column.name!r} is both a model input ({spec.name!r}) and the "
                     f"{'label' if column.name == label_col else 'weight'} column; a model must not see it"
                 )
+
+
+def mask_name(mask_input: str, name: str) -> str:
+    """``mask_input`` with ``{name}`` replaced by the sequence input's name (any other text
+    kept as it is: ``attention_mask`` names every mask alike)."""
+    return mask_input.replace("{name}", name)
 
 
 def _label_spec(schema: pa.Schema, label_col: str, label_kind: LabelKind) -> ColumnSpec:

@@ -1,21 +1,23 @@
 """Blocks of numpy rows -> :class:`Batch` of tensors, and the call of the model on one.
 
 Sequences are padded here, per batch, to the batch's longest row (so a batch of short
-rows stays short), with a boolean ``<name>_mask``; images become float32 in [0, 1].
+rows stays short), with a boolean mask (``<name>_mask``, or as ``data.mask_input`` names
+it); images become float32 in [0, 1].
 Arrays that own their memory become tensors without a copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from sparkdl.data.blocks import Block, Ragged
-from sparkdl.data.inputs import MASK_SUFFIX, DataPlan
+from sparkdl.data.inputs import DataPlan
 
 
 @dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
@@ -72,11 +74,23 @@ def join_batches(batches: Sequence[Batch]) -> Batch:
 
 def call_model(model: nn.Module, batch: Batch, keyword: bool) -> torch.Tensor:
     """``model(**inputs)``; one input (feature_cols' matrix, or a single named input) is
-    passed positionally, ``model(x)``, so that ``nn.Sequential`` and the like take it."""
+    passed positionally, ``model(x)``, so that ``nn.Sequential`` and the like take it. The
+    output is :func:`model_output`'s: a Hugging Face model's logits."""
     if keyword and len(batch.inputs) > 1:
-        return model(**batch.inputs)
+        return model_output(model(**batch.inputs))
     (x,) = batch.inputs.values()
-    return model(x)
+    return model_output(model(x))
+
+
+def model_output(output: Any) -> Any:
+    """What the loss and ``transform`` read of a model's output: a tensor as it is, the
+    ``logits`` of a Hugging Face ``ModelOutput`` (or of any mapping or object that has them:
+    a classifier's ``(N, C)``, a language model's ``(N, T, V)``), anything else unchanged
+    (the preflight then says what it expected)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else output
 
 
 def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
@@ -87,7 +101,7 @@ def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
         if isinstance(column, Ragged):
             values, mask = column.padded(plan.max_sequence_length)
             inputs[name] = torch.from_numpy(values)
-            inputs[name + MASK_SUFFIX] = torch.from_numpy(mask)
+            inputs[plan.mask_name(name)] = torch.from_numpy(mask)
         elif name in images:
             inputs[name] = torch.from_numpy(_owned(column)).float().div_(255.0)
         else:

@@ -88,6 +88,7 @@ def plan_inputs(
         cache_transformed=data.cache_transformed,
         validation_col=validation_col or None,
         not_inputs=() if with_label else (data.label_col, data.weight_col),
+        mask_input=data.mask_input,
     )
 
 

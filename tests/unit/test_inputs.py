@@ -138,6 +138,66 @@ def test_max_sequence_length_keeps_the_first_values():
     assert x["tok_mask"].tolist() == [[1, 1], [1, 0], [0, 0], [1, 1]]
 
 
+def test_a_sequences_mask_takes_the_name_mask_input_gives_it_and_the_names_never_clash():
+    """Hugging Face models take ``attention_mask``: ``data.mask_input`` names the mask, with
+    ``{name}`` for the input's name (the default, ``{name}_mask``)."""
+    batch = batch_of(tok=pa.array(TOKENS, pa.list_(pa.int32())), label=labels(4))
+    plan = sequence_plan(batch, mask_input="attention_mask")
+    x = to_batch(decode_block(batch, plan), plan).inputs
+    assert list(x) == ["tok", "attention_mask"]
+    assert x["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
+    two = batch_of(a=pa.array(TOKENS, pa.list_(pa.int32())), b=pa.array(TOKENS, pa.list_(pa.int32())))
+    both = {"inputs": {"a": "a", "b": "b"}, "sequence_cols": ("a", "b")}
+    assert plan_data(two.schema, **both, mask_input="{name}_attention").masks == {
+        "a_attention",
+        "b_attention",
+    }
+    with pytest.raises(SchemaError, match=r"one name \('attention_mask'\); put \{name\} in it"):
+        plan_data(two.schema, **both, mask_input="attention_mask")
+    with pytest.raises(SchemaError, match="input 'b' clashes with the mask of sequence input 'a'"):
+        plan_data(two.schema, inputs={"a": "a", "b": "b"}, sequence_cols=("a",), mask_input="b")
+
+
+def test_mask_input_must_name_a_keyword_argument():
+    from sparkdl.config.training_sections import DataConfig
+    from sparkdl.errors import ConfigError
+
+    assert DataConfig(mask_input="attention_mask").mask_input == "attention_mask"
+    with pytest.raises(
+        ConfigError, match=r"data.mask_input = 'attention mask' is not a keyword argument name"
+    ):
+        DataConfig(mask_input="attention mask")
+
+
+def test_a_hugging_face_models_output_is_read_as_its_logits():
+    """A ``ModelOutput`` (a classifier's ``SequenceClassifierOutput``) is what the loss and
+    ``transform`` read as its ``logits``; a plain tensor or a mapping with logits as well."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config).eval()
+    batch = batch_of(tok=pa.array(TOKENS, pa.list_(pa.int32())), label=labels(4))
+    plan = plan_data(
+        batch.schema, inputs={"input_ids": "tok"}, sequence_cols=("tok",), mask_input="attention_mask"
+    )
+    inputs = to_batch(decode_block(batch, plan), plan)
+    with torch.no_grad():
+        logits = call_model(model, inputs, keyword=True)
+        direct = model(**inputs.inputs).logits
+    assert isinstance(logits, torch.Tensor) and logits.shape == (4, 3) and torch.equal(logits, direct)
+
+    class Mapping(nn.Module):
+        def forward(self, x):
+            return {"logits": x * 2, "hidden": x}
+
+    plain = batch_of(x=pa.array([1.0, 2.0]))
+    matrix = plan_data(plain.schema, feature_cols=("x",))
+    features = to_batch(decode_block(plain, matrix), matrix)
+    assert call_model(Mapping(), features, keyword=False).tolist() == [[2.0], [4.0]]
+
+
 def test_ragged_arrays_not_declared_as_sequences_are_bad_data():
     batch = batch_of(tok=pa.array(TOKENS, pa.list_(pa.int32())), label=labels(4))
     plan = plan_data(batch.schema, inputs={"tok": "tok"}, label_col="label")
