@@ -18,7 +18,7 @@ from sparkdl.errors import ClusterConfigError
 from sparkdl.services.ps.factored import FactorLayout
 from sparkdl.services.ps.full_batch import Coordinator, ShardedVectors
 from sparkdl.services.ps.server import ParameterServer
-from sparkdl.services.ps.sharding import shard_count, split_into_shards
+from sparkdl.services.ps.sharding import shard_trainable
 from sparkdl.services.ps.store import ShardStore
 from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
@@ -38,8 +38,9 @@ class HostedServer:
     coordinator: Coordinator | None = None  # optimizer lbfgs: L-BFGS over the shards' vectors
 
     def parameter_state(self) -> dict[str, torch.Tensor]:
-        """The server's weights by state-dict key (buffers are not served: rank 0's are kept)."""
-        names = {name for name, _ in self.model.named_parameters()}
+        """The server's weights by state-dict key: the trainable parameters it served (buffers
+        and frozen parameters are not served: rank 0's are kept)."""
+        names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         return {k: v.detach().clone() for k, v in self.model.state_dict().items() if k in names}
 
     def stop(self) -> None:
@@ -51,7 +52,8 @@ class HostedServer:
 def start_parameter_server(
     spark: Any, spec: TrainSpec, attempt_started: Callable[[int], bool] | None = None
 ) -> HostedServer:
-    """Build the initial model, split it into shards and serve them on the driver's address.
+    """Build the initial model, split its trainable parameters into shards and serve them on
+    the driver's address.
 
     A fresh 32-byte secret authenticates every frame of this fit; it travels to the
     executors inside the task spec, never in SparkConf (which the UI and event log show).
@@ -108,9 +110,10 @@ def serve_parameters(
     lr: LrPlan = CONSTANT_LR,
     scheduler_fn: SchedulerFn | None = None,
 ) -> tuple[ParameterServer, nn.Module, PsEndpoint]:
-    """Build the initial model with ``model_fn`` (seeded with ``training.seed``), split it into
-    shards, and serve them on ``host`` with ``optimizer_fn``'s optimizer (or the
-    ``[optimizer]`` settings'): the server, its model, and the endpoint for the workers."""
+    """Build the initial model with ``model_fn`` (seeded with ``training.seed``), split its
+    trainable parameters into shards, and serve them on ``host`` with ``optimizer_fn``'s
+    optimizer (or the ``[optimizer]`` settings'): the server, its model, and the endpoint for
+    the workers."""
     server, model, endpoint, _ = _serve(
         config, model_fn, optimizer_fn, host, attempt_started, lr, scheduler_fn
     )
@@ -131,7 +134,7 @@ def _serve(
     torch.manual_seed(config.training.seed)
     model = build_model(model_fn)
     params = list(model.parameters())
-    groups = split_into_shards(params, shard_count(params, config.parameter_server.ps_shards))
+    groups = shard_trainable(params, config.parameter_server.ps_shards)  # the frozen stay on the workers
     vectors = (
         ShardedVectors(config.optimizer.weight_decay)
         if config.optimizer.optimizer is OptimizerName.LBFGS

@@ -15,6 +15,10 @@ because it must join the step's all-reduce.
 With ``runtime.sufficient_factors``, the fully connected layers' weight gradients leave DDP's
 buckets and travel as their factors (:mod:`sparkdl.comm.factors`), gathered after backward.
 
+Frozen parameters (``requires_grad = False``: a LoRA model's base) are in no bucket, and are
+left out of DDP's starting broadcast too: every worker built the same ones
+(:mod:`sparkdl.strategies.trainable`, which checks it once).
+
 In a user's own loop the model comes back wrapped in DDP (its gradient hook the
 exchange's); each parameter's gradient is scaled by ``world * rows / global_rows`` of the
 running step before DDP averages it, so uneven partitions give the mean over every row of
@@ -32,6 +36,7 @@ from sparkdl.comm.factors import Factors
 from sparkdl.comm.traffic import Pattern
 from sparkdl.config import SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.strategies.rules import refuse_compressed_hierarchy
+from sparkdl.strategies.trainable import agree_on_frozen, frozen_parameters
 from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
@@ -58,6 +63,7 @@ class AllReduceStrategy(SyncStrategy):
         self._factors: Factors | None = None
         if ctx.world_size == 1:
             return  # nothing to average: the module trains as it is, without DDP's per-step cost
+        agree_on_frozen(ctx.module, ctx.exchange, ctx.rank)
         training, mode = ctx.config.training, ctx.config.runtime.sufficient_factors
         factored: set[str] = set()
         if mode is not SufficientFactors.OFF:
@@ -67,11 +73,15 @@ class AllReduceStrategy(SyncStrategy):
         in_buckets = [
             (n, p) for n, p in ctx.module.named_parameters() if p.requires_grad and n not in factored
         ]
+        frozen = {name for name, _ in frozen_parameters(ctx.module)}
         if not in_buckets:  # every gradient travels as factors: DDP would have nothing to do
-            for tensor in [*ctx.module.parameters(), *ctx.module.buffers()]:
-                ctx.exchange.broadcast_(tensor.data)  # DDP's starting broadcast
+            for name, tensor in [*ctx.module.named_parameters(), *ctx.module.named_buffers()]:
+                if name not in frozen:
+                    ctx.exchange.broadcast_(tensor.data)  # DDP's starting broadcast
             return
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.module, sorted(factored))
+        # frozen: neither in a bucket (no gradient) nor in DDP's starting broadcast
+        ignored = sorted(factored | frozen)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.module, ignored)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (e.g. batch-norm statistics) follow rank 0 at every forward; that is
         # DDP's default, so we leave the (version-dependent) flag alone.

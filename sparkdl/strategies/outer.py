@@ -27,10 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-#: The checkpoint entry that holds the outer momentum (a list of CPU tensors, one per parameter).
+#: The checkpoint entry that holds the outer momentum (a list of CPU tensors, one per trainable
+#: parameter: the frozen ones have none).
 CHECKPOINT_KEY = "weight_averaging_outer_momentum"
 #: The checkpoint entry that holds the weights the rounds under way started from, where they are
-#: not the checkpointed weights (Streaming DiLoCo; a list of float32 CPU tensors, one per parameter).
+#: not the checkpointed weights (Streaming DiLoCo; a list of float32 CPU tensors, one per trainable
+#: parameter).
 REFERENCE_KEY = "weight_averaging_outer_reference"
 
 

@@ -25,6 +25,12 @@ and pulls through the server's shared memory (``ps_shared_memory_mb``, :mod:`spa
 only the frames' authenticated headers cross its socket, and its traffic never counts as
 crossing hosts.
 
+Frozen parameters (``requires_grad = False``: a LoRA model's base) are not served: the
+driver's shards hold and update only the trainable ones (:mod:`sparkdl.services.ps.sharding`),
+each worker keeps the frozen weights its ``model_fn`` built, the same on every worker
+(:mod:`sparkdl.strategies.trainable`, checked once at build time), and the model returned to
+the driver is the server's trainable weights over rank 0's frozen ones and buffers.
+
 Hierarchy (``runtime.hierarchy``; MXNet's level-1 servers). Only each host's leader talks to
 the driver: the host's workers sum their gradients and rows into the leader
 (:class:`sparkdl.comm.hierarchy.HostGroups`), the leader pushes the host's sum as pusher
@@ -50,6 +56,7 @@ from sparkdl.services.ps.client import ClientStats, PsClient
 from sparkdl.strategies.ps_factors import FactorPushes
 from sparkdl.strategies.ps_own_loop import ServedFace, check_served_model, check_served_settings
 from sparkdl.strategies.rules import refuse_backups_without_a_worker, refuse_powersgd
+from sparkdl.strategies.trainable import agree_on_frozen
 from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
@@ -115,6 +122,8 @@ class ParameterServerStrategy(SyncStrategy):
         self._push_every = settings.push_every if self._mode is PsMode.ASYNC else 1
         self._pull_every = settings.pull_every if self._mode is PsMode.ASYNC else 1
         params = list(ctx.module.parameters())
+        check_served_model(ctx.module, ctx.ps)  # the server's shards are this model's trainable parameters
+        agree_on_frozen(ctx.module, ctx.exchange, ctx.rank)  # which the workers keep: the same everywhere
         self._shards = [[params[i] for i in shard] for shard in ctx.ps.shard_params]
         self._sizes = [sum(p.numel() for p in s) for s in self._shards]  # flat values per shard
         self._accumulated = [torch.zeros(n) for n in self._sizes]

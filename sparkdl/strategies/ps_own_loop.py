@@ -56,26 +56,32 @@ def check_served_settings(config: SparkDLConfig) -> None:
 
 
 def check_served_model(module: nn.Module, ps: PsEndpoint | None) -> None:
-    """The server hosts one model, built on the driver by ``model_fn``: the model a user's
-    loop prepares must have its parameters (in number and in size).
+    """The server hosts one model, built on the driver by ``model_fn``, and serves its trainable
+    parameters: a worker's model (fit's, or the one a user's loop prepares) must train the same
+    parameters, in number and in size (its frozen ones stay on the worker).
 
     Raises:
         ConfigError: a model unlike the server's.
     """
     if ps is None:
         raise ConfigError("strategy 'parameter_server' needs a server; sparkdl.run starts one on the driver")
-    sizes = [p.numel() for p in module.parameters()]
-    indices = [i for shard in ps.shard_params for i in shard]
+    params = list(module.parameters())
+    sizes = [p.numel() for p in params]
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    indices = sorted(i for shard in ps.shard_params for i in shard)
     served = sum(ps.shard_sizes) if ps.shard_sizes else None
     per_shard = [sum(sizes[i] for i in shard if i < len(sizes)) for shard in ps.shard_params]
     unlike = bool(ps.shard_sizes) and per_shard != list(ps.shard_sizes)
-    if len(sizes) != len(indices) or unlike:
+    if indices != trainable or unlike:
         raise ConfigError(
-            f"ctx.prepare got a {type(module).__name__} of {len(sizes)} parameters "
-            f"({sum(sizes)} values); the parameter server hosts model_fn's model of "
-            f"{len(indices)} parameters"
+            f"the worker's {type(module).__name__} has {len(sizes)} parameters ({sum(sizes)} values), "
+            f"{len(trainable)} of them trainable ({sum(sizes[i] for i in trainable)} values); the "
+            f"parameter server serves the {len(indices)} trainable parameters of model_fn's model"
             + (f" ({served} values)" if served is not None else "")
-            + ": prepare the model model_fn builds"
+            + ", numbered "
+            + str(indices[:8])
+            + ("..." if len(indices) > 8 else "")
+            + ": use the model model_fn builds, with the same parameters frozen"
         )
 
 

@@ -58,6 +58,11 @@ Hierarchy. With ``runtime.hierarchy`` the exchange sums each bucket within the h
 its leader, all-reduces it among the leaders and broadcasts it back
 (:mod:`sparkdl.comm.hierarchy`): one model's worth crosses the network per host and average.
 
+Frozen parameters. Parameters with ``requires_grad = False`` (a LoRA model's base) are in no
+average, no outer step and no starting broadcast: they never change and every worker built
+the same ones (:mod:`sparkdl.strategies.trainable`, which checks it once at build time), so
+an average moves only the trainable parameters, the floating buffers and the optimizer state.
+
 A user's own loop. The model comes back as it is; after every ``sync_every`` steps of
 ``ctx.batches`` the workers' weights, buffers and optimizer state are averaged, each
 weighted by the rows its optimizer trained since the last average (an optimizer step
@@ -87,6 +92,7 @@ from sparkdl.strategies.rules import (
     refuse_powersgd,
 )
 from sparkdl.strategies.streaming import StreamingRounds
+from sparkdl.strategies.trainable import agree_on_frozen, trainable_parameters
 from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     StepInput,
@@ -131,6 +137,9 @@ class WeightAveragingStrategy(SyncStrategy):
         # a round's average cut short (a validation, a user's checkpoint): the outer optimizer's
         # reference is no longer the model's weights, and a checkpoint must carry it
         self._averaged_mid_round = outer.REFERENCE_KEY in ctx.resumed_state
+        # what the averages move, decided once: the frozen parameters stay where model_fn put them
+        self._trainable = trainable_parameters(ctx.module)
+        agree_on_frozen(ctx.module, ctx.exchange, ctx.rank)
         for _, tensor in self._model_tensors():  # start from rank 0's weights, like DDP
             ctx.exchange.broadcast_(tensor, src=0)
         ctx.exchange.remember(list(self._model_tensors()))
@@ -330,7 +339,8 @@ class WeightAveragingStrategy(SyncStrategy):
         yield from ((f"buffer {name}", b) for name, b in module.named_buffers() if b.is_floating_point())
 
     def _parameters(self) -> Iterator[Named]:
-        yield from ((f"parameter {name}", p.data) for name, p in self.ctx.module.named_parameters())
+        """The trainable parameters (decided at build time): the frozen ones never change."""
+        yield from ((f"parameter {name}", p.data) for name, p in self._trainable)
 
     def _optimizer_state(self) -> Iterator[tuple[str, Named]]:
         """Every floating state tensor of the optimizer, with its key (``exp_avg``, ...)."""
@@ -352,7 +362,7 @@ def _outer_step(ctx: StrategyContext, resumed_state: Mapping[str, Any]) -> outer
     section = ctx.config.weight_averaging
     if section.outer_optimizer is OuterOptimizer.NONE:
         return None
-    parameters = [p.data for p in ctx.module.parameters()]
+    parameters = [p.data for _, p in trainable_parameters(ctx.module)]
     velocity = resumed_state.get(outer.CHECKPOINT_KEY)
     reference = resumed_state.get(outer.REFERENCE_KEY)
     return outer.NesterovOuterStep(parameters, section.outer_lr, section.outer_momentum, velocity, reference)
@@ -366,7 +376,7 @@ def _streaming_rounds(ctx: StrategyContext, resumed_state: Mapping[str, Any]) ->
         return None
     nesterov = section.outer_optimizer is OuterOptimizer.NESTEROV
     lr, momentum = (section.outer_lr, section.outer_momentum) if nesterov else (1.0, 0.0)
-    named = [(f"parameter {name}", p.data) for name, p in ctx.module.named_parameters()]
+    named = [(f"parameter {name}", p.data) for name, p in trainable_parameters(ctx.module)]
     return StreamingRounds(
         named,
         section.fragments,

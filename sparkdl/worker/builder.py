@@ -221,5 +221,6 @@ class Builder:
 
 
 def payload_bytes(module: nn.Module) -> int:
-    """What one sum of every parameter weighs (sizes a shared-memory segment)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """What one sum of every trainable parameter weighs (sizes a shared-memory segment; the
+    frozen ones are never summed: :mod:`sparkdl.strategies.trainable`)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

@@ -1,5 +1,7 @@
 """How the parameter server splits a model into shards: how many (``ps_shards``, 0: by the
-model's size), and which whole parameter tensors each holds."""
+model's size), and which whole parameter tensors each holds. Only trainable parameters are
+served: a frozen one (``requires_grad = False``, a LoRA model's base) never changes, so the
+workers keep their own (:mod:`sparkdl.strategies.trainable`) and no push or pull carries it."""
 
 from __future__ import annotations
 
@@ -37,3 +39,12 @@ def split_into_shards(params: list[nn.Parameter], shards: int) -> list[list[int]
         groups[target].append(index)
         sizes[target] += params[index].numel()
     return [sorted(g) for g in groups if g]
+
+
+def shard_trainable(params: list[nn.Parameter], requested: int) -> list[list[int]]:
+    """The shards of ``params``' trainable tensors (``ps_shards = requested``), as indices into
+    ``params`` (every parameter of the model, in order, as every worker numbers them)."""
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    served = [params[i] for i in trainable]
+    groups = split_into_shards(served, shard_count(served, requested)) if served else []
+    return [[trainable[i] for i in group] for group in groups]
