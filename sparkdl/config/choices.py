@@ -147,7 +147,7 @@ class DrillKind(str, enum.Enum):
     SLOW = "slow"
 
 
-LOSS_NAMES = ("cross_entropy", "mse", "bce_with_logits")
+LOSS_NAMES = ("cross_entropy", "mse", "bce_with_logits", "causal_lm")
 DEFAULT_LOSS = "cross_entropy"
 DRILL_FORM = "KIND:RANK:STEP:MARKER_FILE with KIND one of " + ", ".join(k.value for k in DrillKind)
 

@@ -44,6 +44,9 @@ POSITIONAL = "features"  # the one input of feature_cols, passed to the model po
 #: A sequence input's mask's name: ``{name}`` is the input's (``data.mask_input``; a Hugging
 #: Face model takes ``attention_mask``).
 DEFAULT_MASK = "{name}_mask"
+#: A target position a loss leaves out: padding, or a row's last position, whose next token
+#: is unknown (PyTorch's and Hugging Face's ``ignore_index``).
+IGNORED = -100
 
 
 class InputKind(str, enum.Enum):
@@ -87,6 +90,8 @@ class DataPlan:
         not_inputs: names transform_fn may return that never reach the model (at inference:
             the label and weight, which it returns when the rows have them, as in training).
         mask_input: the name of a sequence input's mask, ``{name}`` standing for the input's.
+        next_token_of: the input whose next tokens are the targets (``loss_fn = "causal_lm"``:
+            no label column; :func:`sparkdl.data.tensors.to_batch` makes them); "" for none.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -102,6 +107,7 @@ class DataPlan:
     _takes_training: bool = field(default=False, repr=False)
     not_inputs: tuple[str, ...] = ()
     mask_input: str = DEFAULT_MASK
+    next_token_of: str = ""
 
     def mask_name(self, name: str) -> str:
         """The name of sequence input ``name``'s mask, as the model takes it."""
@@ -138,7 +144,7 @@ class DataPlan:
 
     def for_inference(self) -> DataPlan:
         """The same inputs, without label, weight or validation column."""
-        return replace(self, label=None, weight=None, validation_col=None)
+        return replace(self, label=None, weight=None, validation_col=None, next_token_of="")
 
     def describe_inputs(self) -> str:
         """The inputs in the user's terms, e.g. "the feature columns ['x']"."""
@@ -184,6 +190,7 @@ def plan_data(
     validation_col: str | None = None,
     not_inputs: tuple[str, ...] = (),
     mask_input: str = DEFAULT_MASK,
+    next_token_of: str = "",
 ) -> DataPlan:
     """Check the columns against ``schema`` and decide how each is decoded.
 
@@ -204,6 +211,8 @@ def plan_data(
         for name, source in inputs.items()
     )
     _check_names(specs, shapes, sequence_cols, label_col, weight_col, mask_input)
+    if next_token_of:
+        _check_token_input(specs, next_token_of)
     label = _label_spec(schema, label_col, label_kind) if label_col else None
     weight = _weight_spec(schema, weight_col) if weight_col else None
     if validation_col:
@@ -224,6 +233,7 @@ def plan_data(
         _takes_training=transform_fn is not None and _takes_training(transform_fn),
         not_inputs=tuple(n for n in not_inputs if n),
         mask_input=mask_input,
+        next_token_of=next_token_of,
     )
 
 
@@ -323,6 +333,18 @@ def _check_names(
                     f"column {column.name!r} is both a model input ({spec.name!r}) and the "
                     f"{'label' if column.name == label_col else 'weight'} column; a model must not see it"
                 )
+
+
+def _check_token_input(specs: tuple[InputSpec, ...], name: str) -> None:
+    """Refuse a ``causal_lm`` input that is not one column of integer token ids."""
+    spec = next((s for s in specs if s.name == name), None)
+    one_array = spec is not None and len(spec.columns) == 1 and spec.columns[0].kind is ColumnKind.ARRAY
+    if spec is None or spec.kind not in (InputKind.SEQUENCE, InputKind.COLUMN) or not one_array:
+        raise SchemaError(
+            f"loss_fn = 'causal_lm' trains on the next token of input {name!r}, which must be one "
+            "array<int> column of token ids (list it in sequence_cols when rows differ in length); "
+            f"the inputs are {[(s.name, s.kind.value) for s in specs]}"
+        )
 
 
 def mask_name(mask_input: str, name: str) -> str:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from sparkdl.data.blocks import Block, Ragged
-from sparkdl.data.inputs import DataPlan
+from sparkdl.data.inputs import IGNORED, DataPlan
+from sparkdl.errors import SchemaError
 
 
 @dataclass(slots=True)  # built per batch: slots, not frozen, keep construction cheap
@@ -107,9 +108,31 @@ def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
         else:
             inputs[name] = torch.from_numpy(_owned(column))
     label = None if block.label is None else torch.from_numpy(_owned(block.label))
+    if plan.next_token_of:
+        label = next_tokens(inputs[plan.next_token_of], inputs.get(plan.mask_name(plan.next_token_of)))
     weight = None if block.weight is None else torch.from_numpy(_owned(block.weight))
     batch = Batch(inputs, label, weight)
     return batch.pin_memory() if pin_memory else batch
+
+
+def next_tokens(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A causal language model's targets: each position's next token of the same row,
+    :data:`~sparkdl.data.inputs.IGNORED` where there is none (padding, a row's last token).
+
+    Raises:
+        SchemaError: the ids are not integers.
+    """
+    if ids.is_floating_point() or ids.dim() != 2:
+        raise SchemaError(
+            f"loss_fn = 'causal_lm' needs token ids, integers of shape (rows, positions); the input "
+            f"is {ids.dtype} of shape {tuple(ids.shape)}: cast the column to array<int>"
+        )
+    targets = torch.full_like(ids, IGNORED, dtype=torch.int64)
+    following = ids[:, 1:].long()
+    if mask is not None:
+        following = following.masked_fill(~mask[:, 1:], IGNORED)
+    targets[:, :-1] = following
+    return targets
 
 
 def _owned(array: np.ndarray) -> np.ndarray:

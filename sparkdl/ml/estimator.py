@@ -42,7 +42,7 @@ from sparkdl.ml.persistence import (
     TorchModelReader,
     TorchModelWriter,
 )
-from sparkdl.spark.driver import plan_inputs, run_training, vectors_as_arrays, with_validation
+from sparkdl.spark.driver import plan_inputs, run_training, token_input, vectors_as_arrays, with_validation
 from sparkdl.spark.inference import (
     OutputCols,
     PredictSpec,
@@ -158,7 +158,8 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
     Args:
         model_fn: ``() -> torch.nn.Module``, called on every worker (cloudpickled).
         optimizer_fn: ``(params) -> torch.optim.Optimizer``; default: ``[optimizer]`` settings.
-        loss_fn: "cross_entropy", "mse", "bce_with_logits", or ``callable(output, target)``
+        loss_fn: "cross_entropy", "mse", "bce_with_logits", "causal_lm" (a language model's
+            next token of its sequence input: no label column), or ``callable(output, target)``
             returning the mean loss (it then gets float32 targets). Overrides the ``loss``
             setting only while that is at its default or names the same loss.
         transform_fn: optional ``(pyarrow.RecordBatch) -> {name: numpy array}``, run on the
@@ -269,7 +270,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             model_fn=self.model_fn,
             history=result.history,
             output_shape=result.output_shape,
-            classifier=isinstance(loss, str) and loss == "cross_entropy",
+            classifier=isinstance(loss, str) and loss in ("cross_entropy", "causal_lm"),
             trained_input_shapes=result.input_shapes,
             transform_fn=self.transform_fn,
         )
@@ -323,7 +324,14 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
         check_full_batch_inputs(config, self.optimizer_fn, self.scheduler_fn, bool(validation_col))
-        plan = plan_inputs(dataset, config.data, label_kind, self.transform_fn, validation_col=validation_col)
+        plan = plan_inputs(
+            dataset,
+            config.data,
+            label_kind,
+            self.transform_fn,
+            validation_col=validation_col,
+            next_token_of=token_input(config.data) if loss == "causal_lm" else "",
+        )
         spec = TrainSpec(
             config,
             self.model_fn,

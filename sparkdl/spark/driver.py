@@ -71,9 +71,11 @@ def plan_inputs(
     transform_fn: TransformFn | None = None,
     with_label: bool = True,
     validation_col: str = "",
+    next_token_of: str = "",
 ) -> DataPlan:
     """Check the DataFrame's schema on the driver, before any task starts, and decide how
-    each column reaches the model (see :mod:`sparkdl.data.inputs`)."""
+    each column reaches the model (see :mod:`sparkdl.data.inputs`); with ``next_token_of``
+    (``causal_lm``), that input's next tokens are the targets and no label column is read."""
     return plan_data(
         arrow_schema(df),
         feature_cols=data.feature_cols,
@@ -81,7 +83,7 @@ def plan_inputs(
         input_shapes=data.input_shapes,
         sequence_cols=data.sequence_cols,
         max_sequence_length=data.max_sequence_length,
-        label_col=data.label_col if with_label else None,
+        label_col=data.label_col if with_label and not next_token_of else None,
         label_kind=label_kind,
         weight_col=(data.weight_col or None) if with_label else None,
         transform_fn=transform_fn,
@@ -89,6 +91,26 @@ def plan_inputs(
         validation_col=validation_col or None,
         not_inputs=() if with_label else (data.label_col, data.weight_col),
         mask_input=data.mask_input,
+        next_token_of=next_token_of,
+    )
+
+
+def token_input(data: DataConfig) -> str:
+    """The input ``causal_lm`` trains on: ``input_ids`` (a Hugging Face model's name), else
+    the one sequence input.
+
+    Raises:
+        ConfigError: neither, or several sequence inputs and none of them ``input_ids``.
+    """
+    if "input_ids" in data.inputs:
+        return "input_ids"
+    sequences = [name for name, column in data.inputs.items() if column in data.sequence_cols]
+    if len(sequences) == 1:
+        return sequences[0]
+    raise ConfigError(
+        f"loss_fn = 'causal_lm' trains on the next tokens of one input of token ids: name it "
+        f"input_ids, or feed one sequence (sequence inputs now: {sequences or 'none'}; "
+        f"inputs = {data.inputs})"
     )
 
 

@@ -8,6 +8,10 @@ mean over the batch's rows; with a weight column it is the mean of ``weight x ro
 ``array<int>`` column of T ids per row: the next token of a language model, a tag per token)
 with logits ``(N, T, C)``, the classes last as language models return them. A row's loss is
 the mean over its positions, so every row of the same length weighs the same.
+
+``causal_lm`` trains a language model on a sequence input without a label column: each
+position's target is the next token of the same row (:func:`sparkdl.data.tensors.to_batch`
+makes them), padding and each row's last position left out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import IGNORED
 from sparkdl.errors import ConfigError
 
 #: A user's loss: ``loss(output, target) -> mean loss``, or with ``weight`` as a third argument.
@@ -61,8 +66,22 @@ def _cross_entropy(
     return _reduce(F.cross_entropy(output, target, reduction="none"), weight)
 
 
+def _causal_lm(
+    output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy: logits ``(N, T, V)``, ``target`` each position's next token
+    ``(N, T)`` (:data:`IGNORED` where there is none). A row's loss is the mean over its
+    positions that have a next token, so rows of any length weigh the same (a row with none
+    counts 0); then the mean over rows, weighted like the other losses."""
+    per_position = F.cross_entropy(output.movedim(-1, 1), target, ignore_index=IGNORED, reduction="none")
+    counted = (target != IGNORED).sum(dim=1).clamp(min=1)
+    per_row = per_position.sum(dim=1) / counted
+    return per_row.mean() if weight is None else (per_row * weight.to(per_row.dtype)).mean()
+
+
 NAMED_LOSSES: dict[str, tuple[WeightedLoss, LabelKind]] = {
     "cross_entropy": (_cross_entropy, LabelKind.CLASS_INDEX),
+    "causal_lm": (_causal_lm, LabelKind.CLASS_INDEX),
     "mse": (_mse, LabelKind.REAL),
     "bce_with_logits": (_bce_with_logits, LabelKind.REAL),
 }

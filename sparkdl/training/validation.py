@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparkdl.data.columns import LabelKind
+from sparkdl.data.inputs import IGNORED
 from sparkdl.data.tensors import Batch, call_model
 from sparkdl.training.losses import WeightedLoss
 
@@ -110,9 +111,10 @@ class Validator:
         output = output.float()
         rows = len(batch)
         loss = float(self._loss_fn(output, batch.label, batch.weight))
-        if self._kind is LabelKind.CLASS_INDEX:
-            score = float((output.argmax(dim=-1) == batch.label).sum())
-            values = float(batch.label.numel())
+        if self._kind is LabelKind.CLASS_INDEX:  # positions without a target (IGNORED) not counted
+            counted = batch.label != IGNORED
+            score = float(((output.argmax(dim=-1) == batch.label) & counted).sum())
+            values = float(counted.sum())
         else:
             target = (
                 batch.label.float().reshape(output.shape)

@@ -198,6 +198,49 @@ def test_a_hugging_face_models_output_is_read_as_its_logits():
     assert call_model(Mapping(), features, keyword=False).tolist() == [[2.0], [4.0]]
 
 
+def test_causal_lm_targets_are_each_positions_next_token_and_its_loss_is_hugging_faces():
+    """``loss_fn = "causal_lm"``: no label column; each position's target is the next token
+    of its row, padding and each row's last position left out. On rows of one length the
+    loss is a Hugging Face causal LM's own (its labels = the ids); with padding each row
+    weighs the same, whatever its length."""
+    from sparkdl.data.inputs import IGNORED
+    from sparkdl.training.losses import resolve_loss
+
+    batch = batch_of(tok=pa.array(TOKENS, pa.list_(pa.int32())))
+    plan = plan_data(batch.schema, inputs={"tok": "tok"}, sequence_cols=("tok",), next_token_of="tok")
+    label = to_batch(decode_block(batch, plan), plan).label
+    assert label.tolist() == [[2, 3, IGNORED], [IGNORED] * 3, [IGNORED] * 3, [6, IGNORED, IGNORED]]
+    assert plan.for_inference().next_token_of == ""
+    with pytest.raises(SchemaError, match="trains on the next token of input 'x'"):
+        plan_data(batch_of(x=pa.array([1.0, 2.0])).schema, inputs={"x": "x"}, next_token_of="x")
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=10, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 10, (3, 5))
+    loss_fn, _ = resolve_loss("causal_lm")
+    with torch.no_grad():
+        output = model(input_ids=ids, labels=ids)
+        ours = loss_fn(output.logits, next_tokens_of(ids), None)
+    assert abs(float(ours) - float(output.loss)) < 1e-6
+    padded = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])
+    mask = torch.tensor([[True] * 4, [True, True, False, False]])
+    logits = torch.randn(2, 4, 10)
+    targets = next_tokens_of(padded, mask)
+    rows = [
+        torch.nn.functional.cross_entropy(logits[0, :3], padded[0, 1:]),
+        torch.nn.functional.cross_entropy(logits[1, :1], padded[1, 1:2]),
+    ]
+    assert abs(float(loss_fn(logits, targets, None)) - float(sum(rows) / 2)) < 1e-6
+
+
+def next_tokens_of(ids, mask=None):
+    from sparkdl.data.tensors import next_tokens
+
+    return next_tokens(ids, mask)
+
+
 def test_ragged_arrays_not_declared_as_sequences_are_bad_data():
     batch = batch_of(tok=pa.array(TOKENS, pa.list_(pa.int32())), label=labels(4))
     plan = plan_data(batch.schema, inputs={"tok": "tok"}, label_col="label")
