@@ -54,6 +54,7 @@ from sparkdl.spark.inference import (
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.spark.shipping import check_shippable
 from sparkdl.spark.tracking import check_tracking, log_fit
+from sparkdl.spark.warm_start import WarmStart, warm_start
 from sparkdl.strategies import check_settings
 from sparkdl.strategies.tensor_plan import check_parallelize_fn
 from sparkdl.training.factory import ModelFn, OptimizerFn, ParallelizeFn, module_with_state
@@ -181,6 +182,11 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             the best epoch's weights are kept.
         config: a :class:`SparkDLConfig` or the path of a TOML file; keyword settings
             override it.
+        initial_model: a fitted ``TorchModel``, or the path of one saved with ``save``: the fit
+            starts from its weights instead of ``model_fn``'s (a warm start: yesterday's model
+            trained on today's partitions), fetched by each worker from the driver as
+            ``transform`` fetches them. The model's ``initial_model`` names it (saved with the
+            model, and an MLflow tag). The optimizer starts afresh.
         **settings: any setting of :class:`SparkDLConfig` by name, e.g. ``num_workers=2,
             batch_size=64, epochs=5, seed=0, strategy="allreduce", feature_cols=["x"]``.
 
@@ -199,11 +205,13 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         parallelize_fn: ParallelizeFn | None = None,
         validation: float | str | Any = None,
         config: SparkDLConfig | str | Path | None = None,
+        initial_model: TorchModel | str | None = None,
         **settings: Any,
     ) -> None:
         super().__init__()
         self._init_defaults()
         self.validation_df: Any = None
+        self.initial_model = initial_model
         if isinstance(validation, bool):
             raise ConfigError(
                 "validation must be a fraction, a boolean column's name or a DataFrame, not a bool"
@@ -224,6 +232,26 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         self.transform_fn = transform_fn
         self.scheduler_fn = scheduler_fn
         self.parallelize_fn = parallelize_fn
+
+    def _initial(self) -> tuple[torch.nn.Module, str]:
+        """The module ``initial_model`` holds, and what it is (for the lineage).
+
+        Raises:
+            ConfigError: it is neither a fitted TorchModel nor the path of a saved one.
+        """
+        initial = self.initial_model
+        if isinstance(initial, str | Path):
+            loaded = TorchModel.load(str(initial), model_fn=self.model_fn)
+            assert loaded.module is not None
+            return loaded.module, str(initial)
+        if isinstance(initial, TorchModel) and initial.module is not None:
+            return initial.module, f"TorchModel {initial.uid}" + (
+                f" (itself from {initial.initial_model})" if initial.initial_model else ""
+            )
+        raise ConfigError(
+            f"initial_model must be a fitted TorchModel or the path of one saved with save(), not "
+            f"{type(initial).__name__}"
+        )
 
     def _loss(self) -> str | LossFn:
         return choose_loss(self.loss_fn, self.get_config().training.loss)
@@ -274,6 +302,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             trained_input_shapes=result.input_shapes,
             transform_fn=self.transform_fn,
         )
+        model.initial_model = spec.model_fn.source if isinstance(spec.model_fn, WarmStart) else ""
         model.worker_rows = result.worker_rows
         model.worker_devices = result.worker_devices
         model.bad_rows_skipped = result.bad_rows_skipped
@@ -332,9 +361,15 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             validation_col=validation_col,
             next_token_of=token_input(config.data) if loss == "causal_lm" else "",
         )
+        model_fn: ModelFn = self.model_fn
+        if self.initial_model is not None:
+            initial, source = self._initial()
+            model_fn = warm_start(
+                dataset.sparkSession, self.model_fn, initial, source, config.runtime.encrypt
+            )
         spec = TrainSpec(
             config,
-            self.model_fn,
+            model_fn,
             self.optimizer_fn,
             loss,
             plan,
@@ -387,6 +422,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         self.worker_devices: list[dict[str, Any]] = []  # per rank: device and Spark-assigned GPUs
         self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
         self.mlflow_run_id: str | None = None  # the MLflow run fit logged to, if any
+        self.initial_model = ""  # what its fit started from (initial_model), "" for model_fn's weights
 
     @property
     def keyword_inputs(self) -> bool:

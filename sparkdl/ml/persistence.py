@@ -75,6 +75,7 @@ class SavedModel(Protocol):
     trained_input_shapes: dict[str, tuple[int, ...]]
     classifier: bool
     transform_fn: Callable[..., Any] | None
+    initial_model: str
 
 
 #: The class a reader builds: ``TorchModel`` or ``TorchEstimator``.
@@ -184,6 +185,7 @@ class TorchModelWriter(MLWriter):
             "trained_input_shapes": {name: list(shape) for name, shape in model.trained_input_shapes.items()},
             "classifier": model.classifier,
             "transform_fn": model.transform_fn is not None,
+            "initial_model": model.initial_model,
         }
         DefaultParamsWriter.saveMetadata(cast(Params, model), path, self.sparkSession, extraMetadata=extra)
         assert model.module is not None
@@ -242,6 +244,7 @@ class TorchModelReader(MLReader[Any], Generic[R]):
             trained_input_shapes=metadata.get("trained_input_shapes") or _legacy_shapes(metadata),
             transform_fn=functions.get("transform_fn") if metadata.get("transform_fn") else None,
         )
+        model.initial_model = str(metadata.get("initial_model") or "")  # type: ignore[attr-defined]  # R: a TorchModel
         model._resetUid(metadata["uid"])
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too

@@ -50,6 +50,7 @@ class TrackedModel(Protocol):
     module: torch.nn.Module | None
     history: list[dict[str, Any]]
     trained_input_shapes: dict[str, tuple[int, ...]]
+    initial_model: str  # what its fit started from ("" for model_fn's weights)
 
     @property
     def keyword_inputs(self) -> bool: ...
@@ -279,6 +280,8 @@ def _log(mlflow: Any, config: SparkDLConfig, model: TrackedModel, fit_seconds: f
             metrics = {k: float(record[k]) for k in _EPOCH_METRICS if isinstance(record.get(k), int | float)}
             mlflow.log_metrics(metrics, step=int(record["epoch"]))
         mlflow.log_metric("fit_seconds", fit_seconds)
+        if model.initial_model:  # the lineage: what the fit started from
+            mlflow.set_tag("sparkdl.initial_model", model.initial_model)
         if tracking.mlflow_log_model and model.module is not None:
             _log_model(mlflow, model, config.tracking.mlflow_pickle_model)
         log.info("logged the fit to MLflow run %s (%s)", run.info.run_id, mlflow.get_tracking_uri())
