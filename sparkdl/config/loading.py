@@ -61,6 +61,29 @@ def check_bounds(obj: Any, section: str) -> None:
             raise ConfigError(f"{section}.{f.name} = {value} must be {bound}")
 
 
+def check_local_directory(value: str, setting: str) -> None:
+    """Refuse a URL where a directory is written with local file operations: a checkpoint
+    directory of ``s3://bucket/run`` was taken for a relative path, so each process wrote
+    under a folder named ``s3:`` in its working directory (on an executor, gone with it)
+    and resume found nothing.
+
+    Raises:
+        ConfigError: ``value`` has a scheme (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ...).
+    """
+    scheme, separator, rest = value.partition("://")
+    if not separator or not scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
+        return
+    if scheme.lower() == "file":
+        raise ConfigError(f"{setting} = {value!r}: give the path itself, {rest!r}, without file://")
+    raise ConfigError(
+        f"{setting} = {value!r} is a URL, but this directory is written with local file operations, "
+        f"which would take it for a relative path ({scheme}: in each process's working directory) and "
+        f"lose what it holds; {scheme}:// is not supported here yet. Use a directory every executor "
+        "and the driver reach as a local path: a shared mount (NFS, /dbfs/..., a FUSE mount of the "
+        "bucket such as s3fs or gcsfuse)"
+    )
+
+
 def section_owners(sections: Mapping[str, type[Any]]) -> dict[str, str]:
     """Map each setting name to the one section that declares it.
 

@@ -22,7 +22,7 @@ from sparkdl.config.choices import (
     SufficientFactors,
     UseGpu,
 )
-from sparkdl.config.loading import about, check_bounds
+from sparkdl.config.loading import about, check_bounds, check_local_directory
 from sparkdl.errors import ConfigError
 
 
@@ -220,6 +220,7 @@ class ReliabilityConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "reliability")
+        check_local_directory(self.checkpoint_dir, "reliability.checkpoint_dir")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError(
                 f"reliability.checkpoint_every = {self.checkpoint_every} but no checkpoint_dir is set; "

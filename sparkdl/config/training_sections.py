@@ -21,7 +21,7 @@ from sparkdl.config.choices import (
     Precision,
     Strategy,
 )
-from sparkdl.config.loading import about, check_bounds
+from sparkdl.config.loading import about, check_bounds, check_local_directory
 from sparkdl.errors import ConfigError
 
 
@@ -381,3 +381,4 @@ class DataConfig:
                 'replaced; use e.g. "{name}_mask" or "attention_mask"'
             )
         check_bounds(self, "data")
+        check_local_directory(self.cache_dir, "data.cache_dir")

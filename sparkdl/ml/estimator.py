@@ -334,6 +334,12 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         )
         if is_rdd(dataset):  # Rows, dicts or (features, label) tuples, typed where they live
             dataset = rdd_to_dataframe(dataset)
+        elif getattr(dataset, "isStreaming", False):
+            raise ConfigError(
+                "fit got a streaming DataFrame, which has no end to train epochs over; train each "
+                "micro-batch instead: query = df.writeStream.foreachBatch(lambda batch, batch_id: "
+                "estimator.fit(batch)).start(), carrying the weights on with initial_model"
+            )
         config = self.get_config()
         loss = self._loss()
         _, label_kind = resolve_loss(loss)

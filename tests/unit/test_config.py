@@ -354,3 +354,18 @@ def test_the_parameter_servers_backups_must_leave_a_pusher_to_make_each_step():
     with pytest.raises(ConfigError, match=r"^backup_workers = 2 must be < num_workers = 2: .* at most 1 "):
         check_settings(SparkDLConfig().replace(strategy="parameter_server", num_workers=2, backup_workers=2))
     check_settings(SparkDLConfig().replace(strategy="allreduce", num_workers=2, backup_workers=2))  # unused
+
+
+@pytest.mark.parametrize(
+    "setting,value",
+    [("checkpoint_dir", "s3://bucket/run"), ("checkpoint_dir", "gs://b/r"), ("cache_dir", "hdfs://nn/cache")],
+)
+def test_a_url_for_a_locally_written_directory_is_refused_naming_the_scheme(setting, value):
+    """An ``s3://`` checkpoint_dir was taken for a relative path: each process wrote under a
+    folder named ``s3:`` in its working directory and resume found nothing."""
+    scheme = value.split("://")[0]
+    with pytest.raises(ConfigError, match=rf"{setting} = '{value}' is a URL.*\({scheme}: in each process"):
+        SparkDLConfig().replace(**{setting: value})
+    with pytest.raises(ConfigError, match=r"give the path itself, '/mnt/run', without file://"):
+        SparkDLConfig().replace(**{setting: "file:///mnt/run"})
+    assert SparkDLConfig().replace(**{setting: "/dbfs/runs/a"}).flat()[setting] == "/dbfs/runs/a"

@@ -1,6 +1,7 @@
-"""A fit that starts from a trained model (issue 56 item 2): ``initial_model`` is a
-``TorchModel`` or a saved one's path; every strategy's model starts from its weights, and
-the new model names what it started from."""
+"""Where users run their jobs (issue 56): a fit that starts from a trained model
+(``initial_model``, a ``TorchModel`` or a saved one's path: every strategy's model starts
+from its weights, and the new model names what it started from), and bad use that fails
+clearly (a streaming DataFrame passed to plain fit)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,9 @@ def test_an_initial_model_that_model_fn_does_not_build_is_refused_naming_the_ten
         estimator(model_fn=wider, initial_model=first).fit(df)
     with pytest.raises(ConfigError, match="initial_model must be a fitted TorchModel or the path"):
         estimator(initial_model=42).fit(df)
+
+
+def test_a_streaming_dataframe_passed_to_fit_is_refused_saying_what_to_do(spark):
+    stream = spark.readStream.format("rate").option("rowsPerSecond", 1).load()
+    with pytest.raises(ConfigError, match=r"fit got a streaming DataFrame.*foreachBatch.*initial_model"):
+        estimator().fit(stream)
