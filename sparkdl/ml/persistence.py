@@ -31,6 +31,7 @@ about N bytes, not two or three copies.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, 
 from sparkdl.config import flat_field_owners
 from sparkdl.errors import ConfigError
 from sparkdl.storage import fs
-from sparkdl.training.factory import cpu_state_dict, module_with_state
+from sparkdl.training.factory import build_model, cpu_state_dict, module_with_state
 
 _LOADING = threading.local()
 _log = logging.getLogger(__name__)
@@ -179,6 +180,9 @@ class TorchModelWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:
         model = self.instance
+        assert model.module is not None
+        form = self.optionMap.get("weights", "whole")
+        state = saved_weights(model.module, form)
         extra = {
             "history": model.history,
             "output_shape": list(model.output_shape),
@@ -186,15 +190,48 @@ class TorchModelWriter(MLWriter):
             "classifier": model.classifier,
             "transform_fn": model.transform_fn is not None,
             "initial_model": model.initial_model,
+            "weights": form,
         }
         DefaultParamsWriter.saveMetadata(cast(Params, model), path, self.sparkSession, extraMetadata=extra)
-        assert model.module is not None
-        state = cpu_state_dict(model.module)
         fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
         fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
         if model.transform_fn is not None:
             data = cloudpickle.dumps(model.transform_fn)
             fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
+
+
+#: What ``model.write().option("weights", ...)`` saves: the whole model; only its trained
+#: parameters (a LoRA model's adapter: what requires grad), for a model_fn that builds the
+#: rest; or a PEFT model merged into its base model (``merge_and_unload``), for a model_fn
+#: that builds the base model.
+WEIGHT_FORMS = ("whole", "adapter", "merged")
+
+
+def saved_weights(module: torch.nn.Module, form: str) -> dict[str, torch.Tensor]:
+    """The tensors ``form`` saves of ``module``, on CPU.
+
+    Raises:
+        ConfigError: an unknown form, an adapter of a model that trains nothing, or a merge
+            of a model that is not a PEFT model.
+    """
+    if form == "whole":
+        return cpu_state_dict(module)
+    if form == "adapter":
+        trained = {name for name, p in module.named_parameters() if p.requires_grad}
+        if not trained:
+            raise ConfigError(
+                "weights = 'adapter' saves the parameters that require grad; this model has none"
+            )
+        return {name: t for name, t in cpu_state_dict(module).items() if name in trained}
+    if form == "merged":
+        if not callable(getattr(module, "merge_and_unload", None)):
+            raise ConfigError(
+                f"weights = 'merged' merges a PEFT model's adapters into its base model; a "
+                f"{type(module).__name__} has none: save it whole"
+            )
+        merged: torch.nn.Module = copy.deepcopy(module).merge_and_unload()  # type: ignore[operator]
+        return cpu_state_dict(merged)  # the model keeps its adapters: a copy is merged
+    raise ConfigError(f"weights = {form!r}: choose one of {', '.join(WEIGHT_FORMS)}")
 
 
 def _legacy_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -234,7 +271,7 @@ class TorchModelReader(MLReader[Any], Generic[R]):
             # memory-mapped: the weights are read from the file as they are used, not copied
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         model_fn = functions["model_fn"]
-        module = module_with_state(model_fn, state)
+        module = _module(model_fn, state, str(metadata.get("weights") or "whole"), path)
         model = self._model_class(
             module=module,
             model_fn=model_fn,
@@ -249,6 +286,33 @@ class TorchModelReader(MLReader[Any], Generic[R]):
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
         return model
+
+
+def _module(
+    model_fn: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor], form: str, path: str
+) -> Any:
+    """The loaded module: ``state`` whole (a whole or merged save: model_fn builds that
+    model), or an adapter's tensors loaded into what model_fn builds, which holds the rest.
+
+    Raises:
+        ConfigError: an adapter whose tensors model_fn's model does not have, or lacks some of
+            the parameters it trains.
+    """
+    if form != "adapter":
+        return module_with_state(model_fn, state)
+    module = build_model(model_fn)
+    result = module.load_state_dict(state, strict=False)
+    trained = {name for name, p in module.named_parameters() if p.requires_grad}
+    absent = sorted(trained - set(state))
+    if result.unexpected_keys or absent:
+        raise ConfigError(
+            f"{path} holds an adapter (weights = 'adapter') that does not fit model_fn's model: "
+            f"{len(result.unexpected_keys)} of its tensors are not the model's "
+            f"({', '.join(result.unexpected_keys[:5])}), {len(absent)} of the model's trained "
+            f"parameters are not in it ({', '.join(absent[:5])}); load it with the model_fn it was "
+            "trained with (the base model and its adapter, e.g. peft.get_peft_model)"
+        )
+    return module
 
 
 class TorchEstimatorWriter(MLWriter):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkdl import TorchEstimator
+from sparkdl import TorchEstimator, TorchModel
 from tests.spark.test_inputs_spark import token_dataframe
 
 pytestmark = pytest.mark.spark
@@ -103,3 +103,52 @@ def test_a_transformers_causal_lm_learns_the_next_token_without_a_label_column(s
         int(p) == (t + 1) % 20 for row in rows for t, p in zip(row.tokens[:-1], row.prediction, strict=False)
     ]
     assert sum(hits) / len(hits) > 0.9, sum(hits) / len(hits)
+
+
+def lora_bert_classifier():
+    """tiny_bert_classifier with LoRA (r 4) on its attention's query and value, its head
+    trained whole: what a PEFT user fine-tunes."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"])
+    return peft.get_peft_model(tiny_bert_classifier(), config)
+
+
+def test_a_lora_model_saves_whole_adapter_only_or_merged_and_loads_each_way(spark, tmp_path):
+    """``model.write().option("weights", ...)``: "adapter" saves only what trained (the
+    adapter and the head, for a model_fn that builds the rest: the base model seeded or
+    loaded as in training), "merged" the base model with the adapter merged in (for a
+    model_fn of the base model); each loads to the same predictions."""
+    model = TorchEstimator(
+        model_fn=lora_bert_classifier,
+        optimizer_fn=lambda p: torch.optim.Adam(p, lr=3e-3),
+        loss_fn="cross_entropy",
+        inputs={"input_ids": "tokens"},
+        sequence_cols=["tokens"],
+        mask_input="attention_mask",
+        num_workers=2,
+        batch_size=32,
+        epochs=2,
+        seed=0,
+        progress=False,
+    ).fit(token_dataframe(spark, 200, 1))
+    for form in ("whole", "adapter", "merged"):
+        model.write().option("weights", form).overwrite().save(str(tmp_path / form))
+    sizes = {form: (tmp_path / form / "weights.pt").stat().st_size for form in ("whole", "adapter", "merged")}
+    assert sizes["adapter"] < 0.3 * sizes["whole"], sizes
+
+    ids = torch.randint(0, 20, (5, 7))
+    mask = torch.ones(5, 7, dtype=torch.bool)
+
+    def logits(module):
+        with torch.no_grad():
+            return module.eval()(input_ids=ids, attention_mask=mask).logits
+
+    expected = logits(model.module)
+    whole = TorchModel.load(str(tmp_path / "whole"), model_fn=lora_bert_classifier)
+    torch.manual_seed(0)  # the base model as the workers built it (a real one: loaded from its files)
+    adapter = TorchModel.load(str(tmp_path / "adapter"), model_fn=lora_bert_classifier)
+    merged = TorchModel.load(str(tmp_path / "merged"), model_fn=tiny_bert_classifier)
+    assert torch.equal(logits(whole.module), expected)
+    assert torch.allclose(logits(adapter.module), expected, atol=1e-6)
+    assert torch.allclose(logits(merged.module), expected, atol=1e-5)
+    assert not hasattr(merged.module, "merge_and_unload")  # a plain transformers model now
