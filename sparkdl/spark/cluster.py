@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from sparkdl import process
 from sparkdl.errors import ClusterConfigError
 
 log = logging.getLogger(__name__)
@@ -163,9 +164,14 @@ class ExecutorAddresses:
             stale = time.monotonic() - self._read_at > self.REFRESH_S
             if stale:
                 self._read_at = math.inf  # scheduled: no other miss starts one
-        if stale:
-            threading.Thread(target=self.refresh, name="sparkdl-executor-addresses", daemon=True).start()
+        if stale:  # not "sparkdl-" named: it serves the process's view, not one fit
+            threading.Thread(target=self.refresh, name="executor-addresses", daemon=True).start()
         return False
+
+    def forget(self) -> None:
+        """Drop every address read so far (the next lookup reads Spark again)."""
+        with self._lock:
+            self._addresses, self._resolved, self._read_at = frozenset(), {}, -math.inf
 
     def refresh(self) -> None:
         """Read the executors' hosts from Spark's status store and add their addresses."""
@@ -206,6 +212,13 @@ def _active_context() -> Any:
 
 
 _KNOWN = ExecutorAddresses(_active_context)
+process.keep(
+    "spark.executor_addresses",
+    "driver",
+    "the executors' addresses, for which the driver's listeners reserve handshake places (it only grows)",
+    "the driver process",
+    _KNOWN.forget,
+)
 
 
 def executor_addresses(spark: Any = None) -> ExecutorAddresses | None:

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _import_every_holder():
     import sparkdl.data.pool
     import sparkdl.services.weights.server
+    import sparkdl.spark.cluster
     import sparkdl.spark.environment
     import sparkdl.spark.inference  # noqa: F401
 
@@ -30,6 +31,7 @@ def test_every_piece_of_process_wide_state_is_registered_and_documented():
         ("data.pool", "executor"),
         ("services.weights", "driver"),
         ("spark.environment", "driver"),
+        ("spark.executor_addresses", "driver"),
         ("spark.inference", "executor"),
     }
 
@@ -66,3 +68,17 @@ def test_releasing_an_unknown_name_lists_the_registered_ones():
     _import_every_holder()
     with pytest.raises(KeyError, match=r"no process-wide state named 'cache'; registered: \['data.pool'"):
         process.release("cache")
+
+
+def test_releasing_the_executors_addresses_forgets_them_until_the_next_reading():
+    from sparkdl.spark import cluster
+
+    class Context:
+        def getConf(self):
+            return {"spark.driver.host": "10.3.4.5"}
+
+    view = cluster.ExecutorAddresses(lambda: Context())
+    view.refresh()
+    assert "10.3.4.5" in view
+    view.forget()
+    assert "10.3.4.5" not in view._addresses
