@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -59,6 +60,13 @@ _CLASSES: dict[str, type[SparkDLError]] = {"SparkDLError": SparkDLError}
 def error_class(name: str) -> type[SparkDLError] | None:
     """The sparkdl error class called ``name`` (any module's), or None."""
     return _CLASSES.get(name)
+
+
+def listed(items: Iterable[object], most: int = 5) -> str:
+    """A few of ``items`` for a message: the first ``most``, then how many more."""
+    items = list(items)
+    shown = ", ".join(map(str, items[:most]))
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def agreed(error: SparkDLError) -> SparkDLError:

@@ -43,7 +43,7 @@ from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from sparkdl.config import flat_field_owners
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, listed
 from sparkdl.storage import fs
 from sparkdl.training.factory import build_model, cpu_state_dict, module_with_state
 
@@ -308,8 +308,8 @@ def _module(
         raise ConfigError(
             f"{path} holds an adapter (weights = 'adapter') that does not fit model_fn's model: "
             f"{len(result.unexpected_keys)} of its tensors are not the model's "
-            f"({', '.join(result.unexpected_keys[:5])}), {len(absent)} of the model's trained "
-            f"parameters are not in it ({', '.join(absent[:5])}); load it with the model_fn it was "
+            f"({listed(result.unexpected_keys)}), {len(absent)} of the model's trained "
+            f"parameters are not in it ({listed(absent)}); load it with the model_fn it was "
             "trained with (the base model and its adapter, e.g. peft.get_peft_model)"
         )
     return module

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, listed
 from sparkdl.spark.inference import ModelWeights
 from sparkdl.training.factory import ModelFn
 
@@ -51,8 +51,8 @@ class WarmStart:
             raise ConfigError(
                 f"initial_model ({self.source}) does not fit model_fn's model: "
                 f"{len(result.missing_keys)} of the model's tensors are not in it "
-                f"({_some(result.missing_keys)}), {len(result.unexpected_keys)} of its tensors are not "
-                f"the model's ({_some(result.unexpected_keys)}); start from a model that model_fn builds"
+                f"({listed(result.missing_keys)}), {len(result.unexpected_keys)} of its tensors are not "
+                f"the model's ({listed(result.unexpected_keys)}); start from a model that model_fn builds"
             )
         return module
 
@@ -62,10 +62,6 @@ class WarmStart:
                 _CACHE.clear()
                 _CACHE[self.weights.key] = self.weights.load()
             return _CACHE[self.weights.key]
-
-
-def _some(names: list[str], most: int = 5) -> str:
-    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def warm_start(spark: Any, model_fn: ModelFn, module: nn.Module, source: str, encrypt: bool) -> WarmStart:

@@ -306,22 +306,20 @@ class ConnectionListener(Generic[M]):
         return True
 
     def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        known = self._is_known(peer[0])
+        challenge = server_challenge(self._protocol, self._key, self._encrypt)
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._make_room(peer):
+            if not self._make_room(peer, known):
                 turn_away(sock)
                 return
-            challenge = server_challenge(
-                self._protocol, self._key, self._encrypt
-            )  # a key made only for those let in
             if sock.send(challenge.data) != len(challenge.data):  # a fresh socket's buffer takes its 88 bytes
                 raise OSError("the challenge did not fit the socket's buffer")
         except OSError:
             close_quietly(sock)
             return
         now = time.monotonic()
-        known = self._is_known(peer[0])
         pending = _Pending(
             sock,
             peer,
@@ -336,12 +334,12 @@ class ConnectionListener(Generic[M]):
         self._strangers += not known
         self._selector.register(sock, selectors.EVENT_READ, pending)
 
-    def _make_room(self, peer: tuple[str, int]) -> bool:
-        """Whether a connection from ``peer`` may wait for its HELLO, after evicting another
-        where the pending are full, of the address holding the most (``peer``'s own when it
-        holds as many, or has half the places already): see :meth:`_victim`."""
+    def _make_room(self, peer: tuple[str, int], known: bool) -> bool:
+        """Whether a connection from ``peer`` (``known``: from an executor's address) may wait
+        for its HELLO, after evicting another where the pending are full, of the address
+        holding the most (``peer``'s own when it holds as many, or has half the places
+        already): see :meth:`_victim`."""
         address = peer[0]
-        known = self._is_known(address)
         own = self._per_address[address] + 1  # with the newcomer
         room = known or self._strangers < self._max_pending - self._reserved
         if own <= self._max_per_address and len(self._pending) < self._max_pending and room:

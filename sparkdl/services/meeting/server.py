@@ -34,7 +34,7 @@ import time
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from sparkdl.errors import ConnectionClosed, ProtocolError
+from sparkdl.errors import ConnectionClosed, ProtocolError, listed
 from sparkdl.services.meeting.endpoint import MeetingPoint
 from sparkdl.services.meeting.protocol import (
     MAX_MEETING_BYTES,
@@ -168,14 +168,15 @@ class MeetingPointServer:
             if self._closed:
                 return _note(Kind.REFUSED, seat, "the stage is over: its meeting point closed")
             attempt, rank = self._attempt_of[seat.task]
-            refusal = self._refusal(seat, attempt, rank, len(text.encode()))
+            nbytes = len(text.encode())
+            refusal = self._refusal(seat, attempt, rank, nbytes)
             if refusal:
                 return _note(Kind.REFUSED, seat, refusal)
             meeting = self._meetings.setdefault(attempt, _Meeting(seat.world))
             if meeting.failed:
                 return _note(Kind.TIMED_OUT, seat, meeting.failed)
             meeting.said[seat.rank] = text
-            meeting.nbytes += len(text.encode())
+            meeting.nbytes += nbytes
             meeting.waiting += 1
             if len(meeting.said) == meeting.world:
                 meeting.met = encode_met(tuple(meeting.said[r] for r in range(meeting.world)))
@@ -193,8 +194,8 @@ class MeetingPointServer:
                 if not meeting.failed:  # the first rank to give up fails the meeting for all
                     missing = sorted(set(range(meeting.world)) - set(meeting.said))
                     meeting.failed = (
-                        f"{len(missing)} of {meeting.world} ranks ({_listed(missing)}) did not arrive "
-                        f"within {self._timeout_s:.0f}s"
+                        f"{len(missing)} of {meeting.world} ranks (ranks {listed(missing, 8)}) did not "
+                        f"arrive within {self._timeout_s:.0f}s"
                     )
                     self._changed.notify_all()
                 return _note(Kind.TIMED_OUT, seat, meeting.failed)
@@ -236,8 +237,3 @@ class MeetingPointServer:
 
 def _note(kind: Kind, seat: Seat, text: str) -> Note:
     return Note(kind, seat, (text,))
-
-
-def _listed(ranks: list[int], most: int = 8) -> str:
-    shown = ", ".join(map(str, ranks[:most]))
-    return f"ranks {shown}" + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
