@@ -30,20 +30,26 @@ def tiny_bert_classifier():
     return transformers.BertForSequenceClassification(config)
 
 
-def test_a_transformers_classifier_trains_on_padded_token_ids_with_its_attention_mask_and_predicts(spark):
-    train, test = token_dataframe(spark, 600, 1), token_dataframe(spark, 200, 2)
-    est = TorchEstimator(
-        model_fn=tiny_bert_classifier,
-        optimizer_fn=lambda p: torch.optim.Adam(p, lr=3e-3),
+def token_estimator(model_fn, lr, **settings):
+    """A 2-worker estimator of a transformers model on the padded ``tokens`` column, its mask
+    passed as ``attention_mask``."""
+    base = dict(
+        model_fn=model_fn,
+        optimizer_fn=lambda p: torch.optim.Adam(p, lr=lr),
         loss_fn="cross_entropy",
         inputs={"input_ids": "tokens"},
         sequence_cols=["tokens"],
         mask_input="attention_mask",
         num_workers=2,
         batch_size=32,
-        epochs=8,
         progress=False,
     )
+    return TorchEstimator(**{**base, **settings})
+
+
+def test_a_transformers_classifier_trains_on_padded_token_ids_with_its_attention_mask_and_predicts(spark):
+    train, test = token_dataframe(spark, 600, 1), token_dataframe(spark, 200, 2)
+    est = token_estimator(tiny_bert_classifier, 3e-3, epochs=8)
     model = est.fit(train)
     assert set(model.trained_input_shapes) == {"input_ids", "attention_mask"}  # the names it takes
     losses = [epoch["loss"] for epoch in model.history]
@@ -81,19 +87,7 @@ def test_a_transformers_causal_lm_learns_the_next_token_without_a_label_column(s
     input (padding and each row's last position left out), so the table needs no label;
     validation reports the held-out perplexity's log, and transform each position's
     predicted next token."""
-    est = TorchEstimator(
-        model_fn=tiny_gpt2,
-        optimizer_fn=lambda p: torch.optim.Adam(p, lr=1e-2),
-        loss_fn="causal_lm",
-        inputs={"input_ids": "tokens"},
-        sequence_cols=["tokens"],
-        mask_input="attention_mask",
-        validation_fraction=0.2,
-        num_workers=2,
-        batch_size=32,
-        epochs=6,
-        progress=False,
-    )
+    est = token_estimator(tiny_gpt2, 1e-2, loss_fn="causal_lm", validation_fraction=0.2, epochs=6)
     model = est.fit(counting_rows(spark, 500, 3))
     first, last = model.history[0], model.history[-1]
     assert last["loss"] < 0.3 * first["loss"], (first, last)
@@ -118,19 +112,7 @@ def test_a_lora_model_saves_whole_adapter_only_or_merged_and_loads_each_way(spar
     adapter and the head, for a model_fn that builds the rest: the base model seeded or
     loaded as in training), "merged" the base model with the adapter merged in (for a
     model_fn of the base model); each loads to the same predictions."""
-    model = TorchEstimator(
-        model_fn=lora_bert_classifier,
-        optimizer_fn=lambda p: torch.optim.Adam(p, lr=3e-3),
-        loss_fn="cross_entropy",
-        inputs={"input_ids": "tokens"},
-        sequence_cols=["tokens"],
-        mask_input="attention_mask",
-        num_workers=2,
-        batch_size=32,
-        epochs=2,
-        seed=0,
-        progress=False,
-    ).fit(token_dataframe(spark, 200, 1))
+    model = token_estimator(lora_bert_classifier, 3e-3, epochs=2, seed=0).fit(token_dataframe(spark, 200, 1))
     for form in ("whole", "adapter", "merged"):
         model.write().option("weights", form).overwrite().save(str(tmp_path / form))
     sizes = {form: (tmp_path / form / "weights.pt").stat().st_size for form in ("whole", "adapter", "merged")}

@@ -209,6 +209,17 @@ def test_thousands_of_idle_and_half_open_connections_cost_no_thread_and_lock_no_
         ps.stop()
 
 
+def acking_listener(name, served, **options):
+    """A parameter-server listener of 32 pending places that records each HELLO's rank in
+    ``served`` and answers it with an ACK."""
+    from sparkdl.wire.listener import ConnectionListener
+
+    return ConnectionListener(
+        "127.0.0.1", PS_WIRE, SECRET, lambda h, c, p: (served.append(h.rank), c.send(Frame(Kind.ACK))),
+        name, logging.getLogger("test"), max_pending=32, **options,
+    )  # fmt: skip
+
+
 def _flood(host, port, source, connections, stop):
     """Idle connections from ``source``, one after another, until ``connections`` or ``stop``."""
     held = []
@@ -232,13 +243,9 @@ def test_a_flood_never_fails_a_worker_whose_hello_comes_late(source):
     flood now evicts only its own; from the workers' own address (local mode) a handshake
     evicted with them is tried again by the client."""
     from sparkdl.wire.handshake import with_retries
-    from sparkdl.wire.listener import ConnectionListener
 
     served: list[int] = []
-    listener = ConnectionListener(
-        "127.0.0.1", PS_WIRE, SECRET, lambda h, c, p: (served.append(h.rank), c.send(Frame(Kind.ACK))),
-        "test-flood", logging.getLogger("test"), max_pending=32,
-    )  # fmt: skip
+    listener = acking_listener("test-flood", served)
     stop = threading.Event()
     flood = threading.Thread(target=_flood, args=(listener.host, listener.port, source, 3000, stop))
     flood.start()
@@ -319,13 +326,10 @@ def test_stalled_hellos_renewed_as_they_expire_never_keep_the_workers_out(source
     expired (every 5 s, inside the client's retry window) they let 0 of 20 workers in. Now a
     stalled HELLO past its grace is evicted by the next newcomer: every worker gets in."""
     from sparkdl.wire.handshake import with_retries
-    from sparkdl.wire.listener import ConnectionListener, hello_prefix
+    from sparkdl.wire.listener import hello_prefix
 
     served: list[int] = []
-    listener = ConnectionListener(
-        "127.0.0.1", PS_WIRE, SECRET, lambda h, c, p: (served.append(h.rank), c.send(Frame(Kind.ACK))),
-        "test-stalled", logging.getLogger("test"), max_pending=32,
-    )  # fmt: skip
+    listener = acking_listener("test-stalled", served)
     stop = threading.Event()
     per_source = 16  # an address's half of the places: from the workers' own, all they may have
     attack = threading.Thread(
@@ -381,15 +385,12 @@ def test_a_flood_renewed_faster_than_the_grace_never_keeps_known_executors_out(k
     flood goes on; without, none does."""
     from sparkdl.wire import listener as listener_module
     from sparkdl.wire.handshake import with_retries
-    from sparkdl.wire.listener import ConnectionListener
 
     monkeypatch.setattr(listener_module, "GRACE_S", 60.0)
     served: list[int] = []
-    listener = ConnectionListener(
-        "127.0.0.1", PS_WIRE, SECRET, lambda h, c, p: (served.append(h.rank), c.send(Frame(Kind.ACK))),
-        "test-churn", logging.getLogger("test"), max_pending=32, hello_timeout_s=60.0,
-        known={"127.0.0.1"} if known else None,
-    )  # fmt: skip
+    listener = acking_listener(
+        "test-churn", served, hello_timeout_s=60.0, known={"127.0.0.1"} if known else None
+    )
     stop = threading.Event()
     floods = [
         threading.Thread(target=_hold, args=(listener.host, listener.port, f"127.0.0.{10 + i}", stop))
