@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import importlib.util
 import math
+import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -61,27 +63,95 @@ def check_bounds(obj: Any, section: str) -> None:
             raise ConfigError(f"{section}.{f.name} = {value} must be {bound}")
 
 
+def url_scheme(value: str) -> str:
+    """The scheme of ``value`` (``s3``, ``gs``, ``dbfs``, ...), lower case; "" for a local path.
+
+    ``dbfs:/x`` (one slash, as Databricks writes it) counts as a URL; a Windows drive
+    (``C:\\x``) does not."""
+    head, separator, _ = value.partition(":")
+    if (
+        not separator
+        or len(head) < 2
+        or not head.replace("+", "").replace(".", "").replace("-", "").isalnum()
+    ):
+        return ""
+    return head.lower() if value[len(head) + 1 :].startswith("/") else ""
+
+
+#: The package that gives fsspec each scheme's filesystem (what to install when it is missing).
+SCHEME_PACKAGES: dict[str, str] = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "az": "adlfs",
+    "hdfs": "pyarrow",
+}
+
+
 def check_local_directory(value: str, setting: str) -> None:
-    """Refuse a URL where a directory is written with local file operations: a checkpoint
-    directory of ``s3://bucket/run`` was taken for a relative path, so each process wrote
-    under a folder named ``s3:`` in its working directory (on an executor, gone with it)
-    and resume found nothing.
+    """Refuse a URL where a directory must be local: the epoch cache memory-maps its files
+    (``numpy.memmap``), which an object store cannot serve, and a URL would be taken for a
+    relative path (a folder named ``s3:`` in each process's working directory).
 
     Raises:
         ConfigError: ``value`` has a scheme (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ...).
     """
-    scheme, separator, rest = value.partition("://")
-    if not separator or not scheme.replace("+", "").replace(".", "").replace("-", "").isalnum():
+    scheme = url_scheme(value)
+    if not scheme:
         return
-    if scheme.lower() == "file":
-        raise ConfigError(f"{setting} = {value!r}: give the path itself, {rest!r}, without file://")
+    if scheme == "file":
+        raise ConfigError(f"{setting} = {value!r}: give the path itself, without file://")
     raise ConfigError(
-        f"{setting} = {value!r} is a URL, but this directory is written with local file operations, "
-        f"which would take it for a relative path ({scheme}: in each process's working directory) and "
-        f"lose what it holds; {scheme}:// is not supported here yet. Use a directory every executor "
-        "and the driver reach as a local path: a shared mount (NFS, /dbfs/..., a FUSE mount of the "
-        "bucket such as s3fs or gcsfuse)"
+        f"{setting} = {value!r} is a URL, but this directory must be on each executor's local disk: "
+        f"its files are memory-mapped, which {scheme}:// cannot serve. Leave it empty (the executors' "
+        "SPARK_LOCAL_DIRS) or give a local path; checkpoints and models, not this cache, go to "
+        "object storage"
     )
+
+
+def check_storage_path(value: str, setting: str) -> None:
+    """Check that ``value`` is a local path or a URL whose filesystem is installed here
+    (through fsspec): ``s3://`` needs s3fs, ``gs://`` gcsfs, ``abfss://`` adlfs, ``hdfs://``
+    pyarrow with Hadoop's native library, ``dbfs:/`` Databricks' ``/dbfs`` mount.
+
+    Raises:
+        ConfigError: a scheme fsspec does not know, or whose package is not installed (named).
+    """
+    scheme = url_scheme(value)
+    if scheme in ("", "file"):
+        return
+    if scheme == "dbfs":
+        if not os.path.isdir("/dbfs"):
+            raise ConfigError(
+                f"{setting} = {value!r}: dbfs:/ paths are reached through Databricks' /dbfs mount, "
+                "which this machine lacks; on Databricks it is there, elsewhere use the storage the "
+                "workspace keeps DBFS on (s3://, abfss://, gs://)"
+            )
+        return
+    try:
+        from fsspec.registry import known_implementations
+    except ImportError as exc:
+        raise ConfigError(
+            f"{setting} = {value!r} needs fsspec and {SCHEME_PACKAGES.get(scheme, 'its filesystem')}: "
+            "pip install 'sparkdl-torch[storage]'"
+        ) from exc
+    known = known_implementations.get(scheme, {}).get("class") or (
+        "adlfs.AzureBlobFileSystem" if scheme == "abfss" else ""
+    )
+    if not known:
+        raise ConfigError(
+            f"{setting} = {value!r}: no filesystem is known for {scheme}://; use a local path or one "
+            f"of {', '.join(sorted(SCHEME_PACKAGES))}://, dbfs:/"
+        )
+    package = SCHEME_PACKAGES.get(scheme, known.split(".")[0])
+    if importlib.util.find_spec(known.split(".")[0]) is None:
+        raise ConfigError(
+            f"{setting} = {value!r}: {scheme}:// needs the {package} package, which is not installed; "
+            f"pip install {package} (on the driver and every executor)"
+        )
 
 
 def section_owners(sections: Mapping[str, type[Any]]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from sparkdl.config.choices import (
     SufficientFactors,
     UseGpu,
 )
-from sparkdl.config.loading import about, check_bounds, check_local_directory
+from sparkdl.config.loading import about, check_bounds, check_storage_path
 from sparkdl.errors import ConfigError
 
 
@@ -180,7 +180,26 @@ class ReliabilityConfig:
         default="",
         metadata=about(
             'Directory of the checkpoints a rerun of fit resumes from; "" = no checkpoints.',
-            valid='a directory every executor and the driver can reach, or ""',
+            valid="a directory every executor and the driver can reach (a shared path, or a URL: s3://, "
+            'gs://, abfss://, hdfs://, dbfs:/), or ""',
+        ),
+    )
+    storage_options: dict[str, str] = field(
+        default_factory=dict,
+        repr=False,  # credentials: never in a repr, a log line or saved metadata
+        metadata=about(
+            "Options of the object store checkpoint_dir and saved models are on, given to its fsspec "
+            "filesystem (s3fs: key, secret, token, endpoint_url, region_name); over the driver's "
+            "spark.hadoop.fs.s3a.* conf and the environment. Never logged nor saved with a model.",
+            valid="a table of strings",
+        ),
+    )
+    checkpoint_upload_timeout_s: float = field(
+        default=600.0,
+        metadata=about(
+            "Longest a checkpoint's background upload to object storage may take before the next "
+            "checkpoint or the end of the fit fails naming it.",
+            bound="> 0",
         ),
     )
     checkpoint_every: int = field(
@@ -220,7 +239,7 @@ class ReliabilityConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "reliability")
-        check_local_directory(self.checkpoint_dir, "reliability.checkpoint_dir")
+        check_storage_path(self.checkpoint_dir, "reliability.checkpoint_dir")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError(
                 f"reliability.checkpoint_every = {self.checkpoint_every} but no checkpoint_dir is set; "

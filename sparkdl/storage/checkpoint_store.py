@@ -1,21 +1,35 @@
-"""Atomic checkpoints of a training run, and finding the one to resume from.
+"""Checkpoints of a training run, visible only when complete, and finding the one to resume from.
 
-A checkpoint is one ``torch.save`` file of tensors and plain values (no pickled
-objects), written to a temporary name, flushed to disk, then renamed: a crash while
-writing leaves the previous checkpoint untouched and loadable. Loading uses
-``torch.load(weights_only=True)``, so a file carrying pickled code is refused.
+A checkpoint is one ``torch.save`` file of tensors and plain values (no pickled objects).
+Loading uses ``torch.load(weights_only=True)``, so a file carrying pickled code is refused.
 
-Rank 0 also keeps a tiny ``progress`` file with the last step it finished and when,
-so a resumed run can report how many steps it redid and how long recovery took.
+On a local (or mounted) directory it is written to a temporary name, flushed, then renamed:
+a crash while writing leaves the previous checkpoint untouched and loadable. An object store
+(``s3://``, ``gs://``, ``abfss://``, through fsspec: :mod:`sparkdl.storage.filesystems`) has
+no atomic rename, so there the file is written under its final name and a small manifest
+``<name>-<step>.json`` after it: a checkpoint exists once its manifest does, so a reader
+never sees half of one (a crash between the two leaves a file no one lists). Old ones go
+manifest first. With ``background=True`` the upload runs on a thread (at most one in
+flight): the caller waits only for ``torch.save`` into memory, and the next save, a load
+and :meth:`CheckpointStore.close` wait for the upload before them (bounded by
+``upload_timeout_s``) and raise its failure.
+
+Rank 0 also keeps a tiny ``progress`` file with the last step it finished and when, so a
+resumed run can report how many steps it redid and how long recovery took. Locally it is
+rewritten in place every step; on an object store (one PUT per write) at most every
+:data:`PROGRESS_EVERY_S` seconds, when no upload is in flight, and at close.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
+import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +37,13 @@ from typing import Any
 import torch
 
 from sparkdl.errors import CheckpointError
+from sparkdl.storage.filesystems import Location, access_error, local_path, open_url
 
 log = logging.getLogger(__name__)
 
 KEEP = 2
+#: Fewest seconds between two writes of the progress file on an object store.
+PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -35,29 +52,119 @@ class Progress:
     wall_time: float
 
 
+class _Uploads:
+    """At most one upload in flight, on a thread joined before the next starts and at close."""
+
+    def __init__(self, background: bool, timeout_s: float, where: str) -> None:
+        self.background, self.timeout_s, self.where = background, timeout_s, where
+        self._thread: threading.Thread | None = None
+        self._what = ""
+        self._failure: BaseException | None = None
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, what: str, job: Callable[[], None]) -> None:
+        """Run ``job`` (in the background, or now), after the previous one ends."""
+        self.wait()
+        if not self.background:
+            job()
+            return
+        self._what = what
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name="sparkdl-checkpoint-upload", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._failure = exc
+
+    def wait(self) -> None:
+        """Wait for the upload in flight.
+
+        Raises:
+            CheckpointError: it failed, or ran past ``timeout_s``.
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                raise CheckpointError(
+                    f"the upload of the {self._what} to {self.where} still runs after {self.timeout_s:g} s; "
+                    "check the store's bandwidth, or raise reliability.checkpoint_upload_timeout_s"
+                )
+            self._thread = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
 class CheckpointStore:
-    """The checkpoints of one run in ``directory`` (shared by all workers and attempts).
+    """The checkpoints of one run in ``directory`` (shared by all workers and attempts): a
+    local path, or a URL opened with ``options`` (a :class:`~sparkdl.storage.filesystems.
+    PathWithOptions` carries its own).
 
     ``name`` prefixes the files: the workers' checkpoints are ``checkpoint-<step>.pt``,
     a parameter-server shard's snapshots ``ps-shard-NNN-<step>.pt`` beside them.
+
+    Raises:
+        CheckpointError: the URL's store refused access (the credential sources tried named).
+        ConfigError: its scheme has no filesystem installed.
     """
 
-    def __init__(self, directory: str, name: str = "checkpoint") -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        directory: str,
+        name: str = "checkpoint",
+        options: Mapping[str, str] | None = None,
+        background: bool = False,
+        upload_timeout_s: float = 600.0,
+    ) -> None:
         self.name = name
-        self._pattern = re.compile(rf"^{re.escape(name)}-(\d{{9}})\.pt$")
+        self._pattern = re.compile(rf"^{re.escape(name)}-(\d{{9}})\.(pt|json)$")
         self._progress_fd: int | None = None
+        self._progress_written = (0, 0.0)  # (step, wall time) last written to an object store
+        self._progress: Progress | None = None
+        local = local_path(directory)
+        self._remote: Location | None = None
+        if local is not None:
+            self.directory: Path | str = local
+            local.mkdir(parents=True, exist_ok=True)
+        else:
+            given = options if options is not None else getattr(directory, "storage_options", {})
+            remote = open_url(str(directory), given, "reliability.checkpoint_dir")
+            self.directory, self._remote = str(directory).rstrip("/"), remote
+            try:
+                remote.fs.makedirs(remote.path, exist_ok=True)
+                remote.fs.find(remote.path, maxdepth=1)
+            except Exception as exc:
+                raise access_error(remote, "open the checkpoint directory", exc) from exc
+        self._uploads = _Uploads(background, upload_timeout_s, str(self.directory))
 
-    def path_for(self, global_step: int) -> Path:
-        return self.directory / f"{self.name}-{global_step:09d}.pt"
+    def _file(self, global_step: int, kind: str = "pt") -> str:
+        return f"{self.name}-{global_step:09d}.{kind}"
 
-    def save(self, global_step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` atomically as the checkpoint of ``global_step``; keep the newest two."""
-        final = self.path_for(global_step)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    def path_for(self, global_step: int) -> Path | str:
+        if isinstance(self.directory, Path):
+            return self.directory / self._file(global_step)
+        return f"{self.directory}/{self._file(global_step)}"
+
+    def save(self, global_step: int, state: dict[str, Any]) -> Path | str:
+        """Write ``state`` as the checkpoint of ``global_step`` (on an object store, in the
+        background when the store was made so); keep the newest two."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
+        if self._remote is not None:
+            self._uploads.submit(
+                f"checkpoint of step {global_step}", lambda: self._upload(global_step, buffer)
+            )
+            return self.path_for(global_step)
+        final = self.path_for(global_step)
+        assert isinstance(final, Path)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as fh:
                 fh.write(buffer.getbuffer())
@@ -68,13 +175,44 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"could not write checkpoint {final}: {exc}; check checkpoint_dir") from exc
         for old in self.steps()[:-KEEP]:
-            self.path_for(old).unlink(missing_ok=True)
+            Path(self.path_for(old)).unlink(missing_ok=True)
         return final
 
+    def _upload(self, global_step: int, buffer: io.BytesIO) -> None:
+        """The file under its final name, then its manifest; then prune, manifests first."""
+        remote = self._remote
+        assert remote is not None
+        fs, part = remote.fs, remote.child(self._file(global_step))
+        size = buffer.getbuffer().nbytes
+        manifest = {"format": 1, "step": global_step, "files": {self._file(global_step): size}}
+        try:
+            with fs.open(part, "wb") as fh:
+                fh.write(buffer.getbuffer())
+            fs.pipe_file(remote.child(self._file(global_step, "json")), json.dumps(manifest).encode())
+            for old in self.steps()[:-KEEP]:
+                fs.rm_file(remote.child(self._file(old, "json")))
+                fs.rm_file(remote.child(self._file(old)))
+        except Exception as exc:
+            raise access_error(remote, f"write the checkpoint of step {global_step} to", exc) from exc
+        self._write_progress()
+
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints present, oldest first (temporary files ignored)."""
-        found = (self._pattern.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        """Steps of the complete checkpoints present, oldest first (temporary files, and on an
+        object store files without their manifest, ignored)."""
+        if self._remote is None:
+            assert isinstance(self.directory, Path)
+            names = [p.name for p in self.directory.iterdir()]
+            wanted = "pt"
+        else:
+            fs, path = self._remote.fs, self._remote.path
+            fs.invalidate_cache(path)
+            try:
+                names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+            except FileNotFoundError:
+                names = []
+            wanted = "json"
+        found = (self._pattern.match(name) for name in names)
+        return sorted(int(m.group(1)) for m in found if m and m.group(2) == wanted)
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -89,7 +227,10 @@ class CheckpointStore:
         """
         path = self.path_for(global_step)
         try:
-            state = torch.load(path, weights_only=True, map_location="cpu")
+            source: Path | io.BytesIO = Path(path) if self._remote is None else self._fetch(global_step)
+            state = torch.load(source, weights_only=True, map_location="cpu")
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(
                 f"refused checkpoint {path}: {type(exc).__name__}: {str(exc)[:300]}. It was not written "
@@ -102,20 +243,80 @@ class CheckpointStore:
             )
         return state
 
+    def _fetch(self, global_step: int) -> io.BytesIO:
+        """A complete checkpoint's bytes from the object store (its size checked against the manifest)."""
+        remote = self._remote
+        assert remote is not None
+        self._uploads.wait()
+        name = self._file(global_step)
+        try:
+            manifest = json.loads(remote.fs.cat_file(remote.child(self._file(global_step, "json"))))
+            data = remote.fs.cat_file(remote.child(name))
+        except FileNotFoundError as exc:
+            raise CheckpointError(
+                f"checkpoint of step {global_step} in {self.directory} is incomplete or gone ({exc}); "
+                f"resume from another (steps present: {self.steps()})"
+            ) from exc
+        except Exception as exc:
+            raise access_error(remote, f"read the checkpoint of step {global_step} from", exc) from exc
+        expected = manifest.get("files", {}).get(name)
+        if expected != len(data):
+            raise CheckpointError(
+                f"refused checkpoint {self.path_for(global_step)}: {len(data)} bytes, its manifest says "
+                f"{expected}; it was altered: delete it and its .json to resume from the previous one"
+            )
+        return io.BytesIO(data)
+
     def record_progress(self, global_step: int) -> None:
-        """Overwrite the progress file in place: cheap enough to call every step."""
+        """Note the last step finished: locally overwritten in place, cheap enough for every
+        step; on an object store written now and then (see the module's docstring)."""
+        if self._remote is not None:
+            self._progress = Progress(global_step, time.time())
+            last = self._progress_written[1]
+            if self._progress.wall_time - last >= PROGRESS_EVERY_S and not self._uploads.busy():
+                self._uploads.submit("progress file", self._write_progress)
+            return
+        assert isinstance(self.directory, Path)
         if self._progress_fd is None:
             self._progress_fd = os.open(self.directory / "progress", os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._progress_fd, f"{global_step:012d} {time.time():.6f}\n".encode(), 0)
 
+    def _write_progress(self) -> None:
+        progress, remote = self._progress, self._remote
+        if (
+            progress is None
+            or remote is None
+            or (progress.step, progress.wall_time) == self._progress_written
+        ):
+            return
+        text = f"{progress.step:012d} {progress.wall_time:.6f}\n".encode()
+        try:
+            remote.fs.pipe_file(remote.child("progress"), text)
+        except Exception as exc:
+            raise access_error(remote, "write the progress file in", exc) from exc
+        self._progress_written = (progress.step, progress.wall_time)
+
     def progress(self) -> Progress | None:
         try:
-            text = (self.directory / "progress").read_text().split()
+            if self._remote is None:
+                assert isinstance(self.directory, Path)
+                text = (self.directory / "progress").read_text().split()
+            else:
+                text = self._remote.fs.cat_file(self._remote.child("progress")).decode().split()
             return Progress(int(text[0]), float(text[1]))
         except (OSError, ValueError, IndexError):
             return None
 
     def close(self) -> None:
+        """Wait for the upload in flight and write the last progress (object store); close the
+        progress file (local).
+
+        Raises:
+            CheckpointError: the last upload failed or ran past its timeout.
+        """
         if self._progress_fd is not None:
             os.close(self._progress_fd)
             self._progress_fd = None
+        if self._remote is not None:
+            self._uploads.wait()
+            self._write_progress()

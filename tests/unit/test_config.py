@@ -356,16 +356,25 @@ def test_the_parameter_servers_backups_must_leave_a_pusher_to_make_each_step():
     check_settings(SparkDLConfig().replace(strategy="allreduce", num_workers=2, backup_workers=2))  # unused
 
 
-@pytest.mark.parametrize(
-    "setting,value",
-    [("checkpoint_dir", "s3://bucket/run"), ("checkpoint_dir", "gs://b/r"), ("cache_dir", "hdfs://nn/cache")],
-)
-def test_a_url_for_a_locally_written_directory_is_refused_naming_the_scheme(setting, value):
-    """An ``s3://`` checkpoint_dir was taken for a relative path: each process wrote under a
-    folder named ``s3:`` in its working directory and resume found nothing."""
-    scheme = value.split("://")[0]
-    with pytest.raises(ConfigError, match=rf"{setting} = '{value}' is a URL.*\({scheme}: in each process"):
-        SparkDLConfig().replace(**{setting: value})
-    with pytest.raises(ConfigError, match=r"give the path itself, '/mnt/run', without file://"):
-        SparkDLConfig().replace(**{setting: "file:///mnt/run"})
-    assert SparkDLConfig().replace(**{setting: "/dbfs/runs/a"}).flat()[setting] == "/dbfs/runs/a"
+def test_a_url_for_the_memory_mapped_cache_is_refused_naming_the_scheme():
+    """An ``hdfs://`` cache_dir was taken for a relative path; the cache memory-maps its
+    files, which no object store serves, so it must be local."""
+    with pytest.raises(ConfigError, match=r"cache_dir = 'hdfs://nn/cache' is a URL.*which hdfs:// cannot"):
+        SparkDLConfig().replace(cache_dir="hdfs://nn/cache")
+    with pytest.raises(ConfigError, match=r"give the path itself, without file://"):
+        SparkDLConfig().replace(cache_dir="file:///mnt/run")
+    assert SparkDLConfig().replace(cache_dir="/dbfs/runs/a").flat()["cache_dir"] == "/dbfs/runs/a"
+
+
+def test_a_checkpoint_url_is_taken_where_its_filesystem_is_installed_and_refused_naming_it_where_not():
+    pytest.importorskip("s3fs")
+    assert (
+        SparkDLConfig().replace(checkpoint_dir="s3://bucket/run").flat()["checkpoint_dir"]
+        == "s3://bucket/run"
+    )
+    assert (
+        SparkDLConfig().replace(checkpoint_dir="file:///mnt/run").flat()["checkpoint_dir"]
+        == "file:///mnt/run"
+    )
+    with pytest.raises(ConfigError, match=r"checkpoint_dir = 'gs://b/r': gs:// needs the gcsfs package"):
+        SparkDLConfig().replace(checkpoint_dir="gs://b/r")
