@@ -1,11 +1,13 @@
 """Training across separate hosts: a Spark standalone cluster on a netlab network.
 
-Run inside ``../shared/tools/netlab --hosts 3 --isolate``, on host 0 (the driver's and the
+Run inside ``../shared/tools/netlab --hosts 4 --isolate``, on host 0 (the driver's and the
 master's): a worker with 2 slots starts on each of hosts 1 and 2, each with its own
 address, PID space and /dev/shm, so 4 barrier tasks run on two "machines" joined by a
 rate-limited switch. Nothing names a network interface: the process group must bind the
-executors' real addresses by itself (a host name resolves to loopback here). Last, a
-fit with checkpoints has host 2 unplugged past its collective timeout (cut_drill.py).
+executors' real addresses by itself (a host name resolves to loopback here). Host 3, a
+stranger to the cluster, floods a listener of the driver's while the executors connect
+(flood_drill.py). Last, a fit with checkpoints has host 2 unplugged past its collective
+timeout (cut_drill.py).
 
     python tests/multihost/netlab_drill.py OUT_DIR     # writes OUT_DIR/result.json
 """
@@ -75,6 +77,12 @@ def lose_a_host(spark, out: Path) -> dict[str, object]:
     return drill(spark, out)
 
 
+def flood_from_a_stranger(spark, hosts: list[str], out: Path) -> dict[str, object]:
+    from tests.multihost.flood_drill import flood_from_a_stranger as drill
+
+    return drill(spark, hosts, out)
+
+
 def spark_class(cls: str, address: str, *args: str) -> list[str]:
     return [str(SPARK / "bin/spark-class"), cls, "--host", address, "--webui-port", "0", *args]
 
@@ -134,6 +142,7 @@ def main(out: Path) -> None:
                     for r in range(4)
                 ],
             }
+        result["flood"] = flood_from_a_stranger(spark, HOSTS, out)
         # last, as they unplug a host: a cut past the collective timeout, and the resume;
         # then a host lost for good, and the fit going on with the other
         result["brief"] = brief_cut(spark, out)
