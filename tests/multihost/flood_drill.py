@@ -25,7 +25,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -125,13 +124,10 @@ def _handshakes(task: int, host: str, port: int, key: bytes, deadline_s: float):
 
     for i in range(HANDSHAKES_PER_TASK):
         rank, tries, started = task * HANDSHAKES_PER_TASK + i, [], time.monotonic()
-        address = ""
 
-        def handshake() -> None:
-            nonlocal address
-            tries.append(1)
+        def handshake(rank: int = rank, tries: list[str] = tries) -> None:
             with socket.create_connection((host, port), timeout=5) as sock:
-                address = sock.getsockname()[0]
+                tries.append(sock.getsockname()[0])  # the address it connected from
                 channel = client_hello(sock, SECRET, rank=rank, attempt=0, server_key=key)
                 assert channel.recv(1 << 20).kind is Kind.ACK
 
@@ -140,8 +136,9 @@ def _handshakes(task: int, host: str, port: int, key: bytes, deadline_s: float):
             with_retries(handshake, f"rank {rank}", deadline_s=deadline_s)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
-        yield {"rank": rank, "address": address, "tries": len(tries), "seconds": time.monotonic() - started,
-               "error": error}  # fmt: skip
+        seconds = time.monotonic() - started
+        address = tries[-1] if tries else ""
+        yield {"rank": rank, "address": address, "tries": len(tries), "seconds": seconds, "error": error}
 
 
 def hold(host: str, port: int, seconds: float, sources: list[str]) -> None:
