@@ -293,7 +293,28 @@ class DataConfig:
     )
     max_sequence_length: int = field(
         default=0,
-        metadata=about("Longer sequences keep their first values; 0 = no cap.", bound=">= 0"),
+        metadata=about(
+            "Longer sequences keep their first values (a tokenized text its first tokens, the "
+            "tokenizer's special tokens kept); 0 = no cap.",
+            bound=">= 0",
+        ),
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata=about(
+            "Pad every batch's sequences to max_sequence_length, not to the batch's longest row: "
+            "one shape for every batch (what compile wants), more padding."
+        ),
+    )
+    tokenizer: str = field(
+        default="",
+        metadata=about(
+            "A tokenizer.json (the Hugging Face tokenizers library's file) that tokenizes, on the "
+            "executors, every input fed by one string column: token ids padded per batch, with a "
+            "mask named by mask_input. Read on the driver and shipped with the tasks (at most "
+            '64 MiB). "" = none.',
+            valid='a path the driver reads (local, or any Hadoop-supported URL), or ""',
+        ),
     )
     weight_col: str = field(
         default="",
@@ -379,6 +400,11 @@ class DataConfig:
             raise ConfigError(
                 f"data.mask_input = {self.mask_input!r} is not a keyword argument name once {{name}} is "
                 'replaced; use e.g. "{name}_mask" or "attention_mask"'
+            )
+        if self.pad_to_max_length and self.max_sequence_length <= 0:
+            raise ConfigError(
+                "data.pad_to_max_length = true pads every sequence to max_sequence_length, which is 0 "
+                "(no cap); set data.max_sequence_length (e.g. 128), or unset pad_to_max_length"
             )
         check_bounds(self, "data")
         check_local_directory(self.cache_dir, "data.cache_dir")

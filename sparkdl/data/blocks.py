@@ -81,13 +81,14 @@ class Ragged:
         np.cumsum(lengths, out=offsets[1:])
         return Ragged(values, offsets)
 
-    def padded(self, cap: int = 0, pad: float = 0) -> tuple[np.ndarray, np.ndarray]:
+    def padded(self, cap: int = 0, pad: float = 0, fixed: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Rows padded to the longest (at most ``cap`` when > 0, longer rows keep their
-        first ``cap`` elements): ``(values [rows, L, *element], mask bool [rows, L])``."""
+        first ``cap`` elements; to ``cap`` itself when ``fixed``) with ``pad``:
+        ``(values [rows, L, *element], mask bool [rows, L])``."""
         lengths = self.lengths
         if cap > 0:
             lengths = np.minimum(lengths, cap)
-        width = int(lengths.max()) if len(lengths) else 0
+        width = cap if fixed and cap > 0 else int(lengths.max()) if len(lengths) else 0
         out = np.full((len(self), width, *self.values.shape[1:]), pad, dtype=self.values.dtype)
         mask = np.arange(width) < lengths[:, None]
         rows = np.repeat(np.arange(len(self)), lengths)

@@ -66,6 +66,8 @@ def decode_input(batch: pa.RecordBatch, spec: InputSpec) -> Column:
         matrix = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         return np.ascontiguousarray(matrix, dtype=np.float32)
     column = spec.columns[0]
+    if spec.text is not None:  # InputKind.TEXT: tokenized, one encode_batch per record batch
+        return spec.text.encode(batch.column(column.name), column.name)
     if spec.kind is InputKind.SEQUENCE:
         return decode_sequence(batch.column(column.name), column)
     return decode_natural(batch.column(column.name), column, spec.shape)

@@ -12,8 +12,11 @@ Three ways to feed a model, decided once on the driver from the DataFrame's sche
   padded per batch to the longest row with a boolean mask input (``<name>_mask``, or as
   ``data.mask_input`` names it: ``attention_mask`` for Hugging Face models).
 * ``transform_fn(record_batch) -> {name: array}`` on the executors, for what no built-in
-  decoder reads (image files as bytes, text): its keys other than the label and weight
+  decoder reads (image files as bytes): its keys other than the label and weight
   columns are inputs too.
+
+With ``data.tokenizer``, an input of one string column is text: tokenized on the executors
+(:mod:`sparkdl.data.text`) into token ids fed as a sequence, with its mask.
 
 Pure: pyarrow and numpy, no torch and no Spark.
 """
@@ -35,6 +38,7 @@ from sparkdl.data.columns import (
     LabelKind,
     kind_of_arrow_type,
 )
+from sparkdl.data.text import Tokenization, is_text
 from sparkdl.errors import SchemaError
 
 #: ``transform_fn(batch) -> {name: array}``; it may also take ``training: bool``.
@@ -54,6 +58,7 @@ class InputKind(str, enum.Enum):
     COLUMN = "column"  # one column in its own dtype and shape
     SEQUENCE = "sequence"  # arrays of any length, padded per batch, with a mask
     IMAGE = "image"  # uint8 [rows, C, H, W] in blocks; float32 in [0, 1] in batches
+    TEXT = "text"  # a string column tokenized into ids: a sequence, with a mask
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class InputSpec:
     columns: tuple[ColumnSpec, ...]
     kind: InputKind
     shape: tuple[int, ...] = ()  # per-row shape from input_shapes (COLUMN only)
+    text: Tokenization | None = None  # the tokenizer (TEXT only)
 
     @property
     def described(self) -> str:
@@ -92,6 +98,8 @@ class DataPlan:
         mask_input: the name of a sequence input's mask, ``{name}`` standing for the input's.
         next_token_of: the input whose next tokens are the targets (``loss_fn = "causal_lm"``:
             no label column; :func:`sparkdl.data.tensors.to_batch` makes them); "" for none.
+        pad_to_max_length: pad every sequence to ``max_sequence_length``, not to its batch's
+            longest row (one shape for every batch).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -108,6 +116,7 @@ class DataPlan:
     not_inputs: tuple[str, ...] = ()
     mask_input: str = DEFAULT_MASK
     next_token_of: str = ""
+    pad_to_max_length: bool = False
 
     def mask_name(self, name: str) -> str:
         """The name of sequence input ``name``'s mask, as the model takes it."""
@@ -116,7 +125,8 @@ class DataPlan:
     @property
     def masks(self) -> frozenset[str]:
         """The names of every sequence input's mask."""
-        return frozenset(self.mask_name(s.name) for s in self.inputs if s.kind is InputKind.SEQUENCE)
+        ragged = (InputKind.SEQUENCE, InputKind.TEXT)
+        return frozenset(self.mask_name(s.name) for s in self.inputs if s.kind in ragged)
 
     @property
     def column_names(self) -> list[str]:
@@ -131,6 +141,11 @@ class DataPlan:
     def image_inputs(self) -> frozenset[str]:
         """The inputs that are images (uint8 in blocks, float32 in [0, 1] in batches)."""
         return frozenset(spec.name for spec in self.inputs if spec.kind is InputKind.IMAGE)
+
+    @functools.cached_property
+    def pad_ids(self) -> dict[str, int]:
+        """The padding id of each text input (other sequences pad with 0)."""
+        return {s.name: s.text.pad_id for s in self.inputs if s.text is not None}
 
     @property
     def features(self) -> tuple[ColumnSpec, ...]:
@@ -191,12 +206,18 @@ def plan_data(
     not_inputs: tuple[str, ...] = (),
     mask_input: str = DEFAULT_MASK,
     next_token_of: str = "",
+    tokenizer: Tokenization | None = None,
+    pad_to_max_length: bool = False,
 ) -> DataPlan:
     """Check the columns against ``schema`` and decide how each is decoded.
 
+    Args:
+        tokenizer: tokenizes every input of one string column (``data.tokenizer``).
+
     Raises:
         SchemaError: a missing column, a type no input can take, an input_shapes or
-            sequence_cols entry that names no single-column input, a name clash.
+            sequence_cols entry that names no single-column input, a name clash, a tokenizer
+            with no text input.
     """
     inputs = dict(inputs or {})
     shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -207,9 +228,15 @@ def plan_data(
     wanted += [c for c in (label_col, weight_col) if c]
     _require_columns(schema, wanted)
     specs = tuple(
-        _input_spec(schema, name, source, shapes.get(name, ()), sequence_cols, keyword)
+        _input_spec(schema, name, source, shapes.get(name, ()), sequence_cols, keyword, tokenizer)
         for name, source in inputs.items()
     )
+    if tokenizer is not None and not any(s.kind is InputKind.TEXT for s in specs):
+        raise SchemaError(
+            f"data.tokenizer = {tokenizer.source!r} tokenizes string columns, but no input is one: "
+            f"the inputs are {[(s.name, s.kind.value) for s in specs]}. Feed the text column as an "
+            "input of its own (inputs={'input_ids': 'text'}), or unset data.tokenizer"
+        )
     _check_names(specs, shapes, sequence_cols, label_col, weight_col, mask_input)
     if next_token_of:
         _check_token_input(specs, next_token_of)
@@ -234,6 +261,7 @@ def plan_data(
         not_inputs=tuple(n for n in not_inputs if n),
         mask_input=mask_input,
         next_token_of=next_token_of,
+        pad_to_max_length=pad_to_max_length,
     )
 
 
@@ -253,6 +281,7 @@ def _input_spec(
     shape: tuple[int, ...],
     sequence_cols: tuple[str, ...],
     keyword: bool,
+    tokenizer: Tokenization | None = None,
 ) -> InputSpec:
     columns = [source] if isinstance(source, str) else list(source)
     if not columns:
@@ -260,10 +289,14 @@ def _input_spec(
     specs = tuple(ColumnSpec(c, kind_of_arrow_type(c, schema.field(c).type)) for c in columns)
     if isinstance(source, str):
         spec = specs[0]
+        typ = schema.field(spec.name).type
+        if tokenizer is not None and is_text(typ):
+            return InputSpec(name, specs, InputKind.TEXT, text=tokenizer)
         if spec.kind is ColumnKind.BYTES:
+            text = " (or set data.tokenizer to a tokenizer.json)" if is_text(typ) else ""
             raise SchemaError(
-                f"column {spec.name!r} ({schema.field(spec.name).type}) cannot feed input {name!r} as it is: "
-                "decode it in transform_fn (e.g. image bytes -> pixels, text -> token ids)"
+                f"column {spec.name!r} ({typ}) cannot feed input {name!r} as it is: "
+                f"decode it in transform_fn (e.g. image bytes -> pixels, text -> token ids){text}"
             )
         if spec.name in sequence_cols:
             if spec.kind is not ColumnKind.ARRAY:  # refused here, on the driver, not by every worker
@@ -313,7 +346,7 @@ def _check_names(
             f"sequence_cols names {odd_sequences}, which no input feeds alone; a sequence column "
             "must be an input of its own (inputs={'tokens': 'tokens'})"
         )
-    sequences = [s.name for s in specs if s.kind is InputKind.SEQUENCE]
+    sequences = [s.name for s in specs if s.kind in (InputKind.SEQUENCE, InputKind.TEXT)]
     masks = [mask_name(mask_input, name) for name in sequences]
     if len(set(masks)) < len(masks):
         raise SchemaError(
@@ -339,10 +372,13 @@ def _check_token_input(specs: tuple[InputSpec, ...], name: str) -> None:
     """Refuse a ``causal_lm`` input that is not one column of integer token ids."""
     spec = next((s for s in specs if s.name == name), None)
     one_array = spec is not None and len(spec.columns) == 1 and spec.columns[0].kind is ColumnKind.ARRAY
+    if spec is not None and spec.kind is InputKind.TEXT:
+        return
     if spec is None or spec.kind not in (InputKind.SEQUENCE, InputKind.COLUMN) or not one_array:
         raise SchemaError(
             f"loss_fn = 'causal_lm' trains on the next token of input {name!r}, which must be one "
-            "array<int> column of token ids (list it in sequence_cols when rows differ in length); "
+            "array<int> column of token ids (list it in sequence_cols when rows differ in length) "
+            "or a string column with data.tokenizer; "
             f"the inputs are {[(s.name, s.kind.value) for s in specs]}"
         )
 

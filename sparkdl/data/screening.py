@@ -40,6 +40,8 @@ class RowScreen:
         batch = self._filter(batch, keep)
         bad = np.zeros(batch.num_rows, dtype=bool)
         for input_spec in self.plan.inputs:
+            if input_spec.kind is InputKind.TEXT:  # token ids are never NaN: not tokenized twice
+                continue
             column = decode_input(batch, input_spec)
             values = values_of(column)
             if values.dtype.kind != "f" or not len(values):
@@ -65,7 +67,8 @@ class RowScreen:
         return batch.filter(pa.array(keep))
 
     def _columns(self) -> list[tuple[ColumnSpec, bool]]:
-        out = [(c, spec.kind is InputKind.SEQUENCE) for spec in self.plan.inputs for c in spec.columns]
+        ragged = (InputKind.SEQUENCE, InputKind.TEXT)  # texts: only nulls are bad
+        out = [(c, spec.kind in ragged) for spec in self.plan.inputs for c in spec.columns]
         out += [(c, False) for c in (self.plan.label, self.plan.weight) if c is not None]
         return out
 

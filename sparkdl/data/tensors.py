@@ -1,7 +1,8 @@
 """Blocks of numpy rows -> :class:`Batch` of tensors, and the call of the model on one.
 
 Sequences are padded here, per batch, to the batch's longest row (so a batch of short
-rows stays short), with a boolean mask (``<name>_mask``, or as ``data.mask_input`` names
+rows stays short; or every batch to ``max_sequence_length`` with ``pad_to_max_length``), with
+a text input's padding id (0 for others) and a boolean mask (``<name>_mask``, or as ``data.mask_input`` names
 it); images become float32 in [0, 1].
 Arrays that own their memory become tensors without a copy.
 """
@@ -100,7 +101,9 @@ def to_batch(block: Block, plan: DataPlan, pin_memory: bool = False) -> Batch:
     inputs: dict[str, torch.Tensor] = {}
     for name, column in block.inputs.items():
         if isinstance(column, Ragged):
-            values, mask = column.padded(plan.max_sequence_length)
+            values, mask = column.padded(
+                plan.max_sequence_length, plan.pad_ids.get(name, 0), fixed=plan.pad_to_max_length
+            )
             inputs[name] = torch.from_numpy(values)
             inputs[plan.mask_name(name)] = torch.from_numpy(mask)
         elif name in images:

@@ -25,6 +25,7 @@ from sparkdl.config import DataConfig, SparkDLConfig
 from sparkdl.data.columns import LabelKind
 from sparkdl.data.inputs import DataPlan, TransformFn, plan_data
 from sparkdl.data.tensors import Batch
+from sparkdl.data.text import Tokenization, check_size, tokenization
 from sparkdl.errors import (
     ConfigError,
     SchemaError,
@@ -75,7 +76,8 @@ def plan_inputs(
 ) -> DataPlan:
     """Check the DataFrame's schema on the driver, before any task starts, and decide how
     each column reaches the model (see :mod:`sparkdl.data.inputs`); with ``next_token_of``
-    (``causal_lm``), that input's next tokens are the targets and no label column is read."""
+    (``causal_lm``), that input's next tokens are the targets and no label column is read.
+    ``data.tokenizer``'s file is read here, on the driver, and travels in the plan."""
     return plan_data(
         arrow_schema(df),
         feature_cols=data.feature_cols,
@@ -92,7 +94,33 @@ def plan_inputs(
         not_inputs=() if with_label else (data.label_col, data.weight_col),
         mask_input=data.mask_input,
         next_token_of=next_token_of,
+        tokenizer=read_tokenizer(df.sparkSession, data),
+        pad_to_max_length=data.pad_to_max_length,
     )
+
+
+def read_tokenizer(spark: Any, data: DataConfig) -> Tokenization | None:
+    """``data.tokenizer``'s file, read on the driver (executors may share no filesystem) and
+    checked: None when unset.
+
+    Raises:
+        ConfigError: the file cannot be read, is too large or is no tokenizer.
+    """
+    if not data.tokenizer:
+        return None
+    from sparkdl.storage.fs import local_path, read_bytes
+
+    local = local_path(data.tokenizer)
+    try:
+        if local is not None:  # a file too large is refused before it is read
+            check_size(local.stat().st_size, data.tokenizer)
+        raw = read_bytes(spark, data.tokenizer)
+    except OSError as err:
+        raise ConfigError(
+            f"data.tokenizer = {data.tokenizer!r} cannot be read on the driver ({err}); give the path "
+            "of a tokenizer.json the driver can read (local, or a Hadoop-supported URL)"
+        ) from err
+    return tokenization(raw, data.tokenizer, data.max_sequence_length)
 
 
 def token_input(data: DataConfig) -> str:

@@ -134,3 +134,38 @@ def test_a_lora_model_saves_whole_adapter_only_or_merged_and_loads_each_way(spar
     assert torch.allclose(logits(adapter.module), expected, atol=1e-6)
     assert torch.allclose(logits(merged.module), expected, atol=1e-5)
     assert not hasattr(merged.module, "merge_and_unload")  # a plain transformers model now
+
+
+def test_a_transformers_classifier_trains_on_text_tokenized_on_the_executors_and_predicts(spark, tmp_path):
+    """``data.tokenizer``: a string column feeds ``input_ids``, tokenized on the executors by
+    a tokenizer.json the driver read and shipped (trained here on the test's words: no
+    network), with its ``attention_mask``; transform tokenizes the same way."""
+    from tests.unit.test_tokenized_text import sentences, train_tokenizer
+
+    path = train_tokenizer(tmp_path / "tokenizer.json")
+    vocab = pytest.importorskip("tokenizers").Tokenizer.from_file(path).get_vocab_size()
+
+    def model_fn():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(
+            transformers.BertConfig(
+                vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64, max_position_embeddings=16, num_labels=2,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            )
+        )  # fmt: skip
+
+    def texts(n, seed):
+        return spark.createDataFrame(sentences(n, seed), "text string, label long").repartition(2)
+
+    est = token_estimator(
+        model_fn, 1e-2, epochs=5, inputs={"input_ids": "text"}, sequence_cols=[], tokenizer=path,
+        max_sequence_length=16, batch_size=16,
+    )  # fmt: skip
+    model = est.fit(texts(300, 1))
+    assert set(model.trained_input_shapes) == {"input_ids", "attention_mask"}
+    losses = [epoch["loss"] for epoch in model.history]
+    assert losses[-1] < 0.3 * losses[0], losses
+    predicted = model.transform(texts(200, 2)).select("label", "prediction").toPandas()
+    accuracy = float((predicted["label"] == predicted["prediction"]).mean())
+    assert accuracy > 0.9, accuracy
