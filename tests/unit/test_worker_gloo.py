@@ -383,14 +383,17 @@ def test_weight_averaging_ends_a_period_without_the_slow_worker_when_it_has_a_ba
         fault_injection="slow:1:0:",
     )
     fast, slow = results[0][1], results[1][1]
-    assert [h["skipped_steps"] for h in fast] == [0, 0, 0]
-    assert [h["local_samples"] for h in fast] == [96, 96, 96]
     assert slow[0]["skipped_steps"] == 0 and slow[0]["local_samples"] == 96  # epoch 1: in lockstep
-    for epoch in slow[1:]:
-        assert epoch["skipped_steps"] > 0
-        assert epoch["local_samples"] == 96 - 8 * epoch["skipped_steps"]
-        assert epoch["samples"] == 96 + epoch["local_samples"]  # skipped rows are not counted as trained
-        assert epoch["sync_rounds"] == 3  # every average still joined: 12 steps, tau 4
+    assert all(epoch["skipped_steps"] > 0 for epoch in slow[1:]), slow
+    # the fast worker ends the periods; it skips only where the machine descheduled it long
+    # enough for the slow one to finish a period first (seen once on 2 busy cores)
+    assert sum(h["skipped_steps"] for h in fast) <= 1 < sum(h["skipped_steps"] for h in slow), (fast, slow)
+    for mine, other in ((fast, slow), (slow, fast)):
+        for epoch, others in zip(mine[1:], other[1:], strict=True):
+            assert epoch["local_samples"] == 96 - 8 * epoch["skipped_steps"]
+            # skipped rows are not counted as trained
+            assert epoch["samples"] == epoch["local_samples"] + others["local_samples"]
+            assert epoch["sync_rounds"] == 3  # every average still joined: 12 steps, tau 4
     states = _states(results)
     for name, value in states[0].items():
         assert torch.equal(value, states[1][name]), name  # bitwise: one average, decoded by both
