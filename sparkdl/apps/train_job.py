@@ -302,7 +302,7 @@ def run_train_job(config: JobConfig, output_dir: str | Path, spark: Any | None =
         "final_loss": model.history[-1]["loss"],
         "fit_seconds": fit_seconds,
         "history": model.history,
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.sparkdl.flat().items()},
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.sparkdl.flat_shown().items()},
         "job": dataclasses.asdict(config.job),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

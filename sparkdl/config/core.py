@@ -75,6 +75,7 @@ from sparkdl.errors import ConfigError
 __all__ = [
     "DEFAULT_LOSS",
     "LOSS_NAMES",
+    "SECRET_SETTINGS",
     "SECTIONS",
     "Backend",
     "Compression",
@@ -154,6 +155,17 @@ class SparkDLConfig:
             for name, value in dataclasses.asdict(getattr(self, section.name)).items():
                 out[name] = value.value if isinstance(value, enum.Enum) else value
         return out
+
+    def flat_shown(self) -> dict[str, Any]:
+        """:meth:`flat` for logs, MLflow and reports: a setting of :data:`SECRET_SETTINGS`
+        shows only its keys (credentials never leave the settings)."""
+        return {
+            name: sorted(value) if name in SECRET_SETTINGS else value for name, value in self.flat().items()
+        }
+
+
+#: Settings holding credentials: never logged, tracked, reported, nor saved with a model.
+SECRET_SETTINGS: tuple[str, ...] = ("storage_options",)
 
 
 SECTIONS: dict[str, type[Any]] = typing.get_type_hints(SparkDLConfig)  # the library's, in file order

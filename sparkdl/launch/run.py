@@ -37,6 +37,7 @@ from sparkdl.spark.ps_host import serve_parameters
 from sparkdl.spark.returned_rows import RETURNED_SCHEMA, rank0_value
 from sparkdl.spark.shipping import pickled_call
 from sparkdl.spark.stage import stage_input, training_site, training_stage
+from sparkdl.spark.storage import with_spark_storage_options
 from sparkdl.spark.tracking import check_tracking, log_run
 from sparkdl.strategies import check_settings, strategy_class
 from sparkdl.training.factory import OptimizerFn
@@ -112,6 +113,7 @@ def run(
             from pyspark.sql import SparkSession
 
             spark = SparkSession.active()
+    config = with_spark_storage_options(spark, config)
     spec = LoopSpec(config, payload, name)
     if df is not None:
         label = config.data.label_col if config.data.label_col in df.columns else ""

@@ -53,6 +53,7 @@ from sparkdl.spark.inference import (
 )
 from sparkdl.spark.rdd import is_rdd, rdd_to_dataframe
 from sparkdl.spark.shipping import check_shippable
+from sparkdl.spark.storage import with_spark_storage_options
 from sparkdl.spark.tracking import check_tracking, log_fit
 from sparkdl.spark.warm_start import WarmStart, warm_start
 from sparkdl.strategies import check_settings
@@ -340,7 +341,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 "micro-batch instead: query = df.writeStream.foreachBatch(lambda batch, batch_id: "
                 "estimator.fit(batch)).start(), carrying the weights on with initial_model"
             )
-        config = self.get_config()
+        config = with_spark_storage_options(dataset.sparkSession, self.get_config())
         loss = self._loss()
         _, label_kind = resolve_loss(loss)
         if config.data.weight_col and not takes_weight(loss):

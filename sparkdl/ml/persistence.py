@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ import torch
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from sparkdl.config import flat_field_owners
+from sparkdl.config import SECRET_SETTINGS, flat_field_owners
 from sparkdl.errors import ConfigError, listed
 from sparkdl.storage import fs
 from sparkdl.training.factory import build_model, cpu_state_dict, module_with_state
@@ -57,6 +58,7 @@ UNTRUSTED_SETTINGS: tuple[str, ...] = (
     "encrypt",  # whether the driver's sockets carry weights and gradients in the clear
     "network_interface",  # which network the workers' plain-TCP traffic (gloo, NCCL) crosses
     "cache_dir",  # where the workers write the decoded training rows
+    "storage_options",  # credentials of the object store: never saved (see _save_metadata), never loaded
     "checkpoint_dir",  # where checkpoints (the weights) are written, and what a fit resumes from
     "checkpoint_every",  # needs checkpoint_dir: kept with it, or the settings would not validate
     "fault_injection",  # writes a marker file at any path, kills workers or executor JVMs
@@ -171,7 +173,41 @@ def _inside(folder: str, name: str) -> str:
     return path
 
 
-class TorchModelWriter(MLWriter):
+def _save_metadata(stage: Params, path: str, spark: Any, extra: dict[str, Any], overwrite: bool) -> None:
+    """Spark ML's metadata of ``stage`` less the :data:`SECRET_SETTINGS` (credentials), written
+    through fsspec on an object store it reaches (the JVM needs no connector for it), else by
+    Spark."""
+    chosen = {p.name: v for p, v in stage._paramMap.items() if p.name not in SECRET_SETTINGS}
+    text = DefaultParamsWriter._get_metadata_to_save(stage, spark, extra, chosen)
+    metadata = json.loads(text)
+    metadata["defaultParamMap"] = {
+        k: v for k, v in metadata.get("defaultParamMap", {}).items() if k not in SECRET_SETTINGS
+    }
+    text = json.dumps(metadata, separators=(",", ":"))
+    if not fs.write_metadata(spark, path, text, overwrite):
+        spark.createDataFrame([(text,)], schema=["value"]).coalesce(1).write.text(f"{path}/metadata")
+
+
+def _load_metadata(path: str, spark: Any) -> dict[str, Any]:
+    """The metadata :func:`_save_metadata` wrote (through fsspec where it reaches ``path``)."""
+    text = fs.read_metadata(spark, path)
+    if text is None:
+        return DefaultParamsReader.loadMetadata(path, spark)
+    return cast(dict[str, Any], DefaultParamsReader._parseMetaData(text))
+
+
+class _StageWriter(MLWriter):
+    """Saves through fsspec where it reaches the path: ``overwrite`` removes the old folder
+    there, not through the JVM's Hadoop FileSystem (which may lack a connector for it)."""
+
+    def save(self, path: str) -> None:
+        if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
+            self.saveImpl(path)
+            return
+        super().save(path)
+
+
+class TorchModelWriter(_StageWriter):
     """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
 
     def __init__(self, instance: SavedModel) -> None:
@@ -192,7 +228,7 @@ class TorchModelWriter(MLWriter):
             "initial_model": model.initial_model,
             "weights": form,
         }
-        DefaultParamsWriter.saveMetadata(cast(Params, model), path, self.sparkSession, extraMetadata=extra)
+        _save_metadata(cast(Params, model), path, self.sparkSession, extra, self.shouldOverwrite)
         fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
         fs.write_bytes(self.sparkSession, f"{path}/model_fn.cloudpickle", cloudpickle.dumps(model.model_fn))
         if model.transform_fn is not None:
@@ -257,7 +293,7 @@ class TorchModelReader(MLReader[Any], Generic[R]):
 
     def load(self, path: str) -> R:
         trust, functions = _options(self._trust, self._functions)
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = _load_metadata(path, self.sparkSession)
         wanted = ["model_fn"] + (["transform_fn"] if metadata.get("transform_fn") else [])
         missing = [name for name in wanted if name not in functions]
         if missing and not trust:
@@ -315,7 +351,7 @@ def _module(
     return module
 
 
-class TorchEstimatorWriter(MLWriter):
+class TorchEstimatorWriter(_StageWriter):
     """Saves an unfitted estimator (e.g. inside a saved Pipeline or CrossValidatorModel):
     its settings as Spark ML metadata and its functions cloudpickled."""
 
@@ -327,9 +363,7 @@ class TorchEstimatorWriter(MLWriter):
         # every user function (model_fn, optimizer_fn, loss_fn, ...): what is not a Param
         functions = {name: value for name, value in vars(self.instance).items() if name.endswith("_fn")}
         saved = sorted(name for name, value in functions.items() if value is not None)
-        DefaultParamsWriter.saveMetadata(
-            self.instance, path, self.sparkSession, extraMetadata={"functions": saved}
-        )
+        _save_metadata(self.instance, path, self.sparkSession, {"functions": saved}, self.shouldOverwrite)
         fs.write_bytes(self.sparkSession, f"{path}/functions.cloudpickle", cloudpickle.dumps(functions))
 
 
@@ -349,7 +383,7 @@ class TorchEstimatorReader(MLReader[Any], Generic[R]):
 
     def load(self, path: str) -> R:
         trust, functions = _options(self._trust, self._functions)
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = _load_metadata(path, self.sparkSession)
         if trust:  # the saved code, under what the caller passed
             data = fs.read_bytes(self.sparkSession, _inside(path, "functions.cloudpickle"))
             saved = cloudpickle.loads(data)

@@ -21,6 +21,7 @@ from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.sharding import shard_trainable
 from sparkdl.services.ps.store import ShardStore
 from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
+from sparkdl.storage.filesystems import PathWithOptions
 from sparkdl.training.factory import OptimizerFn, build_model, build_optimizer
 from sparkdl.training.full_batch_settings import lbfgs_settings
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan
@@ -155,7 +156,8 @@ def _serve(
         secrets.token_bytes(32),
         config.parameter_server.ps_timeout_s,
         int(config.parameter_server.ps_max_frame_mb * 1024 * 1024),
-        snapshot_dir=config.reliability.checkpoint_dir,
+        # the path carries the storage options to the server's snapshot stores
+        snapshot_dir=PathWithOptions(config.reliability.checkpoint_dir, config.reliability.storage_options),
         encrypt=config.runtime.encrypt,
         attempt_started=attempt_started,
         # a connection per shard per worker, twice over while a failed attempt's close

@@ -212,7 +212,7 @@ def log_run(config: SparkDLConfig, history: list[dict[str, Any]], run_seconds: f
         return None
     try:
         with _started_run(mlflow, config) as run:
-            mlflow.log_params({name: _param(value) for name, value in config.flat().items()})
+            mlflow.log_params({name: _param(value) for name, value in config.flat_shown().items()})
             for i, record in enumerate(history):
                 step = int(record.get("step", i))
                 metrics = {
@@ -274,7 +274,7 @@ def _new_run(mlflow: Any, config: SparkDLConfig) -> Any:
 def _log(mlflow: Any, config: SparkDLConfig, model: TrackedModel, fit_seconds: float) -> str:
     tracking = config.tracking
     with _started_run(mlflow, config) as run:
-        params = {name: _param(value) for name, value in config.flat().items()}
+        params = {name: _param(value) for name, value in config.flat_shown().items()}
         mlflow.log_params(params)
         for record in model.history:
             metrics = {k: float(record[k]) for k in _EPOCH_METRICS if isinstance(record.get(k), int | float)}

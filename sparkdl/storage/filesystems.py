@@ -59,6 +59,19 @@ def s3a_options(conf: Mapping[str, str]) -> dict[str, str]:
     return options
 
 
+def conf_options(spark: Any) -> dict[str, str]:
+    """The s3fs options a Spark session's conf gives (its ``spark.hadoop.fs.s3a.*``, set at
+    start or with ``spark.conf.set``); {} where it has none or the conf cannot be read."""
+    try:
+        conf = dict(spark.conf.getAll)
+    except Exception:
+        try:
+            conf = dict(spark.sparkContext.getConf().getAll())
+        except Exception:
+            return {}
+    return s3a_options(conf)
+
+
 def is_url(path: str) -> bool:
     """Whether ``path`` is reached through fsspec (a URL other than ``file://`` and ``dbfs:/``)."""
     return url_scheme(path) not in ("", "file", "dbfs")

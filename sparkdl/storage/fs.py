@@ -1,14 +1,20 @@
-"""Reading and writing whole files on any Hadoop-supported path (local, HDFS, S3, DBFS).
+"""Reading and writing whole files on any path a saved model may be on (local, object
+storage, HDFS, DBFS).
 
-Local paths use Python I/O; other schemes go through the JVM's Hadoop FileSystem,
-so model files land wherever Spark ML writes the model's metadata. Large files (a
-model's weights) are written and read through a local file (:func:`write_file`,
-:func:`local_file`): Hadoop copies it in a stream, never holding it in the JVM's heap.
+Local paths use Python I/O. An object store whose fsspec filesystem is installed
+(``s3://``/``s3a://`` with s3fs, ``gs://`` with gcsfs, ``abfss://`` with adlfs) goes through
+fsspec (:func:`object_store`), with the Spark session's ``spark.hadoop.fs.s3a.*`` conf as its
+options over the environment's credentials, so the JVM needs no connector for it; other
+schemes (``hdfs://``, ``dbfs:``, or an object store without its Python filesystem) go through
+the JVM's Hadoop FileSystem. Large files (a model's weights) are written and read through a
+local file (:func:`write_file`, :func:`local_file`): copied in a stream, never held whole
+in memory by fsspec or in the JVM's heap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -16,12 +22,27 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from sparkdl.config.loading import SCHEME_PACKAGES, url_scheme
+from sparkdl.storage.filesystems import Location, conf_options, open_url
+
+#: Schemes written through fsspec where their filesystem's package is installed (else the JVM).
+FSSPEC_SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "abfss", "az")
+
 
 def _local(path: str) -> Path | None:
     parsed = urlparse(path)
     if parsed.scheme in ("", "file"):
         return Path(parsed.path if parsed.scheme else path)
     return None
+
+
+def object_store(spark: Any, path: str) -> Location | None:
+    """``path`` opened through fsspec (options: the session's s3a conf; credentials else from
+    the environment), or None where the JVM reaches it (local, hdfs, dbfs, or no package)."""
+    scheme = url_scheme(path)
+    if scheme not in FSSPEC_SCHEMES or importlib.util.find_spec(SCHEME_PACKAGES[scheme]) is None:
+        return None
+    return open_url(path, conf_options(spark) if scheme in ("s3", "s3a") else {}, "the model's path")
 
 
 def local_path(path: str) -> Path | None:
@@ -39,6 +60,10 @@ def write_bytes(spark: Any, path: str, data: bytes) -> None:
         tmp.write_bytes(data)
         tmp.replace(local)
         return
+    store = object_store(spark, path)
+    if store is not None:
+        store.fs.pipe_file(store.path, data)
+        return
     jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
     hpath = jvm.org.apache.hadoop.fs.Path(path)
     stream = hpath.getFileSystem(conf).create(hpath, True)
@@ -53,6 +78,9 @@ def read_bytes(spark: Any, path: str) -> bytes:
     local = _local(path)
     if local is not None:
         return local.read_bytes()
+    store = object_store(spark, path)
+    if store is not None:
+        return bytes(store.fs.cat_file(store.path))
     rows = spark.sparkContext.binaryFiles(path).collect()
     if not rows:
         raise FileNotFoundError(path)
@@ -72,6 +100,10 @@ def write_file(spark: Any, path: str, write: Callable[[Path], None]) -> None:
     with tempfile.TemporaryDirectory(prefix="sparkdl-") as folder:
         tmp = Path(folder) / "file"
         write(tmp)
+        store = object_store(spark, path)
+        if store is not None:
+            store.fs.put_file(str(tmp), store.path)
+            return
         jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
         hadoop_path = jvm.org.apache.hadoop.fs.Path
         target = hadoop_path(path)
@@ -91,6 +123,11 @@ def local_file(spark: Any, path: str) -> Iterator[Path]:
     folder = tempfile.mkdtemp(prefix="sparkdl-")
     try:
         tmp = Path(folder) / "file"
+        store = object_store(spark, path)
+        if store is not None:
+            store.fs.get_file(store.path, str(tmp))
+            yield tmp
+            return
         jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
         hadoop_path = jvm.org.apache.hadoop.fs.Path
         source = hadoop_path(path)
@@ -98,3 +135,48 @@ def local_file(spark: Any, path: str) -> Iterator[Path]:
         yield tmp
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_metadata(spark: Any, path: str, text: str, overwrite: bool) -> bool:
+    """Write Spark ML's metadata line as Spark's text writer lays it out
+    (``path/metadata/part-00000`` and ``_SUCCESS``, readable by ``spark.read.text`` too), through
+    fsspec; False (nothing written) where the path is not an object store fsspec reaches.
+
+    Raises:
+        FileExistsError: ``path`` holds a saved stage and ``overwrite`` is False.
+    """
+    store = object_store(spark, path)
+    if store is None:
+        return False
+    folder = f"{store.path.rstrip('/')}/metadata"
+    if store.fs.exists(folder) and not overwrite:
+        raise FileExistsError(f"{path} already holds a saved stage; save with write().overwrite().save(...)")
+    store.fs.pipe_file(f"{folder}/part-00000", (text + "\n").encode())
+    store.fs.pipe_file(f"{folder}/_SUCCESS", b"")
+    return True
+
+
+def read_metadata(spark: Any, path: str) -> str | None:
+    """The metadata line :func:`write_metadata` (or Spark's text writer) wrote at ``path``;
+    None where the path is not an object store fsspec reaches."""
+    store = object_store(spark, path)
+    if store is None:
+        return None
+    folder = f"{store.path.rstrip('/')}/metadata"
+    parts = sorted(p for p in store.fs.ls(folder, detail=False) if p.rsplit("/", 1)[-1].startswith("part-"))
+    for part in parts:
+        lines = bytes(store.fs.cat_file(part)).decode().splitlines()
+        if lines:
+            return lines[0]
+    raise FileNotFoundError(f"{path}/metadata holds no part-* file with a line: not a saved Spark ML stage")
+
+
+def remove_tree(spark: Any, path: str) -> bool:
+    """Remove ``path`` and all below it on an object store (for ``overwrite``); False where the
+    path is not an object store fsspec reaches (the JVM's overwrite handles it)."""
+    store = object_store(spark, path)
+    if store is None:
+        return False
+    if store.fs.exists(store.path):
+        store.fs.rm(store.path, recursive=True)
+    return True

@@ -283,7 +283,13 @@ def _sender(reporter: ProgressReporter) -> Callable[[ProgressUpdate], None]:
 def checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> CheckpointStore | None:
     if not config.reliability.checkpoint_dir:
         return None
-    store = CheckpointStore(config.reliability.checkpoint_dir)
+    reliability = config.reliability
+    store = CheckpointStore(
+        reliability.checkpoint_dir,
+        options=reliability.storage_options,
+        background=True,  # on an object store: the step waits for torch.save to memory, not the upload
+        upload_timeout_s=reliability.checkpoint_upload_timeout_s,
+    )
     stack.callback(store.close)
     return store
 
