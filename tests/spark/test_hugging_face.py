@@ -169,3 +169,100 @@ def test_a_transformers_classifier_trains_on_text_tokenized_on_the_executors_and
     predicted = model.transform(texts(200, 2)).select("label", "prediction").toPandas()
     accuracy = float((predicted["label"] == predicted["prediction"]).mean())
     assert accuracy > 0.9, accuracy
+
+
+def first_token_rows(n: int = 256):
+    """Rows of 8 token ids whose label says whether the first is 11 or more."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 20, (n, 8), generator=generator)
+    return ids, (ids[:, 0] >= 11).long()
+
+
+def flat_weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def rank_spread(flat, group=None):
+    """The largest difference between any rank's weights and rank 0's (a collective)."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    return max(float((g - gathered[0]).abs().max()) for g in gathered)
+
+
+def hugging_face_trainer_script(output_dir: str, steps: int):
+    """A script written for Hugging Face's Trainer, as its docs write one (CPU, no reporting,
+    no saving); sparkdl.TorchDistributor gives it torchrun's environment, and the Trainer
+    forms the process group itself."""
+    import os
+
+    import transformers
+
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    ids, labels = first_token_rows()
+    rows = [
+        {"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y}
+        for i, y in zip(ids, labels, strict=True)
+    ]
+    args = transformers.TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=16, max_steps=steps, learning_rate=1e-2,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return {
+        "world_size": trainer.args.world_size,
+        "environment": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")},
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "spread": rank_spread(flat_weights(model)),
+    }
+
+
+def test_a_hugging_face_trainer_script_runs_unchanged_through_the_distributor(spark, tmp_path):
+    from sparkdl import TorchDistributor
+
+    result = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+        hugging_face_trainer_script, str(tmp_path / "out"), 12
+    )
+    assert result["world_size"] == 2 and result["environment"]["RANK"] == "0"
+    assert result["spread"] == 0.0  # DDP kept the two ranks' weights identical
+    losses = result["losses"]
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.3 * sum(losses[:3]), losses
+
+
+def transformers_own_loop(ctx):
+    """A transformers model in a user's own loop: the model computes its own loss from the
+    labels it is given (``ModelOutput.loss``), ctx prepares it (DDP) and feeds the batches."""
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = ctx.prepare(model, optimizer)
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            loss = model(**batch.inputs, labels=batch.label).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss=loss.item())
+    spread = rank_spread(flat_weights(model), ctx.process_group)
+    return {"spread": spread, "state": ctx.state_dict(model)}
+
+
+def test_a_transformers_model_trains_in_an_own_loop_with_ctx(spark):
+    import sparkdl
+
+    ids, labels = first_token_rows()
+    df = spark.createDataFrame(
+        [(row.tolist(), int(y)) for row, y in zip(ids, labels, strict=True)], "tokens array<int>, label long"
+    ).repartition(2)
+    result = sparkdl.run(
+        transformers_own_loop, df=df, num_workers=2, batch_size=16, epochs=2, progress=False,
+        inputs={"input_ids": "tokens"}, sequence_cols=["tokens"], mask_input="attention_mask",
+    )  # fmt: skip
+    assert result.value["spread"] == 0.0  # the two ranks ended with the same weights
+    assert set(result.value["state"]) == set(tiny_bert_classifier().state_dict())  # no DDP prefix
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 16 and sum(losses[-3:]) < 0.3 * sum(losses[:3]), losses
