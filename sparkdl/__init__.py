@@ -37,6 +37,9 @@ _PUBLIC = {
     "RunResult": "sparkdl.launch.run",
     "TrainFunctionError": "sparkdl.errors",
     "RunTimeout": "sparkdl.errors",
+    "StreamingFit": "sparkdl.ml.streaming",
+    "fit_stream": "sparkdl.ml.streaming",
+    "latest_model": "sparkdl.ml.streaming",
 }
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "SparkDLConfig",
     "SparkDLError",
     "StageStalledError",
+    "StreamingFit",
     "TorchDistributor",
     "TorchEstimator",
     "TorchModel",
@@ -60,6 +64,8 @@ __all__ = [
     "TrainingFailedError",
     "WorkersLostError",
     "advise",
+    "fit_stream",
+    "latest_model",
     "load_config",
     "loading",
     "run",
@@ -89,6 +95,7 @@ if TYPE_CHECKING:
     from sparkdl.launch.run import RunResult, run
     from sparkdl.ml.estimator import TorchEstimator, TorchModel
     from sparkdl.ml.persistence import loading
+    from sparkdl.ml.streaming import StreamingFit, fit_stream, latest_model
     from sparkdl.spark.session import session
 
 

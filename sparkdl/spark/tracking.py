@@ -333,3 +333,22 @@ def _param(value: Any) -> str:
         ",".join(map(str, value)) if isinstance(value, list | tuple) else str(getattr(value, "value", value))
     )
     return text[:500]  # MLflow's limit on a param value
+
+
+def tag_run(run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` on the MLflow run ``run_id`` (a streaming fit's batch id and version);
+    a failure is a warning: the version is published whatever MLflow says."""
+    try:
+        import mlflow
+
+        client = mlflow.MlflowClient()
+        for name, value in tags.items():
+            client.set_tag(run_id, name, value)
+    except Exception as exc:  # the store or the network: never worth the published version
+        log.warning(
+            "MLflow: tagging run %s with %s failed (%s: %s); the model is published without the tags",
+            run_id,
+            sorted(tags),
+            type(exc).__name__,
+            str(exc)[:500],
+        )

@@ -1,0 +1,166 @@
+"""Structured Streaming trains a model incrementally (issue 56 item 3): a file-source stream
+over a directory of Parquet files, one file per micro-batch, publishes a version per batch id
+(each loads and predicts, each starts from the one before); a query killed after publishing a
+batch, and one whose fit dies before publishing, restart from their checkpoint location to the
+weights of the same batches fitted one after another by hand, no batch lost or trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sparkdl import ConfigError, StreamingFit, TorchModel, latest_model
+from sparkdl.ml.streaming import read_latest, read_manifest, version_path
+from tests.reference import make_shards, make_tiny_net, max_abs_diff, shard_to_batch
+from tests.spark.test_fit import estimator
+
+pytestmark = pytest.mark.spark
+
+SCHEMA = "features array<float>, label long"
+ROWS = 24  # per file: one micro-batch each (maxFilesPerTrigger = 1)
+
+
+def stream_estimator(**settings):
+    return estimator(num_workers=1, progress=False, **settings)
+
+
+def write_batch_files(folder, count):
+    """``count`` Parquet files of ``ROWS`` rows, modified one second apart in name order (the
+    file source takes the oldest first)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for k in range(count):
+        path = folder / f"part-{k:03d}.parquet"
+        pq.write_table(pa.Table.from_batches([shard_to_batch(*make_shards([ROWS], seed=100 + k)[0])]), path)
+        os.utime(path, (now - 60 + k, now - 60 + k))
+    return sorted(folder.iterdir())
+
+
+def run_stream(spark, source, checkpoint, function, timeout_s=180.0):
+    """Train every file in ``source`` (available now) through ``function``; raise what it raised."""
+    query = (
+        spark.readStream.schema(SCHEMA)
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(source))
+        .writeStream.foreachBatch(function)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(timeout_s), f"the stream did not end within {timeout_s} s"
+    finally:
+        query.stop()
+
+
+def test_a_stream_publishes_a_version_per_batch_each_loading_and_predicting(spark, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    files = write_batch_files(tmp_path / "in", 3)
+    models = str(tmp_path / "models")
+    fit = StreamingFit(stream_estimator(mlflow_log_model=False), models)
+    run_stream(spark, tmp_path / "in", tmp_path / "checkpoint", fit)
+    assert fit.trained == [0, 1, 2] and fit.skipped == []
+
+    client = mlflow.MlflowClient()
+    for k, file in enumerate(files):
+        version = version_path(models, k)
+        manifest = read_manifest(spark, version)
+        assert manifest["batch_id"] == k and manifest["samples"] == ROWS
+        assert manifest["initial_model"] == (version_path(models, k - 1) if k else "")  # from the one before
+        run = client.get_run(manifest["mlflow_run_id"])
+        assert run.data.tags["sparkdl.batch_id"] == str(k)
+        assert run.data.tags["sparkdl.model_version"] == version
+        assert run.info.run_name == f"stream batch {k}"
+        model = TorchModel.load(version, model_fn=make_tiny_net)
+        assert model.transform(spark.read.parquet(str(file))).select("prediction").count() == ROWS
+    assert read_latest(spark, models) == {"batch_id": 2, "version": "batch-000000000002"}
+    newest = latest_model(models, model_fn=make_tiny_net)
+    assert (
+        max_abs_diff(
+            newest.module.state_dict(),
+            TorchModel.load(version_path(models, 2), model_fn=make_tiny_net).module.state_dict(),
+        )
+        == 0.0
+    )
+
+    fit(spark.createDataFrame([], SCHEMA), 3)  # an empty micro-batch: no fit, no version
+    assert fit.records[-1].action == "empty" and read_latest(spark, models)["batch_id"] == 2
+    assert not os.path.exists(version_path(models, 3))
+
+
+class DiesBeforePublishing(StreamingFit):
+    """Dies once, on ``batch``, after the model's files are saved and before its manifest."""
+
+    def __init__(self, estimator, model_dir, batch):
+        super().__init__(estimator, model_dir)
+        self.batch = batch
+
+    def mark_published(self, spark, model, batch_id, fit_seconds):
+        if batch_id == self.batch:
+            raise RuntimeError(f"the driver died before publishing micro-batch {batch_id}")
+        super().mark_published(spark, model, batch_id, fit_seconds)
+
+
+def test_a_query_restarted_from_its_checkpoint_trains_every_batch_once(spark, tmp_path):
+    from pyspark.errors import StreamingQueryException
+
+    files = write_batch_files(tmp_path / "in", 3)
+    models, checkpoint = str(tmp_path / "models"), tmp_path / "checkpoint"
+
+    # 1. Killed right after publishing batch 1: Spark never commits it.
+    first = StreamingFit(stream_estimator(), models)
+
+    def killed_after_publishing_1(batch_df, batch_id):
+        first(batch_df, batch_id)
+        if batch_id == 1:
+            raise RuntimeError("killed after publishing micro-batch 1")
+
+    with pytest.raises(StreamingQueryException, match="killed after publishing micro-batch 1"):
+        run_stream(spark, tmp_path / "in", checkpoint, killed_after_publishing_1)
+    assert first.trained == [0, 1]
+
+    # 2. Restarted (a new driver): batch 1 is replayed and skipped; batch 2's fit dies before
+    #    its manifest, leaving its files but no version.
+    second = DiesBeforePublishing(stream_estimator(), models, batch=2)
+    with pytest.raises(StreamingQueryException, match="died before publishing micro-batch 2"):
+        run_stream(spark, tmp_path / "in", checkpoint, second)
+    assert second.skipped == [1] and second.trained == []
+    assert os.path.exists(f"{version_path(models, 2)}/weights.pt")
+    assert read_manifest(spark, version_path(models, 2)) is None
+    assert read_latest(spark, models)["batch_id"] == 1
+
+    # 3. Restarted again: batch 2 is trained, from version 1.
+    third = StreamingFit(stream_estimator(), models)
+    run_stream(spark, tmp_path / "in", checkpoint, third)
+    assert third.trained == [2] and third.skipped == []
+    assert read_manifest(spark, version_path(models, 2))["initial_model"] == version_path(models, 1)
+
+    # The same batches fitted one after another by hand: the same weights.
+    model = None
+    for file in files:
+        model = stream_estimator(initial_model=model).fit(spark.read.parquet(str(file)))
+    streamed = latest_model(models, model_fn=make_tiny_net)
+    assert max_abs_diff(streamed.module.state_dict(), model.module.state_dict()) < 1e-6
+
+
+def test_a_model_dir_written_by_another_query_is_refused(spark, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "LATEST").write_text(json.dumps({"batch_id": 7, "version": "batch-000000000007"}))
+    fit = StreamingFit(stream_estimator(), str(models))
+    batch = spark.createDataFrame([([0.0] * 6, 1)], SCHEMA)
+    with pytest.raises(
+        ConfigError, match="already holds the version of micro-batch 7, but this stream is at"
+    ):
+        fit(batch, 3)
+    with pytest.raises(ConfigError, match="no model version is published under"):
+        latest_model(str(tmp_path / "nothing"), model_fn=make_tiny_net)
+    with pytest.raises(ConfigError, match="needs a TorchEstimator with model_fn"):
+        StreamingFit(stream_estimator(model_fn=None), str(models))
