@@ -111,6 +111,23 @@ class TrainingConfig:
             "forward of compute. Every strategy."
         ),
     )
+    compile: bool = field(
+        default=False,
+        metadata=about(
+            "Run torch.compile on each worker's model (in place: the same weights and names) and on "
+            "transform's; the first step compiles, its seconds are compile_s in epoch 1's history. "
+            "allreduce, weight_averaging and parameter_server. Off: on small models and CPUs the "
+            "compile costs more than it saves (benchmarks/bench_compile.py)."
+        ),
+    )
+    compile_backend: str = field(
+        default="inductor",
+        metadata=about(
+            "The torch.compile backend with compile = true: inductor generates fused code; eager and "
+            "aot_eager only trace (cheap to compile, for checking a model compiles).",
+            valid="a name torch._dynamo.list_backends() gives",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self, "training")

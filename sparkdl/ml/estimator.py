@@ -456,6 +456,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
             batch_size=config.data.inference_batch_size,
             use_gpu=config.runtime.use_gpu,
             torch_threads=config.runtime.torch_threads,
+            compile_backend=config.training.compile_backend if config.training.compile else "",
         )
         return dataset.mapInArrow(functools.partial(predict_partition, spec), schema)
 

@@ -40,7 +40,13 @@ from sparkdl.services.weights.endpoint import WeightsEndpoint
 from sparkdl.services.weights.server import weight_server
 from sparkdl.spark.cluster import driver_host, executor_addresses, is_connect
 from sparkdl.spark.stage_servers import warn_if_tasks_travel_in_the_clear
-from sparkdl.training.factory import ModelFn, module_with_state, state_from_bytes, state_to_bytes
+from sparkdl.training.factory import (
+    ModelFn,
+    compile_module,
+    module_with_state,
+    state_from_bytes,
+    state_to_bytes,
+)
 from sparkdl.worker.device import choose_device
 
 
@@ -132,6 +138,7 @@ class PredictSpec:
     batch_size: int
     use_gpu: UseGpu
     torch_threads: int
+    compile_backend: str = ""  # training.compile's backend; "" = eager
 
 
 def output_mode(classifier: bool, output_shape: tuple[int, ...], binary: bool = False) -> OutputMode:
@@ -307,7 +314,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -z))  # 1 / (1 + e^-z) without overflow for large |z|
 
 
-_MODULES: dict[tuple[str, str], torch.nn.Module] = {}
+_MODULES: dict[tuple[str, str, str], torch.nn.Module] = {}
 process.keep(
     "spark.inference",
     "executor",
@@ -319,9 +326,11 @@ process.keep(
 
 def _cached_module(spec: PredictSpec, device: str) -> torch.nn.Module:
     """One loaded model per Python worker and weights, reused across tasks."""
-    key = (spec.weights.key, device)
+    key = (spec.weights.key, device, spec.compile_backend)
     if key not in _MODULES:
         _MODULES.clear()  # one model per worker: a new one replaces the old, not adds to it
         module = module_with_state(spec.model_fn, spec.weights.load())
         _MODULES[key] = module.to(device).eval()
+        if spec.compile_backend:
+            compile_module(_MODULES[key], spec.compile_backend)
     return _MODULES[key]

@@ -83,6 +83,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with w, g and the optimizer state sharded over the ranks."""
 
     name = Strategy.FSDP
+    compiles = False  # its own build_module; training.compile refused
     pattern = Pattern.FULL_SHARD
     shares_gradients = True
     shards_parameters = True

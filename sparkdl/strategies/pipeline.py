@@ -93,6 +93,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     """w_s <- w_s - lr * mean over the step's rows of dL/dw_s, stage s on its own worker."""
 
     name = Strategy.PIPELINE
+    compiles = False  # its own build_module; training.compile refused
     pattern = Pattern.PIPELINE
     resizes = False
     shares_gradients = True

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from sparkdl.config import SparkDLConfig, Strategy, SufficientFactors
 from sparkdl.errors import ConfigError
+from sparkdl.training.factory import check_compile_backend
 from sparkdl.training.full_batch_settings import check_full_batch_settings
 from sparkdl.training.strategy import StrategyContext, SyncStrategy
 
@@ -113,6 +114,14 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
             f"sufficient_factors = {factors.value!r} with hierarchy = {level.value!r}: a host's sum of "
             "factors is a matrix again, so the two do not combine; set one of them to off / none"
         )
+    if config.training.compile and not cls.compiles:
+        takers = ", ".join(repr(s.value) for s in REGISTRY if strategy_class(s).compiles)
+        raise ConfigError(
+            f"compile = true with strategy {cls.name.value!r}: only {takers} compile the model; "
+            "set compile = false (or call torch.compile in model_fn yourself)"
+        )
+    if config.training.compile:
+        check_compile_backend(config.training.compile_backend)
     _check_min_workers(config, cls)
     check_full_batch_settings(config)
     cls.check_settings(config)

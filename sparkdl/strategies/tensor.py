@@ -98,6 +98,7 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
     """w <- w - lr * mean_i(g_i), with each pair of linear layers split over a group."""
 
     name = Strategy.TENSOR
+    compiles = False  # its own build_module; training.compile refused
     takes_parallelize_fn = True
     pattern = Pattern.TENSOR
     resizes = False

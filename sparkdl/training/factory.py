@@ -20,6 +20,38 @@ OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ParallelizeFn = Callable[[nn.Module, Any], object]
 
 
+def compile_module(module: nn.Module, backend: str) -> nn.Module:
+    """``module``, compiled in place with ``torch.compile``'s ``backend`` (``training.compile``):
+    its ``forward`` is replaced by the compiled one, so the module keeps its parameters, their
+    names and its state dict (``torch.compile(module)`` would wrap it, every name prefixed
+    ``_orig_mod.``), and strategies, checkpoints and the returned weights see the same model.
+    Not ``nn.Module.compile()``: it compiles ``_call_impl``, a frame of torch's own, and with
+    torch 2.13 traced no graph at all (the model ran eagerly; tests/unit/test_compile.py).
+
+    Raises:
+        ConfigError: ``backend`` is not one torch knows.
+    """
+    check_compile_backend(backend)
+    module.forward = torch.compile(module.forward, backend=backend)
+    return module
+
+
+def check_compile_backend(backend: str) -> None:
+    """Refuse a ``training.compile_backend`` torch does not know (on the driver, before any task).
+
+    Raises:
+        ConfigError: it is not among ``torch._dynamo.list_backends()``.
+    """
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"training.compile_backend = {backend!r} is not a torch.compile backend here; use one of "
+            f"{sorted(known)} (inductor, the default, generates code; eager and aot_eager only trace)"
+        )
+
+
 def build_model(model_fn: ModelFn) -> nn.Module:
     """Call ``model_fn`` and check it returned a module."""
     module = model_fn()

@@ -141,3 +141,27 @@ class ProgressHook(StepHook):
                 tally.epoch, tally.steps, total, tally.samples, tally.loss_value(), seconds, val_loss
             )
         )
+
+
+class FirstStepHook(StepHook):
+    """Times this worker's first step (where ``torch.compile``, ``training.compile``, compiles
+    the model at its first forward and backward) and adds it to the history entry of the
+    epoch it fell in, as ``compile_s``."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self.seconds: float | None = None
+        self._reported = False
+
+    def before_step(self, position: Position) -> None:
+        if self.seconds is None and self._started is None:
+            self._started = time.perf_counter()
+
+    def after_step(self, position: Position, tally: EpochTally) -> None:
+        if self.seconds is None and self._started is not None:
+            self.seconds = time.perf_counter() - self._started
+
+    def after_epoch(self, position: Position, tally: EpochTally, history: list[dict[str, Any]]) -> None:
+        if self.seconds is not None and not self._reported and history:
+            history[-1]["compile_s"] = self.seconds
+            self._reported = True

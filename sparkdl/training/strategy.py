@@ -143,6 +143,8 @@ class SyncStrategy(abc.ABC):
     hosted_on_driver: ClassVar[bool] = False
     #: Whether :meth:`build_module` takes the user's own split (``parallelize_fn``).
     takes_parallelize_fn: ClassVar[bool] = False
+    #: Whether :meth:`build_module` compiles the model with ``training.compile``.
+    compiles: ClassVar[bool] = True
     #: Whether a user's own loop (``sparkdl.run``) can run under the strategy: its
     #: :meth:`own_loop` then gives each prepared model's face.
     serves_own_loop: ClassVar[bool] = False
@@ -246,7 +248,12 @@ class SyncStrategy(abc.ABC):
         module = build_model(model_fn).to(device)
         if config.training.activation_checkpointing:
             checkpoint_layers(module)
-        return cls.prepare_module(module, config, device)
+        module = cls.prepare_module(module, config, device)
+        if config.training.compile:
+            from sparkdl.training.factory import compile_module
+
+            compile_module(module, config.training.compile_backend)
+        return module
 
     @classmethod
     def prepare_module(cls, module: nn.Module, config: SparkDLConfig, device: torch.device) -> nn.Module:

@@ -55,6 +55,7 @@ from sparkdl.training.guards import LabelRangeCheck, no_label_check
 from sparkdl.training.hooks import (
     CheckpointHook,
     DrillHook,
+    FirstStepHook,
     ProgressHook,
     ProgressUpdate,
     ReseedHook,
@@ -268,6 +269,8 @@ def _hooks(
         hooks.append(CheckpointHook(checkpointer))
     if reporter is not None:
         hooks.append(ProgressHook(_sender(reporter), reporter.due))
+    if config.training.compile:
+        hooks.append(FirstStepHook())
     return hooks
 
 

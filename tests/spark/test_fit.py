@@ -579,3 +579,20 @@ def test_a_model_fn_that_cannot_be_pickled_fails_before_any_spark_job_naming_it(
         estimator(model_fn=model_with_a_lock).fit(df)
     assert "lock" in str(caught.value)  # the reason: cannot pickle '_thread.lock' object
     assert set(tracker.getJobIdsForGroup()) == before  # no Spark job ran
+
+
+def test_a_compiled_model_fits_the_reference_answer_reports_its_compile_and_transforms(spark):
+    """``compile = true`` (with aot_eager, which traces forward and backward as inductor does
+    but compiles in a second, not tens, on 2 CPUs): the workers' compiled models give
+    single-process SGD's weights, epoch 1 reports its first step's seconds apart, and
+    transform's compiled model predicts as the trained module does."""
+    shards = make_shards([48, 40])
+    df = shards_dataframe(spark, shards)
+    model = estimator(epochs=2, compile=True, compile_backend="aot_eager").fit(df)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, False)
+    assert max_abs_diff(model.module.state_dict(), expected) < 1e-5
+    assert model.history[0]["compile_s"] > 0 and "compile_s" not in model.history[1]
+    rows = model.transform(df).select("features", "prediction").collect()
+    with torch.no_grad():
+        logits = model.module(torch.tensor([r.features for r in rows]))
+    assert [int(r.prediction) for r in rows] == logits.argmax(dim=1).tolist()

@@ -63,7 +63,7 @@ def test_unknown_key_names_the_file_section_and_key(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"unknown key 'zzz'; valid keys: accumulate_steps, activation_checkpointing, batch_size, "
-        r"early_stop",
+        r"compile, compile_backend, early_stop",
     ):
         load_config(write(tmp_path, "[training]\nzzz = 1\n"))
 
