@@ -2,7 +2,7 @@
 
 ``python -m sparkdl settings`` prints it; docs/settings.md is its markdown form (a unit
 test compares the two). The library's rows come from :mod:`sparkdl.config.table`; the
-jobs' sections (``[job]``, ``[etl]``, ``[spark]``) live with the jobs in this package.
+jobs' sections (``[job]``, ``[etl]``, ``[stream]``, ``[spark]``) live with the jobs in this package.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from sparkdl.apps.etl_job import EtlSection
+from sparkdl.apps.stream_job import StreamSection
 from sparkdl.apps.train_job import JobSection, SparkSection
 from sparkdl.config.table import Setting, library_settings, settings_of
 
@@ -17,8 +18,9 @@ REGENERATE = ".venv/bin/python -m sparkdl settings --format markdown > docs/sett
 
 
 def job_settings() -> tuple[Setting, ...]:
-    """The jobs' own sections (``[job]``, ``[etl]``, ``[spark]``): not estimator settings."""
-    return settings_of({"job": JobSection, "etl": EtlSection, "spark": SparkSection})
+    """The jobs' own sections (``[job]``, ``[etl]``, ``[stream]``, ``[spark]``): not estimator
+    settings."""
+    return settings_of({"job": JobSection, "etl": EtlSection, "stream": StreamSection, "spark": SparkSection})
 
 
 def render_text() -> str:
@@ -44,7 +46,7 @@ def render_markdown() -> str:
     """docs/settings.md: a header saying how to regenerate it, then one table per section."""
     out = [
         "<!-- Generated from the settings' own metadata (sparkdl/config/*_sections.py,",
-        "     sparkdl/apps/train_job.py, sparkdl/apps/etl_job.py); do not edit by hand. Regenerate with:",
+        "     sparkdl/apps/*_job.py); do not edit by hand. Regenerate with:",
         f"       {REGENERATE}",
         "     tests/unit/test_settings.py fails while this file is out of step. -->",
         "",
@@ -61,8 +63,9 @@ def render_markdown() -> str:
         "",
         "# The jobs' own sections",
         "",
-        "Read by `jobs/train.py` (`[job]`, `[spark]`) and `jobs/etl_to_train.py` (`[etl]`, `[spark]`)",
-        "from their TOML files; not `TorchEstimator` keywords.",
+        "Read by `jobs/train.py` (`[job]`, `[spark]`), `jobs/etl_to_train.py` (`[etl]`, `[spark]`) and",
+        "`jobs/stream_train.py` (`[stream]`, `[spark]`) from their TOML files; not `TorchEstimator`",
+        "keywords.",
     ]
     out += _markdown_tables(job_settings())
     return "\n".join(out) + "\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,6 +21,8 @@ from tests.reference import make_shards, make_tiny_net, max_abs_diff, shard_to_b
 from tests.spark.test_fit import estimator
 
 pytestmark = pytest.mark.spark
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCHEMA = "features array<float>, label long"
 ROWS = 24  # per file: one micro-batch each (maxFilesPerTrigger = 1)
@@ -164,3 +167,36 @@ def test_a_model_dir_written_by_another_query_is_refused(spark, tmp_path):
         latest_model(str(tmp_path / "nothing"), model_fn=make_tiny_net)
     with pytest.raises(ConfigError, match="needs a TorchEstimator with model_fn"):
         StreamingFit(stream_estimator(model_fn=None), str(models))
+
+
+def test_the_streaming_job_trains_the_files_there_then_one_that_lands_after_a_restart(
+    spark, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    import jobs.stream_train as cli
+    from sparkdl.apps.models import MLPFactory
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "conf/stream.toml"), "--output", "out"]
+    args += ["--set", "stream.sample_files=2", "--set", "training.epochs=1"]
+
+    def run_job():
+        assert cli.main(args) == 0
+        out = capsys.readouterr().out
+        return json.loads(out[out.index("{") :])
+
+    first = run_job()  # writes the bundled digits as 2 files, trains one micro-batch each
+    assert (first["batches_trained"], first["batches_skipped"], first["latest_batch_id"]) == (2, 0, 1)
+    landed = tmp_path / "data/stream/in/digits-0002.parquet"
+    shutil.copy(tmp_path / "data/stream/in/digits-0000.parquet", landed)  # newer: read after the others
+    second = run_job()  # the same checkpoint: only the new file is trained, from version 1
+    assert (second["batches_trained"], second["batches_skipped"], second["latest_batch_id"]) == (1, 0, 2)
+    models = str(tmp_path / "out/models")
+    assert read_manifest(spark, version_path(models, 2))["initial_model"] == version_path(models, 1)
+    assert json.loads((tmp_path / "out/metrics.json").read_text())["latest_version"] == "batch-000000000002"
+
+    model = latest_model(models, model_fn=MLPFactory(64, (64,), 10))
+    rows = spark.read.parquet(str(landed))
+    correct = model.transform(rows).filter("prediction = label").count()
+    assert correct / rows.count() > 0.6  # 3 epochs in all, one per micro-batch: far above chance (0.1)

@@ -54,6 +54,15 @@ def test_the_etl_jobs_help_shows_each_default_and_what_it_reads(capsys, monkeypa
     assert "conf/etl.toml's keeps the rows with a digit, so set your own" in text  # its feature_sql
 
 
+def test_the_streaming_jobs_help_shows_each_default_and_what_it_watches(capsys, monkeypatch):
+    text = _help("stream_train", capsys, monkeypatch)
+    assert "TOML config file (default: conf/stream.toml)" in text
+    assert "directory for the results (default: out/stream)" in text
+    for setting in ("input_path", "schema", "trigger"):
+        assert f"--set stream.{setting}=" in text
+    assert "same stream.checkpoint_location" in text
+
+
 def test_the_bundled_data_sets_are_the_ones_that_load():
     for name in BUNDLED:
         assert len(load_arrays(name).labels) > 0
