@@ -140,6 +140,15 @@ class ParameterServerConfig:
             bound=">= 0",
         ),
     )
+    ps_barrier: bool = field(
+        default=True,
+        metadata=about(
+            "false (ps_mode = 'async' only): every worker is an ordinary Spark task, not one of a "
+            "barrier stage: a worker that fails is retried by Spark alone (spark.task.maxFailures) and "
+            "resumes from the server's weights, skipping the rows its predecessor's pushes hold, while "
+            "the others train on (no checkpoint, validation or hierarchy; one shard)."
+        ),
+    )
     ps_timeout_s: float = field(
         default=120.0,
         metadata=about(

@@ -38,6 +38,7 @@ from sparkdl.services.progress.board import announce
 from sparkdl.spark.cluster import max_concurrent_tasks
 from sparkdl.spark.environment import check_executor_environment
 from sparkdl.spark.fit_task import RESULT_SCHEMA, TrainSpec, train_partition
+from sparkdl.spark.independent import run_independent
 from sparkdl.spark.preflight import check_label_range, check_model, label_range, sample_batch
 from sparkdl.spark.ps_host import start_parameter_server
 from sparkdl.spark.resize import Resize, check_resizable, next_size, note_resizes
@@ -280,6 +281,12 @@ def _train(df: Any, spec: TrainSpec, site: Site, slots: SlotWatch | None) -> Fit
     """One training stage of ``spec.config``'s workers, with its servers."""
     config = spec.config
     n = config.training.num_workers
+    if not config.parameter_server.ps_barrier:  # async workers as ordinary tasks, each failing alone
+        alone = run_independent(df, spec, site)
+        result = _fit_result(alone.rows, n)
+        result.state_dict.update(alone.weights)  # the server's weights over partition 0's buffers
+        result.history[-1].update(alone.figures)
+        return result
     hosted = None
     with contextlib.ExitStack() as stack:
         if strategy_class(config.training.strategy).hosted_on_driver:

@@ -135,7 +135,9 @@ def _serve(
     torch.manual_seed(config.training.seed)
     model = build_model(model_fn)
     params = list(model.parameters())
-    groups = shard_trainable(params, config.parameter_server.ps_shards)  # the frozen stay on the workers
+    independent = not config.parameter_server.ps_barrier  # one shard: its row count is the partition's
+    shards = 1 if independent else config.parameter_server.ps_shards
+    groups = shard_trainable(params, shards)  # the frozen stay on the workers
     vectors = (
         ShardedVectors(config.optimizer.weight_decay)
         if config.optimizer.optimizer is OptimizerName.LBFGS
@@ -210,6 +212,7 @@ def _shard_stores(
             steps_per_version=_steps_per_version(config),
             backup_workers=settings.backup_workers,
             handoff=vectors.receive if vectors is not None else None,
+            independent=not settings.ps_barrier,
         )
         for group in groups
     ]

@@ -50,8 +50,15 @@ from torch import nn
 from sparkdl.comm.compression.codecs import ErrorFeedback, codec_for
 from sparkdl.comm.ps_endpoint import PsEndpoint
 from sparkdl.comm.traffic import Pattern
-from sparkdl.config import Compression, Precision, PsMode, SparkDLConfig, Strategy, SufficientFactors
-from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, agreed
+from sparkdl.config import (
+    Compression,
+    Precision,
+    PsMode,
+    SparkDLConfig,
+    Strategy,
+    SufficientFactors,
+)
+from sparkdl.errors import ConfigError, PeerStopped, SparkDLError, TrainingFailedError, agreed
 from sparkdl.services.ps.client import ClientStats, PsClient
 from sparkdl.strategies.ps_factors import FactorPushes
 from sparkdl.strategies.ps_own_loop import ServedFace, check_served_model, check_served_settings
@@ -94,6 +101,8 @@ class ParameterServerStrategy(SyncStrategy):
                 "server's optimizer runs on the driver; use precision = 'bf16' with the parameter server"
             )
         refuse_powersgd(config)
+        if not config.parameter_server.ps_barrier:
+            refuse_for_independent_tasks(config)
         factors, compression = config.runtime.sufficient_factors, config.runtime.compression
         if factors is not SufficientFactors.OFF and compression is not Compression.NONE:
             raise ConfigError(
@@ -142,7 +151,13 @@ class ParameterServerStrategy(SyncStrategy):
         self._stopping: SparkDLError | None = None  # hierarchy: told to the leader at the next push
         self._client: PsClient | None = None
         bf16 = settings.ps_pull_precision is Precision.BF16
-        if self._hierarchy is None:
+        self._skip_rows = 0  # independent tasks: rows of this partition the server already applied
+        if ctx.ps.partition >= 0:  # an independent task: pushes as its partition, fenced by its attempt
+            self._client = PsClient(
+                ctx.ps, ctx.ps.partition, ctx.ps.task_attempt, 0, feedback, bf16_pulls=bf16
+            )
+            self._skip_rows = self._client.rows_done or 0
+        elif self._hierarchy is None:
             self._client = PsClient(ctx.ps, ctx.rank, ctx.attempt, ctx.resume_step, feedback, bf16_pulls=bf16)
         elif self._hierarchy.is_leader:  # pusher number `host` of `hosts`
             h = self._hierarchy
@@ -161,6 +176,8 @@ class ParameterServerStrategy(SyncStrategy):
             self._skip -= 1
             self.stats.skipped_steps += 1
             return StepOutcome(loss, trained=False)
+        if self._skip_rows > 0:  # an independent task's retry: its predecessor's pushes hold these rows
+            return self._skip_applied(step)
         verdict = Verdict.APPLY
         if step.batches:  # the optimizer runs on the server: the worker only computes gradients
             loss = self._backward(step, step.batches, 1.0)
@@ -181,6 +198,27 @@ class ParameterServerStrategy(SyncStrategy):
                     self._factors.drop()
         self.step_done(step.step)
         return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
+
+    def _skip_applied(self, step: StepInput) -> StepOutcome:
+        """Skip a step whose rows an earlier attempt of this partition pushed (the server
+        applied them); its batches are read, nothing is computed or pushed.
+
+        Raises:
+            TrainingFailedError: the step holds more rows than are left to skip: this attempt's
+                batches are not its predecessor's (the partition's rows came in another order
+                or number), so exactly-once per epoch cannot hold.
+        """
+        if step.rows > self._skip_rows:
+            raise TrainingFailedError(
+                f"partition {self.ctx.ps.partition if self.ctx.ps else -1}: task attempt "
+                f"{self.ctx.ps.task_attempt if self.ctx.ps else 0} resumes after rows its predecessor's "
+                f"pushes covered, but its step {step.step} holds {step.rows} rows with only "
+                f"{self._skip_rows} left to skip: the partition's rows are not read as they were (a "
+                "non-deterministic input: sort it, or cache or checkpoint the DataFrame before fit)"
+            )
+        self._skip_rows -= step.rows
+        self.stats.skipped_steps += 1
+        return StepOutcome(torch.zeros((), device=self.ctx.device), trained=False)
 
     def _refuse_shared_factors(self) -> None:
         """Stop every worker (through the server) when a factored weight is used outside its
@@ -391,3 +429,43 @@ def _flat_grad(params: list[nn.Parameter]) -> torch.Tensor:
             for p in params
         ]
     )
+
+
+def refuse_for_independent_tasks(config: SparkDLConfig) -> None:
+    """What ``ps_barrier = false`` (each worker an ordinary task that fails and is retried
+    alone) cannot run with, each refused with the reason and the fix.
+
+    Raises:
+        ConfigError: the first setting that needs the workers to meet or a global checkpoint.
+    """
+    settings, training, reliability = config.parameter_server, config.training, config.reliability
+    fix = "; or set parameter_server.ps_barrier = true"
+    if settings.ps_mode is not PsMode.ASYNC:
+        raise ConfigError(
+            f"parameter_server.ps_barrier = false with ps_mode = {settings.ps_mode.value!r}: only 'async' "
+            "lets a worker train while another is down (sync and ssp pulls wait on every worker's clock, "
+            "and a retried task's clock would hold the others back); use ps_mode = 'async'" + fix
+        )
+    refusals = [
+        (config.runtime.hierarchy.value != "none", f"runtime.hierarchy = {config.runtime.hierarchy.value!r}",
+         "a host's workers sum into their leader every push", "set hierarchy = 'none'"),
+        (settings.ps_shards > 1, f"ps_shards = {settings.ps_shards}",
+         "a task that dies between its pushes to two shards would leave them disagreeing on the rows "
+         "its retry must skip", "set ps_shards = 1 (or 0: one shard)"),
+        (bool(reliability.checkpoint_dir), f"reliability.checkpoint_dir = {reliability.checkpoint_dir!r}",
+         "a retried task resumes from the server's weights and its partition's rows, never from a "
+         "global checkpoint", "leave checkpoint_dir empty"),
+        (reliability.min_workers > 0, f"reliability.min_workers = {reliability.min_workers}",
+         "each task is retried alone by Spark (spark.task.maxFailures); no stage restarts smaller",
+         "set min_workers = 0"),
+        (bool(training.validation_fraction or training.validation_col),
+         "validation rows (validation_fraction / validation_col)",
+         "each worker would validate its own copy of the weights at its own epoch end",
+         "validate the returned model with transform"),
+        (training.early_stopping_patience > 0,
+         f"early_stopping_patience = {training.early_stopping_patience}",
+         "no epoch end is shared by the workers", "set early_stopping_patience = 0"),
+    ]  # fmt: skip
+    for refused, what, why, how in refusals:
+        if refused:
+            raise ConfigError(f"parameter_server.ps_barrier = false with {what}: {why}; {how}" + fix)

@@ -85,6 +85,7 @@ class PsClient:
         self.pushers = pushers
         self.stats = ClientStats()
         self.ahead = 0
+        self.rows_done: int | None = None  # independent tasks: the partition's rows the server applied
         shards = len(endpoint.shard_params)
         self._memory: WorkerAreas | None = attach(endpoint.areas) if endpoint.shard_sizes else None
         self._channels: list[PsChannel] = []
@@ -145,7 +146,11 @@ class PsClient:
                 want_area=self._memory is not None,
                 server_key=self.endpoint.server_key,
             )
-            granted = self._expect(channel, Kind.ACK, handshake=True).area
+            ack = self._expect(channel, Kind.ACK, handshake=True)
+            granted = ack.area
+            # an independent task: its partition's rows already in the weights (the same on
+            # every shard's ACK but for a push landing between two HELLOs: the least counts)
+            self.rows_done = ack.rows if self.rows_done is None else min(self.rows_done, ack.rows)
         except BaseException:
             sock.close()
             raise

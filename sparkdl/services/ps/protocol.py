@@ -12,7 +12,9 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
     clock      the global step a request is about: HELLO the step the workers resumed
                from (0 when they start afresh), PUSH the step the gradient is of, PULL
                the step the worker is about to compute, SNAPSHOT the step to save at
-    rows       PUSH: the rows the gradient sum covers
+    rows       PUSH: the rows the gradient sum covers; ACK of an independent task's HELLO
+               (``ps_barrier = false``: its ``rank`` is its partition, its ``attempt`` Spark's
+               task attempt): the partition's rows whose pushes the server applied
     version    WEIGHTS: the weights' version; ACK of a SNAPSHOT: the version saved
     staleness  ACK of a PUSH: how many updates the pushed gradient was behind (sync with
                backup workers: how many clocks late it came, and was dropped);

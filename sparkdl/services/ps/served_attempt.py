@@ -12,6 +12,14 @@ writes ``ps-shard-NNN-<s>.pt`` there (atomically, newest two kept). A stage atte
 whose HELLO says it resumes from step ``s`` first returns every shard to its
 snapshot of ``s``: the state that checkpoint was taken with.
 
+Independent tasks (``ps_barrier = false``). There are no stage attempts: each task's HELLO
+names its partition (its rank) and its task attempt; :meth:`StageAttempts.begin_task` makes
+that attempt the one every shard takes the partition's pushes from, and answers with the
+rows of the partition whose pushes were applied. Each takeover is recorded (the partition,
+the attempt, when, the rows its predecessors' pushes covered), at most
+:data:`TAKEOVERS_KEPT`, and each partition's open connections and last word are kept (the
+driver's stall watch reads them): all bounded by the fit's partitions.
+
 Locking: one lock (:attr:`StageAttempts._lock`) guards the current attempt and its pushers
 and is held while every store begins the new attempt, so two connections of one new
 attempt cannot both restart the clocks. Under it each store's own lock is taken (never
@@ -20,15 +28,21 @@ the other way around).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from sparkdl.errors import CheckpointError, PushRejected
 from sparkdl.services.ps.store import ShardStore
 from sparkdl.storage.checkpoint_store import CheckpointStore
 
 log = logging.getLogger(__name__)
+
+#: Independent tasks: the takeovers (task attempts after the first) the history keeps.
+TAKEOVERS_KEPT = 1000
 
 
 class StageAttempts:
@@ -61,6 +75,59 @@ class StageAttempts:
         # so that a new attempt's clocks start from one version on every shard
         self._lock = lock or threading.Lock()
         self._attempt_started = attempt_started
+        self.independent = bool(stores) and all(store.independent for store in stores)
+        workers = max((store.num_workers for store in stores), default=0)
+        self._first_seen: list[float | None] = [None] * workers  # independent: each partition's first HELLO
+        self._open = [0] * workers  # ... its open connections
+        self._heard = [0.0] * workers  # ... when it last connected or closed one
+        self.takeovers: collections.deque[dict[str, Any]] = collections.deque(maxlen=TAKEOVERS_KEPT)
+        self._seen_attempt = [-1] * workers
+
+    def begin_task(self, rank: int, attempt: int) -> int:
+        """Independent tasks: task attempt ``attempt`` of partition ``rank`` connects (one
+        connection per shard); every shard takes the partition's pushes from it alone from now
+        on. Returns the partition's rows whose pushes every shard applied (the attempt skips them).
+
+        Raises:
+            PushRejected: an attempt older than the partition's current one, or a rank out of range.
+        """
+        with self._lock:
+            rows = min(store.begin_task(rank, attempt) for store in self._stores)
+            now = time.time()
+            if attempt > self._seen_attempt[rank]:
+                if self._seen_attempt[rank] >= 0:
+                    self.takeovers.append(
+                        {"partition": rank, "attempt": attempt, "time": now, "rows_skipped": rows}
+                    )
+                    log.warning(
+                        "partition %d: task attempt %d took over from attempt %d; %d rows whose pushes were "
+                        "applied are skipped, the rest of its partition is trained",
+                        rank, attempt, self._seen_attempt[rank], rows,
+                    )  # fmt: skip
+                self._seen_attempt[rank] = attempt
+            self._open[rank] += 1
+            self._heard[rank] = time.monotonic()
+            return rows
+
+    def end_task_connection(self, rank: int) -> None:
+        """Independent tasks: a connection of partition ``rank`` closed."""
+        with self._lock:
+            if 0 <= rank < len(self._open) and self._open[rank] > 0:
+                self._open[rank] -= 1
+                self._heard[rank] = time.monotonic()
+
+    def silence(self) -> dict[int, float]:
+        """Independent tasks: seconds since each partition with an open connection was last
+        heard from (its latest push, or its connection's opening)."""
+        now = time.monotonic()
+        with self._lock:
+            silent = {}
+            for rank, connections in enumerate(self._open):
+                if connections:
+                    pushes = [store.push_times[rank] for store in self._stores]
+                    last = max([self._heard[rank], *(times[-1] for times in pushes if times)])
+                    silent[rank] = now - last
+            return silent
 
     def begin(self, attempt: int, start_clock: int, pushers: int = 0) -> None:
         """The first connection of a new stage attempt restarts the clocks (and restores

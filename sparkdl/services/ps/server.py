@@ -177,6 +177,21 @@ class ParameterServer:
         """Pushes rejected for NaN or infinite values."""
         return self._requests.nonfinite_pushes
 
+    def task_silence(self) -> dict[int, float]:
+        """Independent tasks: seconds since each partition with an open connection was last
+        heard from (the driver's stall watch); empty for barrier workers."""
+        return self._attempts.silence() if self._attempts.independent else {}
+
+    def task_ledger(self) -> dict[str, object]:
+        """Independent tasks: per partition, the rows whose pushes were applied and the
+        monotonic times of its latest pushes; the takeovers of retried task attempts."""
+        store = self.stores[0]
+        return {
+            "rows_applied": list(store.rows_applied),
+            "push_times": [list(times) for times in store.push_times],
+            "takeovers": list(self._attempts.takeovers),
+        }
+
     def endpoint(self, shard_params: tuple[tuple[int, ...], ...]) -> PsEndpoint:
         return PsEndpoint(
             self.host,

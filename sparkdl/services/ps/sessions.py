@@ -77,16 +77,23 @@ class Sessions:
     def serve(self, hello: Frame, channel: PsChannel, peer: tuple[str, int]) -> None:
         """Serve one authenticated connection until it ends or the server stops."""
         warm = WarmBuffers()  # this connection's pushes and pulled weights, reused
+        task = -1  # independent tasks: the partition of this connection, once begun
         try:
+            rows = 0
             try:
-                self._attempts.begin(hello.attempt, hello.clock, hello.rows)
+                if self._attempts.independent:  # an independent task: its partition, its attempt
+                    rows = self._attempts.begin_task(hello.rank, hello.attempt)
+                    task = hello.rank
+                else:
+                    self._attempts.begin(hello.attempt, hello.clock, hello.rows)
             except (PushRejected, CheckpointError) as exc:
                 channel.send(error_frame(exc))
                 self._requests.reject(peer, str(exc))
                 return
             if hello.area and self._areas is not None:
                 warm.area = self._areas.acquire()
-            channel.send(Frame(Kind.ACK, area=0 if warm.area is None else warm.area + 1))
+            ack = Frame(Kind.ACK, rows=rows, area=0 if warm.area is None else warm.area + 1)
+            channel.send(ack)
             while not self._listener.stopping:
                 self._serve_next(channel, hello, warm)
         except ProtocolError as exc:
@@ -95,6 +102,8 @@ class Sessions:
         except OSError:
             pass  # the worker went away, or stop() closed the socket
         finally:
+            if task >= 0:
+                self._attempts.end_task_connection(task)
             if warm.waiting is not None:
                 self._parked.withdraw(warm)
             if warm.area is not None and self._areas is not None:

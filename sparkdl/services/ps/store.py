@@ -40,6 +40,13 @@ gradient sum per clock (164 MB for 40 pushes). And every update is checked: one 
 a weight NaN or infinite (finite gradients can: three pushes of 3e38) is undone, the shard
 keeps its weights from before it, and its push is refused; the weights served stay finite.
 
+Independent tasks (``parameter_server.ps_barrier = false``, async only). Each worker is an
+ordinary Spark task that fails and is retried alone, so a store built ``independent`` keeps,
+per partition (the worker's rank), the task attempt whose pushes it takes (a newer attempt's
+:meth:`~ShardStore.begin_task` fences the older: its later pushes are refused), the rows
+whose pushes it applied (a retry skips them) and the times of its latest pushes. These are
+bounded by the fit's partitions (``num_workers``) and :data:`PUSH_TIMES_KEPT` each.
+
 Memory: two copies of the weights (the second, the weights before the update being applied)
 and the optimizer state per shard, plus one gradient accumulator per clock in flight (at
 most ``staleness + 1``), never one per worker.
@@ -47,6 +54,7 @@ most ``staleness + 1``), never one per worker.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import threading
@@ -61,6 +69,9 @@ from torch import nn
 from sparkdl.config import PsMode
 from sparkdl.errors import CoordinatorFailed, PsAborted, PsTimeoutError, PushRejected
 from sparkdl.training.schedules import CONSTANT_LR, LrPlan, ScheduledLr
+
+#: Independent tasks: the push times each partition's record keeps (the latest).
+PUSH_TIMES_KEPT = 4096
 
 OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -93,6 +104,8 @@ class ShardStore:
         backup_workers: sync: apply a clock once ``num_workers - backup_workers`` pushed it.
         handoff: coordinated: a complete clock goes here instead of to an optimizer
             (``optimizer_fn`` is then None), and the next version waits for :meth:`publish`.
+        independent: async workers as independent tasks: pushes are fenced per partition
+            (:meth:`begin_task`) and each partition's applied rows are counted.
     """
 
     def __init__(
@@ -108,6 +121,7 @@ class ShardStore:
         steps_per_version: float = 1.0,
         backup_workers: int = 0,
         handoff: Handoff | None = None,
+        independent: bool = False,
     ) -> None:
         if (optimizer_fn is None) == (handoff is None):
             raise ValueError("a store takes an optimizer_fn, or a handoff to a coordinator: one of them")
@@ -145,6 +159,14 @@ class ShardStore:
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
         self._failed = ""  # coordinated: why the coordinator failed (every attempt, for good)
+        if independent and mode is not PsMode.ASYNC:
+            raise ValueError(f"independent tasks push asynchronously; this store is {mode.value}")
+        self.independent = independent
+        self._task_attempts = [-1] * num_workers  # independent: the attempt each partition's pushes come from
+        self.rows_applied = [0] * num_workers  # independent: rows of each partition in the weights
+        self.push_times: list[collections.deque[float]] = [
+            collections.deque(maxlen=PUSH_TIMES_KEPT) for _ in range(num_workers)
+        ]
 
     @property
     def coordinated(self) -> bool:
@@ -201,6 +223,29 @@ class ShardStore:
             self._base_version = self.version
             self._cond.notify_all()
 
+    def begin_task(self, rank: int, attempt: int) -> int:
+        """Independent tasks: task attempt ``attempt`` of partition ``rank`` connects; from now
+        on only its pushes are taken for that partition (an older attempt's are refused).
+        Returns the partition's rows whose pushes were applied (what the attempt skips).
+
+        Raises:
+            PushRejected: not an independent store, a rank out of range, or an attempt older
+                than the one the partition's pushes come from.
+        """
+        with self._cond:
+            if not self.independent:
+                raise PushRejected("a task HELLO on a store of barrier workers (ps_barrier = true)")
+            if not 0 <= rank < self.num_workers:
+                raise PushRejected(f"partition {rank} is not one of the fit's {self.num_workers} partitions")
+            current = self._task_attempts[rank]
+            if attempt < current:
+                raise PushRejected(
+                    f"task attempt {attempt} of partition {rank} is older than attempt {current}, whose "
+                    "pushes the server takes now (a zombie or a speculative copy): refused"
+                )
+            self._task_attempts[rank] = attempt
+            return self.rows_applied[rank]
+
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the shard: weights, optimizer state, version (plain tensors)."""
         with self._cond:
@@ -246,6 +291,9 @@ class ShardStore:
                 staleness = max(self.version - clock, 0)  # async: clock = version it was based on
                 if rows > 0 and not self._apply(grad_sum.div_(rows)):
                     raise self._undone(f"rank {rank}'s push based on version {clock}")
+                if self.independent:  # under the lock of the update: counted once it is in the weights
+                    self.rows_applied[rank] += max(rows, 0)
+                    self.push_times[rank].append(self._clock())
                 self._cond.notify_all()
                 return staleness
             late = self.applied_clock - clock
@@ -368,7 +416,12 @@ class ShardStore:
     def _check_push(self, rank: int, attempt: int, clock: int, grad_sum: torch.Tensor) -> None:
         if not 0 <= rank < self.num_workers:
             raise PushRejected(f"rank {rank} is not one of the {self.num_workers} workers")
-        if attempt != self.attempt:
+        if self.independent and attempt != self._task_attempts[rank]:
+            raise PushRejected(
+                f"push from task attempt {attempt} of partition {rank}; the server takes that partition's "
+                f"pushes from attempt {self._task_attempts[rank]} (a stale attempt's are refused)"
+            )
+        if not self.independent and attempt != self.attempt:
             raise PushRejected(f"push from stage attempt {attempt}; the current attempt is {self.attempt}")
         if grad_sum.numel() != self.numel or grad_sum.dtype != torch.float32:
             raise PushRejected(

@@ -1,0 +1,115 @@
+"""The driver's side of the asynchronous parameter server in ordinary tasks
+(``parameter_server.ps_barrier = false``): Downpour as its authors meant it.
+
+The server is hosted on the driver as for barrier workers; the workers are the tasks of one
+plain ``mapInArrow`` stage (not ``barrier=True``), one per partition, each on its own
+(:mod:`sparkdl.spark.independent_task`). Nothing is agreed between workers: the rank is the
+partition id, there is no meeting point, and each ends its epochs alone. A task that fails
+is retried by Spark alone (``spark.task.maxFailures``; in local mode ``local[N, F]``) and
+resumes from the server's current weights, skipping the rows its predecessors' pushes
+covered; a stale attempt's pushes are refused by the server.
+
+The stage is watched: a partition whose task holds a connection to the server and has not
+pushed for longer than the bound (``ps_timeout_s`` plus the teardown's and a margin)
+cancels it (:class:`~sparkdl.errors.StageStalledError`); between attempts Spark's own
+scheduling decides. The figures of the run join the history's last record: each
+partition's rows in the weights, its longest gap between two pushes, and every takeover
+(which partition's task was retried, when, and the rows it skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparkdl.errors import ConfigError, StageStalledError
+from sparkdl.spark.cluster import described, own_local_properties
+from sparkdl.spark.fit_task import RESULT_SCHEMA
+from sparkdl.spark.independent_task import train_alone
+from sparkdl.spark.ps_host import start_parameter_server
+from sparkdl.spark.stage import Site, stage_input, translate_failure
+from sparkdl.spark.watch import MARGIN_S, collect_watched
+from sparkdl.worker.assembly import TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IndependentRun:
+    """What the stage of independent tasks brought back.
+
+    Attributes:
+        rows: each partition's result row.
+        weights: the server's trained weights by state-dict key.
+        figures: the run's figures for the history (rows applied, push gaps, takeovers).
+    """
+
+    rows: list[Any]
+    weights: dict[str, torch.Tensor]
+    figures: dict[str, Any]
+
+
+def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
+    """Train ``spec`` on ``df`` with one ordinary task per partition against the driver's
+    server.
+
+    Raises:
+        ConfigError: validation rows given (each task would validate its own weights), or
+            a Spark Connect session (no driver process of ours to host the server).
+        StageStalledError: a partition connected to the server went silent past the bound.
+        SparkDLError: a task failed on every attempt: its error, rebuilt from its record.
+    """
+    config = spec.config
+    n = config.training.num_workers
+    if spec.plan.validation_col:
+        raise ConfigError(
+            "parameter_server.ps_barrier = false with a validation DataFrame: each task would validate "
+            "its own copy of the weights at its own epoch end; validate the returned model with "
+            "transform, or set ps_barrier = true"
+        )
+    if site.connect:
+        raise ConfigError(
+            "parameter_server.ps_barrier = false needs the driver process to host the server and to "
+            "watch the stage, which a Spark Connect client cannot; use a classic session"
+        )
+    hosted = start_parameter_server(site.spark, spec, None)
+    try:
+        task_spec = dataclasses.replace(hosted.spec, weights=None, meeting=None, progress=None)
+        data = stage_input(df, spec.plan.column_names, n)
+        stage = data.mapInArrow(functools.partial(train_alone, task_spec), RESULT_SCHEMA)
+        runtime = config.runtime
+        bound_s = config.parameter_server.ps_timeout_s + runtime.teardown_timeout_s + MARGIN_S
+        description = (
+            f"sparkdl fit: {n} independent tasks (async parameter server), {config.training.epochs} epochs"
+        )
+        with own_local_properties(site.spark), described(site.spark, description):
+            try:
+                rows = collect_watched(site.spark, stage, hosted.server.task_silence, bound_s, site.group)
+            except StageStalledError:
+                raise
+            except Exception as exc:
+                raise translate_failure(exc) from exc
+        return IndependentRun(rows, hosted.parameter_state(), run_figures(hosted.server.task_ledger()))
+    finally:
+        hosted.stop()
+
+
+def run_figures(ledger: dict[str, Any]) -> dict[str, Any]:
+    """The history's figures of a run of independent tasks, from the server's ledger: each
+    partition's rows in the weights, its longest gap between two pushes (seconds) and
+    pushes counted, and the takeovers of retried tasks."""
+    gaps = []
+    for times in ledger["push_times"]:
+        gaps.append(round(max((b - a for a, b in itertools.pairwise(times)), default=0.0), 4))
+    return {
+        "partition_rows_applied": ledger["rows_applied"],
+        "partition_push_gap_max_s": gaps,
+        "partition_pushes": [len(times) for times in ledger["push_times"]],
+        "task_retries": ledger["takeovers"],
+    }

@@ -1,0 +1,136 @@
+"""The parameter server's record for independent tasks (``ps_barrier = false``): per
+partition, the task attempt whose pushes it takes, the rows it applied, and the settings
+that mode refuses. Outside Spark: a store directly, and a real server over its socket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.config import PsMode, SparkDLConfig
+from sparkdl.errors import ConfigError, ParameterServerError, PushRejected
+from sparkdl.services.ps.client import PsClient
+from sparkdl.services.ps.server import ParameterServer
+from sparkdl.services.ps.store import ShardStore
+from sparkdl.spark.independent import run_figures
+from sparkdl.strategies import check_settings
+
+SECRET = b"k" * 32
+
+
+def independent_store(workers: int = 3) -> ShardStore:
+    param = nn.Parameter(torch.zeros(4))
+    return ShardStore(
+        [param], lambda ps: torch.optim.SGD(ps, lr=1.0), PsMode.ASYNC, workers, independent=True
+    )
+
+
+def test_each_partition_counts_the_rows_of_the_pushes_applied():
+    s = independent_store()
+    assert s.begin_task(0, 0) == 0 and s.begin_task(1, 0) == 0
+    s.push(0, 0, 0, 32, torch.ones(4) * 32)
+    s.push(0, 0, 1, 32, torch.ones(4) * 32)
+    s.push(1, 0, 2, 7, torch.ones(4) * 7)
+    assert s.rows_applied == [64, 7, 0]
+    assert [len(times) for times in s.push_times] == [2, 1, 0]
+    assert torch.equal(s.params[0].detach(), -3 * torch.ones(4))  # three mean-1 gradients, lr 1
+
+
+def test_a_retried_attempt_fences_its_predecessor_and_learns_the_rows_to_skip():
+    s = independent_store()
+    s.begin_task(1, 0)
+    s.push(1, 0, 0, 10, torch.ones(4) * 10)
+    assert s.begin_task(1, 1) == 10  # the retry: skip 10 rows
+    with pytest.raises(PushRejected, match=r"attempt 0 of partition 1.*attempt 1"):
+        s.push(1, 0, 1, 10, torch.ones(4) * 10)  # the zombie's push
+    assert s.rows_applied[1] == 10 and s.version == 1
+    s.push(1, 1, 1, 5, torch.ones(4) * 5)
+    assert s.rows_applied[1] == 15
+    with pytest.raises(PushRejected, match="older than attempt 1"):
+        s.begin_task(1, 0)  # a stale attempt cannot take the partition back
+    with pytest.raises(PushRejected, match="partition 0"):
+        s.push(0, 0, 1, 3, torch.ones(4) * 3)  # partition 0 never said HELLO: no attempt of it is taken
+
+
+def test_records_are_bounded_by_the_partitions():
+    s = independent_store(workers=2)
+    with pytest.raises(PushRejected, match="partition 2 is not one of the fit's 2"):
+        s.begin_task(2, 0)
+    with pytest.raises(PushRejected):
+        s.push(5, 0, 0, 1, torch.ones(4))
+    s.begin_task(0, 0)
+    for clock in range(5000):
+        s.push(0, 0, clock, 1, torch.zeros(4))
+    assert len(s.push_times[0]) == 4096 and s.rows_applied[0] == 5000
+
+
+def test_a_barrier_store_takes_no_task_hello_and_independence_is_async_only():
+    with pytest.raises(PushRejected, match="barrier"):
+        ShardStore(
+            [nn.Parameter(torch.zeros(2))], lambda ps: torch.optim.SGD(ps, lr=1.0), PsMode.ASYNC, 2
+        ).begin_task(0, 0)
+    with pytest.raises(ValueError, match="asynchronously"):
+        ShardStore(
+            [nn.Parameter(torch.zeros(2))],
+            lambda ps: torch.optim.SGD(ps, lr=1.0),
+            PsMode.SSP,
+            2,
+            independent=True,
+        )
+
+
+def test_over_the_socket_a_retry_learns_its_rows_and_the_stale_attempt_is_refused():
+    store = independent_store(workers=2)
+    server = ParameterServer([store], "127.0.0.1", SECRET, 5.0, 1 << 20)
+    try:
+        base = server.endpoint(((0,),))
+        first = PsClient(dataclassed(base, partition=1, task_attempt=0), 1, 0)
+        assert first.rows_done == 0
+        first.push(0, 12, [torch.ones(4) * 12])
+        retry = PsClient(dataclassed(base, partition=1, task_attempt=1), 1, 1)
+        assert retry.rows_done == 12
+        with pytest.raises(ParameterServerError, match="attempt 0 of partition 1"):
+            first.push(1, 12, [torch.ones(4) * 12])
+        retry.push(1, 4, [torch.ones(4) * 4])
+        ledger = server.task_ledger()
+        assert ledger["rows_applied"] == [0, 16]
+        assert [(t["partition"], t["attempt"], t["rows_skipped"]) for t in ledger["takeovers"]] == [
+            (1, 1, 12)
+        ]
+        assert set(server.task_silence()) == {1}  # partition 1's connections are open
+        first.close()
+        retry.close()
+        figures = run_figures(server.task_ledger())
+        assert figures["partition_pushes"] == [0, 2] and figures["partition_rows_applied"] == [0, 16]
+    finally:
+        server.stop()
+
+
+def dataclassed(endpoint, **changes):
+    import dataclasses
+
+    return dataclasses.replace(endpoint, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"ps_mode": "sync"}, "ps_mode = 'sync'"),
+        ({"ps_mode": "ssp"}, "ps_mode = 'ssp'"),
+        ({"ps_shards": 2}, "ps_shards = 2"),
+        ({"checkpoint_dir": "/tmp/x"}, "checkpoint_dir"),
+        ({"validation_fraction": 0.1}, "validation rows"),
+    ],
+)
+def test_settings_that_need_the_workers_to_meet_are_refused_with_the_fix(changes, named):
+    base = {"strategy": "parameter_server", "ps_mode": "async", "ps_barrier": False, "num_workers": 2}
+    with pytest.raises(ConfigError, match="ps_barrier = false") as refused:
+        check_settings(SparkDLConfig().replace(**{**base, **changes}))
+    assert named in str(refused.value) and "ps_barrier = true" in str(refused.value)
+
+
+def test_other_strategies_refuse_it_and_async_takes_it():
+    with pytest.raises(ConfigError, match="only the asynchronous parameter server"):
+        check_settings(SparkDLConfig().replace(**{"strategy": "allreduce", "ps_barrier": False}))
+    check_settings(SparkDLConfig().replace(strategy="parameter_server", ps_mode="async", ps_barrier=False))
