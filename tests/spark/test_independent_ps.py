@@ -1,0 +1,40 @@
+"""The asynchronous parameter server in ordinary tasks (``ps_barrier = false``) on real
+Spark: a task whose Python dies mid-epoch is retried alone while the others push on, every
+row of every epoch is trained once (counted on the server), and the accuracy is an
+undisturbed run's. The drill runs in its own process (``local[3, 4]``: tasks may fail)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.spark.independent_ps_drill import EPOCHS, ROWS
+from tests.spark.processes import run_drill
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+#: The longest a running worker may go between two pushes while another is retried (its
+#: steps take about 0.03 s; the retry's Python restart takes seconds).
+GAP_BOUND_S = 3.0
+
+
+def test_a_killed_task_is_retried_alone_and_every_row_is_trained_once_per_epoch(tmp_path):
+    result = run_drill("independent_ps_drill.py", tmp_path, timeout=300)
+    calm, killed = result["undisturbed"], result["killed"]
+    last = killed["history"][-1]
+    # the retry: partition 1 alone, attempt 1, skipping what attempt 0's pushes covered
+    retries = last["task_retries"]
+    assert [(r["partition"], r["attempt"]) for r in retries] == [(1, 1)]
+    assert 0 < retries[0]["rows_skipped"] < ROWS and retries[0]["rows_skipped"] % 8 == 0
+    # every row of every epoch in the server's weights exactly once, in both runs
+    for run in (calm, killed):
+        assert run["history"][-1]["partition_rows_applied"] == [EPOCHS * ROWS] * 3
+        assert run["rows"] == [ROWS] * 3
+    # the others never paused: no gap between their pushes past the bound; partition 1's did
+    gaps = last["partition_push_gap_max_s"]
+    assert gaps[0] < GAP_BOUND_S and gaps[2] < GAP_BOUND_S, gaps
+    assert gaps[1] > max(gaps[0], gaps[2]), gaps
+    # the retried partition skipped its predecessor's steps, then trained the rest
+    assert sum(killed["history"][0]["worker_skipped_steps"]) == retries[0]["rows_skipped"] // 8
+    # held-out accuracy within noise of the undisturbed run
+    assert calm["accuracy"] > 0.85
+    assert abs(killed["accuracy"] - calm["accuracy"]) < 0.05, (calm["accuracy"], killed["accuracy"])
