@@ -17,6 +17,7 @@ import pytest
 
 from sparkdl import ConfigError, StreamingFit, TorchModel, latest_model
 from sparkdl.ml.streaming import read_latest, read_manifest, version_path
+from tests import object_store
 from tests.reference import make_shards, make_tiny_net, max_abs_diff, shard_to_batch
 from tests.spark.test_fit import estimator
 
@@ -65,11 +66,11 @@ def test_a_stream_publishes_a_version_per_batch_each_loading_and_predicting(spar
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    files = write_batch_files(tmp_path / "in", 3)
+    files = write_batch_files(tmp_path / "in", 2)
     models = str(tmp_path / "models")
     fit = StreamingFit(stream_estimator(mlflow_log_model=False), models)
     run_stream(spark, tmp_path / "in", tmp_path / "checkpoint", fit)
-    assert fit.trained == [0, 1, 2] and fit.skipped == []
+    assert fit.trained == [0, 1] and fit.skipped == []
 
     client = mlflow.MlflowClient()
     for k, file in enumerate(files):
@@ -83,19 +84,19 @@ def test_a_stream_publishes_a_version_per_batch_each_loading_and_predicting(spar
         assert run.info.run_name == f"stream batch {k}"
         model = TorchModel.load(version, model_fn=make_tiny_net)
         assert model.transform(spark.read.parquet(str(file))).select("prediction").count() == ROWS
-    assert read_latest(spark, models) == {"batch_id": 2, "version": "batch-000000000002"}
+    assert read_latest(spark, models) == {"batch_id": 1, "version": "batch-000000000001"}
     newest = latest_model(models, model_fn=make_tiny_net)
     assert (
         max_abs_diff(
             newest.module.state_dict(),
-            TorchModel.load(version_path(models, 2), model_fn=make_tiny_net).module.state_dict(),
+            TorchModel.load(version_path(models, 1), model_fn=make_tiny_net).module.state_dict(),
         )
         == 0.0
     )
 
-    fit(spark.createDataFrame([], SCHEMA), 3)  # an empty micro-batch: no fit, no version
-    assert fit.records[-1].action == "empty" and read_latest(spark, models)["batch_id"] == 2
-    assert not os.path.exists(version_path(models, 3))
+    fit(spark.createDataFrame([], SCHEMA), 2)  # an empty micro-batch: no fit, no version
+    assert fit.records[-1].action == "empty" and read_latest(spark, models)["batch_id"] == 1
+    assert not os.path.exists(version_path(models, 2))
 
 
 class DiesBeforePublishing(StreamingFit):
@@ -200,3 +201,36 @@ def test_the_streaming_job_trains_the_files_there_then_one_that_lands_after_a_re
     rows = spark.read.parquet(str(landed))
     correct = model.transform(rows).filter("prediction = label").count()
     assert correct / rows.count() > 0.6  # 3 epochs in all, one per micro-batch: far above chance (0.1)
+
+
+s3_server = object_store.s3_server  # the fixture: SeaweedFS on loopback
+
+
+@pytest.mark.slow
+def test_versions_publish_to_s3_and_a_restarted_driver_goes_on_from_there(spark, tmp_path, s3_server):
+    pytest.importorskip("s3fs")
+    conf = {  # the server's credentials as Spark's s3a settings, where a cluster keeps them
+        "spark.hadoop.fs.s3a.access.key": s3_server.key,
+        "spark.hadoop.fs.s3a.secret.key": s3_server.secret,
+        "spark.hadoop.fs.s3a.endpoint": s3_server.endpoint.removeprefix("http://"),
+        "spark.hadoop.fs.s3a.connection.ssl.enabled": "false",
+    }
+    for key, value in conf.items():
+        spark.conf.set(key, value)
+    try:
+        batch_0, batch_1 = (spark.read.parquet(str(f)) for f in write_batch_files(tmp_path / "in", 2))
+        models = s3_server.url("stream-models")
+        StreamingFit(stream_estimator(), models)(batch_0, 0)
+        restarted = StreamingFit(stream_estimator(), models)  # a new driver: finds it all on S3
+        restarted(batch_0, 0)  # the replay of batch 0
+        restarted(batch_1, 1)
+        assert restarted.skipped == [0] and restarted.trained == [1]
+        assert read_latest(spark, models) == {"batch_id": 1, "version": "batch-000000000001"}
+        assert read_manifest(spark, version_path(models, 1))["initial_model"] == version_path(models, 0)
+        version_0 = TorchModel.load(version_path(models, 0), model_fn=make_tiny_net)
+        by_hand = stream_estimator(initial_model=version_0).fit(batch_1)
+        newest = latest_model(models, model_fn=make_tiny_net)
+        assert max_abs_diff(newest.module.state_dict(), by_hand.module.state_dict()) < 1e-6
+    finally:
+        for key in conf:
+            spark.conf.unset(key)
