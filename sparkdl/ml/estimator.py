@@ -338,8 +338,9 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
         elif getattr(dataset, "isStreaming", False):
             raise ConfigError(
                 "fit got a streaming DataFrame, which has no end to train epochs over; train each "
-                "micro-batch instead: query = df.writeStream.foreachBatch(lambda batch, batch_id: "
-                "estimator.fit(batch)).start(), carrying the weights on with initial_model"
+                "micro-batch instead: df.writeStream.foreachBatch(sparkdl.fit_stream(estimator, model_dir))"
+                ".option('checkpointLocation', ...).start() fits each one from the version the one before "
+                "published (initial_model) and publishes a version per batch id (docs/guide/streaming.md)"
             )
         config = with_spark_storage_options(dataset.sparkSession, self.get_config())
         loss = self._loss()
