@@ -72,3 +72,16 @@ def test_the_bundled_data_sets_are_the_ones_that_load():
         "job.dataset = 'mnist' is not bundled; choose one of 'digits', "
         "or train on your own CSV/Parquet rows with jobs/etl_to_train.py"
     )
+
+
+def test_stream_config_errors_name_the_setting():
+    from sparkdl.apps.stream_job import load_stream_config
+
+    with pytest.raises(
+        ConfigError, match=r"stream\.trigger = 'once'; use one of available_now, processing_time"
+    ):
+        load_stream_config(ROOT / "conf/stream.toml", ["stream.trigger=once"])
+    with pytest.raises(ConfigError, match=r"stream\.max_files_per_trigger = 0 must be > 0"):
+        load_stream_config(ROOT / "conf/stream.toml", ["stream.max_files_per_trigger=0"])
+    config = load_stream_config(ROOT / "conf/stream.toml", [])
+    assert config.stream.schema == "features array<float>, label long" and config.sparkdl.training.epochs == 3
