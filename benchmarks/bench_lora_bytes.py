@@ -1,5 +1,5 @@
 """Bytes each worker sends per step with PEFT's LoRA against full fine-tuning (issue 55 item 2),
-for all-reduce, weight averaging (every step) and the synchronous parameter server.
+for all-reduce, weight averaging (every step), the synchronous parameter server and fsdp.
 
 A tiny GPT-2 (2 layers, n_embd 64, 4 heads) reads each of a row's 64 features as one position
 and classifies the last one (10 classes). Full fine-tuning trains all of it but the token
@@ -9,7 +9,7 @@ Two workers run ``run_worker`` (what a barrier task calls) over gloo on loopback
 parameter server is hosted in this process. The figures are the strategies' own counters
 (``bytes_sent`` of rank 0's history, the parameter server's with its frames' headers).
 
-    .venv/bin/python benchmarks/bench_lora_bytes.py [--rows 512] [--batch-size 32]
+    .venv/bin/python benchmarks/bench_lora_bytes.py [--rows 512] [--batch-size 32] [--strategies fsdp]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ STRATEGIES = {
     "allreduce": {"strategy": "allreduce"},
     "weight_averaging tau=1": {"strategy": "weight_averaging", "sync_every": 1},
     "parameter_server sync": {"strategy": "parameter_server", "ps_mode": "sync"},
+    # the frozen base is sharded and gathered (twice where backward passes through it); only the
+    # trainable gradients are reduce-scattered: the figure is FSDP's own collectives, counted
+    "fsdp": {"strategy": "fsdp"},
 }
 
 
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512, help="rows per worker")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--output", default="benchmarks/results/lora_bytes.json")
+    parser.add_argument("--strategies", nargs="*", choices=list(STRATEGIES), help="default: all")
     args = parser.parse_args()
     sizes = {}
     for name, fn in (("lora", lora_model), ("full", full_model)):
@@ -149,6 +153,8 @@ def main() -> None:
         }
     rows = []
     for strategy, settings in STRATEGIES.items():
+        if args.strategies and strategy not in args.strategies:
+            continue
         figures = {
             name: measure(fn, settings, args.rows, args.batch_size)
             for name, fn in (("lora", lora_model), ("full", full_model))

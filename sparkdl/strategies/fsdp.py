@@ -14,6 +14,15 @@ Forward and backward are collectives, so every rank runs the same number of them
 worker without rows steps on zero-weight fillers, and every step runs
 ``accumulate_steps`` micro-batches, fillers making up a short step.
 
+Frozen parameters (``requires_grad = False``: a LoRA model's base) are sharded and
+gathered like the others (the forward needs them whole; sharding them is the memory this
+strategy saves), but have no gradient: FSDP2 reduce-scatters only the trainable ones, and
+the optimizer holds no state for them. A checkpoint holds each parameter once, gathered.
+The bytes a rank sends are counted as FSDP2 runs its collectives (:class:`CountedAllGather`,
+:class:`CountedReduceScatter`), not estimated: a frozen unit whose input needs no gradient
+(a frozen embedding first in the model) is not gathered again for backward, and the root's
+own parameters stay gathered from forward to backward.
+
 Accumulation: each micro-batch's backward reduce-scatters its gradient into the shards,
 where they add up. Deferring the reduction to the last micro-batch
 (``set_requires_gradient_sync(False)``) would move fewer bytes, but would hold an
@@ -72,7 +81,6 @@ from sparkdl.training.strategy import (
     StepInput,
     StepOutcome,
     StrategyContext,
-    parameter_bytes,
 )
 
 #: A submodule with at least this share of the parameters is sharded as its own unit.
@@ -92,10 +100,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self._micro_batches = ctx.config.training.accumulate_steps
-        # reduce-scatter of the gradient, all-gather of the parameters twice (forward, backward)
-        payload = parameter_bytes(ctx.module)
-        world = ctx.world_size
-        self._step_bytes = 0 if world <= 1 else 3 * (world - 1) * payload // world
+        self._sent = count_collectives(ctx.module)
 
     @classmethod
     def check_settings(cls, config: SparkDLConfig) -> None:
@@ -183,7 +188,9 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         for unit in self.ctx.module.modules():
             if isinstance(unit, FSDPModule):
                 # FSDP's ReduceScatter interface, by its two methods (torch exports no name for it)
-                unit.set_custom_reduce_scatter(cast(Any, ScaledReduceScatter(lambda: step.scale)))
+                unit.set_custom_reduce_scatter(
+                    cast(Any, CountedReduceScatter(self._sent, lambda: step.scale))
+                )
         return _ShardedFace(self, optimizer, self.ctx.rank)
 
     def train_step(self, step: StepInput) -> StepOutcome:
@@ -191,7 +198,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         fillers = self._micro_batches - len(step.batches)
         loss = self._backward(step, step.batches, scale, fillers)
         self.stats.sync_rounds += 1
-        self.stats.bytes_sent += self._step_bytes * self._micro_batches
+        self.stats.bytes_sent += self._sent.take()
         return self._step_on_shared_gradients(step, loss)
 
 
@@ -236,6 +243,76 @@ class _ShardedFace(OwnLoopFace):
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         self._strategy.load_whole_optimizer(state)
+
+
+class SentBytes:
+    """Bytes this rank sent in FSDP's collectives since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._sent = 0
+
+    def add(self, tensor: torch.Tensor, group: dist.ProcessGroup, gathered: bool) -> None:
+        """A ring collective over ``size`` ranks: an all-gather sends ``size - 1`` copies of
+        the rank's input shard; a reduce-scatter ``(size - 1) / size`` of its whole input."""
+        size = group.size()
+        self._sent += (size - 1) * tensor.nbytes if gathered else (size - 1) * tensor.nbytes // size
+
+    def take(self) -> int:
+        sent, self._sent = self._sent, 0
+        return sent
+
+
+class CountedAllGather:
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``), its bytes counted."""
+
+    def __init__(self, sent: SentBytes) -> None:
+        self._count = sent
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        self._count.add(input_tensor, group, gathered=True)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountedReduceScatter(ScaledReduceScatter):
+    """FSDP2's reduce-scatter, its bytes counted (the gradients unscaled: the step's loss
+    carries each rank's share)."""
+
+    def __init__(self, sent: SentBytes, scale: Callable[[], float] = lambda: 1.0) -> None:
+        super().__init__(scale)
+        self._count = sent
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self._count.add(input_tensor, group, gathered=False)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def count_collectives(module: nn.Module) -> SentBytes:
+    """Count the bytes of every unit's all-gathers and reduce-scatters from now on (a torch
+    without FSDP's custom collectives counts nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sent = SentBytes()
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule) and hasattr(unit, "set_custom_all_gather"):
+            unit.set_custom_all_gather(cast(Any, CountedAllGather(sent)))
+            unit.set_custom_reduce_scatter(cast(Any, CountedReduceScatter(sent)))
+    return sent
 
 
 def _refuse_stepped_optimizer(optimizer: torch.optim.Optimizer, strategy: str) -> None:

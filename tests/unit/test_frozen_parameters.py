@@ -208,3 +208,47 @@ def test_workers_that_freeze_different_parameters_are_told_which_rank_trains_wha
         AssertionError, match=r"do not train the same parameters \(rank 0: 6 tensors, 4803 values"
     ):
         run_workers(make_shards([16, 16]), tmp_path, model_fn=_frozen_on_rank_1, strategy="weight_averaging")
+
+
+# ------------------------------------------------------------------ fsdp
+
+
+@pytest.mark.slow
+def test_fsdp_trains_frozen_layers_to_single_process_sgds_weights_and_checkpoints_each_weight_once(tmp_path):
+    from tests.unit.test_fsdp import train as train_fsdp
+
+    shards = make_shards([48, 40])
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": True}
+    state, _ = train_fsdp(shards, tmp_path, _sgd, model_fn=make_frozen_net, **settings)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=make_frozen_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert _frozen_as_built(state, make_frozen_net)
+    # the checkpoint (train_fsdp: equal to the returned weights) holds the model's names once each
+    assert sorted(state) == sorted(make_frozen_net().state_dict())
+    assert not torch.equal(state["4.weight"], make_frozen_net()[4].weight)  # the head did train
+
+
+@pytest.mark.slow
+def test_under_fsdp_frozen_layers_are_gathered_but_their_gradients_never_reduce_scattered(tmp_path):
+    from tests.unit.test_fsdp import train as train_fsdp
+
+    shards = make_shards([32, 32])
+    sent = {}
+    for name, model_fn in (("frozen", make_frozen_net), ("open", make_open_net)):
+        _, results = train_fsdp(
+            shards, tmp_path / name, _plain_sgd, model_fn=model_fn, batch_size=8, epochs=1
+        )
+        sent[name] = results[0][0][0]["bytes_sent"]
+    # Counted as FSDP runs them, per rank of 2: each collective sends half its tensor. Units: the
+    # first layer (448 values), the second (4,160), the root holding the head (195, its 3 rows
+    # padded to 4 to split in 2: 260); the root stays gathered from forward to backward.
+    first, second, head = 448 * 4, 4160 * 4, 260 * 4
+    before = (first + second) // 2  # one forward before the first step
+    steps = 4
+    # Fully trained: each unit gathered for forward and again for backward (the root once),
+    # every gradient reduce-scattered.
+    assert sent["open"] == before + steps * (3 * first + 3 * second + 2 * head) // 2
+    # Frozen: the first layer gathered once (its input needs no gradient, so backward never
+    # reaches it), the second twice (backward passes through it), and only the head's gradient
+    # reduce-scattered.
+    assert sent["frozen"] == before + steps * (first + 2 * second + 2 * head) // 2
