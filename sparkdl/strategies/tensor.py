@@ -72,6 +72,7 @@ from sparkdl.strategies.tensor_plan import (
     ROWS,
     VOCABULARY,
     check_parallelize_fn,
+    hugging_face_plan,
     inside_pairs,
     megatron_plan,
     refuse_untied,
@@ -172,7 +173,9 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
             layer = module.get_submodule(name)
             layer.register_forward_pre_hook(slice_random.enter)
             layer.register_forward_hook(slice_random.leave)
-            groups.sliced.extend(p for p in layer.parameters() if p.requires_grad)
+            groups.sliced.extend(
+                p for p in layer.parameters() if p.requires_grad and not hasattr(p, "placements")
+            )
         for name, how in plan.items():
             layer = module.get_submodule(name)
             if how in (ROWS, VOCABULARY):  # forward: the partial outputs summed
@@ -190,14 +193,16 @@ class TensorParallelStrategy(DistributedState, CollectiveForward):
 
     @classmethod
     def plan(cls, module: nn.Module, size: int, given: Sequence[str] = ()) -> dict[str, str]:
-        """The user's ``tensor_plan`` if given, else :func:`megatron_plan`; refused when it
-        splits nothing.
+        """The user's ``tensor_plan`` if given, else a Hugging Face decoder's own plan
+        (:func:`hugging_face_plan`: its attention and MLP blocks), else :func:`megatron_plan`;
+        refused when it splits nothing.
 
         Raises:
             ConfigError: a ``tensor_plan`` entry names no layer of its kind, a way to split
                 other than columns, rows and vocabulary, or a size that does not divide;
                 or the model has nothing to split in ``size``.
         """
+        given = given or hugging_face_plan(module)
         if given:
             return users_plan(module, size, given)
         plan = megatron_plan(module, size)

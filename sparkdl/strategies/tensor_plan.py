@@ -17,7 +17,9 @@ is refused (:func:`refuse_tied`), and so is a ``parallelize_fn`` that split one.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
+from typing import cast
 
 from torch import nn
 
@@ -84,14 +86,77 @@ def megatron_plan(module: nn.Module, size: int) -> dict[str, str]:
 _SPLIT_WIDTH = {COLUMNS: "out_features", ROWS: "in_features", VOCABULARY: "num_embeddings"}
 
 
+#: Hugging Face's names for the two ways of splitting a linear layer (``base_model_tp_plan``).
+_HF_STYLES = {"colwise": COLUMNS, "rowwise": ROWS}
+
+
+def hugging_face_plan(module: nn.Module) -> list[str]:
+    """A Hugging Face decoder's own tensor-parallel plan (its config's ``base_model_tp_plan``,
+    e.g. Llama's: q/k/v and the MLP's gate and up by columns, the attention's output and the
+    MLP's down by rows) as ``tensor_plan`` entries, named from ``module``; ``[]`` for a model
+    without one, or one whose plan uses other styles than column- and row-wise."""
+    for path, node in module.named_modules():
+        given = getattr(getattr(node, "config", None), "base_model_tp_plan", None)
+        if not given or not all(style in _HF_STYLES for style in given.values()):
+            continue
+        entries = [f"{_joined(path, name)}:{_HF_STYLES[style]}" for name, style in given.items()]
+        names = [name for name, _ in module.named_modules()]
+        if all(_matching(names, entry.rpartition(":")[0]) for entry in entries):
+            return entries
+    return []
+
+
 def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, str]:
     """``tensor_plan``'s entries (``"name:columns|rows|vocabulary"``) as a plan, each checked
-    against the layer it names.
+    against the layer it names. A ``*`` in a name stands for one part of a module's name
+    (``model.layers.*.mlp.up_proj:columns``: every block's), as in ``parallelize_module``.
+    A columns layer inside an attention module (one with a ``head_dim``) must split whole
+    heads: its heads must divide by ``size``.
 
     Raises:
         ConfigError: an entry that is malformed, names no such layer, splits a layer of another
-            kind, or a dimension that does not divide by ``size``.
+            kind, or a dimension (or a head count) that does not divide by ``size``.
     """
+    names = [name for name, _ in module.named_modules() if name]
+    expanded: list[str] = []
+    for entry in given:
+        name, _, how = entry.rpartition(":")
+        matches = _matching(names, name) if "*" in name else []
+        expanded.extend([f"{match}:{how}" for match in matches] or [entry])
+    plan = _checked_plan(module, size, expanded)
+    _refuse_split_heads(module, size, plan)
+    refuse_tied(module, plan)
+    return plan
+
+
+def _matching(names: Sequence[str], pattern: str) -> list[str]:
+    """The module names ``pattern`` matches, a ``*`` standing for one part of a name."""
+    parts = pattern.split(".")
+    return [
+        name
+        for name in names
+        if len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), parts, strict=True))
+    ]
+
+
+def _refuse_split_heads(module: nn.Module, size: int, plan: dict[str, str]) -> None:
+    """Refuse a columns split of an attention projection that would cut a head in two."""
+    for name, how in plan.items():
+        parent = module.get_submodule(name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if how != COLUMNS or not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        heads = cast(nn.Linear, module.get_submodule(name)).out_features // head_dim
+        if heads % size:
+            raise ConfigError(
+                f"tensor_plan splits {name!r} by columns over {size} workers, but it holds {heads} "
+                f"attention heads (head_dim {head_dim}), which do not divide by {size}: each worker "
+                f"must hold whole heads; set tp_size to a divisor of {heads}, or leave it whole"
+            )
+
+
+def _checked_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, str]:
     kinds = {COLUMNS: nn.Linear, ROWS: nn.Linear, VOCABULARY: nn.Embedding}
     plan: dict[str, str] = {}
     for entry in given:
@@ -119,7 +184,6 @@ def users_plan(module: nn.Module, size: int, given: Sequence[str]) -> dict[str, 
                 f"by {size}; set tp_size to a divisor of {width}"
             )
         plan[name] = how
-    refuse_tied(module, plan)
     return plan
 
 
@@ -166,8 +230,17 @@ def refuse_untied(before: list[list[str]], after: list[list[str]]) -> None:
 def inside_pairs(module: nn.Module, plan: dict[str, str]) -> list[str]:
     """The layers between the two of each split pair, inside an ``nn.Sequential`` (whose order
     is the data's path): a columns layer, then everything up to the rows layer after it.
-    Each worker runs them on its slice of the hidden features."""
+    Outside a Sequential (an attention or MLP block, its layers attributes called in
+    ``forward``), the module holding a rows layer and a columns layer: between them it
+    computes on its slice of the heads or hidden features (attention dropout, a per-head
+    norm's weight). Each worker runs them on its slice."""
     inside: list[str] = []
+    for name, kind in plan.items():
+        parent = name.rpartition(".")[0]
+        if kind != ROWS or not parent or isinstance(module.get_submodule(parent), nn.Sequential):
+            continue
+        if any(other.rpartition(".")[0] == parent and plan[other] == COLUMNS for other in plan):
+            inside.append(parent)
     for parent, node in module.named_modules():
         if not isinstance(node, nn.Sequential):
             continue
