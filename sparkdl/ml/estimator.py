@@ -342,7 +342,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
                 ".option('checkpointLocation', ...).start() fits each one from the version the one before "
                 "published (initial_model) and publishes a version per batch id (docs/guide/streaming.md)"
             )
-        config = with_spark_storage_options(dataset.sparkSession, self.get_config())
+        config = self.get_config()
         loss = self._loss()
         _, label_kind = resolve_loss(loss)
         if config.data.weight_col and not takes_weight(loss):
@@ -357,6 +357,7 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             )
         if self.parallelize_fn is not None:
             check_parallelize_fn(config)
+        config = with_spark_storage_options(dataset.sparkSession, config)  # the checks above need no data
         if self.transform_fn is None:  # transform_fn reads the columns as the DataFrame has them
             dataset = vectors_as_arrays(dataset)
         dataset, validation_col = with_validation(dataset, config, self.validation_df)
