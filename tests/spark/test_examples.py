@@ -62,3 +62,16 @@ def test_the_gan_trains_two_models_from_a_dataframe_with_weight_averaging(spark)
     assert figures["rows"] == 1797
     # the generated digits' per-pixel mean and spread move toward the real ones'
     assert figures["moment_distance_after"] < 0.5 * figures["moment_distance_before"], figures
+
+
+def test_the_text_example_pretrains_a_causal_lm_then_lora_fine_tunes_it_to_classify(spark):
+    """Pre-trained on unlabelled reviews tokenized on the executors, the language model's
+    held-out perplexity is a fraction of the unigram model's; its LoRA classifier (the
+    transformer frozen) separates the held-out reviews, training 4% of the parameters."""
+    pytest.importorskip("peft")
+    figures = load_example("text_lm_then_lora").main(
+        spark, n_texts=600, lm_epochs=3, lora_epochs=8, progress=False
+    )
+    assert figures["held_out_perplexity"] < 0.2 * figures["unigram_perplexity"], figures
+    assert figures["accuracy"] > 0.9, figures
+    assert figures["trainable_fraction"] < 0.1, figures
