@@ -119,6 +119,8 @@ HEAVIEST_FIRST = (
     "tests/spark/test_jobs.py",  # 138 s
     "tests/spark/test_distributor.py",  # 121 s
     "tests/spark/test_inputs_spark.py",  # 110 s
+    "tests/spark/test_independent_ps.py",  # 79 s (-n0, loaded)
+    "tests/spark/test_streaming_fit.py",  # 77 s (-n0, loaded)
     "tests/unit/test_fsdp.py",  # 80 s
     "tests/spark/test_hierarchy.py",  # 78 s
     "tests/spark/test_notebook.py",  # 76 s
