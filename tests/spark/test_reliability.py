@@ -83,14 +83,14 @@ def test_a_fault_on_every_attempt_fails_with_the_original_error_and_rank(spark, 
 
 def test_a_worker_that_stops_responding_is_detected_within_the_timeout(spark, tmp_path, clean_run):
     timeout = 8.0
-    _, clean_seconds = run(spark, tmp_path, "clean", collective_timeout_s=timeout)
-    model, seconds = run(
-        spark, tmp_path, "ckpt", f"hang:1:6:{tmp_path / 'fired'}", collective_timeout_s=timeout
-    )
+    model, _ = run(spark, tmp_path, "ckpt", f"hang:1:6:{tmp_path / 'fired'}", collective_timeout_s=timeout)
     assert max_abs_diff(model.module.state_dict(), clean_run.module.state_dict()) == 0.0
-    # the stuck rank is given up on after the collective timeout, not Spark's default of minutes
-    assert timeout <= seconds - clean_seconds < timeout + 20
-    print(f"FIGURE hang timeout={timeout} extra_s={seconds - clean_seconds:.2f} clean_s={clean_seconds:.2f}")
+    # the stuck rank is given up on after the collective timeout, not Spark's default of
+    # minutes: from the last step before the hang to the resumed run's first, within one fit
+    # (a clean fit's time subtracted from this one's varied by more than the bound on 2 busy cores)
+    (resumed,) = [h for h in model.history if "resumed_from_step" in h]
+    assert timeout <= resumed["recovery_s"] < timeout + 20, resumed
+    print(f"FIGURE hang timeout={timeout} recovery_s={resumed['recovery_s']:.2f}")
 
 
 def test_a_tampered_checkpoint_is_refused(spark, tmp_path):

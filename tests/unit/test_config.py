@@ -30,12 +30,13 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_every_shipped_config_loads():
     from sparkdl.apps.etl_job import load_etl_config
+    from sparkdl.apps.stream_job import load_stream_config
 
     paths = sorted((ROOT / "conf").glob("*.toml"))
-    assert {p.name for p in paths} >= {"local.toml", "cluster.toml", "gpu.toml", "etl.toml"}
+    assert {p.name for p in paths} >= {"local.toml", "cluster.toml", "gpu.toml", "etl.toml", "stream.toml"}
+    loaders = {"etl": load_etl_config, "stream": load_stream_config}
     for path in paths:
-        loader = load_etl_config if path.name.startswith("etl") else load_job_config
-        config = loader(path)
+        config = loaders.get(path.stem, load_job_config)(path)
         assert config.sparkdl.training.num_workers >= 1, path
 
 
