@@ -112,6 +112,28 @@ class StageLayers(nn.Module):
         return out
 
 
+def check_ties_within_stages(whole: nn.Module, starts: list[int]) -> None:
+    """Refuse parameters shared between layers that the cut puts on different stages (a
+    language model's embedding tied to its output head): each stage would hold and train
+    its own copy, so the tie would silently come apart.
+
+    Raises:
+        ConfigError: names the tied parameters, their stages, and the ways out.
+    """
+    index = {name: i for i, (name, _) in enumerate(whole.named_children())}
+    stage_of = [s for s, (a, b) in enumerate(itertools.pairwise(starts)) for _ in range(a, b)]
+    for names in tied_parameters(whole):
+        stages = sorted({stage_of[index[name.split(".", 1)[0]]] for name in names})
+        if len(stages) > 1:
+            raise ConfigError(
+                f"strategy = 'pipeline': the parameters {', '.join(names)} are one tensor (tied), but "
+                f"the cut puts their layers on stages {', '.join(map(str, stages))}, where each stage "
+                "would train a copy of its own. Untie them in model_fn (e.g. give the output layer its "
+                "own nn.Parameter(weight.clone())), cut so that their layers share a stage "
+                "(split_before), or use strategy = 'fsdp' or 'tensor', which keep ties"
+            )
+
+
 def build_stage(
     model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device, cut: Cut
 ) -> nn.Module:
@@ -134,6 +156,7 @@ def build_stage(
             whole = build_model(model_fn)
     assert whole is not None
     starts = cut(whole, config, world)
+    check_ties_within_stages(whole, starts)
     layout = Layout.of(config, world)
     groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
     children = list(whole.named_children())

@@ -275,6 +275,20 @@ def test_a_stage_whose_layers_share_a_weight_keeps_it_shared_on_every_rank(tmp_p
     assert torch.equal(state["2.first.weight"], state["2.second.weight"])
 
 
+def test_a_weight_tied_across_stages_is_refused_and_one_tied_within_a_stage_is_not():
+    """An embedding tied to the output head, cut onto two stages, would train as two copies
+    that drift apart (each stage holds its own): refused before training, naming the tie;
+    a tie inside one stage is kept (the test above)."""
+    from sparkdl.strategies.pipeline_stage import check_ties_within_stages
+
+    head_tied = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    head_tied[4].weight = head_tied[0].weight
+    with pytest.raises(ConfigError, match=r"0\.weight, 4\.weight are one tensor.*stages 0, 1"):
+        check_ties_within_stages(head_tied, [0, 3, 5])
+    check_ties_within_stages(head_tied, [0, 5])  # one stage: the tie stays
+    check_ties_within_stages(tied_deep_net(), [0, 3, 5])  # tied inside layer 2, on stage 1
+
+
 @pytest.mark.slow
 def test_a_pipelines_checkpoint_resumes_under_all_reduce(tmp_path):
     """The checkpoint of a crashed pipeline run (the whole model and the whole optimizer
