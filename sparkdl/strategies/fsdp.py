@@ -202,7 +202,14 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         return self._step_on_shared_gradients(step, loss)
 
 
-class ScaledReduceScatter:
+class _CustomCollective:
+    """What FSDP2 asks of a custom collective beside the call: its output buffers, plain ones."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ScaledReduceScatter(_CustomCollective):
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) with this rank's
     gradient first scaled by ``scale()``: a user's own loop, whose loss sparkdl does not see,
     weights each rank's gradient by its share of the step's rows here. A share of 0 (a
@@ -210,9 +217,6 @@ class ScaledReduceScatter:
 
     def __init__(self, scale: Callable[[], float]) -> None:
         self._scale = scale
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -262,14 +266,11 @@ class SentBytes:
         return sent
 
 
-class CountedAllGather:
+class CountedAllGather(_CustomCollective):
     """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``), its bytes counted."""
 
     def __init__(self, sent: SentBytes) -> None:
         self._count = sent
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
