@@ -30,7 +30,7 @@ class PsEndpoint:
     areas: AreasInfo | None = None  # the server's shared memory, for workers on its host
     shard_sizes: tuple[int, ...] = ()  # values in each shard (what a shared area's weights hold)
     # independent tasks (ps_barrier = false): the partition this task pushes as (-1: the
-    # worker's rank, barrier workers) and its Spark task attempt, which fences older ones
+    # worker's rank, barrier workers) and its Spark task id (taskAttemptId), which fences older ones
     partition: int = -1
     task_attempt: int = 0
 

@@ -11,12 +11,17 @@ version per batch id:
 
 A version exists once its manifest does: a reader (:func:`latest_model`) follows
 ``LATEST`` to a version whose files are all written, never half of one. The version is
-tied to the batch id, which is what makes a restarted query exactly-once: Spark replays a
-batch it did not commit, with the same id and rows. A replayed batch whose version is
-published is skipped (logged), so it is not trained twice; one whose fit or save died
-before the manifest is trained again from the version before it, and its leftover files
-are overwritten. ``LATEST`` is repaired by the replay when the process died between the
-manifest and it.
+tied to the batch id and to the query's id (Spark's ``StreamingQuery.id``, kept in its
+checkpoint location across restarts), which is what makes a restarted query exactly-once:
+Spark replays a batch it did not commit, with the same id and rows. A replayed batch whose
+version this query published is skipped (logged), so it is not trained twice; one whose fit
+or save died before the manifest is trained again from the version before it, and its
+leftover files are overwritten. ``LATEST`` is repaired by the replay when the process died
+between the manifest and it. A ``model_dir`` holding another query's versions (a new
+checkpoint location on an old directory) is refused: its batch ids start again at 0 and
+would otherwise be taken for replays and skipped. A manifest or ``LATEST`` left unreadable
+by a writer that died mid-file (HDFS and DBFS write in place) counts as absent: the
+version is trained again, the newest version is found by listing ``model_dir``.
 
 The optimizer starts afresh on every micro-batch (as with any ``initial_model``): the
 weights carry on, Adam's moments and a schedule's position do not. Each micro-batch is
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 VERSION_PREFIX = "batch-"
 MANIFEST = "_PUBLISHED.json"
 LATEST = "LATEST"
+#: The local property Spark sets to the query's id while it runs a micro-batch.
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
 
 
 def version_path(model_dir: str, batch_id: int) -> str:
@@ -109,8 +116,12 @@ class StreamingFit:
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         spark = batch_df.sparkSession
+        query = query_id(spark)
+        _check_same_query(read_latest(spark, self.model_dir), query, self.model_dir)
         version = version_path(self.model_dir, batch_id)
-        if read_manifest(spark, version) is not None:
+        manifest = read_manifest(spark, version)
+        if manifest is not None:
+            _check_same_query(manifest, query, self.model_dir)
             log.info(
                 "micro-batch %d: version %s is already published (a replay after a restart): "
                 "skipped, not trained twice",
@@ -168,6 +179,7 @@ class StreamingFit:
             "fit_seconds": fit_seconds,
             "mlflow_run_id": model.mlflow_run_id or "",
             "published_at": time.time(),
+            "query_id": query_id(spark) or "",
         }
         fs.write_bytes(spark, f"{version}/{MANIFEST}", json.dumps(manifest).encode())
 
@@ -175,8 +187,12 @@ class StreamingFit:
         pointer = read_latest(spark, self.model_dir)
         if pointer is not None and int(pointer["batch_id"]) >= batch_id:
             return
-        text = json.dumps({"batch_id": batch_id, "version": version.rsplit("/", 1)[-1]})
-        fs.write_bytes(spark, f"{self.model_dir}/{LATEST}", text.encode())
+        pointer = {
+            "batch_id": batch_id,
+            "version": version.rsplit("/", 1)[-1],
+            "query_id": query_id(spark) or "",
+        }
+        fs.write_bytes(spark, f"{self.model_dir}/{LATEST}", json.dumps(pointer).encode())
 
 
 def fit_stream(estimator: TorchEstimator, model_dir: str) -> StreamingFit:
@@ -198,21 +214,59 @@ def latest_model(model_dir: str, model_fn: Any = None, spark: Any = None, **func
     pointer = read_latest(spark, model_dir)
     if pointer is None:
         raise ConfigError(
-            f"no model version is published under {model_dir!r} yet (no {LATEST} file there): "
-            "wait for the stream's first non-empty micro-batch, or check model_dir"
+            f"no model version is published under {model_dir!r} yet (no readable {LATEST} file and no "
+            f"{VERSION_PREFIX}* folder with a {MANIFEST} there): wait for the stream's first non-empty "
+            "micro-batch, or check model_dir"
         )
     version = version_path(model_dir, int(pointer["batch_id"]))
     return TorchModel.load(version, model_fn=model_fn, **functions)
 
 
+def query_id(spark: Any) -> str | None:
+    """The id of the streaming query whose ``foreachBatch`` runs now (the same across its
+    restarts from one checkpoint location); None outside a stream's batch."""
+    value = spark.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+    return str(value) if value else None
+
+
 def read_latest(spark: Any, model_dir: str) -> dict[str, Any] | None:
-    """``model_dir/LATEST``'s content (``batch_id``, ``version``), None when absent."""
-    return _read_json(spark, f"{str(model_dir).rstrip('/')}/{LATEST}")
+    """``model_dir/LATEST``'s content (``batch_id``, ``version``, ``query_id``); where it is
+    absent or unreadable, the newest published version found by listing ``model_dir``; None
+    when nothing is published."""
+    model_dir = str(model_dir).rstrip("/")
+    pointer = _read_json(spark, f"{model_dir}/{LATEST}")
+    if pointer is not None:
+        return pointer
+    for name in sorted(fs.list_names(spark, model_dir), reverse=True):
+        if not name.startswith(VERSION_PREFIX) or not name[len(VERSION_PREFIX) :].isdigit():
+            continue
+        manifest = read_manifest(spark, f"{model_dir}/{name}")
+        if manifest is not None:
+            return {
+                "batch_id": int(manifest["batch_id"]),
+                "version": name,
+                "query_id": manifest.get("query_id", ""),
+            }
+    return None
 
 
 def read_manifest(spark: Any, version: str) -> dict[str, Any] | None:
     """The manifest of the version at ``version``, None while it is not published."""
     return _read_json(spark, f"{version}/{MANIFEST}")
+
+
+def _check_same_query(record: dict[str, Any] | None, query: str | None, model_dir: str) -> None:
+    """Refuse a ``model_dir`` whose ``record`` (a manifest or ``LATEST``) another query wrote.
+    A record or a call without a query id (a batch fitted by hand) is not tied to one."""
+    written_by = record.get("query_id") if record is not None else None
+    if record is None or not written_by or query is None or written_by == query:
+        return
+    raise ConfigError(
+        f"{model_dir} holds the versions of streaming query {written_by}, but this is query {query} "
+        f"(micro-batch {record['batch_id']} there): its batch ids would be taken for replays and skipped. "
+        "Give this query a new model_dir (start it from the old one's newest version with "
+        "initial_model=latest_model(old_dir, ...)), or restart it from the checkpointLocation that wrote them"
+    )
 
 
 def _latest_version(spark: Any, model_dir: str, batch_id: int) -> str | None:
@@ -237,11 +291,18 @@ def _latest_version(spark: Any, model_dir: str, batch_id: int) -> str | None:
 
 
 def _read_json(spark: Any, path: str) -> dict[str, Any] | None:
+    """The JSON object at ``path``; None when it is absent, or unreadable (logged): a writer
+    that died mid-file, on a filesystem that writes in place."""
     if not _exists(spark, path):
         return None
-    data = json.loads(fs.read_bytes(spark, path).decode())
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} holds {data!r}, not the JSON object sparkdl writes there")
+    raw = fs.read_bytes(spark, path)
+    try:
+        data = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        data = error
+    if not isinstance(data, dict) or "batch_id" not in data:
+        log.warning("%s holds %r, not the JSON object sparkdl writes there: taken as absent", path, raw[:200])
+        return None
     return data
 
 

@@ -47,6 +47,27 @@ def attempt_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int], b
     return started
 
 
+def task_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int, int], bool]:
+    """A check of ``(partition, task_id)`` for independent tasks: whether the newest attempt
+    of a stage of job group ``group`` runs task ``task_id`` for ``partition`` (re-checked for
+    up to ``wait_s``, as the store runs a little behind)."""
+
+    def started(partition: int, task_id: int) -> bool:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if any(tasks.get(task_id) == partition for tasks in newest_attempts(sc, group).values()):
+                    return True
+            except Exception as exc:  # the JVM's status store changed shape: say so, refuse
+                log.warning("cannot read the running tasks from Spark's status store: %s", exc)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
+    return started
+
+
 def running_attempts(sc: Any, group: str) -> set[int]:
     """The names (smallest task id) of the newest attempt of each stage of ``group``'s jobs."""
     return set(newest_attempts(sc, group))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from sparkdl.errors import ConfigError, StageStalledError
+from sparkdl.spark.attempts import task_gate
 from sparkdl.spark.cluster import described, own_local_properties
 from sparkdl.spark.fit_task import RESULT_SCHEMA
 from sparkdl.spark.independent_task import train_alone
@@ -78,7 +79,9 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
             "parameter_server.ps_barrier = false needs the driver process to host the server and to "
             "watch the stage, which a Spark Connect client cannot; use a classic session"
         )
-    hosted = start_parameter_server(site.spark, spec, None)
+    # a task's HELLO is believed when Spark's status store lists that task for its partition
+    gate = task_gate(site.spark.sparkContext, site.group) if site.group else None
+    hosted = start_parameter_server(site.spark, spec, None, gate)
     try:
         task_spec = dataclasses.replace(hosted.spec, weights=None, meeting=None, progress=None)
         data = stage_input(df, spec.plan.column_names, n)

@@ -56,8 +56,10 @@ def train_alone(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[
         torch_threads=runtime.torch_threads or int(ctx.cpus() or 1),
         task_attempt=ctx.taskAttemptId(),
     )
+    # fenced by its task id: unique in the application and larger for every retry, where the
+    # attempt number starts again at 0 when Spark resubmits the stage
     own = dataclasses.replace(
-        spec, ps=dataclasses.replace(spec.ps, partition=partition, task_attempt=attempt)
+        spec, ps=dataclasses.replace(spec.ps, partition=partition, task_attempt=ctx.taskAttemptId())
     )
     try:
         result = run_worker(own, batches, placement, lambda said: [said])

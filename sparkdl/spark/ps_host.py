@@ -51,7 +51,10 @@ class HostedServer:
 
 
 def start_parameter_server(
-    spark: Any, spec: TrainSpec, attempt_started: Callable[[int], bool] | None = None
+    spark: Any,
+    spec: TrainSpec,
+    attempt_started: Callable[[int], bool] | None = None,
+    task_started: Callable[[int, int], bool] | None = None,
 ) -> HostedServer:
     """Build the initial model, split its trainable parameters into shards and serve them on
     the driver's address.
@@ -69,7 +72,7 @@ def start_parameter_server(
             "Spark Connect client cannot run code in; use strategy 'allreduce' or "
             "'weight_averaging' with Spark Connect"
         )
-    return host_parameter_server(spec, driver_host(spark), attempt_started)
+    return host_parameter_server(spec, driver_host(spark), attempt_started, task_started)
 
 
 def _steps_per_version(config: SparkDLConfig) -> float:
@@ -90,13 +93,18 @@ def _shared_memory_bytes(config: SparkDLConfig) -> int:
 
 
 def host_parameter_server(
-    spec: TrainSpec, host: str, attempt_started: Callable[[int], bool] | None = None
+    spec: TrainSpec,
+    host: str,
+    attempt_started: Callable[[int], bool] | None = None,
+    task_started: Callable[[int, int], bool] | None = None,
 ) -> HostedServer:
     """Start the server for ``spec`` on ``host`` (port chosen by the OS); a HELLO of a stage
-    attempt is believed when ``attempt_started`` says Spark runs it (None: any)."""
+    attempt is believed when ``attempt_started`` says Spark runs it, an independent task's
+    when ``task_started`` does (None: any)."""
     server, model, endpoint, coordinator = _serve(
-        spec.config, spec.model_fn, spec.optimizer_fn, host, attempt_started, spec.lr, spec.scheduler_fn
-    )
+        spec.config, spec.model_fn, spec.optimizer_fn, host, attempt_started, spec.lr, spec.scheduler_fn,
+        task_started,
+    )  # fmt: skip
     if coordinator is not None:
         coordinator.start()
     return HostedServer(server, model, dataclasses.replace(spec, ps=endpoint), coordinator)
@@ -129,6 +137,7 @@ def _serve(
     attempt_started: Callable[[int], bool] | None,
     lr: LrPlan,
     scheduler_fn: SchedulerFn | None,
+    task_started: Callable[[int, int], bool] | None = None,
 ) -> tuple[ParameterServer, nn.Module, PsEndpoint, Coordinator | None]:
     """:func:`serve_parameters`, and with ``optimizer = "lbfgs"`` the coordinator (not yet
     started) whose shards hold the L-BFGS vectors instead of an optimizer."""
@@ -170,6 +179,7 @@ def _serve(
         factor_layouts=layouts,
         attempt_lock=vectors.attempt_lock if vectors is not None else None,
         known=executor_addresses(),
+        task_started=task_started,
     )
     log.info(
         "parameter server for %d workers on %s:%d, %d shards, %s",

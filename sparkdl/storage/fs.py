@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,41 @@ def write_bytes(spark: Any, path: str, data: bytes) -> None:
     if store is not None:
         store.fs.pipe_file(store.path, data)
         return
+    # Hadoop (hdfs, dbfs): written beside, then renamed over it, so that a reader never
+    # finds half of it (HDFS's rename is atomic; it refuses an existing target, hence the delete)
     jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
     hpath = jvm.org.apache.hadoop.fs.Path(path)
-    stream = hpath.getFileSystem(conf).create(hpath, True)
+    tmp = jvm.org.apache.hadoop.fs.Path(f"{path}.tmp-{uuid.uuid4().hex[:12]}")
+    filesystem = hpath.getFileSystem(conf)
+    stream = filesystem.create(tmp, True)
     try:
         stream.write(bytearray(data))
     finally:
         stream.close()
+    filesystem.delete(hpath, False)
+    if not filesystem.rename(tmp, hpath):
+        filesystem.delete(tmp, False)
+        raise OSError(f"could not rename {tmp} to {path}: check the permissions of its folder")
+
+
+def list_names(spark: Any, folder: str) -> list[str]:
+    """The names of what ``folder`` holds (files and folders, no path); empty where it is absent."""
+    local = _local(folder)
+    if local is not None:
+        return sorted(child.name for child in local.iterdir()) if local.is_dir() else []
+    store = object_store(spark, folder)
+    if store is not None:
+        if not store.fs.exists(store.path):
+            return []
+        return sorted(
+            str(child).rstrip("/").rsplit("/", 1)[-1] for child in store.fs.ls(store.path, detail=False)
+        )
+    jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
+    hpath = jvm.org.apache.hadoop.fs.Path(folder)
+    filesystem = hpath.getFileSystem(conf)
+    if not filesystem.exists(hpath):
+        return []
+    return sorted(str(status.getPath().getName()) for status in filesystem.listStatus(hpath))
 
 
 def read_bytes(spark: Any, path: str) -> bytes:

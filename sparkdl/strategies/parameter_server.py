@@ -210,7 +210,7 @@ class ParameterServerStrategy(SyncStrategy):
         """
         if step.rows > self._skip_rows:
             raise TrainingFailedError(
-                f"partition {self.ctx.ps.partition if self.ctx.ps else -1}: task attempt "
+                f"partition {self.ctx.ps.partition if self.ctx.ps else -1}: task "
                 f"{self.ctx.ps.task_attempt if self.ctx.ps else 0} resumes after rows its predecessor's "
                 f"pushes covered, but its step {step.step} holds {step.rows} rows with only "
                 f"{self._skip_rows} left to skip: the partition's rows are not read as they were (a "

@@ -84,7 +84,9 @@ def test_a_stream_publishes_a_version_per_batch_each_loading_and_predicting(spar
         assert run.info.run_name == f"stream batch {k}"
         model = TorchModel.load(version, model_fn=make_tiny_net)
         assert model.transform(spark.read.parquet(str(file))).select("prediction").count() == ROWS
-    assert read_latest(spark, models) == {"batch_id": 1, "version": "batch-000000000001"}
+    latest = read_latest(spark, models)
+    assert {k: latest[k] for k in ("batch_id", "version")} == {"batch_id": 1, "version": "batch-000000000001"}
+    assert latest["query_id"] == read_manifest(spark, version_path(models, 0))["query_id"] != ""
     newest = latest_model(models, model_fn=make_tiny_net)
     assert (
         max_abs_diff(
@@ -153,6 +155,13 @@ def test_a_query_restarted_from_its_checkpoint_trains_every_batch_once(spark, tm
     streamed = latest_model(models, model_fn=make_tiny_net)
     assert max_abs_diff(streamed.module.state_dict(), model.module.state_dict()) < 1e-6
 
+    # 4. A new query (a new checkpoint location) on the same model_dir: its batch 0 is not
+    #    taken for a replay of the old query's batch 0 and skipped, it is refused.
+    fourth = StreamingFit(stream_estimator(), models)
+    with pytest.raises(StreamingQueryException, match="holds the versions of streaming query"):
+        run_stream(spark, tmp_path / "in", tmp_path / "another-checkpoint", fourth)
+    assert fourth.records == []
+
 
 def test_a_model_dir_written_by_another_query_is_refused(spark, tmp_path):
     models = tmp_path / "models"
@@ -166,6 +175,16 @@ def test_a_model_dir_written_by_another_query_is_refused(spark, tmp_path):
         fit(batch, 3)
     with pytest.raises(ConfigError, match="no model version is published under"):
         latest_model(str(tmp_path / "nothing"), model_fn=make_tiny_net)
+
+    # half-written files (HDFS and DBFS write in place) count as absent: the newest version
+    # is found by listing, a half-written manifest's version is trained again
+    for k, manifest in ((3, {"batch_id": 3}), (5, None)):
+        (models / f"batch-{k:012d}").mkdir()
+        text = json.dumps(manifest) if manifest else '{"batch_id": 5, "sam'
+        (models / f"batch-{k:012d}/_PUBLISHED.json").write_text(text)
+    (models / "LATEST").write_text('{"batch_id": 5, "ver')
+    assert read_latest(spark, str(models)) == {"batch_id": 3, "version": "batch-000000000003", "query_id": ""}
+    assert read_manifest(spark, version_path(str(models), 5)) is None
     with pytest.raises(ConfigError, match="needs a TorchEstimator with model_fn"):
         StreamingFit(stream_estimator(model_fn=None), str(models))
 
@@ -225,7 +244,8 @@ def test_versions_publish_to_s3_and_a_restarted_driver_goes_on_from_there(spark,
         restarted(batch_0, 0)  # the replay of batch 0
         restarted(batch_1, 1)
         assert restarted.skipped == [0] and restarted.trained == [1]
-        assert read_latest(spark, models) == {"batch_id": 1, "version": "batch-000000000001"}
+        latest = read_latest(spark, models)  # fitted by hand, outside a query: tied to none
+        assert latest == {"batch_id": 1, "version": "batch-000000000001", "query_id": ""}
         assert read_manifest(spark, version_path(models, 1))["initial_model"] == version_path(models, 0)
         version_0 = TorchModel.load(version_path(models, 0), model_fn=make_tiny_net)
         by_hand = stream_estimator(initial_model=version_0).fit(batch_1)

@@ -42,12 +42,12 @@ def test_a_retried_attempt_fences_its_predecessor_and_learns_the_rows_to_skip():
     s.begin_task(1, 0)
     s.push(1, 0, 0, 10, torch.ones(4) * 10)
     assert s.begin_task(1, 1) == 10  # the retry: skip 10 rows
-    with pytest.raises(PushRejected, match=r"attempt 0 of partition 1.*attempt 1"):
+    with pytest.raises(PushRejected, match=r"task 0 of partition 1.*task 1"):
         s.push(1, 0, 1, 10, torch.ones(4) * 10)  # the zombie's push
     assert s.rows_applied[1] == 10 and s.version == 1
     s.push(1, 1, 1, 5, torch.ones(4) * 5)
     assert s.rows_applied[1] == 15
-    with pytest.raises(PushRejected, match="older than attempt 1"):
+    with pytest.raises(PushRejected, match="older than task 1"):
         s.begin_task(1, 0)  # a stale attempt cannot take the partition back
     with pytest.raises(PushRejected, match="partition 0"):
         s.push(0, 0, 1, 3, torch.ones(4) * 3)  # partition 0 never said HELLO: no attempt of it is taken
@@ -90,14 +90,16 @@ def test_over_the_socket_a_retry_learns_its_rows_and_the_stale_attempt_is_refuse
         first.push(0, 12, [torch.ones(4) * 12])
         retry = PsClient(dataclassed(base, partition=1, task_attempt=1), 1, 1)
         assert retry.rows_done == 12
-        with pytest.raises(ParameterServerError, match="attempt 0 of partition 1"):
+        with pytest.raises(ParameterServerError, match="task 0 of partition 1"):
             first.push(1, 12, [torch.ones(4) * 12])
         retry.push(1, 4, [torch.ones(4) * 4])
         ledger = server.task_ledger()
         assert ledger["rows_applied"] == [0, 16]
-        assert [(t["partition"], t["attempt"], t["rows_skipped"]) for t in ledger["takeovers"]] == [
-            (1, 1, 12)
+        takeovers = [
+            (t["partition"], t["task_id"], t["replaced_task_id"], t["rows_skipped"])
+            for t in ledger["takeovers"]
         ]
+        assert takeovers == [(1, 1, 0, 12)]
         assert set(server.task_silence()) == {1}  # partition 1's connections are open
         first.close()
         retry.close()
@@ -134,3 +136,33 @@ def test_other_strategies_refuse_it_and_async_takes_it():
     with pytest.raises(ConfigError, match="only the asynchronous parameter server"):
         check_settings(SparkDLConfig().replace(**{"strategy": "allreduce", "ps_barrier": False}))
     check_settings(SparkDLConfig().replace(strategy="parameter_server", ps_mode="async", ps_barrier=False))
+
+
+def test_a_newer_task_is_believed_only_when_spark_runs_it_for_that_partition():
+    """A holder of the secret claiming a huge task id (or a real one of another partition)
+    cannot fence a partition's running task out: the server asks Spark's status store."""
+    store = independent_store(workers=2)
+    running = {(1, 7), (1, 9), (0, 8)}  # (partition, task id) Spark's status store lists
+    asked = []
+
+    def task_started(partition, task_id):
+        asked.append((partition, task_id))
+        return (partition, task_id) in running
+
+    server = ParameterServer([store], "127.0.0.1", SECRET, 5.0, 1 << 20, task_started=task_started)
+    try:
+        base = server.endpoint(((0,),))
+        task = PsClient(dataclassed(base, partition=1, task_attempt=7), 1, 7)
+        task.push(0, 4, [torch.ones(4)])
+        for claimed in (1 << 31, 8):  # an id Spark never gave; partition 0's task
+            with pytest.raises(ParameterServerError, match=f"claims task {claimed} of partition 1"):
+                PsClient(dataclassed(base, partition=1, task_attempt=claimed), 1, claimed)
+        task.push(1, 4, [torch.ones(4)])  # still the partition's task: its pushes are taken
+        assert store.rows_applied == [0, 8] and server.task_ledger()["takeovers"] == []
+        retry = PsClient(dataclassed(base, partition=1, task_attempt=9), 1, 9)  # Spark's real retry
+        assert retry.rows_done == 8
+        assert asked == [(1, 7), (1, 1 << 31), (1, 8), (1, 9)]  # asked once per newer task, never per push
+        task.close()
+        retry.close()
+    finally:
+        server.stop()

@@ -55,6 +55,9 @@ class StageAttempts:
             (None believes any newer attempt: for servers outside a Spark driver).
         lock: the lock a new attempt begins under (a full-batch coordinator's, which it
             publishes under too; None: one of its own).
+        task_started: independent tasks: whether Spark runs task ``task_id`` for partition
+            ``partition`` in the fit's stage, ``(partition, task_id) -> bool`` (None believes
+            any newer task).
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class StageAttempts:
         snapshot_dir: str,
         attempt_started: Callable[[int], bool] | None,
         lock: threading.Lock | None = None,
+        task_started: Callable[[int, int], bool] | None = None,
     ) -> None:
         self._stores = stores
         self._snapshots = [
@@ -75,6 +79,7 @@ class StageAttempts:
         # so that a new attempt's clocks start from one version on every shard
         self._lock = lock or threading.Lock()
         self._attempt_started = attempt_started
+        self._task_started = task_started
         self.independent = bool(stores) and all(store.independent for store in stores)
         workers = max((store.num_workers for store in stores), default=0)
         self._first_seen: list[float | None] = [None] * workers  # independent: each partition's first HELLO
@@ -84,23 +89,45 @@ class StageAttempts:
         self._seen_attempt = [-1] * workers
 
     def begin_task(self, rank: int, attempt: int) -> int:
-        """Independent tasks: task attempt ``attempt`` of partition ``rank`` connects (one
-        connection per shard); every shard takes the partition's pushes from it alone from now
-        on. Returns the partition's rows whose pushes every shard applied (the attempt skips them).
+        """Independent tasks: the task of partition ``rank`` whose Spark task id
+        (``taskAttemptId``: unique in the application, a retry's always larger, even across a
+        stage's resubmission) is ``attempt`` connects (one connection per shard); every shard
+        takes the partition's pushes from it alone from now on. A newer task than the
+        partition's current one is believed only when ``task_started`` confirms Spark runs it,
+        so a holder of the secret cannot fence a partition out by claiming a large id. Returns
+        the partition's rows whose pushes every shard applied (the task skips them).
 
         Raises:
-            PushRejected: an attempt older than the partition's current one, or a rank out of range.
+            PushRejected: a task older than the partition's current one, one Spark does not
+                run for that partition, or a rank out of range.
         """
+        if not 0 <= rank < len(self._seen_attempt):
+            raise PushRejected(
+                f"partition {rank} is not one of the fit's {len(self._seen_attempt)} partitions"
+            )
+        newer = attempt > self._seen_attempt[rank]
+        if newer and self._task_started is not None and not self._task_started(rank, attempt):
+            raise PushRejected(
+                f"a HELLO claims task {attempt} of partition {rank} (current: task "
+                f"{self._seen_attempt[rank]}), but Spark runs no such task of the training stage for "
+                "that partition"
+            )
         with self._lock:
             rows = min(store.begin_task(rank, attempt) for store in self._stores)
             now = time.time()
             if attempt > self._seen_attempt[rank]:
                 if self._seen_attempt[rank] >= 0:
                     self.takeovers.append(
-                        {"partition": rank, "attempt": attempt, "time": now, "rows_skipped": rows}
+                        {
+                            "partition": rank,
+                            "task_id": attempt,
+                            "replaced_task_id": self._seen_attempt[rank],
+                            "time": now,
+                            "rows_skipped": rows,
+                        }
                     )
                     log.warning(
-                        "partition %d: task attempt %d took over from attempt %d; %d rows whose pushes were "
+                        "partition %d: task %d took over from task %d; %d rows whose pushes were "
                         "applied are skipped, the rest of its partition is trained",
                         rank, attempt, self._seen_attempt[rank], rows,
                     )  # fmt: skip

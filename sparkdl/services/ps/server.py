@@ -97,6 +97,9 @@ class ParameterServer:
         attempt_lock: the lock a new stage attempt begins under (a full-batch coordinator's:
             it publishes every shard's next point under it; None: the server's own).
         known: the executors' addresses (places are reserved for them; None: none known).
+        task_started: independent tasks (``ps_barrier = false``): whether Spark runs task
+            ``task_id`` for partition ``partition``, ``(partition, task_id) -> bool`` (None
+            believes any newer task).
     """
 
     def __init__(
@@ -117,10 +120,11 @@ class ParameterServer:
         factor_layouts: Sequence[FactorLayout] | None = None,
         attempt_lock: threading.Lock | None = None,
         known: Container[str] | None = None,
+        task_started: Callable[[int, int], bool] | None = None,
     ) -> None:
         self.stores = list(stores)
         self._threads = _torch_threads.hold(torch_threads)
-        self._attempts = StageAttempts(self.stores, snapshot_dir, attempt_started, attempt_lock)
+        self._attempts = StageAttempts(self.stores, snapshot_dir, attempt_started, attempt_lock, task_started)
         self.secret = secret
         self.timeout_s = timeout_s
         self.max_payload = max_payload

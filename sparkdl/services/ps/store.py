@@ -240,7 +240,7 @@ class ShardStore:
             current = self._task_attempts[rank]
             if attempt < current:
                 raise PushRejected(
-                    f"task attempt {attempt} of partition {rank} is older than attempt {current}, whose "
+                    f"task {attempt} of partition {rank} is older than task {current}, whose "
                     "pushes the server takes now (a zombie or a speculative copy): refused"
                 )
             self._task_attempts[rank] = attempt
@@ -418,8 +418,8 @@ class ShardStore:
             raise PushRejected(f"rank {rank} is not one of the {self.num_workers} workers")
         if self.independent and attempt != self._task_attempts[rank]:
             raise PushRejected(
-                f"push from task attempt {attempt} of partition {rank}; the server takes that partition's "
-                f"pushes from attempt {self._task_attempts[rank]} (a stale attempt's are refused)"
+                f"push from task {attempt} of partition {rank}; the server takes that partition's "
+                f"pushes from task {self._task_attempts[rank]} (a stale task's are refused)"
             )
         if not self.independent and attempt != self.attempt:
             raise PushRejected(f"push from stage attempt {attempt}; the current attempt is {self.attempt}")
