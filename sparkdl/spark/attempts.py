@@ -68,6 +68,26 @@ def task_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int, int],
     return started
 
 
+def running_tasks(sc: Any, group: str) -> set[int]:
+    """The ids of the tasks of ``group``'s stages that Spark's status store says are running."""
+    tracker = sc.statusTracker()
+    store = sc._jsc.sc().statusStore()
+    running: set[int] = set()
+    for job in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job)
+        for stage in info.stageIds if info is not None else ():
+            stage_info = tracker.getStageInfo(stage)
+            if stage_info is None or stage_info.currentAttemptId is None or not stage_info.numActiveTasks:
+                continue
+            tasks = store.taskList(stage, stage_info.currentAttemptId, _MAX_TASKS)
+            running.update(
+                int(t.taskId())
+                for t in (tasks.apply(i) for i in range(tasks.size()))
+                if t.status() == "RUNNING"
+            )
+    return running
+
+
 def running_attempts(sc: Any, group: str) -> set[int]:
     """The names (smallest task id) of the newest attempt of each stage of ``group``'s jobs."""
     return set(newest_attempts(sc, group))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sparkdl.errors import ConfigError, StageStalledError
-from sparkdl.spark.attempts import task_gate
+from sparkdl.spark.attempts import running_tasks, task_gate
 from sparkdl.spark.cluster import described, own_local_properties
 from sparkdl.spark.fit_task import RESULT_SCHEMA
 from sparkdl.spark.independent_task import train_alone
@@ -93,7 +93,8 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
         )
         with own_local_properties(site.spark), described(site.spark, description):
             try:
-                rows = collect_watched(site.spark, stage, hosted.server.task_silence, bound_s, site.group)
+                silence = functools.partial(_running_silence, site, hosted.server)
+                rows = collect_watched(site.spark, stage, silence, bound_s, site.group)
             except StageStalledError:
                 raise
             except Exception as exc:
@@ -101,6 +102,22 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
         return IndependentRun(rows, hosted.parameter_state(), run_figures(hosted.server.task_ledger()))
     finally:
         hosted.stop()
+
+
+def _running_silence(site: Site, server: Any) -> dict[int, float]:
+    """The silence of each partition whose current task Spark still runs (the stall watch's
+    view): a task Spark has given up on (its executor lost, its connection half-open until
+    TCP keepalive ends it) is Spark's to retry, not a stall to cancel the fit for. Where the
+    status store cannot be read, every silent partition counts."""
+    silence = server.task_silence()
+    if not silence:
+        return silence
+    try:
+        running = running_tasks(site.spark.sparkContext, site.group)
+    except Exception as exc:  # py4j: the JVM busy or going away
+        log.warning("cannot read the running tasks from Spark's status store: %s", exc)
+        return silence
+    return {p: s for p, s in silence.items() if server.current_task(p) in running}
 
 
 def run_figures(ledger: dict[str, Any]) -> dict[str, Any]:

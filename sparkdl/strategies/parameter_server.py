@@ -152,7 +152,8 @@ class ParameterServerStrategy(SyncStrategy):
         self._client: PsClient | None = None
         bf16 = settings.ps_pull_precision is Precision.BF16
         self._skip_rows = 0  # independent tasks: rows of this partition the server already applied
-        if ctx.ps.partition >= 0:  # an independent task: pushes as its partition, fenced by its attempt
+        self._independent = ctx.ps.partition >= 0
+        if self._independent:  # an independent task: pushes as its partition, fenced by its task id
             self._client = PsClient(
                 ctx.ps, ctx.ps.partition, ctx.ps.task_attempt, 0, feedback, bf16_pulls=bf16
             )
@@ -196,6 +197,8 @@ class ParameterServerStrategy(SyncStrategy):
                 self._clear_gradients()
                 if self._factors is not None:
                     self._factors.drop()
+                if self._independent and self._client is not None:
+                    self._client.rows_dropped += step.rows  # covered all the same: a retry skips them
         self.step_done(step.step)
         return StepOutcome(loss, nan_skipped=verdict is Verdict.NAN_SKIPPED)
 
@@ -278,7 +281,7 @@ class ParameterServerStrategy(SyncStrategy):
         if self._hierarchy is not None:  # every rank of a host joins the sum, rows or none
             if self._mode is PsMode.ASYNC and self._push_every > 1:
                 self._exchange(-1, None)
-        elif self._rows:
+        elif self._rows or (self._client is not None and self._client.rows_dropped):
             self._exchange(-1, None)
 
     def settle(self, steps: int) -> None:

@@ -62,7 +62,7 @@ from sparkdl.wire.framing import (
     accept_hello,
     server_challenge,
 )
-from sparkdl.wire.refusals import Refusals, close_quietly
+from sparkdl.wire.refusals import Refusals, close_quietly, keep_alive
 from sparkdl.wire.socket_io import BUSY
 
 M = TypeVar("M")
@@ -442,6 +442,7 @@ class ConnectionListener(Generic[M]):
             close_quietly(channel.sock)
             return
         channel.sock.setblocking(True)
+        keep_alive(channel.sock)  # a dead peer's session ends, though no FIN ever comes
         session.thread.start()
 
     def _run_session(self, session: _Session, hello: M, channel: Channel[M], peer: tuple[str, int]) -> None:

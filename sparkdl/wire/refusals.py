@@ -72,6 +72,23 @@ class Refusals:
             self._log.warning("%s refused %d more: %s", self.name, count, reason)
 
 
+#: TCP keepalive on a session's socket: probes after this long idle, this often, this many.
+KEEPALIVE = (30, 10, 6)
+
+
+def keep_alive(
+    sock: socket.socket, idle_s: int = KEEPALIVE[0], interval_s: int = KEEPALIVE[1], count: int = KEEPALIVE[2]
+) -> None:
+    """Have the kernel probe ``sock``'s peer once it has been idle ``idle_s``: a peer whose host
+    died or was cut off (no FIN ever comes) is found gone after about ``idle_s + interval_s *
+    count`` seconds and its session ends, instead of holding a thread and a place for the
+    server's life. A legitimately idle peer answers the probes and is never cut."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, option):  # Linux; macOS has TCP_KEEPALIVE for the idle time
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def close_quietly(sock: socket.socket) -> None:
     """Shut down and close ``sock``, ignoring a peer that is already gone."""
     try:

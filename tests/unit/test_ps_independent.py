@@ -4,6 +4,9 @@ that mode refuses. Outside Spark: a store directly, and a real server over its s
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -101,8 +104,18 @@ def test_over_the_socket_a_retry_learns_its_rows_and_the_stale_attempt_is_refuse
         ]
         assert takeovers == [(1, 1, 0, 12)]
         assert set(server.task_silence()) == {1}  # partition 1's connections are open
-        first.close()
+        assert server.current_task(1) == 1 and server.current_task(0) == -1
+        # the server probes every session's peer (a host cut off sends no FIN)
+        assert all(
+            s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for s in server._listener._sessions
+        )
         retry.close()
+        # the fenced task's connection is still open, but it is no longer the partition's
+        deadline = time.monotonic() + 5
+        while server.task_silence() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.task_silence() == {}
+        first.close()
         figures = run_figures(server.task_ledger())
         assert figures["partition_pushes"] == [0, 2] and figures["partition_rows_applied"] == [0, 16]
     finally:
@@ -162,6 +175,30 @@ def test_a_newer_task_is_believed_only_when_spark_runs_it_for_that_partition():
         retry = PsClient(dataclassed(base, partition=1, task_attempt=9), 1, 9)  # Spark's real retry
         assert retry.rows_done == 8
         assert asked == [(1, 7), (1, 1 << 31), (1, 8), (1, 9)]  # asked once per newer task, never per push
+        task.close()
+        retry.close()
+    finally:
+        server.stop()
+
+
+def test_rows_of_dropped_steps_count_as_covered_so_a_retry_skips_them_too():
+    """A step dropped for a non-finite loss trains nothing, but its rows were read: the
+    partition's count includes them, or a retry would stop skipping one step early and train
+    its predecessor's last pushed step twice."""
+    store = independent_store(workers=2)
+    server = ParameterServer([store], "127.0.0.1", SECRET, 5.0, 1 << 20)
+    try:
+        base = server.endpoint(((0,),))
+        task = PsClient(dataclassed(base, partition=0, task_attempt=3), 0, 3)
+        task.rows_dropped = 8  # one step of 8 rows dropped, then one of 4 trained
+        task.push(0, 4, [torch.ones(4) * 4])
+        assert store.rows_applied == [12, 0] and store.version == 1 and task.rows_dropped == 0
+        task.rows_dropped = 8  # a push of dropped rows alone: counted, nothing applied
+        task.push(1, 0, [torch.zeros(4)])
+        assert store.rows_applied == [20, 0] and store.version == 1
+        assert torch.equal(store.params[0].detach(), -torch.ones(4))  # the one mean-1 gradient, lr 1
+        retry = PsClient(dataclassed(base, partition=0, task_attempt=4), 0, 4)
+        assert retry.rows_done == 20
         task.close()
         retry.close()
     finally:

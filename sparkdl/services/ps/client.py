@@ -81,6 +81,9 @@ class PsClient:
         self.feedback = feedback
         self.rank = rank
         self.attempt = attempt
+        #: independent tasks: rows of steps dropped (non-finite) since the last push, which the
+        #: next push tells the server (its partition's rows covered count them; none trained)
+        self.rows_dropped = 0
         self.start_clock = start_clock
         self.pushers = pushers
         self.stats = ClientStats()
@@ -162,6 +165,7 @@ class PsClient:
         for result in self._each_shard(self._push_one, [(clock, rows, grad, loss_sum) for grad in grads]):
             self._count_push(*result)  # (bytes, of them through shared memory, staleness)
         self.stats.pushes += 1
+        self.rows_dropped = 0
 
     def push_pull(
         self, clock: int, rows: int, grads: Sequence[Gradient], pull_clock: int
@@ -180,6 +184,7 @@ class PsClient:
         self.stats.wait_s += time.perf_counter() - started
         self.stats.pushes += 1
         self.stats.pulls += 1
+        self.rows_dropped = 0
         return results
 
     def _count_push(self, sent: int, shared: int, staleness: int) -> None:
@@ -279,6 +284,8 @@ class PsClient:
         """Send shard ``shard``'s PUSH, and the PULL of ``pull_clock`` behind it in the same
         ``sendmsg``; (bytes moved, the payload's wherever it went; of them, through shared memory)."""
         frame, shared = self._push_frame(shard, clock, rows, grad, loss)
+        if self.rows_dropped:
+            frame = frame._replace(staleness=self.rows_dropped)
         frames = (frame,) if pull_clock is None else (frame, self._pull_frame(shard, pull_clock))
         return self._channels[shard].send_many(frames) + shared, shared
 

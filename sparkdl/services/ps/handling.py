@@ -143,7 +143,11 @@ class RequestHandler:
                 "not applied (the line search cannot compare a non-finite objective)"
             )
         try:
-            staleness = store.push(frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss)
+            # an independent task's PUSH carries its dropped rows where an ACK carries staleness
+            dropped = frame.staleness if store.independent else 0
+            staleness = store.push(
+                frame.rank, frame.attempt, frame.clock, frame.rows, grad, frame.loss, dropped
+            )
         finally:  # an update undone still passed its clock: the pulls parked for it go on
             self.parked.answer(frame.shard)
         return Frame(Kind.ACK, shard=frame.shard, staleness=staleness)

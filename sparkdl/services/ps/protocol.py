@@ -18,7 +18,10 @@ a UTF-8 text (ABORT, ERROR) or nothing. Its header fields, each with one meaning
     version    WEIGHTS: the weights' version; ACK of a SNAPSHOT: the version saved
     staleness  ACK of a PUSH: how many updates the pushed gradient was behind (sync with
                backup workers: how many clocks late it came, and was dropped);
-               WEIGHTS: how many clocks past the one pulled the weights already are
+               WEIGHTS: how many clocks past the one pulled the weights already are;
+               PUSH of an independent task: the rows of the steps it dropped (a non-finite
+               loss or gradient) since its last push, counted as covered, not trained (its
+               retry skips them with the rest)
     area       HELLO: 1 asks for a shared-memory area (the worker mapped the server's
                segment, :mod:`sparkdl.comm.ps_areas`); the ACK of a HELLO: the area granted,
                plus one (0: none, payloads travel in the frames); PUSH, PULL, WEIGHTS:

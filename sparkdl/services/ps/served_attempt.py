@@ -132,20 +132,28 @@ class StageAttempts:
                         rank, attempt, self._seen_attempt[rank], rows,
                     )  # fmt: skip
                 self._seen_attempt[rank] = attempt
+                self._open[rank] = 0  # the fenced task's connections no longer count as the partition's
             self._open[rank] += 1
             self._heard[rank] = time.monotonic()
             return rows
 
-    def end_task_connection(self, rank: int) -> None:
-        """Independent tasks: a connection of partition ``rank`` closed."""
+    def end_task_connection(self, rank: int, attempt: int) -> None:
+        """Independent tasks: a connection of task ``attempt`` of partition ``rank`` closed."""
         with self._lock:
-            if 0 <= rank < len(self._open) and self._open[rank] > 0:
+            current = 0 <= rank < len(self._open) and attempt == self._seen_attempt[rank]
+            if current and self._open[rank] > 0:
                 self._open[rank] -= 1
                 self._heard[rank] = time.monotonic()
 
+    def current_task(self, rank: int) -> int:
+        """Independent tasks: the task whose pushes partition ``rank``'s are (-1: none yet)."""
+        with self._lock:
+            return self._seen_attempt[rank]
+
     def silence(self) -> dict[int, float]:
-        """Independent tasks: seconds since each partition with an open connection was last
-        heard from (its latest push, or its connection's opening)."""
+        """Independent tasks: seconds since each partition whose current task has an open
+        connection was last heard from (its latest push, or its connection's opening); a fenced
+        task's connections do not count."""
         now = time.monotonic()
         with self._lock:
             silent = {}

@@ -181,6 +181,10 @@ class ParameterServer:
         """Pushes rejected for NaN or infinite values."""
         return self._requests.nonfinite_pushes
 
+    def current_task(self, partition: int) -> int:
+        """Independent tasks: the Spark task id whose pushes ``partition``'s are (-1: none yet)."""
+        return self._attempts.current_task(partition)
+
     def task_silence(self) -> dict[int, float]:
         """Independent tasks: seconds since each partition with an open connection was last
         heard from (the driver's stall watch); empty for barrier workers."""

@@ -103,7 +103,7 @@ class Sessions:
             pass  # the worker went away, or stop() closed the socket
         finally:
             if task >= 0:
-                self._attempts.end_task_connection(task)
+                self._attempts.end_task_connection(task, hello.attempt)
             if warm.waiting is not None:
                 self._parked.withdraw(warm)
             if warm.area is not None and self._areas is not None:

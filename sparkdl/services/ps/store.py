@@ -272,10 +272,18 @@ class ShardStore:
         self.version = int(state["version"])
 
     def push(
-        self, rank: int, attempt: int, clock: int, rows: int, grad_sum: torch.Tensor, loss_sum: float = 0.0
+        self,
+        rank: int,
+        attempt: int,
+        clock: int,
+        rows: int,
+        grad_sum: torch.Tensor,
+        loss_sum: float = 0.0,
+        dropped: int = 0,
     ) -> int:
         """Add a worker's rows-weighted gradient sum (and, coordinated, its rows' summed loss);
-        return its staleness (async) or 0.
+        return its staleness (async) or 0. ``dropped``: an independent task's rows of steps it
+        dropped (non-finite) since its last push, counted with the partition's rows covered.
 
         The store may scale ``grad_sum`` in place, but keeps no reference to it once this
         returns: the caller reads the next push into the same memory.
@@ -292,7 +300,7 @@ class ShardStore:
                 if rows > 0 and not self._apply(grad_sum.div_(rows)):
                     raise self._undone(f"rank {rank}'s push based on version {clock}")
                 if self.independent:  # under the lock of the update: counted once it is in the weights
-                    self.rows_applied[rank] += max(rows, 0)
+                    self.rows_applied[rank] += max(rows, 0) + max(dropped, 0)
                     self.push_times[rank].append(self._clock())
                 self._cond.notify_all()
                 return staleness
