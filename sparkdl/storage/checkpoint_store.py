@@ -42,6 +42,9 @@ from sparkdl.storage.filesystems import Location, access_error, local_path, open
 log = logging.getLogger(__name__)
 
 KEEP = 2
+#: The most a failing worker waits for its checkpoint's upload before it reports its error.
+FAILING_WAIT_S = 30.0
+
 #: Fewest seconds between two writes of the progress file on an object store.
 PROGRESS_EVERY_S = 5.0
 
@@ -100,6 +103,23 @@ class _Uploads:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+    def settle(self, timeout_s: float) -> None:
+        """On the way out after an error: give the upload in flight up to ``timeout_s`` to
+        finish (it may be the checkpoint the retry resumes from); log, never raise, what
+        became of it, so that the error that ended training stays the one reported."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning(
+                    "the upload of the %s to %s is left running after %g s", self._what, self.where, timeout_s
+                )
+                return
+            self._thread = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            log.warning("the upload of the %s to %s failed: %s", self._what, self.where, failure)
 
 
 class CheckpointStore:
@@ -194,7 +214,7 @@ class CheckpointStore:
                 fs.rm_file(remote.child(self._file(old)))
         except Exception as exc:
             raise access_error(remote, f"write the checkpoint of step {global_step} to", exc) from exc
-        self._write_progress()
+        self._write_progress_quietly()
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints present, oldest first (temporary files, and on an
@@ -274,7 +294,7 @@ class CheckpointStore:
             self._progress = Progress(global_step, time.time())
             last = self._progress_written[1]
             if self._progress.wall_time - last >= PROGRESS_EVERY_S and not self._uploads.busy():
-                self._uploads.submit("progress file", self._write_progress)
+                self._uploads.submit("progress file", self._write_progress_quietly)
             return
         assert isinstance(self.directory, Path)
         if self._progress_fd is None:
@@ -296,6 +316,14 @@ class CheckpointStore:
             raise access_error(remote, "write the progress file in", exc) from exc
         self._progress_written = (progress.step, progress.wall_time)
 
+    def _write_progress_quietly(self) -> None:
+        """The progress file is a hint (how far the run got), not a checkpoint: a store that
+        refuses it for a moment is logged and the training goes on."""
+        try:
+            self._write_progress()
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+
     def progress(self) -> Progress | None:
         try:
             if self._remote is None:
@@ -307,16 +335,21 @@ class CheckpointStore:
         except (OSError, ValueError, IndexError):
             return None
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
         """Wait for the upload in flight and write the last progress (object store); close the
-        progress file (local).
+        progress file (local). ``failing``: training ended with an error, which must stay the
+        one reported: the upload gets at most :data:`FAILING_WAIT_S` and nothing is raised.
 
         Raises:
-            CheckpointError: the last upload failed or ran past its timeout.
+            CheckpointError: the last upload failed or ran past its timeout (not ``failing``).
         """
         if self._progress_fd is not None:
             os.close(self._progress_fd)
             self._progress_fd = None
-        if self._remote is not None:
-            self._uploads.wait()
-            self._write_progress()
+        if self._remote is None:
+            return
+        if failing:
+            self._uploads.settle(min(FAILING_WAIT_S, self._uploads.timeout_s))
+            return
+        self._uploads.wait()
+        self._write_progress_quietly()

@@ -293,7 +293,8 @@ def checkpoint_store(config: SparkDLConfig, stack: contextlib.ExitStack) -> Chec
         background=True,  # on an object store: the step waits for torch.save to memory, not the upload
         upload_timeout_s=reliability.checkpoint_upload_timeout_s,
     )
-    stack.callback(store.close)
+    # on an error: the upload in flight is given a little time, and the error stays the one reported
+    stack.push(lambda kind, error, trace: store.close(failing=error is not None))
     return store
 
 

@@ -102,3 +102,57 @@ def test_storage_options_stay_out_of_the_settings_repr():
     config = SparkDLConfig().replace(storage_options={"secret": "hush-123"})
     assert "hush-123" not in repr(config)
     assert config.reliability.storage_options == {"secret": "hush-123"}
+
+
+def test_a_refused_progress_file_is_logged_and_training_goes_on(s3_server, monkeypatch, caplog):
+    """The progress file is a hint: a store refusing it (throttling, a blip) is logged; the
+    checkpoints, which resume needs, still raise."""
+    from sparkdl.storage import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "PROGRESS_EVERY_S", 0.0)
+    store = CheckpointStore(s3_server.url("hint"), options=s3_server.options, background=True)
+    fs, pipe = store._remote.fs, store._remote.fs.pipe_file
+
+    def refuse_progress(path, *args, **kwargs):
+        if path.endswith("/progress"):
+            raise OSError("SlowDown: reduce your request rate")
+        return pipe(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "pipe_file", refuse_progress)
+    with caplog.at_level("WARNING", logger="sparkdl.storage.checkpoint_store"):
+        for step in (1, 2):
+            store.record_progress(step)
+            store.save(step, _state(step))  # waits for the progress upload before it: no raise
+        store.close()
+    assert store.steps() == [1, 2] and store.progress() is None
+    assert "write the progress file in" in caplog.text and "SlowDown" in caplog.text
+
+
+def test_a_failing_worker_gives_its_upload_a_bounded_wait_and_keeps_its_own_error(
+    s3_server, monkeypatch, caplog
+):
+    from sparkdl.storage import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "FAILING_WAIT_S", 0.2)
+    store = CheckpointStore(s3_server.url("failing"), options=s3_server.options, background=True)
+    release = threading.Event()
+    fs = store._remote.fs
+
+    def stuck_open(path, *args, **kwargs):
+        release.wait(30)
+        raise OSError("connection reset by the store")
+
+    monkeypatch.setattr(fs, "open", stuck_open)
+    store.save(4, _state(4))
+    uploads = [t for t in threading.enumerate() if t.name == "sparkdl-checkpoint-upload"]
+    with caplog.at_level("WARNING", logger="sparkdl.storage.checkpoint_store"):
+        store.close(failing=True)  # returns after 0.2 s, not the upload timeout; raises nothing
+        assert uploads and uploads[0].is_alive() and "is left running after 0.2 s" in caplog.text
+        release.set()
+        uploads[0].join(10)
+    # not failing, the same failure is the error close raises
+    store = CheckpointStore(s3_server.url("failing"), options=s3_server.options, background=True)
+    monkeypatch.setattr(store._remote.fs, "open", stuck_open)
+    store.save(5, _state(5))
+    with pytest.raises(CheckpointError, match="connection reset by the store"):
+        store.close()
