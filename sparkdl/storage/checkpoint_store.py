@@ -199,19 +199,30 @@ class CheckpointStore:
         return final
 
     def _upload(self, global_step: int, buffer: io.BytesIO) -> None:
-        """The file under its final name, then its manifest; then prune, manifests first."""
+        """The file under its final name, then its manifest; then prune, manifests first.
+
+        A step written again (a resumed run redoing it) loses its old manifest before its file
+        is rewritten: a reader never finds a manifest over a file being replaced. Pruning also
+        removes the files older than every kept checkpoint that never got their manifest (a
+        writer that died in between)."""
         remote = self._remote
         assert remote is not None
         fs, part = remote.fs, remote.child(self._file(global_step))
+        listed = remote.child(self._file(global_step, "json"))
         size = buffer.getbuffer().nbytes
         manifest = {"format": 1, "step": global_step, "files": {self._file(global_step): size}}
         try:
+            if fs.exists(listed):
+                fs.rm_file(listed)
             with fs.open(part, "wb") as fh:
                 fh.write(buffer.getbuffer())
-            fs.pipe_file(remote.child(self._file(global_step, "json")), json.dumps(manifest).encode())
-            for old in self.steps()[:-KEEP]:
+            fs.pipe_file(listed, json.dumps(manifest).encode())
+            kept = self.steps()
+            for old in kept[:-KEEP]:
                 fs.rm_file(remote.child(self._file(old, "json")))
                 fs.rm_file(remote.child(self._file(old)))
+            for orphan in self._unlisted(below=min(kept[-KEEP:], default=global_step)):
+                fs.rm_file(remote.child(self._file(orphan)))
         except Exception as exc:
             raise access_error(remote, f"write the checkpoint of step {global_step} to", exc) from exc
         self._write_progress_quietly()
@@ -233,6 +244,21 @@ class CheckpointStore:
             wanted = "json"
         found = (self._pattern.match(name) for name in names)
         return sorted(int(m.group(1)) for m in found if m and m.group(2) == wanted)
+
+    def _unlisted(self, below: int) -> list[int]:
+        """Object store: the steps under ``below`` whose file has no manifest."""
+        assert self._remote is not None
+        names = [
+            entry.rstrip("/").rsplit("/", 1)[-1]
+            for entry in self._remote.fs.ls(self._remote.path, detail=False)
+        ]
+        found = [m for m in (self._pattern.match(name) for name in names) if m]
+        listed = {int(m.group(1)) for m in found if m.group(2) == "json"}
+        return sorted(
+            int(m.group(1))
+            for m in found
+            if m.group(2) == "pt" and int(m.group(1)) not in listed and int(m.group(1)) < below
+        )
 
     def latest(self) -> int | None:
         steps = self.steps()

@@ -156,3 +156,36 @@ def test_a_failing_worker_gives_its_upload_a_bounded_wait_and_keeps_its_own_erro
     store.save(5, _state(5))
     with pytest.raises(CheckpointError, match="connection reset by the store"):
         store.close()
+
+
+def test_a_rewritten_step_is_never_listed_while_its_file_is_replaced_and_orphans_are_pruned(
+    s3_server, monkeypatch
+):
+    url = s3_server.url("rewrite")
+    store = CheckpointStore(url, options=s3_server.options)
+    fs, root = s3_server.fs(), url.removeprefix("s3://")
+    fs.pipe_file(f"{root}/checkpoint-000000002.pt", b"a writer died before its manifest")
+    for step in (5, 8):
+        store.save(step, _state(step))
+    store_fs, open_file = store._remote.fs, store._remote.fs.open
+    listed_while_written = []
+
+    def watching_open(path, *args, **kwargs):
+        if path.endswith("checkpoint-000000008.pt"):
+            listed_while_written.append(8 in store.steps())
+        return open_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(store_fs, "open", watching_open)
+    state = _state(8)
+    state["model"]["w"] += 0.5  # the resumed run's step 8: other weights
+    store.save(8, state)
+    assert listed_while_written == [False] and store.steps() == [5, 8]
+    assert store.load(8)["model"]["w"][0, 0].item() == 8.5
+    store.save(11, _state(11))
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True))
+    assert names == [
+        "checkpoint-000000008.json",
+        "checkpoint-000000008.pt",
+        "checkpoint-000000011.json",
+        "checkpoint-000000011.pt",
+    ]  # fmt: skip  (the orphan of step 2 pruned with step 5)
