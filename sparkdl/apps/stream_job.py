@@ -60,6 +60,14 @@ class StreamSection:
             "--output."
         ),
     )
+    keep_versions: int = field(
+        default=0,
+        metadata=about(
+            "How many of the newest model versions to keep under model_dir (older ones removed after "
+            "each publish); 0 keeps them all.",
+            bound=">= 0",
+        ),
+    )
     checkpoint_location: str = field(
         default="",
         metadata=about(
@@ -192,7 +200,9 @@ def run_stream_job(config: StreamConfig, output_dir: str | Path, spark: Any | No
     source = _input_location(stream)
     model_dir = stream.model_dir or str(out / "models")
     model_fn = MLPFactory(stream.input_size, stream.hidden, stream.classes, stream.dropout)
-    fit = StreamingFit(TorchEstimator(model_fn=model_fn, config=config.sparkdl), model_dir)
+    fit = StreamingFit(
+        TorchEstimator(model_fn=model_fn, config=config.sparkdl), model_dir, stream.keep_versions
+    )
     reader = spark.readStream.schema(_schema(spark, stream, source))
     writer = (
         reader.option("maxFilesPerTrigger", stream.max_files_per_trigger)

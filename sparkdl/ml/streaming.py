@@ -82,13 +82,17 @@ class StreamingFit:
         model_dir: where the versions go: a local path, or any URL ``TorchModel.save`` writes
             to (``s3://``, ``gs://``, ``abfss://``, ``hdfs://``, ``dbfs:/``). One query per
             ``model_dir``: its batch ids are the stream's.
+        keep_versions: how many of the newest versions to keep; older ones are removed after
+            each publish, manifest first (a reader never loads half of one). 0 keeps them all.
 
     Raises:
-        ConfigError: the estimator has no ``model_fn``, or ``model_dir`` is empty.
+        ConfigError: the estimator has no ``model_fn``, ``model_dir`` is empty, or
+            ``keep_versions`` is negative.
     """
 
     estimator: TorchEstimator
     model_dir: str
+    keep_versions: int = 0
     records: list[BatchRecord] = field(default_factory=list, init=False)
     _previous: str | None = field(default=None, init=False, repr=False)
 
@@ -103,6 +107,11 @@ class StreamingFit:
                 "model_dir is empty: name the directory (local or a URL) the versions are published to"
             )
         self.model_dir = str(self.model_dir).rstrip("/")
+        if self.keep_versions < 0:
+            raise ConfigError(
+                f"keep_versions = {self.keep_versions}: keep that many of the newest versions (>= 1), "
+                "or 0 to keep them all"
+            )
 
     @property
     def trained(self) -> list[int]:
@@ -160,6 +169,8 @@ class StreamingFit:
         model.write().overwrite().save(version)
         self.mark_published(spark, model, batch_id, fit_seconds)
         self._point_latest(spark, batch_id, version)
+        if self.keep_versions:
+            self.prune(spark)
         if model.mlflow_run_id:
             tag_run(
                 model.mlflow_run_id,
@@ -183,6 +194,27 @@ class StreamingFit:
         }
         fs.write_bytes(spark, f"{version}/{MANIFEST}", json.dumps(manifest).encode())
 
+    def prune(self, spark: Any) -> list[int]:
+        """Remove every version but the ``keep_versions`` newest published ones (and folders of
+        older batches never published): each one's manifest first, then its files. Returns the
+        batch ids removed."""
+        batches = sorted(
+            int(name[len(VERSION_PREFIX) :])
+            for name in fs.list_names(spark, self.model_dir)
+            if name.startswith(VERSION_PREFIX) and name[len(VERSION_PREFIX) :].isdigit()
+        )
+        published = [b for b in batches if read_manifest(spark, version_path(self.model_dir, b)) is not None]
+        kept = published[-self.keep_versions :] if self.keep_versions else published
+        oldest_kept = min(kept, default=0)
+        removed = [b for b in batches if b < oldest_kept]
+        for batch_id in removed:
+            version = version_path(self.model_dir, batch_id)
+            fs.delete_tree(spark, f"{version}/{MANIFEST}")
+            fs.delete_tree(spark, version)
+        if removed:
+            log.info("pruned %d old version(s) under %s, kept %s", len(removed), self.model_dir, kept)
+        return removed
+
     def _point_latest(self, spark: Any, batch_id: int, version: str) -> None:
         pointer = read_latest(spark, self.model_dir)
         if pointer is not None and int(pointer["batch_id"]) >= batch_id:
@@ -195,12 +227,13 @@ class StreamingFit:
         fs.write_bytes(spark, f"{self.model_dir}/{LATEST}", json.dumps(pointer).encode())
 
 
-def fit_stream(estimator: TorchEstimator, model_dir: str) -> StreamingFit:
+def fit_stream(estimator: TorchEstimator, model_dir: str, keep_versions: int = 0) -> StreamingFit:
     """The ``foreachBatch`` function that trains ``estimator`` on each micro-batch of a
-    stream and publishes a version per batch id under ``model_dir``:
-    ``df.writeStream.foreachBatch(sparkdl.fit_stream(est, "s3://b/models")).option(
-    "checkpointLocation", "s3://b/checkpoint").start()``. See :class:`StreamingFit`."""
-    return StreamingFit(estimator, model_dir)
+    stream and publishes a version per batch id under ``model_dir`` (the ``keep_versions``
+    newest kept; 0: all): ``df.writeStream.foreachBatch(sparkdl.fit_stream(est,
+    "s3://b/models")).option("checkpointLocation", "s3://b/checkpoint").start()``. See
+    :class:`StreamingFit`."""
+    return StreamingFit(estimator, model_dir, keep_versions)
 
 
 def latest_model(model_dir: str, model_fn: Any = None, spark: Any = None, **functions: Any) -> TorchModel:

@@ -209,3 +209,16 @@ def remove_tree(spark: Any, path: str) -> bool:
     if store.fs.exists(store.path):
         store.fs.rm(store.path, recursive=True)
     return True
+
+
+def delete_tree(spark: Any, path: str) -> None:
+    """Remove ``path`` and all below it, on any scheme (nothing when it is absent)."""
+    local = _local(path)
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+        return
+    if remove_tree(spark, path):
+        return
+    jvm, conf = spark._jvm, spark.sparkContext._jsc.hadoopConfiguration()
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    hpath.getFileSystem(conf).delete(hpath, True)

@@ -175,16 +175,6 @@ def test_a_model_dir_written_by_another_query_is_refused(spark, tmp_path):
         fit(batch, 3)
     with pytest.raises(ConfigError, match="no model version is published under"):
         latest_model(str(tmp_path / "nothing"), model_fn=make_tiny_net)
-
-    # half-written files (HDFS and DBFS write in place) count as absent: the newest version
-    # is found by listing, a half-written manifest's version is trained again
-    for k, manifest in ((3, {"batch_id": 3}), (5, None)):
-        (models / f"batch-{k:012d}").mkdir()
-        text = json.dumps(manifest) if manifest else '{"batch_id": 5, "sam'
-        (models / f"batch-{k:012d}/_PUBLISHED.json").write_text(text)
-    (models / "LATEST").write_text('{"batch_id": 5, "ver')
-    assert read_latest(spark, str(models)) == {"batch_id": 3, "version": "batch-000000000003", "query_id": ""}
-    assert read_manifest(spark, version_path(str(models), 5)) is None
     with pytest.raises(ConfigError, match="needs a TorchEstimator with model_fn"):
         StreamingFit(stream_estimator(model_fn=None), str(models))
 
