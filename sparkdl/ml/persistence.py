@@ -43,8 +43,9 @@ import torch
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from sparkdl.config import SECRET_SETTINGS, flat_field_owners
+from sparkdl.config import SECRET_SETTINGS, SparkDLConfig, flat_field_owners
 from sparkdl.errors import ConfigError, listed
+from sparkdl.spark.driver import read_tokenizer
 from sparkdl.storage import fs
 from sparkdl.training.factory import build_model, cpu_state_dict, module_with_state
 
@@ -64,7 +65,12 @@ UNTRUSTED_SETTINGS: tuple[str, ...] = (
     "fault_injection",  # writes a marker file at any path, kills workers or executor JVMs
     "mlflow_experiment",  # where the run and the trained model are logged
     "mlflow_pickle_model",  # logs a pickled model, which runs code when loaded
+    "tokenizer",  # a file the driver reads: a saved model brings its own copy (tokenizer.json)
 )
+
+#: The copy of ``data.tokenizer``'s file a saved model keeps beside its weights, so that it
+#: transforms text wherever it is loaded, the original file gone or out of reach.
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class SavedModel(Protocol):
@@ -79,6 +85,8 @@ class SavedModel(Protocol):
     classifier: bool
     transform_fn: Callable[..., Any] | None
     initial_model: str
+
+    def get_config(self) -> SparkDLConfig: ...
 
 
 #: The class a reader builds: ``TorchModel`` or ``TorchEstimator``.
@@ -227,6 +235,7 @@ class TorchModelWriter(_StageWriter):
             "transform_fn": model.transform_fn is not None,
             "initial_model": model.initial_model,
             "weights": form,
+            "tokenizer": bool(model.get_config().data.tokenizer),
         }
         _save_metadata(cast(Params, model), path, self.sparkSession, extra, self.shouldOverwrite)
         fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
@@ -234,6 +243,11 @@ class TorchModelWriter(_StageWriter):
         if model.transform_fn is not None:
             data = cloudpickle.dumps(model.transform_fn)
             fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
+        data_settings = model.get_config().data
+        if data_settings.tokenizer:
+            kept = read_tokenizer(self.sparkSession, data_settings)  # checked as a fit checks it
+            assert kept is not None
+            fs.write_bytes(self.sparkSession, f"{path}/{TOKENIZER_FILE}", kept.json)
 
 
 #: What ``model.write().option("weights", ...)`` saves: the whole model; only its trained
@@ -321,6 +335,8 @@ class TorchModelReader(MLReader[Any], Generic[R]):
         model._resetUid(metadata["uid"])
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
+        if metadata.get("tokenizer"):  # its own copy, not the path it was trained with
+            model.set(model.getParam("tokenizer"), _inside(path, TOKENIZER_FILE))
         return model
 
 

@@ -228,6 +228,11 @@ class Preparer:
             )
         kind.check_own_loop_model(module, self._ps)
         kind.prepare_own_module(module, optimizers[0], self._build.config, where.device)
+        training = self._build.config.training
+        if training.compile:  # in place, as fit's models: same names and state dict
+            from sparkdl.training.factory import compile_module
+
+            compile_module(module, training.compile_backend)
         index = len(self._strategies)
         strategy = self._build.strategy(
             module,

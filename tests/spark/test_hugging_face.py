@@ -4,6 +4,8 @@ Models are built from a config: no network."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -169,6 +171,16 @@ def test_a_transformers_classifier_trains_on_text_tokenized_on_the_executors_and
     predicted = model.transform(texts(200, 2)).select("label", "prediction").toPandas()
     accuracy = float((predicted["label"] == predicted["prediction"]).mean())
     assert accuracy > 0.9, accuracy
+
+    # saved, it keeps its own copy of the tokenizer: loaded with the original file gone, it
+    # tokenizes as it was trained to
+    model.write().save(str(tmp_path / "saved"))
+    os.remove(path)
+    loaded = TorchModel.load(str(tmp_path / "saved"), model_fn=model_fn)
+    assert loaded.get_config().data.tokenizer == str(tmp_path / "saved" / "tokenizer.json")
+    again = loaded.transform(texts(200, 2)).select("label", "prediction").toPandas()
+    pairs = predicted.value_counts().sort_index()
+    assert pairs.equals(again.value_counts().sort_index()), (pairs, again.value_counts())
 
 
 def first_token_rows(n: int = 256):

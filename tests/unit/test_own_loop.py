@@ -715,3 +715,35 @@ def test_a_checkpoint_between_two_averages_holds_the_averaged_model(tmp_path, at
     assert max_abs_diff(kept[0]["after"], kept[0]["given"]) == 0.0
     assert max_abs_diff(kept[1]["after"], kept[0]["given"]) == 0.0
     assert kept[1]["given"] == {}  # rank 0's alone, as for every strategy
+
+
+def compiled_loop(ctx, lr: float, momentum: float):
+    """plain_loop, saying whether the model ctx.prepare gave back runs a compiled forward."""
+    torch.manual_seed(0)
+    model = make_tiny_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, optimizer = ctx.prepare(model, optimizer)
+    inner = getattr(model, "module", model)
+    compiled = hasattr(inner.forward, "_torchdynamo_orig_callable")  # what torch.compile returns
+    for epoch in ctx.epochs:
+        for batch in ctx.batches(epoch):
+            (x,) = batch.inputs.values()
+            loss = F.cross_entropy(model(x), batch.label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    state = inner.state_dict()
+    state["compiled"] = torch.tensor(float(compiled))
+    return state
+
+
+def test_training_compile_compiles_the_own_loops_model_in_place(tmp_path):
+    """``training.compile`` in ``sparkdl.run``: ctx.prepare compiles the model as fit does
+    (its forward, in place: the same names), and it trains to single-process SGD's weights.
+    The ``eager`` backend traces without generating code (inductor takes tens of seconds)."""
+    shards = make_shards([32, 32])
+    results = run_loop(shards, tmp_path, compiled_loop, LR, MOMENTUM, batch_size=8, epochs=1, shuffle=False,
+                       compile=True, compile_backend="eager")  # fmt: skip
+    state = _state(results)
+    assert state.pop("compiled").item() == 1.0
+    assert max_abs_diff(state, reference_sgd(shards, 8, 1, 0, LR, MOMENTUM, False)) < 1e-5
