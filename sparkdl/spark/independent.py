@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError, StageStalledError
+from sparkdl.services.ps.task_snapshots import TaskSnapshots
 from sparkdl.spark.attempts import running_tasks, task_gate
 from sparkdl.spark.cluster import described, own_local_properties
 from sparkdl.spark.fit_task import RESULT_SCHEMA
@@ -82,8 +84,18 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
     # a task's HELLO is believed when Spark's status store lists that task for its partition
     gate = task_gate(site.spark.sparkContext, site.group) if site.group else None
     hosted = start_parameter_server(site.spark, spec, None, gate)
+    snapshots, resumed = None, None
     try:
-        task_spec = dataclasses.replace(hosted.spec, weights=None, meeting=None, progress=None)
+        if config.reliability.checkpoint_dir:  # the driver keeps the server's state there
+            kept = _snapshots(hosted.server.stores[0], config)
+            resumed = kept.restore()
+            kept.watch()
+            snapshots = kept  # saved once more at the end: not a fresh store a failed restore left
+        # the tasks checkpoint nothing: a retry resumes from the server and its partition's rows
+        tasks_config = config.replace(checkpoint_dir="", checkpoint_every=0)
+        task_spec = dataclasses.replace(
+            hosted.spec, config=tasks_config, weights=None, meeting=None, progress=None
+        )
         data = stage_input(df, spec.plan.column_names, n)
         stage = data.mapInArrow(functools.partial(train_alone, task_spec), RESULT_SCHEMA)
         runtime = config.runtime
@@ -99,9 +111,23 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
                 raise
             except Exception as exc:
                 raise translate_failure(exc) from exc
-        return IndependentRun(rows, hosted.parameter_state(), run_figures(hosted.server.task_ledger()))
+        figures = run_figures(hosted.server.task_ledger())
+        if resumed is not None:
+            figures.update(resumed_from_version=resumed["version"], resumed_rows=resumed["rows_applied"])
+        return IndependentRun(rows, hosted.parameter_state(), figures)
     finally:
+        if snapshots is not None:  # failed or not: what the server holds now
+            snapshots.close()
         hosted.stop()
+
+
+def _snapshots(store: Any, config: SparkDLConfig) -> TaskSnapshots:
+    """The driver's snapshots of ``store`` in ``checkpoint_dir``: one about every
+    ``checkpoint_every`` steps of each worker (each pushes every ``push_every`` steps, an
+    update each), else only when the fit ends."""
+    reliability = config.reliability
+    every = reliability.checkpoint_every * config.training.num_workers // config.parameter_server.push_every
+    return TaskSnapshots(store, reliability.checkpoint_dir, reliability.storage_options, max(every, 0))
 
 
 def _running_silence(site: Site, server: Any) -> dict[int, float]:

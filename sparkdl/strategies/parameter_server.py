@@ -455,9 +455,6 @@ def refuse_for_independent_tasks(config: SparkDLConfig) -> None:
         (settings.ps_shards > 1, f"ps_shards = {settings.ps_shards}",
          "a task that dies between its pushes to two shards would leave them disagreeing on the rows "
          "its retry must skip", "set ps_shards = 1 (or 0: one shard)"),
-        (bool(reliability.checkpoint_dir), f"reliability.checkpoint_dir = {reliability.checkpoint_dir!r}",
-         "a retried task resumes from the server's weights and its partition's rows, never from a "
-         "global checkpoint", "leave checkpoint_dir empty"),
         (reliability.min_workers > 0, f"reliability.min_workers = {reliability.min_workers}",
          "each task is retried alone by Spark (spark.task.maxFailures); no stage restarts smaller",
          "set min_workers = 0"),

@@ -3,8 +3,10 @@ task's Python dies mid-epoch and Spark retries it alone.
 
 ``local[3, 4]`` (3 slots, 4 attempts per task). Two fits of 3 workers, 2 epochs each, on
 a learnable problem (labels: the argmax of a fixed linear map): one undisturbed, one where
-partition 1's first attempt exits (``os._exit``) at its 6th step. Writes each fit's
-history (the server's per-partition rows and push gaps, the takeovers) and held-out accuracy.
+partition 1's first attempt exits (``os._exit``) at its 6th step, the driver snapshotting
+the server in ``checkpoint_dir``; then a third fit of one epoch more on that directory, which
+resumes from the snapshot. Writes each fit's history (the server's per-partition rows and
+push gaps, the takeovers) and held-out accuracy.
 
 Run by tests/spark/test_independent_ps.py in its own process:
 python tests/spark/independent_ps_drill.py OUT_DIR
@@ -63,7 +65,7 @@ def problem(seed: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.argmax(x @ weights, axis=1).astype(np.int64)
 
 
-def fit(spark, df, die: bool, held_out) -> dict:
+def fit(spark, df, die: bool, held_out, epochs: int = EPOCHS, **settings) -> dict:
     started = time.monotonic()
     model = TorchEstimator(
         model_fn=lambda: Net(die),
@@ -72,7 +74,7 @@ def fit(spark, df, die: bool, held_out) -> dict:
         label_col="label",
         num_workers=3,
         batch_size=8,
-        epochs=EPOCHS,
+        epochs=epochs,
         seed=0,
         lr=0.2,
         strategy="parameter_server",
@@ -81,6 +83,7 @@ def fit(spark, df, die: bool, held_out) -> dict:
         ps_timeout_s=30.0,
         progress=False,
         preflight=False,
+        **settings,
     ).fit(df)
     seconds = time.monotonic() - started
     x, y = held_out
@@ -110,7 +113,14 @@ def main(out: Path) -> None:
     df = spark.createDataFrame(rdd, "features array<float>, label long").cache()
     df.count()
     held_out = problem(9, 600)
-    result = {"undisturbed": fit(spark, df, False, held_out), "killed": fit(spark, df, True, held_out)}
+    snapshots = {"checkpoint_dir": str(out / "server"), "checkpoint_every": 5}
+    result = {
+        "undisturbed": fit(spark, df, False, held_out),
+        "killed": fit(spark, df, True, held_out, **snapshots),
+        # a new fit on the killed one's checkpoint_dir, one epoch more: the driver's snapshot of
+        # the server brings back its weights and each partition's rows; only the new epoch trains
+        "resumed": fit(spark, df, False, held_out, epochs=EPOCHS + 1, **snapshots),
+    }
     spark.stop()
     (out / "result.json").write_text(json.dumps(result, default=str))
 

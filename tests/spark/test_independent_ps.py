@@ -36,6 +36,14 @@ def test_a_killed_task_is_retried_alone_and_every_row_is_trained_once_per_epoch(
     assert gaps[1] > max(gaps[0], gaps[2]), gaps
     # the retried partition skipped its predecessor's steps, then trained the rest
     assert sum(killed["history"][0]["worker_skipped_steps"]) == retries[0]["rows_skipped"] // 8
+    # a new fit on the killed one's checkpoint_dir resumes from the driver's snapshot of its
+    # server: every partition's rows of the two epochs are in its weights, and only the third
+    # epoch is trained (its tasks skip the rest)
+    resumed = result["resumed"]["history"]
+    assert resumed[-1]["resumed_rows"] == [EPOCHS * ROWS] * 3
+    assert resumed[-1]["partition_rows_applied"] == [(EPOCHS + 1) * ROWS] * 3
+    assert resumed[-1]["partition_pushes"] == [ROWS // 8] * 3  # one epoch's pushes each
+    assert result["resumed"]["accuracy"] >= killed["accuracy"] - 0.05
     # held-out accuracy within noise of the undisturbed run
     assert calm["accuracy"] > 0.85
     assert abs(killed["accuracy"] - calm["accuracy"]) < 0.05, (calm["accuracy"], killed["accuracy"])

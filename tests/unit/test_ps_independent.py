@@ -134,7 +134,7 @@ def dataclassed(endpoint, **changes):
         ({"ps_mode": "sync"}, "ps_mode = 'sync'"),
         ({"ps_mode": "ssp"}, "ps_mode = 'ssp'"),
         ({"ps_shards": 2}, "ps_shards = 2"),
-        ({"checkpoint_dir": "/tmp/x"}, "checkpoint_dir"),
+        ({"early_stopping_patience": 2}, "early_stopping_patience = 2"),
         ({"validation_fraction": 0.1}, "validation rows"),
     ],
 )
@@ -203,3 +203,50 @@ def test_rows_of_dropped_steps_count_as_covered_so_a_retry_skips_them_too():
         retry.close()
     finally:
         server.stop()
+
+
+def test_the_drivers_snapshot_brings_a_new_server_back_with_each_partitions_rows(tmp_path):
+    """The application died: a new fit's server (a new store) restores the newest snapshot,
+    weights, Adam's state, version and each partition's rows, and a task skips those rows."""
+    from sparkdl.errors import CheckpointError
+    from sparkdl.services.ps.task_snapshots import TaskSnapshots
+
+    def adam_store(workers=2):
+        param = nn.Parameter(torch.zeros(4))
+        return ShardStore(
+            [param], lambda ps: torch.optim.Adam(ps, lr=0.1), PsMode.ASYNC, workers, independent=True
+        )
+
+    first = adam_store()
+    snapshots = TaskSnapshots(first, str(tmp_path), every_versions=2)
+    assert snapshots.restore() is None  # nothing there: a fresh start
+    first.begin_task(0, 0)
+    first.begin_task(1, 0)
+    for clock, (rank, rows) in enumerate([(0, 8), (1, 8), (0, 5)]):
+        first.push(rank, 0, clock, rows, torch.ones(4) * rows)
+    assert snapshots.close() == 3  # the last one, at the fit's end
+    second = adam_store()
+    assert TaskSnapshots(second, str(tmp_path)).restore() == {"version": 3, "rows_applied": [13, 8]}
+    assert torch.equal(second.params[0].detach(), first.params[0].detach())
+    state, expected = second.optimizer.state_dict()["state"][0], first.optimizer.state_dict()["state"][0]
+    assert torch.equal(state["exp_avg"], expected["exp_avg"]) and state["step"] == expected["step"]
+    assert second.begin_task(0, 0) == 13  # its task skips them
+    with pytest.raises(CheckpointError, match="rows of 2 partitions, this fit has 3"):
+        TaskSnapshots(adam_store(workers=3), str(tmp_path)).restore()
+
+
+def test_snapshots_are_written_every_so_many_updates_while_the_fit_runs(tmp_path):
+    from sparkdl.services.ps.task_snapshots import TaskSnapshots
+
+    store = independent_store(workers=1)
+    snapshots = TaskSnapshots(store, str(tmp_path), every_versions=3)
+    snapshots.watch(poll_s=0.01)
+    store.begin_task(0, 0)
+    try:
+        for clock in range(7):
+            store.push(0, 0, clock, 1, torch.ones(4))
+            time.sleep(0.05)  # the watcher looks every 0.01 s
+    finally:
+        snapshots.close()
+    files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt")
+    assert files == ["ps-tasks-000000006.pt", "ps-tasks-000000007.pt"]  # 3, 6 and the last; two kept

@@ -254,7 +254,28 @@ class ShardStore:
                 "version": self.version,
                 "params": [p.detach().clone() for p in self.params],
                 "optimizer": copy.deepcopy(optimizer),
+                # independent tasks: the rows each partition's pushes put in these weights
+                **({"rows_applied": list(self.rows_applied)} if self.independent else {}),
             }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Return to a :meth:`snapshot` (a new fit resuming on the driver's snapshot of an
+        earlier one's server: independent tasks, whose partitions' rows it restores too).
+
+        Raises:
+            PushRejected: the snapshot is of another model, or of another number of partitions.
+        """
+        rows = state.get("rows_applied")
+        if self.independent and (rows is None or len(rows) != self.num_workers):
+            raise PushRejected(
+                f"the server's snapshot holds the rows of {'no' if rows is None else len(rows)} partitions, "
+                f"this fit has {self.num_workers}; resume with the DataFrame's partitions (num_workers) "
+                "the checkpoint was written with, or start afresh with a new checkpoint_dir"
+            )
+        with self._cond:
+            self._load(state)
+            if self.independent and rows is not None:
+                self.rows_applied = [int(r) for r in rows]
 
     def _load(self, state: dict[str, Any]) -> None:
         shapes = [tuple(t.shape) for t in state["params"]]
