@@ -28,6 +28,12 @@ class TinyNet(nn.Module):
         return self.body(x)
 
 
+def momentum_sgd(params, lr: float = 0.1, momentum: float = 0.9) -> torch.optim.Optimizer:
+    """The Spark tests' optimizer (tests.spark.test_fit's ``estimator``): defined here, in a
+    module the workers import cheaply, since a pickled function is imported by its module."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
 def make_tiny_net() -> nn.Module:
     return TinyNet()
 

@@ -23,12 +23,56 @@ executor.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
+import re
+import sys
+import zipfile
 
-import torch  # imported for the forked workers
-import torch.distributed
-from pyspark.daemon import manager
 
-from sparkdl.worker.address_space import reserve_less_before_forking
+def prefer_installed_pyspark(path: list[str]) -> list[str]:
+    """``path`` with Spark's ``pyspark.zip`` and ``py4j-*-src.zip`` moved to its end where the
+    same version of each is installed (a pip-installed PySpark, local masters' case).
+
+    Spark puts the zips first on its workers' path, and Python compiles a module from a zip
+    at every import (zipimport writes no ``.pyc``): each worker of a fresh session spent about
+    a second recompiling PySpark's modules, and each daemon more. The installed copy's
+    compiled files serve the same code. A zip whose version differs from the installed one's,
+    or with nothing installed, stays first: the executors' Spark decides."""
+    wanted = []
+    for entry in path:
+        name = entry.rsplit("/", 1)[-1]
+        if name == "pyspark.zip":
+            zipped, package = _zipped_pyspark_version(entry), "pyspark"
+        elif name.startswith("py4j-") and name.endswith("-src.zip"):
+            zipped, package = name[len("py4j-") : -len("-src.zip")], "py4j"
+        else:
+            continue
+        try:
+            installed = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if zipped and zipped == installed:
+            wanted.append(entry)
+    return [e for e in path if e not in wanted] + wanted
+
+
+def _zipped_pyspark_version(zipped: str) -> str:
+    try:
+        with zipfile.ZipFile(zipped) as archive:
+            text = archive.read("pyspark/version.py").decode()
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return ""
+    found = re.search(r"__version__[^=]*=\s*['\"]([^'\"]+)['\"]", text)
+    return found.group(1) if found else ""
+
+
+sys.path[:] = prefer_installed_pyspark(sys.path)  # before anything imports pyspark
+
+import torch  # noqa: E402  (imported for the forked workers)
+import torch.distributed  # noqa: E402
+from pyspark.daemon import manager  # noqa: E402
+
+from sparkdl.worker.address_space import reserve_less_before_forking  # noqa: E402
 
 
 def _warm() -> None:

@@ -26,6 +26,7 @@ from tests.reference import (
     make_shards,
     make_tiny_net,
     max_abs_diff,
+    momentum_sgd,
     reference_sgd,
     split_the_first_pair,
 )
@@ -34,9 +35,7 @@ pytestmark = pytest.mark.spark
 
 LR, MOMENTUM = 0.1, 0.9
 
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+_sgd = momentum_sgd  # LR, MOMENTUM: its defaults, in a module the workers import cheaply
 
 
 def shards_dataframe(spark, shards):
