@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 twinned_across_hosts = pytest.mark.fault_drill if not netlab_missing() else pytest.mark.slow
 
 
+#: Likewise the netlab drill's cut and lost host stand for an executor JVM's death: a stage
+#: that lost workers re-run by Spark and resumed from the checkpoint to the reference weights
+#: (cut), executors Spark dropped and the fit resumed from the checkpoint (lost host).
+@twinned_across_hosts
 def test_losing_an_executor_jvm_resumes_from_the_checkpoint_with_identical_weights(tmp_path):
     result = run_drill("executor_loss_drill.py", tmp_path)
     assert result["fired"]

@@ -150,6 +150,8 @@ def test_spark_submit_trains_on_a_standalone_cluster_whose_python_lacks_torch_an
     assert done.returncode == 0, _first_exception(done.stderr)
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
     assert metrics["test_accuracy"] >= 0.93
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert errors == []  # a successful job's log is clean at the default level
     assert metrics["history"][-1]["worker_samples"][0] > 0 and metrics["history"][-1]["worker_samples"][1] > 0
     # both workers ran an executor for the application, in the environment shipped to it
     for instance in (1, 2):
