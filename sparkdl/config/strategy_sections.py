@@ -146,7 +146,8 @@ class ParameterServerConfig:
             "false (ps_mode = 'async' only): every worker is an ordinary Spark task, not one of a "
             "barrier stage: a worker that fails is retried by Spark alone (spark.task.maxFailures) and "
             "resumes from the server's weights, skipping the rows its predecessor's pushes hold, while "
-            "the others train on (no checkpoint, validation or hierarchy; one shard)."
+            "the others train on (no validation or hierarchy; one shard; with checkpoint_dir the driver "
+            "snapshots the server there, and a new fit resumes from it)."
         ),
     )
     ps_timeout_s: float = field(
