@@ -32,17 +32,7 @@ def attempt_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int], b
     smallest task id is ``attempt`` (re-checked for up to ``wait_s``)."""
 
     def started(attempt: int) -> bool:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                if attempt in running_attempts(sc, group):
-                    return True
-            except Exception as exc:  # the JVM's status store changed shape: say so, refuse
-                log.warning("cannot read the running stage attempts from Spark's status store: %s", exc)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
+        return _polled(lambda: attempt in running_attempts(sc, group), wait_s, "running stage attempts")
 
     return started
 
@@ -53,19 +43,28 @@ def task_gate(sc: Any, group: str, wait_s: float = 10.0) -> Callable[[int, int],
     up to ``wait_s``, as the store runs a little behind)."""
 
     def started(partition: int, task_id: int) -> bool:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                if any(tasks.get(task_id) == partition for tasks in newest_attempts(sc, group).values()):
-                    return True
-            except Exception as exc:  # the JVM's status store changed shape: say so, refuse
-                log.warning("cannot read the running tasks from Spark's status store: %s", exc)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
+        def listed() -> bool:
+            return any(tasks.get(task_id) == partition for tasks in newest_attempts(sc, group).values())
+
+        return _polled(listed, wait_s, "running tasks")
 
     return started
+
+
+def _polled(check: Callable[[], bool], wait_s: float, what: str) -> bool:
+    """Whether ``check`` (a look at Spark's status store) holds within ``wait_s``, looked at
+    every ``_POLL_S``; False, logged, where the store cannot be read (it changed shape)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if check():
+                return True
+        except Exception as exc:  # the JVM's status store changed shape: say so, refuse
+            log.warning("cannot read the %s from Spark's status store: %s", what, exc)
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
 
 
 def running_tasks(sc: Any, group: str) -> set[int]:

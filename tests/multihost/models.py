@@ -20,3 +20,16 @@ class SlowTinyNet(TinyNet):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.step_s)
         return super().forward(x)
+
+
+class SlowLinear(torch.nn.Linear):
+    """A linear classifier whose training forward takes at least ``step_s``."""
+
+    def __init__(self, inputs: int, outputs: int, step_s: float) -> None:
+        super().__init__(inputs, outputs)
+        self.step_s = step_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(self.step_s)
+        return super().forward(x)

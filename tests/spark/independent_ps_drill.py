@@ -65,26 +65,21 @@ def problem(seed: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.argmax(x @ weights, axis=1).astype(np.int64)
 
 
+def downpour(model_fn, num_workers: int, epochs: int, **settings) -> TorchEstimator:
+    """The drills' estimator: the asynchronous parameter server in ordinary tasks, batches
+    of 8, SGD at 0.2 on the server; ``settings`` on top."""
+    base = dict(
+        model_fn=model_fn, loss_fn="cross_entropy", feature_cols=["features"], label_col="label",
+        num_workers=num_workers, batch_size=8, epochs=epochs, seed=0, lr=0.2,
+        strategy="parameter_server", ps_mode="async", ps_barrier=False, ps_timeout_s=30.0,
+        progress=False, preflight=False,
+    )  # fmt: skip
+    return TorchEstimator(**{**base, **settings})
+
+
 def fit(spark, df, die: bool, held_out, epochs: int = EPOCHS, **settings) -> dict:
     started = time.monotonic()
-    model = TorchEstimator(
-        model_fn=lambda: Net(die),
-        loss_fn="cross_entropy",
-        feature_cols=["features"],
-        label_col="label",
-        num_workers=3,
-        batch_size=8,
-        epochs=epochs,
-        seed=0,
-        lr=0.2,
-        strategy="parameter_server",
-        ps_mode="async",
-        ps_barrier=False,
-        ps_timeout_s=30.0,
-        progress=False,
-        preflight=False,
-        **settings,
-    ).fit(df)
+    model = downpour(lambda: Net(die), 3, epochs, **settings).fit(df)
     seconds = time.monotonic() - started
     x, y = held_out
     with torch.no_grad():

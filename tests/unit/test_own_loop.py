@@ -31,8 +31,9 @@ from tests.workers import worker_context
 LR, MOMENTUM = 0.1, 0.9
 
 
-def plain_loop(ctx, lr: float, momentum: float):
-    """What a user writes: their model, their optimizer, their loss, plain backward and step."""
+def plain_loop(ctx, lr: float, momentum: float, say_compiled: bool = False):
+    """What a user writes: their model, their optimizer, their loss, plain backward and step.
+    ``say_compiled``: the state also says whether ctx.prepare compiled the model's forward."""
     torch.manual_seed(0)
     model = make_tiny_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -46,7 +47,10 @@ def plain_loop(ctx, lr: float, momentum: float):
             optimizer.step()
             ctx.report(loss=loss.item())
     inner = getattr(model, "module", model)
-    return inner.state_dict()
+    state = inner.state_dict()
+    if say_compiled:  # what torch.compile returns carries the function it compiled
+        state["compiled"] = torch.tensor(float(hasattr(inner.forward, "_torchdynamo_orig_callable")))
+    return state
 
 
 def _worker(rank, world, shards, spec, store_path, out):
@@ -718,23 +722,8 @@ def test_a_checkpoint_between_two_averages_holds_the_averaged_model(tmp_path, at
 
 
 def compiled_loop(ctx, lr: float, momentum: float):
-    """plain_loop, saying whether the model ctx.prepare gave back runs a compiled forward."""
-    torch.manual_seed(0)
-    model = make_tiny_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    model, optimizer = ctx.prepare(model, optimizer)
-    inner = getattr(model, "module", model)
-    compiled = hasattr(inner.forward, "_torchdynamo_orig_callable")  # what torch.compile returns
-    for epoch in ctx.epochs:
-        for batch in ctx.batches(epoch):
-            (x,) = batch.inputs.values()
-            loss = F.cross_entropy(model(x), batch.label)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    state = inner.state_dict()
-    state["compiled"] = torch.tensor(float(compiled))
-    return state
+    """plain_loop, saying whether the model it trained ran a compiled forward."""
+    return plain_loop(ctx, lr, momentum, say_compiled=True)
 
 
 def test_training_compile_compiles_the_own_loops_model_in_place(tmp_path):
