@@ -258,7 +258,10 @@ def latest_model(model_dir: str, model_fn: Any = None, spark: Any = None, **func
 def query_id(spark: Any) -> str | None:
     """The id of the streaming query whose ``foreachBatch`` runs now (the same across its
     restarts from one checkpoint location); None outside a stream's batch."""
-    value = spark.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+    try:
+        value = spark.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+    except Exception:  # a Spark Connect session has no SparkContext: the id is not known there
+        return None
     return str(value) if value else None
 
 
