@@ -221,6 +221,17 @@ class TorchModelWriter(_StageWriter):
     def __init__(self, instance: SavedModel) -> None:
         super().__init__()
         self.instance = instance
+        self._tokenizer: bytes | None = None
+
+    def save(self, path: str) -> None:
+        # the tokenizer is read before an overwrite removes anything: a model loaded from
+        # ``path`` reads its copy there, and saving it over itself must not lose it
+        data_settings = self.instance.get_config().data
+        if data_settings.tokenizer:
+            kept = read_tokenizer(self.sparkSession, data_settings)  # checked as a fit checks it
+            assert kept is not None
+            self._tokenizer = kept.json
+        super().save(path)
 
     def saveImpl(self, path: str) -> None:
         model = self.instance
@@ -243,11 +254,8 @@ class TorchModelWriter(_StageWriter):
         if model.transform_fn is not None:
             data = cloudpickle.dumps(model.transform_fn)
             fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
-        data_settings = model.get_config().data
-        if data_settings.tokenizer:
-            kept = read_tokenizer(self.sparkSession, data_settings)  # checked as a fit checks it
-            assert kept is not None
-            fs.write_bytes(self.sparkSession, f"{path}/{TOKENIZER_FILE}", kept.json)
+        if self._tokenizer is not None:  # read by save, before anything was removed
+            fs.write_bytes(self.sparkSession, f"{path}/{TOKENIZER_FILE}", self._tokenizer)
 
 
 #: What ``model.write().option("weights", ...)`` saves: the whole model; only its trained

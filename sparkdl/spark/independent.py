@@ -116,9 +116,11 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
             figures.update(resumed_from_version=resumed["version"], resumed_rows=resumed["rows_applied"])
         return IndependentRun(rows, hosted.parameter_state(), figures)
     finally:
-        if snapshots is not None:  # failed or not: what the server holds now
-            snapshots.close()
-        hosted.stop()
+        try:
+            if snapshots is not None:  # failed or not: what the server holds now
+                snapshots.close()
+        finally:
+            hosted.stop()
 
 
 def _snapshots(store: Any, config: SparkDLConfig) -> TaskSnapshots:

@@ -215,7 +215,10 @@ def delete_tree(spark: Any, path: str) -> None:
     """Remove ``path`` and all below it, on any scheme (nothing when it is absent)."""
     local = _local(path)
     if local is not None:
-        shutil.rmtree(local, ignore_errors=True)
+        if local.is_dir() and not local.is_symlink():
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            local.unlink(missing_ok=True)  # rmtree does nothing with a file
         return
     if remove_tree(spark, path):
         return

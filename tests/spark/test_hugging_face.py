@@ -178,6 +178,8 @@ def test_a_transformers_classifier_trains_on_text_tokenized_on_the_executors_and
     os.remove(path)
     loaded = TorchModel.load(str(tmp_path / "saved"), model_fn=model_fn)
     assert loaded.get_config().data.tokenizer == str(tmp_path / "saved" / "tokenizer.json")
+    loaded.write().overwrite().save(str(tmp_path / "saved"))  # over itself: its own copy kept
+    loaded = TorchModel.load(str(tmp_path / "saved"), model_fn=model_fn)
     again = loaded.transform(texts(200, 2)).select("label", "prediction").toPandas()
     pairs = predicted.value_counts().sort_index()
     assert pairs.equals(again.value_counts().sort_index()), (pairs, again.value_counts())

@@ -52,6 +52,7 @@ class TaskSnapshots:
         self._saved = -1  # the version last written
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._saving = threading.Lock()  # the watcher's save and close's never run at once
 
     def restore(self) -> dict[str, int | list[int]] | None:
         """Return the store to the newest snapshot, if any: what was restored (its version
@@ -80,12 +81,13 @@ class TaskSnapshots:
 
     def save(self) -> int:
         """Write the store's state now, unless this version is written already; its version."""
-        state = self._store.snapshot()
-        version = int(state["version"])
-        if version != self._saved:
-            self._files.save(version, {"format": 1, **state})
-            self._saved = version
-        return version
+        with self._saving:
+            state = self._store.snapshot()
+            version = int(state["version"])
+            if version != self._saved:
+                self._files.save(version, {"format": 1, **state})
+                self._saved = version
+            return version
 
     def watch(self, poll_s: float = 1.0) -> None:
         """Save every ``every_versions`` updates, on a thread, until :meth:`close`."""
@@ -101,7 +103,7 @@ class TaskSnapshots:
             if self._store.version - max(self._saved, 0) >= self._every:
                 try:
                     self.save()
-                except CheckpointError as exc:  # the next one may succeed; the fit goes on
+                except Exception as exc:  # the next one may succeed; the fit goes on
                     log.warning("the parameter server's snapshot failed: %s", exc)
 
     def close(self) -> int | None:
@@ -111,7 +113,7 @@ class TaskSnapshots:
             self._thread.join(30.0)
         try:
             return self.save()
-        except CheckpointError as exc:
+        except Exception as exc:  # logged: the fit's own error or result is what fit reports
             log.warning("the parameter server's last snapshot failed: %s", exc)
             return None
         finally:
