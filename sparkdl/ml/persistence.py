@@ -206,35 +206,42 @@ def _load_metadata(path: str, spark: Any) -> dict[str, Any]:
 
 class _StageWriter(MLWriter):
     """Saves through fsspec where it reaches the path: ``overwrite`` removes the old folder
-    there, not through the JVM's Hadoop FileSystem (which may lack a connector for it)."""
+    there, not through the JVM's Hadoop FileSystem (which may lack a connector for it).
 
-    def save(self, path: str) -> None:
-        if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
-            self.saveImpl(path)
-            return
-        super().save(path)
+    A stage set with ``data.tokenizer`` keeps its own copy of the file (``tokenizer.json``):
+    it tokenizes wherever it is loaded, the original file gone or out of reach."""
 
-
-class TorchModelWriter(_StageWriter):
-    """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
-
-    def __init__(self, instance: SavedModel) -> None:
+    def __init__(self, instance: Any) -> None:
         super().__init__()
         self.instance = instance
         self._tokenizer: bytes | None = None
 
     def save(self, path: str) -> None:
-        # the tokenizer is read before an overwrite removes anything: a model loaded from
+        # the tokenizer is read before an overwrite removes anything: a stage loaded from
         # ``path`` reads its copy there, and saving it over itself must not lose it
-        data_settings = self.instance.get_config().data
-        if data_settings.tokenizer:
-            kept = read_tokenizer(self.sparkSession, data_settings)  # checked as a fit checks it
-            assert kept is not None
-            self._tokenizer = kept.json
+        kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)  # checked as a fit checks it
+        self._tokenizer = None if kept is None else kept.json
+        if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
+            self.saveImpl(path)
+            return
         super().save(path)
 
+    def _save_tokenizer(self, path: str) -> None:
+        if self._tokenizer is not None:  # read by save, before anything was removed
+            fs.write_bytes(self.sparkSession, f"{path}/{TOKENIZER_FILE}", self._tokenizer)
+
+
+def _own_tokenizer(stage: Params, metadata: dict[str, Any], path: str) -> None:
+    """A stage saved with a tokenizer reads its own copy, not the path it was set with."""
+    if metadata.get("tokenizer"):
+        stage.set(stage.getParam("tokenizer"), _inside(path, TOKENIZER_FILE))
+
+
+class TorchModelWriter(_StageWriter):
+    """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
+
     def saveImpl(self, path: str) -> None:
-        model = self.instance
+        model: SavedModel = self.instance
         assert model.module is not None
         form = self.optionMap.get("weights", "whole")
         state = saved_weights(model.module, form)
@@ -246,7 +253,7 @@ class TorchModelWriter(_StageWriter):
             "transform_fn": model.transform_fn is not None,
             "initial_model": model.initial_model,
             "weights": form,
-            "tokenizer": bool(model.get_config().data.tokenizer),
+            "tokenizer": self._tokenizer is not None,
         }
         _save_metadata(cast(Params, model), path, self.sparkSession, extra, self.shouldOverwrite)
         fs.write_file(self.sparkSession, f"{path}/weights.pt", lambda file: torch.save(state, file))
@@ -254,8 +261,7 @@ class TorchModelWriter(_StageWriter):
         if model.transform_fn is not None:
             data = cloudpickle.dumps(model.transform_fn)
             fs.write_bytes(self.sparkSession, f"{path}/transform_fn.cloudpickle", data)
-        if self._tokenizer is not None:  # read by save, before anything was removed
-            fs.write_bytes(self.sparkSession, f"{path}/{TOKENIZER_FILE}", self._tokenizer)
+        self._save_tokenizer(path)
 
 
 #: What ``model.write().option("weights", ...)`` saves: the whole model; only its trained
@@ -343,8 +349,7 @@ class TorchModelReader(MLReader[Any], Generic[R]):
         model._resetUid(metadata["uid"])
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
-        if metadata.get("tokenizer"):  # its own copy, not the path it was trained with
-            model.set(model.getParam("tokenizer"), _inside(path, TOKENIZER_FILE))
+        _own_tokenizer(model, metadata, path)
         return model
 
 
@@ -379,16 +384,14 @@ class TorchEstimatorWriter(_StageWriter):
     """Saves an unfitted estimator (e.g. inside a saved Pipeline or CrossValidatorModel):
     its settings as Spark ML metadata and its functions cloudpickled."""
 
-    def __init__(self, instance: Params) -> None:
-        super().__init__()
-        self.instance = instance
-
     def saveImpl(self, path: str) -> None:
         # every user function (model_fn, optimizer_fn, loss_fn, ...): what is not a Param
         functions = {name: value for name, value in vars(self.instance).items() if name.endswith("_fn")}
         saved = sorted(name for name, value in functions.items() if value is not None)
-        _save_metadata(self.instance, path, self.sparkSession, {"functions": saved}, self.shouldOverwrite)
+        extra = {"functions": saved, "tokenizer": self._tokenizer is not None}
+        _save_metadata(self.instance, path, self.sparkSession, extra, self.shouldOverwrite)
         fs.write_bytes(self.sparkSession, f"{path}/functions.cloudpickle", cloudpickle.dumps(functions))
+        self._save_tokenizer(path)
 
 
 class TorchEstimatorReader(MLReader[Any], Generic[R]):
@@ -424,4 +427,5 @@ class TorchEstimatorReader(MLReader[Any], Generic[R]):
         estimator._resetUid(metadata["uid"])
         metadata = _without_untrusted(estimator, metadata, path)
         DefaultParamsReader.getAndSetParams(estimator, metadata)  # type: ignore[type-var]  # R is MLReadable too
+        _own_tokenizer(estimator, metadata, path)
         return estimator

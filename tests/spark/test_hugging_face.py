@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparkdl import TorchEstimator, TorchModel
+from sparkdl.spark.driver import read_tokenizer
 from tests.spark.test_inputs_spark import token_dataframe
 
 pytestmark = pytest.mark.spark
@@ -173,9 +174,13 @@ def test_a_transformers_classifier_trains_on_text_tokenized_on_the_executors_and
     assert accuracy > 0.9, accuracy
 
     # saved, it keeps its own copy of the tokenizer: loaded with the original file gone, it
-    # tokenizes as it was trained to
+    # tokenizes as it was trained to; so does the estimator (a Pipeline's stage) saved with it
     model.write().save(str(tmp_path / "saved"))
+    est.write().save(str(tmp_path / "estimator"))
     os.remove(path)
+    estimator = TorchEstimator.load(str(tmp_path / "estimator"), trust_pickle=True)
+    assert estimator.get_config().data.tokenizer == str(tmp_path / "estimator" / "tokenizer.json")
+    assert read_tokenizer(spark, estimator.get_config().data) is not None
     loaded = TorchModel.load(str(tmp_path / "saved"), model_fn=model_fn)
     assert loaded.get_config().data.tokenizer == str(tmp_path / "saved" / "tokenizer.json")
     loaded.write().overwrite().save(str(tmp_path / "saved"))  # over itself: its own copy kept
