@@ -143,7 +143,8 @@ class ParameterServerConfig:
     ps_barrier: bool = field(
         default=True,
         metadata=about(
-            "false (ps_mode = 'async' only): every worker is an ordinary Spark task, not one of a "
+            "false (ps_mode = 'async' or 'ssp', whose staleness then counts only the tasks alive): "
+            "every worker is an ordinary Spark task, not one of a "
             "barrier stage: a worker that fails is retried by Spark alone (spark.task.maxFailures) and "
             "resumes from the server's weights, skipping the rows its predecessor's pushes hold, while "
             "the others train on (no validation or hierarchy; one shard; with checkpoint_dir the driver "

@@ -219,7 +219,8 @@ class _StageWriter(MLWriter):
     def save(self, path: str) -> None:
         # the tokenizer is read before an overwrite removes anything: a stage loaded from
         # ``path`` reads its copy there, and saving it over itself must not lose it
-        kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)  # checked as a fit checks it
+        # (checked as a fit checks it)
+        kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)
         self._tokenizer = None if kept is None else kept.json
         if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
             self.saveImpl(path)

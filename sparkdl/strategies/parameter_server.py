@@ -127,9 +127,11 @@ class ParameterServerStrategy(SyncStrategy):
         if ctx.ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
         settings = ctx.config.parameter_server
-        self._mode = settings.ps_mode
-        self._push_every = settings.push_every if self._mode is PsMode.ASYNC else 1
-        self._pull_every = settings.pull_every if self._mode is PsMode.ASYNC else 1
+        # an independent task pushes every step as it comes, under ssp too: the server holds its
+        # pull while its partition is more than staleness clocks ahead of the slowest live one
+        self._mode = PsMode.ASYNC if ctx.ps.partition >= 0 else settings.ps_mode
+        self._push_every = settings.push_every if settings.ps_mode is PsMode.ASYNC else 1
+        self._pull_every = settings.pull_every if settings.ps_mode is PsMode.ASYNC else 1
         params = list(ctx.module.parameters())
         check_served_model(ctx.module, ctx.ps)  # the server's shards are this model's trainable parameters
         agree_on_frozen(ctx.module, ctx.exchange, ctx.rank)  # which the workers keep: the same everywhere
@@ -443,12 +445,13 @@ def refuse_for_independent_tasks(config: SparkDLConfig) -> None:
     """
     settings, training, reliability = config.parameter_server, config.training, config.reliability
     fix = "; or set parameter_server.ps_barrier = true"
-    if settings.ps_mode is not PsMode.ASYNC:
+    if settings.ps_mode is PsMode.SYNC:
         raise ConfigError(
-            f"parameter_server.ps_barrier = false with ps_mode = {settings.ps_mode.value!r}: only 'async' "
-            "lets a worker train while another is down (sync and ssp pulls wait on every worker's clock, "
-            "and a retried task's clock would hold the others back); use ps_mode = 'async'" + fix
+            "parameter_server.ps_barrier = false with ps_mode = 'sync': a sync step waits for every "
+            "worker's push, so one task down stops them all; use ps_mode = 'async', or 'ssp' (its "
+            "staleness bound counts only the tasks alive)" + fix
         )
+
     refusals = [
         (config.runtime.hierarchy.value != "none", f"runtime.hierarchy = {config.runtime.hierarchy.value!r}",
          "a host's workers sum into their leader every push", "set hierarchy = 'none'"),

@@ -111,9 +111,9 @@ def check_settings(config: SparkDLConfig) -> SparkDLConfig:
     if not config.parameter_server.ps_barrier and cls.name.value != "parameter_server":
         raise ConfigError(
             f"parameter_server.ps_barrier = false with strategy {cls.name.value!r}: only the asynchronous "
-            "parameter server trains without its workers meeting; the other strategies exchange between "
-            "the workers every step or period, so they run as one barrier stage. Set ps_barrier = true, "
-            "or strategy = 'parameter_server' with ps_mode = 'async'"
+            "(or stale-synchronous) parameter server trains without its workers meeting; the other "
+            "strategies exchange between the workers every step or period, so they run as one barrier "
+            "stage. Set ps_barrier = true, or strategy = 'parameter_server' with ps_mode = 'async' or 'ssp'"
         )
     level = config.runtime.hierarchy
     if factors is not SufficientFactors.OFF and level.value != "none":

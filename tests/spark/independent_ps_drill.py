@@ -5,7 +5,8 @@ task's Python dies mid-epoch and Spark retries it alone.
 a learnable problem (labels: the argmax of a fixed linear map): one undisturbed, one where
 partition 1's first attempt exits (``os._exit``) at its 6th step, the driver snapshotting
 the server in ``checkpoint_dir``; then a third fit of one epoch more on that directory, which
-resumes from the snapshot. Writes each fit's history (the server's per-partition rows and
+resumes from the snapshot; then the killed fit again under ``ps_mode = "ssp"`` (staleness 1).
+Writes each fit's history (the server's per-partition rows and
 push gaps, the takeovers) and held-out accuracy.
 
 Run by tests/spark/test_independent_ps.py in its own process:
@@ -115,6 +116,9 @@ def main(out: Path) -> None:
         # a new fit on the killed one's checkpoint_dir, one epoch more: the driver's snapshot of
         # the server brings back its weights and each partition's rows; only the new epoch trains
         "resumed": fit(spark, df, False, held_out, epochs=EPOCHS + 1, **snapshots),
+        # stale-synchronous, the same task killed: a pull waits while its partition is a push
+        # ahead of the slowest live one, and the dead task holds nobody back
+        "ssp killed": fit(spark, df, True, held_out, ps_mode="ssp", staleness=1),
     }
     spark.stop()
     (out / "result.json").write_text(json.dumps(result, default=str))

@@ -1,7 +1,8 @@
-"""The asynchronous parameter server in ordinary tasks (``ps_barrier = false``) on real
-Spark: a task whose Python dies mid-epoch is retried alone while the others push on, every
-row of every epoch is trained once (counted on the server), and the accuracy is an
-undisturbed run's. The drill runs in its own process (``local[3, 4]``: tasks may fail)."""
+"""The asynchronous (and stale-synchronous) parameter server in ordinary tasks
+(``ps_barrier = false``) on real Spark: a task whose Python dies mid-epoch is retried alone
+while the others push on, every row of every epoch is trained once (counted on the server),
+and the accuracy is an undisturbed run's. The drill runs in its own process (``local[3, 4]``:
+tasks may fail)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def test_a_killed_task_is_retried_alone_and_every_row_is_trained_once_per_epoch(
     # held-out accuracy within noise of the undisturbed run
     assert calm["accuracy"] > 0.85
     assert abs(killed["accuracy"] - calm["accuracy"]) < 0.05, (calm["accuracy"], killed["accuracy"])
+    assert_ssp_counts_only_the_live_tasks(result["ssp killed"], calm)
+
+
+def assert_ssp_counts_only_the_live_tasks(ssp: dict, calm: dict) -> None:
+    """Under ssp (staleness 1) the dead task holds nobody back: the others' pushes never
+    pause past the bound while partition 1 is retried, its retry joins at their clock, and
+    every row of every epoch is trained once."""
+    last = ssp["history"][-1]
+    assert [r["partition"] for r in last["task_retries"]] == [1]
+    assert last["partition_rows_applied"] == [EPOCHS * ROWS] * 3
+    gaps = last["partition_push_gap_max_s"]
+    assert gaps[0] < GAP_BOUND_S and gaps[2] < GAP_BOUND_S, gaps
+    assert max(gaps[0], gaps[2]) < gaps[1], gaps  # they did not wait out partition 1's restart
+    assert abs(ssp["accuracy"] - calm["accuracy"]) < 0.05, (calm["accuracy"], ssp["accuracy"])

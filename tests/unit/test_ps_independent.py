@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import PsMode, SparkDLConfig
-from sparkdl.errors import ConfigError, ParameterServerError, PushRejected
+from sparkdl.errors import ConfigError, ParameterServerError, PsTimeoutError, PushRejected
 from sparkdl.services.ps.client import PsClient
 from sparkdl.services.ps.server import ParameterServer
 from sparkdl.services.ps.store import ShardStore
@@ -68,19 +68,83 @@ def test_records_are_bounded_by_the_partitions():
     assert len(s.push_times[0]) == 4096 and s.rows_applied[0] == 5000
 
 
-def test_a_barrier_store_takes_no_task_hello_and_independence_is_async_only():
+def test_a_barrier_store_takes_no_task_hello_and_independence_is_never_sync():
     with pytest.raises(PushRejected, match="barrier"):
         ShardStore(
             [nn.Parameter(torch.zeros(2))], lambda ps: torch.optim.SGD(ps, lr=1.0), PsMode.ASYNC, 2
         ).begin_task(0, 0)
-    with pytest.raises(ValueError, match="asynchronously"):
+    with pytest.raises(ValueError, match="this store is sync"):
         ShardStore(
             [nn.Parameter(torch.zeros(2))],
             lambda ps: torch.optim.SGD(ps, lr=1.0),
-            PsMode.SSP,
+            PsMode.SYNC,
             2,
             independent=True,
         )
+
+
+def ssp_store(workers: int = 3, staleness: int = 1) -> ShardStore:
+    param = nn.Parameter(torch.zeros(4))
+    return ShardStore(
+        [param], lambda ps: torch.optim.SGD(ps, lr=1.0), PsMode.SSP, workers, staleness, independent=True
+    )
+
+
+def test_ssp_tasks_wait_only_for_the_slowest_live_partition_and_a_newcomer_holds_nobody_back():
+    """Stale-synchronous over independent tasks: each push is applied on arrival; a pull waits
+    while its partition is more than ``staleness`` pushes ahead of the slowest partition whose
+    task is connected. A task that ended (failed, finished) holds nobody back, and one that
+    (re)joins starts at the slowest live clock."""
+    s = ssp_store(workers=3, staleness=1)
+    s.begin_task(0, 10)
+    s.begin_task(1, 11)  # partition 2's task has not started: it counts for nothing
+    for clock in range(2):
+        s.push(0, 10, clock, 4, torch.ones(4) * 4)
+    assert s.version == 2 and s.task_clocks == [2, 0, 0]  # applied as they came
+    assert s.try_pull(0, 0) is None  # 2 ahead of partition 1, the slowest live one
+    assert s.try_pull(1, 0) is not None  # the slowest never waits
+    s.push(1, 11, 2, 4, torch.ones(4) * 4)
+    assert s.try_pull(0, 0) is not None  # within 1 of partition 1 now
+    s.push(0, 10, 3, 4, torch.ones(4) * 4)
+    assert s.try_pull(0, 0) is None
+    with pytest.raises(PsTimeoutError, match=r"partition 0.*clock 3.*partition\(s\) \[1\] \(clocks \[1\]\)"):
+        s.pull(0, 0, timeout_s=0.05)
+    s.end_task(1, 99)  # a fenced or unknown task's end changes nothing
+    assert s.try_pull(0, 0) is None
+    s.end_task(1, 11)  # partition 1's task failed: partition 0 goes on alone
+    assert s.try_pull(0, 0) is not None
+    s.push(0, 10, 4, 4, torch.ones(4) * 4)
+    s.begin_task(1, 12)  # its retry joins at the slowest live clock (partition 0's 4), not its own 1
+    s.begin_task(2, 13)  # and a task started late the same
+    assert s.task_clocks == [4, 4, 4] and s.try_pull(0, 0) is not None
+    assert s.rows_applied == [16, 4, 0]  # rows stay the partition's own: a retry skips what was applied
+
+
+def test_a_pull_waiting_at_the_bound_is_answered_when_the_slow_tasks_connection_closes():
+    """Over the socket: partition 0's pull waits for partition 1, whose task then goes away
+    (its connection closes): the pull is answered at once, not at the timeout."""
+    import threading
+
+    store = ssp_store(workers=2, staleness=0)
+    server = ParameterServer([store], "127.0.0.1", SECRET, 30.0, 1 << 20)
+    try:
+        base = server.endpoint(((0,),))
+        fast = PsClient(dataclassed(base, partition=0, task_attempt=1), 0, 1)
+        slow = PsClient(dataclassed(base, partition=1, task_attempt=2), 1, 2)
+        fast.push(0, 4, [torch.ones(4) * 4])
+        answered = []
+        waiting = threading.Thread(target=lambda: answered.append(fast.pull(1)))
+        started = time.monotonic()
+        waiting.start()
+        time.sleep(0.3)
+        assert not answered  # one push ahead of partition 1, with staleness 0
+        slow.close()
+        waiting.join(10)
+        assert answered and time.monotonic() - started < 5  # not the 30 s timeout
+        assert store.task_clocks == [1, 0]
+        fast.close()
+    finally:
+        server.stop()
 
 
 def test_over_the_socket_a_retry_learns_its_rows_and_the_stale_attempt_is_refused():
@@ -132,7 +196,6 @@ def dataclassed(endpoint, **changes):
     ("changes", "named"),
     [
         ({"ps_mode": "sync"}, "ps_mode = 'sync'"),
-        ({"ps_mode": "ssp"}, "ps_mode = 'ssp'"),
         ({"ps_shards": 2}, "ps_shards = 2"),
         ({"early_stopping_patience": 2}, "early_stopping_patience = 2"),
         ({"validation_fraction": 0.1}, "validation rows"),
@@ -145,10 +208,11 @@ def test_settings_that_need_the_workers_to_meet_are_refused_with_the_fix(changes
     assert named in str(refused.value) and "ps_barrier = true" in str(refused.value)
 
 
-def test_other_strategies_refuse_it_and_async_takes_it():
-    with pytest.raises(ConfigError, match="only the asynchronous parameter server"):
+def test_other_strategies_refuse_it_and_async_and_ssp_take_it():
+    with pytest.raises(ConfigError, match=r"only the asynchronous \(or stale-synchronous\) parameter server"):
         check_settings(SparkDLConfig().replace(**{"strategy": "allreduce", "ps_barrier": False}))
     check_settings(SparkDLConfig().replace(strategy="parameter_server", ps_mode="async", ps_barrier=False))
+    check_settings(SparkDLConfig().replace(strategy="parameter_server", ps_mode="ssp", ps_barrier=False))
 
 
 def test_a_newer_task_is_believed_only_when_spark_runs_it_for_that_partition():

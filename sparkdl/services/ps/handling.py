@@ -160,6 +160,7 @@ class RequestHandler:
             park is None
             or not frame.area
             or store.mode is PsMode.ASYNC
+            or store.independent  # ssp over live tasks: a task's end, not a push, may answer it
             or store.numel > self._park_max_values
             or store.coordinated  # its versions come from the coordinator's thread, not a push
         ):

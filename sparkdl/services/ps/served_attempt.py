@@ -144,6 +144,9 @@ class StageAttempts:
             if current and self._open[rank] > 0:
                 self._open[rank] -= 1
                 self._heard[rank] = time.monotonic()
+                if not self._open[rank]:  # ssp: the partition holds nobody back until it is back
+                    for store in self._stores:
+                        store.end_task(rank, attempt)
 
     def current_task(self, rank: int) -> int:
         """Independent tasks: the task whose pushes partition ``rank``'s are (-1: none yet)."""

@@ -40,12 +40,18 @@ gradient sum per clock (164 MB for 40 pushes). And every update is checked: one 
 a weight NaN or infinite (finite gradients can: three pushes of 3e38) is undone, the shard
 keeps its weights from before it, and its push is refused; the weights served stay finite.
 
-Independent tasks (``parameter_server.ps_barrier = false``, async only). Each worker is an
+Independent tasks (``parameter_server.ps_barrier = false``, async or ssp). Each worker is an
 ordinary Spark task that fails and is retried alone, so a store built ``independent`` keeps,
 per partition (the worker's rank), the task attempt whose pushes it takes (a newer attempt's
 :meth:`~ShardStore.begin_task` fences the older: its later pushes are refused), the rows
 whose pushes it applied (a retry skips them) and the times of its latest pushes. These are
 bounded by the fit's partitions (``num_workers``) and :data:`PUSH_TIMES_KEPT` each.
+Every push is applied on arrival. Under ``ssp`` each partition also has a clock (its pushes
+applied) and is live while its current task is connected (:meth:`~ShardStore.end_task`: no
+longer); a pull waits while its partition is more than ``staleness`` clocks ahead of the
+slowest *live* other partition. A task that died, finished or has not started holds nobody
+back, and a task that (re)joins starts at the slowest live partition's clock, the server's
+current weights (Ho et al.'s bounded staleness over the workers present).
 
 Memory: two copies of the weights (the second, the weights before the update being applied)
 and the optimizer state per shard, plus one gradient accumulator per clock in flight (at
@@ -104,8 +110,8 @@ class ShardStore:
         backup_workers: sync: apply a clock once ``num_workers - backup_workers`` pushed it.
         handoff: coordinated: a complete clock goes here instead of to an optimizer
             (``optimizer_fn`` is then None), and the next version waits for :meth:`publish`.
-        independent: async workers as independent tasks: pushes are fenced per partition
-            (:meth:`begin_task`) and each partition's applied rows are counted.
+        independent: async or ssp workers as independent tasks: pushes are fenced per
+            partition (:meth:`begin_task`) and each partition's applied rows are counted.
     """
 
     def __init__(
@@ -159,11 +165,13 @@ class ShardStore:
         self._closed = False
         self._aborted = ""  # why a worker stopped this attempt
         self._failed = ""  # coordinated: why the coordinator failed (every attempt, for good)
-        if independent and mode is not PsMode.ASYNC:
-            raise ValueError(f"independent tasks push asynchronously; this store is {mode.value}")
+        if independent and mode is PsMode.SYNC:
+            raise ValueError("independent tasks push as they come (async or ssp); this store is sync")
         self.independent = independent
         self._task_attempts = [-1] * num_workers  # independent: the attempt each partition's pushes come from
         self.rows_applied = [0] * num_workers  # independent: rows of each partition in the weights
+        self.task_clocks = [0] * num_workers  # independent ssp: each partition's pushes applied ...
+        self._live = [False] * num_workers  # ... and whether its current task is connected
         self.push_times: list[collections.deque[float]] = [
             collections.deque(maxlen=PUSH_TIMES_KEPT) for _ in range(num_workers)
         ]
@@ -244,7 +252,27 @@ class ShardStore:
                     "pushes the server takes now (a zombie or a speculative copy): refused"
                 )
             self._task_attempts[rank] = attempt
+            if not self._live[rank]:  # (re)joins at the slowest live partition's clock: nobody waits for it
+                own = self.task_clocks[rank]
+                self.task_clocks[rank] = max(own, self._slowest_live(rank, own))
+                self._live[rank] = True
+                self._cond.notify_all()
             return self.rows_applied[rank]
+
+    def end_task(self, rank: int, attempt: int) -> None:
+        """Independent tasks: task ``attempt`` of partition ``rank`` has no connection left
+        (finished, failed or cut off); under ``ssp`` its clock holds nobody back until a task of
+        the partition connects again. A fenced task's end changes nothing."""
+        with self._cond:
+            if 0 <= rank < self.num_workers and attempt == self._task_attempts[rank]:
+                self._live[rank] = False
+                self._cond.notify_all()
+
+    def _slowest_live(self, rank: int, default: int) -> int:
+        """The smallest clock of the live partitions other than ``rank`` (``default``: none)."""
+        return min(
+            (c for r, c in enumerate(self.task_clocks) if self._live[r] and r != rank), default=default
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the shard: weights, optimizer state, version (plain tensors)."""
@@ -316,12 +344,13 @@ class ShardStore:
                 raise PsAborted(self._aborted)
             self._check_push(rank, attempt, clock, grad_sum)
             self._next_clock[rank] = clock + 1
-            if self.mode is PsMode.ASYNC:
+            if self.mode is PsMode.ASYNC or self.independent:
                 staleness = max(self.version - clock, 0)  # async: clock = version it was based on
                 if rows > 0 and not self._apply(grad_sum.div_(rows)):
                     raise self._undone(f"rank {rank}'s push based on version {clock}")
                 if self.independent:  # under the lock of the update: counted once it is in the weights
                     self.rows_applied[rank] += max(rows, 0) + max(dropped, 0)
+                    self.task_clocks[rank] += 1
                     self.push_times[rank].append(self._clock())
                 self._cond.notify_all()
                 return staleness
@@ -373,6 +402,18 @@ class ShardStore:
     def pull_timeout(self, rank: int, clock: int, timeout_s: float) -> PsTimeoutError:
         """The error of a pull of ``clock`` that waited ``timeout_s`` in vain: whom it waited for."""
         with self._cond:
+            if self.independent:
+                mine = self.task_clocks[rank]
+                clocks = self.task_clocks
+                behind = [r for r, c in enumerate(clocks) if self._live[r] and c < mine - self.staleness]
+                return PsTimeoutError(
+                    f"partition {rank}: its pull at clock {mine} waited {timeout_s:.0f}s for live "
+                    f"partition(s) {behind} (clocks {[self.task_clocks[r] for r in behind]}) to come within "
+                    f"staleness = {self.staleness}; their tasks are stuck or slow. Raise "
+                    "parameter_server.ps_timeout_s or staleness, or use ps_mode = 'async'",
+                    setting="parameter_server.ps_timeout_s",
+                    limit_s=timeout_s,
+                )
             clock_needed = self._start_clock + self._clocks_needed(clock)
             behind = [r for r, c in enumerate(self._next_clock) if c <= clock_needed - 1]
             at = [self._next_clock[r] for r in behind]
@@ -408,7 +449,13 @@ class ShardStore:
             raise CoordinatorFailed(self._failed)
         if self._aborted:
             raise PsAborted(self._aborted)
-        if self.mode is PsMode.ASYNC or self.version >= self._needed(clock) or self.finished:
+        if self.mode is PsMode.ASYNC or self.finished:
+            return True
+        if self.independent:  # ssp over the live partitions: the pull's clock is the server's count
+            mine = self.task_clocks[rank]
+            if mine - self._slowest_live(rank, mine) <= self.staleness:
+                return True
+        elif self.version >= self._needed(clock):
             return True
         if self._closed:
             raise PsTimeoutError(
@@ -457,7 +504,7 @@ class ShardStore:
                 f"gradient of {grad_sum.numel()} {grad_sum.dtype} values; this shard holds "
                 f"{self.numel} float32 values"
             )
-        if self.mode is PsMode.ASYNC:
+        if self.mode is PsMode.ASYNC or self.independent:  # applied on arrival, kept nowhere
             return
         expected = self._next_clock[rank]
         skipped_ahead = self.quorum < self.num_workers and clock > expected  # a backup that caught up
