@@ -73,10 +73,13 @@ while IFS= read -r requirement; do requirements+=("$requirement"); done < "$WORK
 "${PIP[@]}" "${requirements[@]}" "torch==$(torch_installed)" venv-pack
 pack=("$WORK/env/bin/venv-pack" --prefix "$WORK/env" --output "$OUTPUT" --force --quiet
     --compress-level "${COMPRESS_LEVEL:-4}")
-# not on the executors: the installer and the packer
+# not on the executors: the installer and the packer, and torch's C++ test programs (about
+# 130 MB of the 1.3 GB unpacked, never run by a training task; torch/bin's torch_shm_manager stays)
 read -ra more <<< "${EXCLUDE:-}"  # split on spaces, never globbed against this folder
 for pattern in 'lib/python*/site-packages/uv/*' 'lib/python*/site-packages/uv-*' 'bin/uv' 'bin/uvx' \
-    'lib/python*/site-packages/venv_pack*' 'bin/venv-pack' ${more[@]+"${more[@]}"}; do
+    'lib/python*/site-packages/venv_pack*' 'bin/venv-pack' \
+    'lib/python*/site-packages/torch/test/*' 'lib/python*/site-packages/torch/bin/test_*' \
+    'lib/python*/site-packages/torch/bin/*Test' ${more[@]+"${more[@]}"}; do
     pack+=(--exclude "$pattern")
 done
 mkdir -p "$(dirname "$OUTPUT")"

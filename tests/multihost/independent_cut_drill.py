@@ -13,6 +13,13 @@ rows per partition, each partition's longest gap between two pushes and the retr
 barrier fit's error and when it came.
 
     python tests/multihost/independent_cut_drill.py OUT_DIR [--speculation]   # OUT_DIR/result.json
+
+``--runs cut,slow,jvm`` (default ``cut``) chooses the disturbances, each fitted as ordinary
+tasks and as the barrier stage: ``cut`` as above; ``slow``: partition 3's worker (on host 2)
+``SLOW_FACTOR`` times slower than the others, undisturbed otherwise; ``jvm``: the executor JVM
+of the first task to reach step ``JVM_KILL_STEP`` (``CUT_SHARE`` of the fit's steps) killed by
+its Python worker (``fault_injection = "killjvm:..."``), its host staying up (its standalone
+worker starts a new executor).
 """
 
 from __future__ import annotations
@@ -46,12 +53,20 @@ SPECULATION = {
     "spark.speculation.quantile": "0.5",
 }
 CUT_SHARE = 0.4  # the cut comes after this share of the undisturbed fit's time: mid-epoch 1
+SLOW_PARTITION, SLOW_FACTOR = 3, 3.0
+JVM_KILL_STEP = int(CUT_SHARE * EPOCHS * ROWS / 8)  # an independent task's steps: its own partition's
 
 
 def slow_linear():
     from tests.multihost.models import SlowLinear
 
     return SlowLinear(WIDTH, 3, STEP_S)
+
+
+def slow_partition_linear():
+    from tests.multihost.models import SlowPartitionLinear
+
+    return SlowPartitionLinear(WIDTH, 3, STEP_S, SLOW_PARTITION, SLOW_FACTOR)
 
 
 class TimedCut(threading.Thread):
@@ -68,10 +83,16 @@ class TimedCut(threading.Thread):
         self.cut_at = time.monotonic()
 
 
-def fit(df, held_out, barrier: bool, cut_after_s: float | None, epochs: int = EPOCHS) -> dict:
+def fit(
+    df, held_out, barrier: bool, cut_after_s: float | None, epochs: int = EPOCHS, slow: bool = False,
+    kill_jvm: str = "",
+) -> dict:  # fmt: skip
+    """One fit; ``kill_jvm``: the marker file of a ``killjvm`` drill at ``JVM_KILL_STEP``."""
+    drill = {"fault_injection": f"killjvm:0:{JVM_KILL_STEP}:{kill_jvm}"} if kill_jvm else {}
     estimator = downpour(
-        slow_linear, 4, epochs, ps_barrier=barrier, ps_timeout_s=20.0, executor_wait_timeout_s=20.0
-    )
+        slow_partition_linear if slow else slow_linear, 4, epochs, ps_barrier=barrier, ps_timeout_s=20.0,
+        executor_wait_timeout_s=20.0, **drill,
+    )  # fmt: skip
     cutter = TimedCut(cut_after_s) if cut_after_s is not None else None
     started = time.monotonic()
     if cutter is not None:
@@ -96,7 +117,8 @@ def fit(df, held_out, barrier: bool, cut_after_s: float | None, epochs: int = EP
             cutter.join(timeout=60)
             subprocess.run(["netlab", "heal", str(CUT_HOST)], check=True)
             record["cut_at_s"] = cutter.cut_at - started if cutter.cut_at else None
-            time.sleep(30)  # the healed host's worker registers again before the next fit
+        if cutter is not None or kill_jvm:
+            time.sleep(30)  # the healed host's worker (or the new executor) registers before the next fit
     return record
 
 
@@ -127,8 +149,18 @@ def main(out: Path) -> None:
         fit(df, held_out, barrier=False, cut_after_s=None, epochs=1)  # the session's first fit: warm-up
         result["undisturbed"] = undisturbed = fit(df, held_out, barrier=False, cut_after_s=None)
         cut_after_s = CUT_SHARE * undisturbed["fit_s"]
-        result["independent cut"] = fit(df, held_out, barrier=False, cut_after_s=cut_after_s)
-        result["barrier cut"] = fit(df, held_out, barrier=True, cut_after_s=cut_after_s)
+        runs = sys.argv[sys.argv.index("--runs") + 1].split(",") if "--runs" in sys.argv else ["cut"]
+        if "slow" in runs:
+            result["barrier undisturbed"] = fit(df, held_out, barrier=True, cut_after_s=None)
+            result["independent slow"] = fit(df, held_out, barrier=False, cut_after_s=None, slow=True)
+            result["barrier slow"] = fit(df, held_out, barrier=True, cut_after_s=None, slow=True)
+        if "jvm" in runs:
+            killed = str(out / "killed-independent")
+            result["independent jvm"] = fit(df, held_out, False, None, kill_jvm=killed)
+            result["barrier jvm"] = fit(df, held_out, True, None, kill_jvm=str(out / "killed-barrier"))
+        if "cut" in runs:  # last: a host unplugged for good
+            result["independent cut"] = fit(df, held_out, barrier=False, cut_after_s=cut_after_s)
+            result["barrier cut"] = fit(df, held_out, barrier=True, cut_after_s=cut_after_s)
         spark.stop()
     finally:
         stop_cluster(cluster)
