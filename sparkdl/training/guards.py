@@ -42,9 +42,12 @@ def fire_drill(drill: FaultDrillSpec, rank: int, global_step: int, module: nn.Mo
     if rank != drill.rank or global_step != drill.step:
         return
     if drill.marker:
-        if Path(drill.marker).exists():
+        try:  # created exclusively: of tasks reaching the step together (rank 0 of each
+            # independent task, say), one fires
+            with open(drill.marker, "x") as marker:
+                marker.write(f"rank {rank} step {global_step} pid {os.getpid()}\n")
+        except FileExistsError:
             return
-        Path(drill.marker).write_text(f"rank {rank} step {global_step} pid {os.getpid()}\n")
     if drill.kind is DrillKind.RAISE:
         raise RuntimeError(f"fault drill: rank {rank} raised at step {global_step}")
     if drill.kind is DrillKind.EXIT:
