@@ -13,6 +13,7 @@ the error's record embedded (as a barrier task's), and Spark retries it alone
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -66,6 +67,20 @@ def train_alone(spec: TrainSpec, batches: Iterator[pa.RecordBatch]) -> Iterator[
     except Exception as exc:
         raise WorkerFailed(ErrorRecord.of(exc, rank=partition, partition=partition, attempt=attempt)) from exc
     result.rank = partition
+    result.device["host"] = executor_address(spec.ps.host)  # not the group of one's loopback
     if partition != 0:  # one copy of the buffers and frozen weights is enough
         result.state = b""
     yield result_batch(result)
+
+
+def executor_address(driver_host: str) -> str:
+    """The address this executor reaches ``driver_host`` from: the one the cluster knows it by
+    (a datagram socket's ``connect`` picks the route and sends nothing). Loopback where no
+    route is found."""
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(driver_host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return _ALONE

@@ -218,3 +218,40 @@ def test_independent_tasks_train_through_a_host_cut_for_good_where_the_barrier_s
         f"the other host's longest gap {max(gaps[p] for p in alive):.2f}s; the barrier stage failed at "
         f"{barrier['fit_s']:.1f}s"
     )
+
+
+@pytest.mark.fault_drill
+@pytest.mark.skipif(bool(netlab_missing()), reason=netlab_missing() or "netlab available")
+def test_independent_tasks_under_a_slow_worker_speculation_and_a_killed_executor_jvm(tmp_path):
+    """Issue 57 items 4 and 5, with ``spark.speculation`` on: partition 3's worker 3x slower
+    gets a speculative copy on the other host, which takes the partition over (the original's
+    pushes refused from then on) and trains only what the original's pushes did not cover:
+    no row is in the weights twice. Then an executor JVM killed by its own task: its two
+    tasks retried alone, the others never pausing. Not in the default run (about 5 minutes):
+    ``pytest -m fault_drill tests/multihost``."""
+    from tests.multihost.independent_cut_drill import EPOCHS, ROWS, SLOW_PARTITION
+
+    result = run_in_netlab(
+        "independent_cut_drill.py", tmp_path, "--runs", "slow,jvm", "--speculation", timeout_s=900
+    )
+    hosts = result["hosts"]
+    slow, barrier_slow, jvm = result["independent slow"], result["barrier slow"], result["independent jvm"]
+    for run in (result["undisturbed"], slow, jvm):
+        assert run["history"][-1]["partition_rows_applied"] == [EPOCHS * ROWS] * 4  # none twice
+        assert {d["host"] for d in run["devices"]} <= {hosts[1], hosts[2]}, run["devices"]
+    (copy,) = slow["history"][-1]["task_retries"]  # the speculative copy took the slow partition over
+    assert copy["partition"] == SLOW_PARTITION and 0 < copy["rows_skipped"] < EPOCHS * ROWS, copy
+    seconds = slow["history"][-1]["worker_seconds"]  # the others ended their epochs without waiting
+    assert max(s for p, s in enumerate(seconds) if p != SLOW_PARTITION) < 0.6 * seconds[SLOW_PARTITION]
+    assert min(barrier_slow["history"][-1]["worker_seconds"]) > 0.8 * seconds[SLOW_PARTITION]
+    retried = sorted(r["partition"] for r in jvm["history"][-1]["task_retries"])
+    assert len(retried) >= 2, jvm["history"][-1]["task_retries"]  # the killed executor's tasks
+    gaps = jvm["history"][-1]["partition_push_gap_max_s"]
+    assert all(gaps[p] < 1.0 for p in range(4) if p not in retried), gaps
+    assert abs(jvm["accuracy"] - result["undisturbed"]["accuracy"]) < 0.05
+    print(
+        f"FIGURE netlab independent: slow worker {slow['fit_s']:.1f}s against the barrier stage's "
+        f"{barrier_slow['fit_s']:.1f}s (the speculative copy skipped {copy['rows_skipped']} rows); "
+        f"executor JVM killed {jvm['fit_s']:.1f}s against the barrier stage's "
+        f"{result['barrier jvm']['fit_s']:.1f}s"
+    )

@@ -314,3 +314,16 @@ def test_snapshots_are_written_every_so_many_updates_while_the_fit_runs(tmp_path
         snapshots.close()
     files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt")
     assert files == ["ps-tasks-000000006.pt", "ps-tasks-000000007.pt"]  # 3, 6 and the last; two kept
+
+
+def test_an_independent_tasks_device_record_names_the_address_it_reaches_the_driver_from():
+    """An independent task's process group of one binds loopback; its device record names the
+    executor by the address it reaches the driver from, as a barrier worker's does."""
+    from sparkdl.comm.network_interfaces import interface_addresses
+    from sparkdl.spark.independent_task import executor_address
+
+    assert executor_address("127.0.0.1") == "127.0.0.1"
+    assert executor_address("no-such-host.invalid") == "127.0.0.1"  # no route: loopback, no error
+    for addresses in interface_addresses().values():
+        for address in addresses:  # the driver on one of this machine's own addresses: that one
+            assert executor_address(str(address)) == str(address)
