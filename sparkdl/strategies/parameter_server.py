@@ -127,8 +127,8 @@ class ParameterServerStrategy(SyncStrategy):
         if ctx.ps is None:
             raise ConfigError("strategy 'parameter_server' needs a server; fit starts one on the driver")
         settings = ctx.config.parameter_server
-        # an independent task pushes every step as it comes, under ssp too: the server holds its
-        # pull while its partition is more than staleness clocks ahead of the slowest live one
+        # an independent task pushes as it comes, under ssp too (every step): the server holds
+        # its pull while its partition is more than staleness pushes past the slowest live one
         self._mode = PsMode.ASYNC if ctx.ps.partition >= 0 else settings.ps_mode
         self._push_every = settings.push_every if settings.ps_mode is PsMode.ASYNC else 1
         self._pull_every = settings.pull_every if settings.ps_mode is PsMode.ASYNC else 1
@@ -451,7 +451,6 @@ def refuse_for_independent_tasks(config: SparkDLConfig) -> None:
             "worker's push, so one task down stops them all; use ps_mode = 'async', or 'ssp' (its "
             "staleness bound counts only the tasks alive)" + fix
         )
-
     refusals = [
         (config.runtime.hierarchy.value != "none", f"runtime.hierarchy = {config.runtime.hierarchy.value!r}",
          "a host's workers sum into their leader every push", "set hierarchy = 'none'"),

@@ -408,7 +408,7 @@ class ShardStore:
                 behind = [r for r, c in enumerate(clocks) if self._live[r] and c < mine - self.staleness]
                 return PsTimeoutError(
                     f"partition {rank}: its pull at clock {mine} waited {timeout_s:.0f}s for live "
-                    f"partition(s) {behind} (clocks {[self.task_clocks[r] for r in behind]}) to come within "
+                    f"partition(s) {behind} (clocks {[clocks[r] for r in behind]}) to come within "
                     f"staleness = {self.staleness}; their tasks are stuck or slow. Raise "
                     "parameter_server.ps_timeout_s or staleness, or use ps_mode = 'async'",
                     setting="parameter_server.ps_timeout_s",
