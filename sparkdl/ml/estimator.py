@@ -304,6 +304,9 @@ class TorchEstimator(Estimator, _SparkDLParams, MLWritable, MLReadable):
             transform_fn=self.transform_fn,
         )
         model.initial_model = spec.model_fn.source if isinstance(spec.model_fn, WarmStart) else ""
+        text = next((s.text for s in spec.plan.inputs if s.text is not None), None)
+        if text is not None:  # the file as fit read it: transform and save need it no more
+            model.tokenizer_file = (config.data.tokenizer, text.json)
         model.worker_rows = result.worker_rows
         model.worker_devices = result.worker_devices
         model.bad_rows_skipped = result.bad_rows_skipped
@@ -432,6 +435,14 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         self.bad_rows_skipped = 0  # rows dropped by on_bad_rows = "skip"
         self.mlflow_run_id: str | None = None  # the MLflow run fit logged to, if any
         self.initial_model = ""  # what its fit started from (initial_model), "" for model_fn's weights
+        # data.tokenizer's file as fit or load read it, with that path: transform and save use
+        # these bytes while the setting names that path (the file may be gone since)
+        self.tokenizer_file: tuple[str, bytes] | None = None
+
+    def kept_tokenizer(self) -> bytes | None:
+        """The tokenizer file read at fit or load, while ``data.tokenizer`` still names it."""
+        kept = self.tokenizer_file
+        return kept[1] if kept is not None and kept[0] == self.getOrDefault("tokenizer") else None
 
     @property
     def keyword_inputs(self) -> bool:
@@ -452,7 +463,14 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         spec = PredictSpec(
             model_fn=self.model_fn,
             weights=model_weights(dataset.sparkSession, self.module, config.runtime.encrypt),
-            plan=plan_inputs(dataset, config.data, LabelKind.REAL, self.transform_fn, with_label=False),
+            plan=plan_inputs(
+                dataset,
+                config.data,
+                LabelKind.REAL,
+                self.transform_fn,
+                with_label=False,
+                tokenizer_json=self.kept_tokenizer(),
+            ),
             columns=columns,
             mode=mode,
             batch_size=config.data.inference_batch_size,

@@ -88,6 +88,8 @@ class SavedModel(Protocol):
 
     def get_config(self) -> SparkDLConfig: ...
 
+    def kept_tokenizer(self) -> bytes | None: ...
+
 
 #: The class a reader builds: ``TorchModel`` or ``TorchEstimator``.
 R = TypeVar("R", bound=Params)
@@ -219,13 +221,19 @@ class _StageWriter(MLWriter):
     def save(self, path: str) -> None:
         # the tokenizer is read before an overwrite removes anything: a stage loaded from
         # ``path`` reads its copy there, and saving it over itself must not lose it
-        # (checked as a fit checks it)
-        kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)
-        self._tokenizer = None if kept is None else kept.json
+        # (checked as a fit checks it), unless the stage kept the bytes it read
+        self._tokenizer = self._kept_tokenizer()
+        if self._tokenizer is None:
+            kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)
+            self._tokenizer = None if kept is None else kept.json
         if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
             self.saveImpl(path)
             return
         super().save(path)
+
+    def _kept_tokenizer(self) -> bytes | None:
+        """The tokenizer file the stage holds, read at fit or load (None: read it now)."""
+        return None
 
     def _save_tokenizer(self, path: str) -> None:
         if self._tokenizer is not None:  # read by save, before anything was removed
@@ -240,6 +248,9 @@ def _own_tokenizer(stage: Params, metadata: dict[str, Any], path: str) -> None:
 
 class TorchModelWriter(_StageWriter):
     """Saves params as Spark ML metadata, weights as a ``weights_only`` torch file."""
+
+    def _kept_tokenizer(self) -> bytes | None:
+        return cast(SavedModel, self.instance).kept_tokenizer()
 
     def saveImpl(self, path: str) -> None:
         model: SavedModel = self.instance
@@ -351,6 +362,9 @@ class TorchModelReader(MLReader[Any], Generic[R]):
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
         _own_tokenizer(model, metadata, path)
+        if metadata.get("tokenizer"):  # read now: its transform needs the file no more
+            copy = _inside(path, TOKENIZER_FILE)
+            model.tokenizer_file = (copy, fs.read_bytes(self.sparkSession, copy))  # type: ignore[attr-defined]  # R: a TorchModel
         return model
 
 

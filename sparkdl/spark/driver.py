@@ -74,11 +74,13 @@ def plan_inputs(
     with_label: bool = True,
     validation_col: str = "",
     next_token_of: str = "",
+    tokenizer_json: bytes | None = None,
 ) -> DataPlan:
     """Check the DataFrame's schema on the driver, before any task starts, and decide how
     each column reaches the model (see :mod:`sparkdl.data.inputs`); with ``next_token_of``
     (``causal_lm``), that input's next tokens are the targets and no label column is read.
-    ``data.tokenizer``'s file is read here, on the driver, and travels in the plan."""
+    ``data.tokenizer``'s file is read here, on the driver, and travels in the plan (or
+    ``tokenizer_json``, that file as read before: a model's own copy)."""
     return plan_data(
         arrow_schema(df),
         feature_cols=data.feature_cols,
@@ -95,7 +97,11 @@ def plan_inputs(
         not_inputs=() if with_label else (data.label_col, data.weight_col),
         mask_input=data.mask_input,
         next_token_of=next_token_of,
-        tokenizer=read_tokenizer(df.sparkSession, data),
+        tokenizer=(
+            tokenization(tokenizer_json, data.tokenizer, data.max_sequence_length)
+            if tokenizer_json is not None and data.tokenizer
+            else read_tokenizer(df.sparkSession, data)
+        ),
         pad_to_max_length=data.pad_to_max_length,
     )
 
