@@ -151,6 +151,12 @@ class ParameterServerConfig:
             "snapshots the server there, and a new fit resumes from it)."
         ),
     )
+
+    @property
+    def push_interval(self) -> int:
+        """A worker's steps between two pushes: ``push_every`` in async, every step otherwise."""
+        return self.push_every if self.ps_mode is PsMode.ASYNC else 1
+
     ps_timeout_s: float = field(
         default=120.0,
         metadata=about(

@@ -223,8 +223,8 @@ class _StageWriter(MLWriter):
         # ``path`` reads its copy there, and saving it over itself must not lose it
         # (checked as a fit checks it), unless the stage kept the bytes it read
         self._tokenizer = self._kept_tokenizer()
-        if self._tokenizer is None:
-            kept = read_tokenizer(self.sparkSession, self.instance.get_config().data)
+        if self._tokenizer is None:  # the settings as set (an estimator's need not validate yet)
+            kept = read_tokenizer(self.sparkSession, self.instance._settings().data)
             self._tokenizer = None if kept is None else kept.json
         if self.shouldOverwrite and fs.remove_tree(self.sparkSession, path):
             self.saveImpl(path)
@@ -362,9 +362,10 @@ class TorchModelReader(MLReader[Any], Generic[R]):
         metadata = _without_untrusted(model, metadata, path)
         DefaultParamsReader.getAndSetParams(model, metadata)  # type: ignore[type-var]  # R is MLReadable too
         _own_tokenizer(model, metadata, path)
-        if metadata.get("tokenizer"):  # read now: its transform needs the file no more
-            copy = _inside(path, TOKENIZER_FILE)
-            model.tokenizer_file = (copy, fs.read_bytes(self.sparkSession, copy))  # type: ignore[attr-defined]  # R: a TorchModel
+        if metadata.get("tokenizer"):  # read now, checked as a fit checks it: transform needs it no more
+            kept = read_tokenizer(self.sparkSession, model._settings().data)  # type: ignore[attr-defined]  # R: a TorchModel
+            assert kept is not None
+            model.tokenizer_file = (kept.source, kept.json)  # type: ignore[attr-defined]
         return model
 
 

@@ -101,7 +101,8 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
         runtime = config.runtime
         bound_s = config.parameter_server.ps_timeout_s + runtime.teardown_timeout_s + MARGIN_S
         description = (
-            f"sparkdl fit: {n} independent tasks (async parameter server), {config.training.epochs} epochs"
+            f"sparkdl fit: {n} independent tasks ({config.parameter_server.ps_mode.value} parameter server), "
+            f"{config.training.epochs} epochs"
         )
         with own_local_properties(site.spark), described(site.spark, description):
             try:
@@ -125,10 +126,10 @@ def run_independent(df: Any, spec: TrainSpec, site: Site) -> IndependentRun:
 
 def _snapshots(store: Any, config: SparkDLConfig) -> TaskSnapshots:
     """The driver's snapshots of ``store`` in ``checkpoint_dir``: one about every
-    ``checkpoint_every`` steps of each worker (each pushes every ``push_every`` steps, an
+    ``checkpoint_every`` steps of each worker (each pushes every ``push_interval`` steps, an
     update each), else only when the fit ends."""
-    reliability = config.reliability
-    every = reliability.checkpoint_every * config.training.num_workers // config.parameter_server.push_every
+    reliability, pushes = config.reliability, config.parameter_server.push_interval
+    every = reliability.checkpoint_every * config.training.num_workers // pushes
     return TaskSnapshots(store, reliability.checkpoint_dir, reliability.storage_options, max(every, 0))
 
 

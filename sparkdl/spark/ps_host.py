@@ -76,13 +76,14 @@ def start_parameter_server(
 
 
 def _steps_per_version(config: SparkDLConfig) -> float:
-    """Global steps one server version stands for: one in sync and ssp (a version is a
-    clock every worker pushed); in async each push is a version, and a worker pushes every
-    ``push_every`` of its steps, so N workers make N versions per push_every steps."""
+    """Global steps one server version stands for: one in a barrier stage's sync and ssp (a
+    version is a clock every worker pushed); where each push is a version (async, and every
+    mode of independent tasks) a worker pushes every ``push_interval`` of its steps, so N
+    workers make N versions per push_interval steps."""
     settings = config.parameter_server
-    if settings.ps_mode is not PsMode.ASYNC:
+    if settings.ps_mode is not PsMode.ASYNC and settings.ps_barrier:
         return 1.0
-    return settings.push_every / config.training.num_workers
+    return settings.push_interval / config.training.num_workers
 
 
 def _shared_memory_bytes(config: SparkDLConfig) -> int:

@@ -92,32 +92,38 @@ def ssp_store(workers: int = 3, staleness: int = 1) -> ShardStore:
 
 def test_ssp_tasks_wait_only_for_the_slowest_live_partition_and_a_newcomer_holds_nobody_back():
     """Stale-synchronous over independent tasks: each push is applied on arrival; a pull waits
-    while its partition is more than ``staleness`` pushes ahead of the slowest partition whose
-    task is connected. A task that ended (failed, finished) holds nobody back, and one that
-    (re)joins starts at the slowest live clock."""
+    while its partition is more than ``staleness`` pushes ahead of the slowest live partition.
+    A task is live from its first push until it ends: one that ended (failed, finished) or has
+    not pushed yet (starting, skipping its predecessor's rows) holds nobody back, and it joins
+    at the slowest live clock."""
     s = ssp_store(workers=3, staleness=1)
     s.begin_task(0, 10)
     s.begin_task(1, 11)  # partition 2's task has not started: it counts for nothing
-    for clock in range(2):
-        s.push(0, 10, clock, 4, torch.ones(4) * 4)
-    assert s.version == 2 and s.task_clocks == [2, 0, 0]  # applied as they came
+    assert s.try_pull(0, 0) is not None  # nobody has pushed: nobody is waited for
+    s.push(1, 11, 0, 4, torch.ones(4) * 4)  # partition 1 joins: clock 1
+    s.push(0, 10, 0, 4, torch.ones(4) * 4)  # partition 0 joins at the slowest live clock (1): 2
+    s.push(0, 10, 1, 4, torch.ones(4) * 4)
+    assert s.version == 3 and s.task_clocks == [3, 1, 0]  # applied as they came
     assert s.try_pull(0, 0) is None  # 2 ahead of partition 1, the slowest live one
     assert s.try_pull(1, 0) is not None  # the slowest never waits
     s.push(1, 11, 2, 4, torch.ones(4) * 4)
     assert s.try_pull(0, 0) is not None  # within 1 of partition 1 now
     s.push(0, 10, 3, 4, torch.ones(4) * 4)
     assert s.try_pull(0, 0) is None
-    with pytest.raises(PsTimeoutError, match=r"partition 0.*clock 3.*partition\(s\) \[1\] \(clocks \[1\]\)"):
+    with pytest.raises(PsTimeoutError, match=r"partition 0.*clock 4.*partition\(s\) \[1\] \(clocks \[2\]\)"):
         s.pull(0, 0, timeout_s=0.05)
     s.end_task(1, 99)  # a fenced or unknown task's end changes nothing
     assert s.try_pull(0, 0) is None
     s.end_task(1, 11)  # partition 1's task failed: partition 0 goes on alone
     assert s.try_pull(0, 0) is not None
     s.push(0, 10, 4, 4, torch.ones(4) * 4)
-    s.begin_task(1, 12)  # its retry joins at the slowest live clock (partition 0's 4), not its own 1
-    s.begin_task(2, 13)  # and a task started late the same
-    assert s.task_clocks == [4, 4, 4] and s.try_pull(0, 0) is not None
-    assert s.rows_applied == [16, 4, 0]  # rows stay the partition's own: a retry skips what was applied
+    s.begin_task(1, 12)  # its retry, still starting, holds nobody back
+    s.begin_task(2, 13)  # nor does a task started late
+    assert s.try_pull(0, 0) is not None
+    s.push(1, 12, 5, 4, torch.ones(4) * 4)  # each joins at the slowest live clock (partition 0's 5)
+    s.push(2, 13, 6, 4, torch.ones(4) * 4)
+    assert s.task_clocks == [5, 6, 6] and s.try_pull(0, 0) is not None
+    assert s.rows_applied == [16, 12, 4]  # rows stay the partition's own: a retry skips what was applied
 
 
 def test_a_pull_waiting_at_the_bound_is_answered_when_the_slow_tasks_connection_closes():
@@ -131,6 +137,7 @@ def test_a_pull_waiting_at_the_bound_is_answered_when_the_slow_tasks_connection_
         base = server.endpoint(((0,),))
         fast = PsClient(dataclassed(base, partition=0, task_attempt=1), 0, 1)
         slow = PsClient(dataclassed(base, partition=1, task_attempt=2), 1, 2)
+        slow.push(0, 4, [torch.ones(4) * 4])  # live from its first push
         fast.push(0, 4, [torch.ones(4) * 4])
         answered = []
         waiting = threading.Thread(target=lambda: answered.append(fast.pull(1)))
@@ -141,7 +148,7 @@ def test_a_pull_waiting_at_the_bound_is_answered_when_the_slow_tasks_connection_
         slow.close()
         waiting.join(10)
         assert answered and time.monotonic() - started < 5  # not the 30 s timeout
-        assert store.task_clocks == [1, 0]
+        assert store.task_clocks == [2, 1]
         fast.close()
     finally:
         server.stop()
@@ -241,6 +248,14 @@ def test_a_newer_task_is_believed_only_when_spark_runs_it_for_that_partition():
         assert asked == [(1, 7), (1, 1 << 31), (1, 8), (1, 9)]  # asked once per newer task, never per push
         task.close()
         retry.close()
+        # the current task's id claimed again once it has no connection (it ended): asked too
+        deadline = time.monotonic() + 5
+        while server.task_silence() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running.discard((1, 9))
+        with pytest.raises(ParameterServerError, match="claims task 9 of partition 1"):
+            PsClient(dataclassed(base, partition=1, task_attempt=9), 1, 9)
+        assert asked[-1] == (1, 9)
     finally:
         server.stop()
 
@@ -327,3 +342,19 @@ def test_an_independent_tasks_device_record_names_the_address_it_reaches_the_dri
     for addresses in interface_addresses().values():
         for address in addresses:  # the driver on one of this machine's own addresses: that one
             assert executor_address(str(address)) == str(address)
+
+
+def test_the_lr_schedule_counts_a_version_per_push_wherever_each_push_is_a_version():
+    """Where every push is an update (async, and independent tasks under ssp too), N workers
+    make N versions per push interval: the schedule's global step is version * interval / N,
+    not the version (which ran warm-up and decay N times too fast under independent ssp)."""
+    from sparkdl.spark.ps_host import _steps_per_version
+
+    def config(**settings):
+        return SparkDLConfig().replace(strategy="parameter_server", num_workers=4, **settings)
+
+    assert _steps_per_version(config(ps_mode="ssp")) == 1.0  # a barrier clock: every worker's push
+    assert _steps_per_version(config(ps_mode="sync")) == 1.0
+    assert _steps_per_version(config(ps_mode="ssp", ps_barrier=False, push_every=3)) == 0.25
+    assert _steps_per_version(config(ps_mode="async", push_every=2)) == 0.5
+    assert _steps_per_version(config(ps_mode="async", ps_barrier=False, push_every=2)) == 0.5

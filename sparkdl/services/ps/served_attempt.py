@@ -105,8 +105,11 @@ class StageAttempts:
             raise PushRejected(
                 f"partition {rank} is not one of the fit's {len(self._seen_attempt)} partitions"
             )
+        # a newer task, or the current one coming back with no connection open (which a holder
+        # of the secret who read its id could claim after it ended), is asked of Spark
         newer = attempt > self._seen_attempt[rank]
-        if newer and self._task_started is not None and not self._task_started(rank, attempt):
+        back = attempt == self._seen_attempt[rank] and not self._open[rank]
+        if (newer or back) and self._task_started is not None and not self._task_started(rank, attempt):
             raise PushRejected(
                 f"a HELLO claims task {attempt} of partition {rank} (current: task "
                 f"{self._seen_attempt[rank]}), but Spark runs no such task of the training stage for "

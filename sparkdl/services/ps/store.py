@@ -47,11 +47,12 @@ per partition (the worker's rank), the task attempt whose pushes it takes (a new
 whose pushes it applied (a retry skips them) and the times of its latest pushes. These are
 bounded by the fit's partitions (``num_workers``) and :data:`PUSH_TIMES_KEPT` each.
 Every push is applied on arrival. Under ``ssp`` each partition also has a clock (its pushes
-applied) and is live while its current task is connected (:meth:`~ShardStore.end_task`: no
-longer); a pull waits while its partition is more than ``staleness`` clocks ahead of the
-slowest *live* other partition. A task that died, finished or has not started holds nobody
-back, and a task that (re)joins starts at the slowest live partition's clock, the server's
-current weights (Ho et al.'s bounded staleness over the workers present).
+applied) and is live from its current task's first push until that task has no connection
+left (:meth:`~ShardStore.end_task`); a pull waits while its partition is more than
+``staleness`` clocks ahead of the slowest *live* other partition. A task that died, finished,
+has not started or has not pushed yet (building its model, skipping its predecessor's rows)
+holds nobody back, and a task joins, at its first push, at the slowest live partition's clock,
+on the server's current weights (Ho et al.'s bounded staleness over the workers present).
 
 Memory: two copies of the weights (the second, the weights before the update being applied)
 and the optimizer state per shard, plus one gradient accumulator per clock in flight (at
@@ -251,12 +252,10 @@ class ShardStore:
                     f"task {attempt} of partition {rank} is older than task {current}, whose "
                     "pushes the server takes now (a zombie or a speculative copy): refused"
                 )
-            self._task_attempts[rank] = attempt
-            if not self._live[rank]:  # (re)joins at the slowest live partition's clock: nobody waits for it
-                own = self.task_clocks[rank]
-                self.task_clocks[rank] = max(own, self._slowest_live(rank, own))
-                self._live[rank] = True
+            if attempt > current:  # not live until its first push: nobody waits while it starts
+                self._live[rank] = False
                 self._cond.notify_all()
+            self._task_attempts[rank] = attempt
             return self.rows_applied[rank]
 
     def end_task(self, rank: int, attempt: int) -> None:
@@ -350,6 +349,10 @@ class ShardStore:
                     raise self._undone(f"rank {rank}'s push based on version {clock}")
                 if self.independent:  # under the lock of the update: counted once it is in the weights
                     self.rows_applied[rank] += max(rows, 0) + max(dropped, 0)
+                    if not self._live[rank]:  # its first push: it joins at the slowest live clock
+                        own = self.task_clocks[rank]
+                        self.task_clocks[rank] = self._slowest_live(rank, own)
+                        self._live[rank] = True
                     self.task_clocks[rank] += 1
                     self.push_times[rank].append(self._clock())
                 self._cond.notify_all()
@@ -453,7 +456,7 @@ class ShardStore:
             return True
         if self.independent:  # ssp over the live partitions: the pull's clock is the server's count
             mine = self.task_clocks[rank]
-            if mine - self._slowest_live(rank, mine) <= self.staleness:
+            if not self._live[rank] or mine - self._slowest_live(rank, mine) <= self.staleness:
                 return True
         elif self.version >= self._needed(clock):
             return True
