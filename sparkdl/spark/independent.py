@@ -146,7 +146,14 @@ def _running_silence(site: Site, server: Any) -> dict[int, float]:
     except Exception as exc:  # py4j: the JVM busy or going away
         log.warning("cannot read the running tasks from Spark's status store: %s", exc)
         return silence
-    return {p: s for p, s in silence.items() if server.current_task(p) in running}
+    watched = {}
+    for partition, seconds in silence.items():
+        task = server.current_task(partition)
+        if task in running:
+            watched[partition] = seconds
+        else:  # its connection may be half-open: under ssp it must not hold the others back
+            server.task_not_running(partition, task)
+    return watched
 
 
 def run_figures(ledger: dict[str, Any]) -> dict[str, Any]:

@@ -185,6 +185,13 @@ class ParameterServer:
         """Independent tasks: the Spark task id whose pushes ``partition``'s are (-1: none yet)."""
         return self._attempts.current_task(partition)
 
+    def task_not_running(self, partition: int, task: int) -> None:
+        """Independent tasks: Spark no longer runs ``task`` of ``partition`` (the driver's
+        watch read its status store), though its connection may look open (a host cut off,
+        until TCP keepalive ends it): under ssp it holds nobody back until it pushes again."""
+        for store in self.stores:
+            store.end_task(partition, task)
+
     def task_silence(self) -> dict[int, float]:
         """Independent tasks: seconds since each partition with an open connection was last
         heard from (the driver's stall watch); empty for barrier workers."""
