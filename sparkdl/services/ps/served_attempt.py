@@ -148,8 +148,13 @@ class StageAttempts:
                 self._open[rank] -= 1
                 self._heard[rank] = time.monotonic()
                 if not self._open[rank]:  # ssp: the partition holds nobody back until it is back
-                    for store in self._stores:
-                        store.end_task(rank, attempt)
+                    self.end_task(rank, attempt)
+
+    def end_task(self, rank: int, attempt: int) -> None:
+        """Independent tasks: task ``attempt`` of partition ``rank`` is over for every shard
+        (:meth:`ShardStore.end_task`: under ssp it holds nobody back until it pushes again)."""
+        for store in self._stores:
+            store.end_task(rank, attempt)
 
     def current_task(self, rank: int) -> int:
         """Independent tasks: the task whose pushes partition ``rank``'s are (-1: none yet)."""

@@ -189,8 +189,7 @@ class ParameterServer:
         """Independent tasks: Spark no longer runs ``task`` of ``partition`` (the driver's
         watch read its status store), though its connection may look open (a host cut off,
         until TCP keepalive ends it): under ssp it holds nobody back until it pushes again."""
-        for store in self.stores:
-            store.end_task(partition, task)
+        self._attempts.end_task(partition, task)
 
     def task_silence(self) -> dict[int, float]:
         """Independent tasks: seconds since each partition with an open connection was last

@@ -48,11 +48,12 @@ whose pushes it applied (a retry skips them) and the times of its latest pushes.
 bounded by the fit's partitions (``num_workers``) and :data:`PUSH_TIMES_KEPT` each.
 Every push is applied on arrival. Under ``ssp`` each partition also has a clock (its pushes
 applied) and is live from its current task's first push until that task has no connection
-left, or the driver finds Spark no longer runs it (:meth:`~ShardStore.end_task`); a pull waits while its partition is more than
-``staleness`` clocks ahead of the slowest *live* other partition. A task that died, finished,
-has not started or has not pushed yet (building its model, skipping its predecessor's rows)
-holds nobody back, and a task joins, at its first push, at the slowest live partition's clock,
-on the server's current weights (Ho et al.'s bounded staleness over the workers present).
+left, or the driver finds Spark no longer runs it (:meth:`~ShardStore.end_task`); a pull
+waits while its partition is more than ``staleness`` clocks ahead of the slowest *live*
+other partition. A task that died, finished, has not started or has not pushed yet
+(building its model, skipping its predecessor's rows) holds nobody back, and a task joins,
+at its first push, at the slowest live partition's clock, on the server's current weights
+(Ho et al.'s bounded staleness over the workers present).
 
 Memory: two copies of the weights (the second, the weights before the update being applied)
 and the optimizer state per shard, plus one gradient accumulator per clock in flight (at
