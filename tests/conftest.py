@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,23 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network at test 
 # the optimizing compiler's work never pays back (on 2 cores: a local-cluster session 17 -> 9 s,
 # a warm fit 4 -> 2.4 s). Test speed only: users' JVMs keep Java's defaults.
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any JVM starts: the class-data-sharing archive of Spark's classes (built once per
+    Java and Spark, :mod:`tests.jvm_archive`) joins every test JVM's options. The xdist
+    processes inherit the controller's environment. ``SPARKDL_TESTS_JVM_ARCHIVE=off``: without it."""
+    if (
+        hasattr(config, "workerinput")
+        or "SharedArchiveFile" in os.environ["JDK_JAVA_OPTIONS"]
+        or os.environ.get("SPARKDL_TESTS_JVM_ARCHIVE") == "off"
+    ):
+        return
+    from tests.jvm_archive import USE, ensure
+
+    archive = ensure(Path(str(config.cache.mkdir("jvm-archive"))) if config.cache else Path(".jvm-archive"))
+    if archive is not None:
+        os.environ["JDK_JAVA_OPTIONS"] += " " + USE.format(path=archive)
 
 
 @pytest.fixture(scope="session")
