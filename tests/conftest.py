@@ -25,19 +25,21 @@ os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSeria
 
 def pytest_configure(config: pytest.Config) -> None:
     """Before any JVM starts: the class-data-sharing archive of Spark's classes (built once per
-    Java and Spark, :mod:`tests.jvm_archive`) joins every test JVM's options. The xdist
-    processes inherit the controller's environment. ``SPARKDL_TESTS_JVM_ARCHIVE=off``: without it."""
+    Java and Spark, in the background, :mod:`tests.jvm_archive`) joins every test JVM's
+    options. The xdist processes inherit the controller's environment.
+    ``SPARKDL_TESTS_JVM_ARCHIVE=off``: without it."""
     if (
         hasattr(config, "workerinput")
         or "SharedArchiveFile" in os.environ["JDK_JAVA_OPTIONS"]
         or os.environ.get("SPARKDL_TESTS_JVM_ARCHIVE") == "off"
     ):
         return
-    from tests.jvm_archive import USE, ensure
+    from tests.jvm_archive import USE, Builder
 
-    archive = ensure(Path(str(config.cache.mkdir("jvm-archive"))) if config.cache else Path(".jvm-archive"))
-    if archive is not None:
-        os.environ["JDK_JAVA_OPTIONS"] += " " + USE.format(path=archive)
+    builder = Builder(Path(str(config.cache.mkdir("jvm-archive"))) if config.cache else Path(".jvm-archive"))
+    config.add_cleanup(builder.stop)
+    if builder.path is not None:
+        os.environ["JDK_JAVA_OPTIONS"] += " " + USE.format(path=builder.path)
 
 
 @pytest.fixture(scope="session")

@@ -7,21 +7,25 @@ sharing (JEP 350) records them once, parsed and verified, in an archive that lat
 read-only: on 2 cores a local session's start falls from 14.2 to 9.5 CPU seconds and a
 two-executor local-cluster's from 31 to 21.5.
 
-:func:`ensure` builds the archive once per Java build, PySpark version and jar set (a
+:class:`Builder` builds the archive once per Java build, PySpark version and jar set (a
 driver running :func:`_workload`, a small fit, transform and save, with
-``-XX:ArchiveClassesAtExit``) and keeps it in pytest's cache directory; the conftest adds it
-to ``JDK_JAVA_OPTIONS``. A JVM whose class path does not match the archive's (the launcher's
-own small JVM) starts as before: ``-Xlog:cds*=off`` keeps its warning off stdout. Test speed
-only: users' JVMs keep Java's defaults.
+``-XX:ArchiveClassesAtExit``), in the background while the first tests run, and keeps it in
+pytest's cache directory; the conftest names it in ``JDK_JAVA_OPTIONS`` from the start, and
+a JVM started before it is in place (or where none could be built), or whose class path
+does not match the archive's (the launcher's own small JVM), starts as before:
+``-Xlog:cds*=off`` keeps the warning off stdout. Test speed only: users' JVMs keep Java's
+defaults.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 #: What a JVM needs to map the archive, and to stay quiet where it cannot.
@@ -43,40 +47,60 @@ def _key() -> str:
     return digest.hexdigest()[:16]
 
 
-def ensure(cache_dir: Path) -> Path | None:
-    """The archive for this machine's Java and Spark, built if missing; ``None`` where this
-    Java cannot build one (the suite then runs without it)."""
-    try:
-        path = cache_dir / f"spark-{_key()}.jsa"
-    except (OSError, subprocess.SubprocessError) as e:
-        _say(f"cannot read the Java version ({e})")
-        return None
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    for stale in cache_dir.glob("spark-*.jsa"):
-        stale.unlink(missing_ok=True)
-    fd, partial = tempfile.mkstemp(dir=cache_dir, prefix=".dump-", suffix=".jsa")
-    os.close(fd)
-    os.unlink(partial)  # the JVM writes it at exit
-    try:
-        done = subprocess.run(
+class Builder:
+    """The archive for this machine's Java and Spark: its path at once, built in the
+    background where missing (a JVM started before it is in place runs without it, as
+    where none can be built; the archive appears whole, renamed into place)."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.path: Path | None = None
+        self._dump: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+        try:
+            self.path = cache_dir / f"spark-{_key()}.jsa"
+        except (OSError, subprocess.SubprocessError) as e:
+            _say(f"cannot read the Java version ({e})")
+            return
+        if self.path.exists():
+            return
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for stale in cache_dir.glob("spark-*.jsa"):
+            stale.unlink(missing_ok=True)
+        fd, partial = tempfile.mkstemp(dir=cache_dir, prefix=".dump-", suffix=".jsa")
+        os.close(fd)
+        os.unlink(partial)  # the JVM writes it at exit
+        self._dump = subprocess.Popen(
             [sys.executable, "-m", "tests.jvm_archive", partial],
             cwd=Path(__file__).parent.parent,
-            capture_output=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=DUMP_TIMEOUT_S,
+            start_new_session=True,
         )
-        if done.returncode != 0 or not Path(partial).exists():
-            _say(f"the dump run failed (rc {done.returncode}): {done.stderr[-2000:]}")
-            return None
-        os.replace(partial, path)
-    except subprocess.TimeoutExpired:
-        _say(f"the dump run took over {DUMP_TIMEOUT_S:.0f} s")
-        return None
-    finally:
-        Path(partial).unlink(missing_ok=True)
-    return path
+        self._thread = threading.Thread(target=self._finish, args=(Path(partial),), daemon=True)
+        self._thread.start()
+
+    def _finish(self, partial: Path) -> None:
+        assert self._dump is not None and self.path is not None
+        try:
+            _, errors = self._dump.communicate(timeout=DUMP_TIMEOUT_S)
+            if self._dump.returncode == 0 and partial.exists():
+                os.replace(partial, self.path)
+            elif self._dump.returncode > 0:  # not stopped by stop()
+                _say(f"the dump run failed (rc {self._dump.returncode}): {errors[-2000:]}")
+        except subprocess.TimeoutExpired:
+            _say(f"the dump run took over {DUMP_TIMEOUT_S:.0f} s")
+            os.killpg(self._dump.pid, signal.SIGKILL)
+            self._dump.wait(10)
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """The session ends: a dump still running (a short run) is stopped, its file removed."""
+        if self._dump is not None and self._dump.poll() is None:
+            os.killpg(self._dump.pid, signal.SIGTERM)
+        if self._thread is not None:
+            self._thread.join(30)
 
 
 def _say(why: str) -> None:
