@@ -14,6 +14,12 @@ flight): the caller waits only for ``torch.save`` into memory, and the next save
 and :meth:`CheckpointStore.close` wait for the upload before them (bounded by
 ``upload_timeout_s``) and raise its failure.
 
+A strategy whose parameters are sharded over the ranks (fsdp, tensor parallelism) has each
+rank write its own shards into the folder ``<name>-<step>.shards`` (:mod:`sparkdl.storage.
+sharded`) before rank 0 writes the checkpoint file, which then holds the rest (where training
+stands) and names that folder: the file, or its manifest, still makes the checkpoint
+visible, and pruning removes the folder with it.
+
 Rank 0 also keeps a tiny ``progress`` file with the last step it finished and when, so a
 resumed run can report how many steps it redid and how long recovery took. Locally it is
 rewritten in place every step; on an object store (one PUT per write) at most every
@@ -27,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -144,10 +151,11 @@ class CheckpointStore:
         upload_timeout_s: float = 600.0,
     ) -> None:
         self.name = name
-        self._pattern = re.compile(rf"^{re.escape(name)}-(\d{{9}})\.(pt|json)$")
+        self._pattern = re.compile(rf"^{re.escape(name)}-(\d{{9}})\.(pt|json|shards)$")
         self._progress_fd: int | None = None
         self._progress_written = (0, 0.0)  # (step, wall time) last written to an object store
         self._progress: Progress | None = None
+        self.options: dict[str, str] = {}  # the object store's (the shards' writers open it too)
         local = local_path(directory)
         self._remote: Location | None = None
         if local is not None:
@@ -155,6 +163,7 @@ class CheckpointStore:
             local.mkdir(parents=True, exist_ok=True)
         else:
             given = options if options is not None else getattr(directory, "storage_options", {})
+            self.options = dict(given)
             remote = open_url(str(directory), given, "reliability.checkpoint_dir")
             self.directory, self._remote = str(directory).rstrip("/"), remote
             try:
@@ -167,10 +176,41 @@ class CheckpointStore:
     def _file(self, global_step: int, kind: str = "pt") -> str:
         return f"{self.name}-{global_step:09d}.{kind}"
 
-    def path_for(self, global_step: int) -> Path | str:
+    def path_for(self, global_step: int, kind: str = "pt") -> Path | str:
         if isinstance(self.directory, Path):
-            return self.directory / self._file(global_step)
-        return f"{self.directory}/{self._file(global_step)}"
+            return self.directory / self._file(global_step, kind)
+        return f"{self.directory}/{self._file(global_step, kind)}"
+
+    def shards_for(self, global_step: int) -> Path | str:
+        """The folder the ranks write their shards of ``global_step``'s checkpoint into."""
+        return self.path_for(global_step, "shards")
+
+    def retract(self, global_step: int) -> None:
+        """Rank 0, before the ranks write the shards of ``global_step`` (a resumed run redoing
+        it): its checkpoint stops being visible first, then its old shards go."""
+        self._uploads.wait()
+        if self._remote is None:
+            Path(self.path_for(global_step)).unlink(missing_ok=True)
+            shutil.rmtree(self.shards_for(global_step), ignore_errors=True)
+            return
+        fs = self._remote.fs
+        try:
+            for name in (self._file(global_step, "json"), self._file(global_step)):
+                if fs.exists(self._remote.child(name)):
+                    fs.rm_file(self._remote.child(name))
+            self._remove_shards(global_step)
+        except Exception as exc:
+            raise access_error(
+                self._remote, f"remove the old checkpoint of step {global_step} from", exc
+            ) from exc
+
+    def _remove_shards(self, global_step: int) -> None:
+        if self._remote is None:
+            shutil.rmtree(self.shards_for(global_step), ignore_errors=True)
+            return
+        folder = self._remote.child(self._file(global_step, "shards"))
+        if self._remote.fs.exists(folder):
+            self._remote.fs.rm(folder, recursive=True)
 
     def save(self, global_step: int, state: dict[str, Any]) -> Path | str:
         """Write ``state`` as the checkpoint of ``global_step`` (on an object store, in the
@@ -194,8 +234,12 @@ class CheckpointStore:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"could not write checkpoint {final}: {exc}; check checkpoint_dir") from exc
-        for old in self.steps()[:-KEEP]:
-            Path(self.path_for(old)).unlink(missing_ok=True)
+        kept = self.steps()
+        for old in kept[:-KEEP]:
+            final.with_name(self._file(old)).unlink(missing_ok=True)
+            self._remove_shards(old)
+        for orphan in self._unlisted(below=min(kept[-KEEP:], default=global_step)):
+            self._remove_shards(orphan)
         return final
 
     def _upload(self, global_step: int, buffer: io.BytesIO) -> None:
@@ -221,8 +265,11 @@ class CheckpointStore:
             for old in kept[:-KEEP]:
                 fs.rm_file(remote.child(self._file(old, "json")))
                 fs.rm_file(remote.child(self._file(old)))
+                self._remove_shards(old)
             for orphan in self._unlisted(below=min(kept[-KEEP:], default=global_step)):
-                fs.rm_file(remote.child(self._file(orphan)))
+                if fs.exists(remote.child(self._file(orphan))):
+                    fs.rm_file(remote.child(self._file(orphan)))
+                self._remove_shards(orphan)
         except Exception as exc:
             raise access_error(remote, f"write the checkpoint of step {global_step} to", exc) from exc
         self._write_progress_quietly()
@@ -246,18 +293,26 @@ class CheckpointStore:
         return sorted(int(m.group(1)) for m in found if m and m.group(2) == wanted)
 
     def _unlisted(self, below: int) -> list[int]:
-        """Object store: the steps under ``below`` whose file has no manifest."""
-        assert self._remote is not None
-        names = [
-            entry.rstrip("/").rsplit("/", 1)[-1]
-            for entry in self._remote.fs.ls(self._remote.path, detail=False)
-        ]
+        """The steps under ``below`` with a file (object store) or shards but no checkpoint:
+        a writer died between the parts and the file, or the file and its manifest."""
+        if self._remote is None:
+            assert isinstance(self.directory, Path)
+            names = [p.name for p in self.directory.iterdir()]
+            listed_kind = "pt"
+        else:
+            names = [
+                entry.rstrip("/").rsplit("/", 1)[-1]
+                for entry in self._remote.fs.ls(self._remote.path, detail=False)
+            ]
+            listed_kind = "json"
         found = [m for m in (self._pattern.match(name) for name in names) if m]
-        listed = {int(m.group(1)) for m in found if m.group(2) == "json"}
+        listed = {int(m.group(1)) for m in found if m.group(2) == listed_kind}
         return sorted(
-            int(m.group(1))
-            for m in found
-            if m.group(2) == "pt" and int(m.group(1)) not in listed and int(m.group(1)) < below
+            {
+                int(m.group(1))
+                for m in found
+                if m.group(2) != listed_kind and int(m.group(1)) not in listed and int(m.group(1)) < below
+            }
         )
 
     def latest(self) -> int | None:

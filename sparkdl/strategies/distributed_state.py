@@ -1,13 +1,16 @@
-"""The whole model's state for strategies whose parameters are DTensors spread over the
-ranks (fsdp's shards, tensor parallelism's split layers), through PyTorch's
-``torch.distributed.checkpoint.state_dict``: gathered to rank 0 for checkpoints and the
-final weights, in the format every other strategy writes (``module.state_dict()``, and
-``optimizer.state_dict()`` numbering the parameters in order), so a checkpoint moves
-between strategies and worker counts; and spread back from a full state.
+"""The state of strategies whose parameters are DTensors spread over the ranks (fsdp's
+shards, tensor parallelism's split layers), through PyTorch's
+``torch.distributed.checkpoint``: each rank's own parts for checkpoints, written and read
+back by the ranks that hold them (:mod:`sparkdl.storage.sharded`, resharded where the
+layout changed); the whole state gathered to rank 0 for the final weights and early
+stopping, in the format every other strategy writes (``module.state_dict()``, and
+``optimizer.state_dict()`` numbering the parameters in order); and spread back from a
+whole state (another strategy's checkpoint).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -20,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from sparkdl.storage import sharded
 from sparkdl.training.optimizer_state import indexed_to_named, named_to_indexed, parameter_names
 from sparkdl.training.strategy import SyncStrategy
 
@@ -31,6 +35,26 @@ FULL = StateDictOptions(full_state_dict=True)
 class DistributedState(SyncStrategy):
     """A strategy whose module holds DTensors: its whole state is a collective to read and
     to write (every rank calls these at the same point)."""
+
+    writes_shards = True
+
+    def sharded_state(self) -> dict[str, Any]:
+        return own_parts(self.ctx.module, self.ctx.optimizer)
+
+    @classmethod
+    def load_shards(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        location: Path | str,
+        options: dict[str, str],
+    ) -> None:
+        """Every rank: the parts of the checkpoint shards in ``location`` this rank holds
+        (written by any number of ranks), into ``module`` and ``optimizer``."""
+        state = own_parts(module, optimizer)
+        sharded.load_into(state, location, options)
+        set_model_state_dict(module, state["model"])
+        set_optimizer_state_dict(module, optimizer, state["optimizer"])
 
     @classmethod
     def load_full_state(
@@ -67,6 +91,12 @@ class DistributedState(SyncStrategy):
     def load_state_from_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's full state, broadcast and spread into every rank's part (a collective)."""
         set_model_state_dict(self.ctx.module, cast(dict[str, Any], state), options=FROM_RANK0)
+
+
+def own_parts(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's parts of the model and optimizer state, keyed by parameter name (no
+    collective, no copy: the model's entries are its parameters)."""
+    return {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
 
 
 def load_whole_model(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -1,10 +1,13 @@
-"""What a checkpoint holds, when rank 0 writes one, and how a worker resumes from it.
+"""What a checkpoint holds, when it is written, and how a worker resumes from it.
 
-A checkpoint is always the full (unsharded) model and optimizer state, in the format of
+A checkpoint holds the whole model and optimizer state, in the format of
 ``module.state_dict()`` and ``optimizer.state_dict()``, whatever the strategy: the
-strategy hands it over (:meth:`SyncStrategy.full_state_dict`), gathering shards where it
-holds them, and loads it back (:meth:`SyncStrategy.load_full_state`). Every rank passes
-the checkpoint steps, because a gather is a collective; only rank 0 writes.
+strategy hands it over (:meth:`SyncStrategy.full_state_dict`) and loads it back
+(:meth:`SyncStrategy.load_full_state`); rank 0 writes it. A strategy whose parameters are
+sharded over the ranks (:attr:`SyncStrategy.writes_shards`: fsdp, tensor parallelism)
+gathers nothing: each rank writes its own shards (:mod:`sparkdl.storage.sharded`), then
+rank 0 the checkpoint file naming them. Any strategy and number of ranks resumes from
+either kind. Every rank passes the checkpoint steps: the writes are collectives.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from sparkdl.storage import sharded
 from sparkdl.storage.checkpoint_store import CheckpointStore
+from sparkdl.training.optimizer_state import named_to_indexed, parameter_names
 
 if TYPE_CHECKING:
     from sparkdl.training.strategy import SyncStrategy
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: ``(module, optimizer, model state, optimizer state)``: puts a full checkpoint in place.
 StateLoader = Callable[[nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], dict[str, Any]], None]
+#: ``(module, optimizer, shards' folder, storage options)``: every rank reads its own parts.
+ShardLoader = Callable[[nn.Module, torch.optim.Optimizer, "Path | str", dict[str, str]], None]
 
 
 @dataclass(frozen=True)
@@ -98,13 +106,25 @@ class Checkpointer:
             self._save(position)
 
     def _save(self, position: Position) -> None:
-        """Every rank: the strategy's full state (a gather where sharded); rank 0 writes it."""
-        model = self.strategy.full_state_dict()
-        optimizer = self.strategy.full_optimizer_state_dict()
+        """Every rank: the strategy's full state (a gather), or each rank's shards written
+        by it; then rank 0 writes the checkpoint."""
+        step = position.global_steps_done
+        shards: dict[str, str] = {}
+        if self.strategy.writes_shards:
+            if self.rank == 0:
+                self.store.retract(step)  # before any rank writes: the shard writes wait for rank 0
+            location = self.store.shards_for(step)
+            sharded.save(self.strategy.sharded_state(), location, self.store.options)
+            model, optimizer = {}, {}
+            shards = {"shards": str(location).rstrip("/").rsplit("/", 1)[-1]}
+        else:
+            model = self.strategy.full_state_dict()
+            optimizer = self.strategy.full_optimizer_state_dict()
         if self.rank != 0:
             return
-        extra = self.strategy.checkpoint_state(position.global_steps_done)
+        extra = self.strategy.checkpoint_state(step)
         state = {
+            **shards,
             "strategy": extra,
             "format": 1,
             "model": model,
@@ -115,7 +135,7 @@ class Checkpointer:
             "world_size": self.strategy.ctx.world_size,
             "history": json.dumps(self.history),
         }
-        self.store.save(position.global_steps_done, state)
+        self.store.save(step, state)
         self.written += 1
 
 
@@ -154,21 +174,31 @@ def restore(
     optimizer: torch.optim.Optimizer,
     load: StateLoader | None = None,
     world_size: int | None = None,
+    load_shards: ShardLoader | None = None,
 ) -> Resume:
     """Load checkpoint ``global_steps_done`` into the module and optimizer (every rank),
     with ``load`` (the strategy's :meth:`~SyncStrategy.load_full_state`; by default
-    ``load_state_dict`` on both). A checkpoint written by another number of workers
+    ``load_state_dict`` on both). A checkpoint of shards is read by ``load_shards`` (a
+    sharded strategy's: each rank reads the parts it holds, resharded), else assembled
+    whole here first. A checkpoint written by another number of workers
     (``world_size``: this run's) resumes its epoch from its first step: the data is split
     anew, so the rows its first steps trained are not the new split's first rows (some
     rows of that epoch train twice, none is left out)."""
     started = time.time()
     state = store.load(global_steps_done)
     kernels = kernel_choice(optimizer)
-    if load is None:
-        module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    if "shards" in state and load_shards is not None:
+        load_shards(module, optimizer, store.shards_for(global_steps_done), store.options)
     else:
-        load(module, optimizer, state["model"], state["optimizer"])
+        if "shards" in state:  # a sharded run's, into a strategy without shards: assembled whole
+            whole = sharded.load_whole(store.shards_for(global_steps_done), store.options)
+            state["model"] = whole["model"]
+            state["optimizer"] = named_to_indexed(whole["optimizer"], parameter_names(module, optimizer))
+        if load is None:
+            module.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            load(module, optimizer, state["model"], state["optimizer"])
     keep_kernel_choice(optimizer, kernels)
     position = Position(int(state["epoch"]), int(state["epoch_steps_done"]), int(state["global_steps_done"]))
     saved_world = state.get("world_size")
@@ -180,3 +210,14 @@ def restore(
     since = progress.wall_time if progress else started
     log.info("rank %d resumed from step %d (%d steps to redo)", rank, position.global_steps_done, redone)
     return Resume(position, list(history), redone, since, time.time(), dict(state.get("strategy", {})))
+
+
+def whole_checkpoint(store: CheckpointStore, global_step: int) -> dict[str, Any]:
+    """Checkpoint ``global_step`` with its whole model state under ``"model"``, assembled in
+    this process where ranks wrote their shards (the optimizer's then keyed by parameter
+    name): to inspect a run's checkpoint, or to take its weights elsewhere."""
+    state = store.load(global_step)
+    if "shards" in state:
+        whole = sharded.load_whole(store.shards_for(global_step), store.options)
+        state["model"], state["optimizer"] = whole["model"], whole["optimizer"]
+    return state

@@ -18,6 +18,7 @@ import abc
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -136,6 +137,9 @@ class SyncStrategy(abc.ABC):
     #: Whether :meth:`prepare_module` replaces the module's parameters with new ones (their
     #: shards): an optimizer built before over the old ones must be pointed at the new.
     shards_parameters: ClassVar[bool] = False
+    #: Whether each rank writes its own shards of a checkpoint (:meth:`sharded_state`),
+    #: instead of the whole state gathered to rank 0 (:meth:`full_state_dict`).
+    writes_shards: ClassVar[bool] = False
     #: Whether a fit may go on with fewer workers from its checkpoint (``min_workers``).
     resizes: ClassVar[bool] = True
     #: Whether the driver hosts the model and runs its optimizer (a server that fit, the own
@@ -277,6 +281,18 @@ class SyncStrategy(abc.ABC):
         module.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
 
+    @classmethod
+    def load_shards(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        location: Path | str,
+        options: dict[str, str],
+    ) -> None:
+        """Where :attr:`writes_shards`: every rank reads its own parts of the checkpoint
+        shards in ``location`` (written by any number of ranks)."""
+        raise NotImplementedError(f"{cls.__name__} reads whole checkpoints (load_full_state)")
+
     @property
     def model(self) -> nn.Module:
         """The module forward and backward run on (may wrap ``ctx.module``)."""
@@ -289,6 +305,12 @@ class SyncStrategy(abc.ABC):
         collective (the shards are gathered to rank 0). What checkpoints, early stopping
         and the final weights carry."""
         return cpu_state_dict(self.ctx.module) if self.ctx.rank == 0 else {}
+
+    def sharded_state(self) -> dict[str, Any]:
+        """Where :attr:`writes_shards`: this rank's parts of the model and optimizer state,
+        keyed by parameter name (``torch.distributed.checkpoint``'s layout), for every rank
+        to write its own."""
+        raise NotImplementedError(f"{type(self).__name__} checkpoints the whole state (full_state_dict)")
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's whole state on rank 0 (in the format of

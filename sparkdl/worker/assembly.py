@@ -314,7 +314,8 @@ def _resume(
     if step is None:
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return restore(store, step, rank, module, optimizer, kind.load_full_state, world)
+    shards = kind.load_shards if kind.writes_shards else None
+    return restore(store, step, rank, module, optimizer, kind.load_full_state, world, shards)
 
 
 def chosen_checkpoint(store: CheckpointStore, rank: int, control: dist.ProcessGroup | None) -> int | None:

@@ -114,3 +114,55 @@ def test_a_checkpoint_of_another_world_resumes_its_epoch_from_the_first_step(
     resumed = restore(store, 20, 0, model, optimizer, world_size=world)
     assert (resumed.position.epoch, resumed.position.epoch_steps_done) == (2, skip)
     assert resumed.position.global_steps_done == 20
+
+
+class _RunsCode:
+    """Pickles to a call of ``exec``: what a writer of the checkpoint folder could plant."""
+
+    def __reduce__(self):
+        return (exec, ("import os; os._exit(3)",))
+
+
+def _shards(store, step, extra=None):
+    """A one-process shards folder of ``step`` (a model and an optimizer's hyperparameters),
+    and its checkpoint file naming it, as the ranks and rank 0 write them."""
+    from sparkdl.storage import sharded
+
+    parts = {"model": {"w": torch.arange(6.0)}, "optimizer": {"param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    if extra is not None:
+        parts["optimizer"]["param_groups"][0]["evil"] = extra
+    sharded.save(parts, store.shards_for(step))
+    store.save(step, {**state(step), "model": {}, "shards": store.shards_for(step).name})
+
+
+def test_shards_assemble_whole_and_folders_carrying_pickled_code_are_refused(tmp_path):
+    from sparkdl.training.checkpointing import whole_checkpoint
+
+    store = CheckpointStore(str(tmp_path))
+    _shards(store, 4)
+    whole = whole_checkpoint(store, 4)
+    assert whole["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert whole["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    # a non-tensor entry carrying code: DCP itself would run it (torch.load, weights_only=False)
+    _shards(store, 8, extra=_RunsCode())
+    with pytest.raises(CheckpointError, match=r"refused the checkpoint shards in .*000000008\.shards"):
+        whole_checkpoint(store, 8)
+    # the metadata replaced by a pickle that runs code: DCP reads it with plain pickle.load
+    (store.shards_for(4) / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError, match=r"exec is not part of a checkpoint's metadata"):
+        whole_checkpoint(store, 4)
+
+
+def test_shards_go_with_their_checkpoint_and_orphaned_ones_are_pruned(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    _shards(store, 2)
+    store.shards_for(3).mkdir()  # the ranks wrote step 3's shards; rank 0 died before its file
+    for step in (4, 6):
+        _shards(store, step)
+    assert store.steps() == [4, 6]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-000000004.pt", "checkpoint-000000004.shards",
+        "checkpoint-000000006.pt", "checkpoint-000000006.shards",
+    ]  # fmt: skip
+    store.retract(6)  # a resumed run about to write step 6 again: unlisted first, then its shards gone
+    assert store.steps() == [4] and not store.shards_for(6).exists()

@@ -2,8 +2,8 @@
 
 Spawned processes run ``run_worker`` as barrier tasks do (the helpers of
 test_worker_gloo). The trained weights are rank 0's result (the shards gathered by
-``full_state_dict``), checked against the run's last checkpoint: the gathered (full)
-state that rank 0 writes at every epoch end.
+``full_state_dict``), checked against the run's last checkpoint: the shards each rank
+writes at every epoch end, assembled whole.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.data.columns import LabelKind
@@ -25,10 +26,13 @@ from sparkdl.data.decoding import decode_block
 from sparkdl.data.inputs import plan_data
 from sparkdl.data.tensors import to_batch
 from sparkdl.errors import ConfigError
+from sparkdl.storage import sharded
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.strategies import check_settings
 from sparkdl.strategies.fsdp import shard_units
+from sparkdl.training.checkpointing import whole_checkpoint
 from sparkdl.worker.assembly import Placement, TrainSpec, run_worker
+from tests import object_store
 from tests.reference import (
     TinyNet,
     make_shards,
@@ -40,6 +44,8 @@ from tests.reference import (
 )
 from tests.unit.test_worker_gloo import LR, MOMENTUM, _sgd, file_all_gather, run_workers
 from tests.workers import worker_context
+
+s3_server = object_store.s3_server  # the fixture
 
 pytestmark = pytest.mark.slow
 
@@ -151,10 +157,11 @@ def train(
     return state, results
 
 
-def last_checkpoint(directory: Path):
-    store = CheckpointStore(str(directory))
+def last_checkpoint(directory: Path | str, options=None):
+    """The newest checkpoint, its model whole (assembled from the ranks' shards)."""
+    store = CheckpointStore(str(directory), options=options)
     try:
-        return store.load(store.latest())
+        return whole_checkpoint(store, store.latest())
     finally:
         store.close()
 
@@ -287,15 +294,19 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_once(tmp_path):
     assert all(e.agreed_by_all_ranks for e in errors.values())
 
 
-def test_fsdp_resumes_from_its_gathered_checkpoint_to_the_same_weights(tmp_path):
+def _resumed_after_a_fault(tmp_path: Path, checkpoint_dir: str, options=None):
+    """fsdp on two ranks with Adam, rank 1 failing at step 11 (after the checkpoint of step
+    10), run again from ``checkpoint_dir``; the settings and shards."""
     shards = make_shards([50, 21])
-    settings = {"batch_size": 8, "epochs": 2, "shuffle": True, "checkpoint_every": 2}
+    settings = {"batch_size": 8, "epochs": 2, "shuffle": True}
     marker = tmp_path / "drill"
     config = SparkDLConfig().replace(
         num_workers=2,
         collective_timeout_s=10.0,
         strategy="fsdp",
-        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=2,
+        storage_options=options or {},
         fault_injection=f"raise:1:11:{marker}",  # epoch 2, after the checkpoint of step 10
         **settings,
     )
@@ -304,12 +315,45 @@ def test_fsdp_resumes_from_its_gathered_checkpoint_to_the_same_weights(tmp_path)
     parts = [[shard_to_batch(x, y)] for x, y in shards]
     failed = spawn(parts, spec, tmp_path)
     assert "fault drill: rank 1 raised at step 11" in str(failed[1][1])
-    assert CheckpointStore(str(tmp_path / "ckpt")).latest() == 10
+    assert CheckpointStore(checkpoint_dir, options=options).latest() == 10
+    written = CheckpointStore(checkpoint_dir, options=options).load(10)
     resumed = spawn(parts, spec, tmp_path / "again")
     assert all(e is None for _, e, _ in resumed.values()), resumed
     assert resumed[0][0][-1]["resumed_from_step"] == 10
+    return shards, settings, written
+
+
+def test_fsdp_ranks_write_their_own_shards_and_resume_from_them_to_the_same_weights(tmp_path):
+    shards, settings, written = _resumed_after_a_fault(tmp_path, str(tmp_path / "ckpt"))
+    # rank 0's file holds where training stood, no tensor of the model: each rank wrote its own
+    assert written["model"] == {} and written["optimizer"] == {} and written["shards"]
+    last = CheckpointStore(str(tmp_path / "ckpt")).latest()
+    folder = tmp_path / "ckpt" / f"checkpoint-{last:09d}.shards"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in folder.iterdir()}
+    # every weight and Adam moment is in two halves, one in each rank's file
+    metadata = sharded._reader(folder, {}).read_metadata()
+    for name, param in make_tiny_net().named_parameters():
+        for key in (f"model.{name}", f"optimizer.state.{name}.exp_avg", f"optimizer.state.{name}.exp_avg_sq"):
+            chunks = metadata.state_dict_metadata[key].chunks
+            files = {metadata.storage_data[MetadataIndex(key, c.offsets)].relative_path for c in chunks}
+            assert [c.sizes[0] for c in chunks] == [(param.shape[0] + 1) // 2, param.shape[0] // 2], key
+            assert files == {"__0_0.distcp", "__1_0.distcp"}, (key, files)
     state = last_checkpoint(tmp_path / "ckpt")["model"]
-    settings.pop("checkpoint_every")
+    uninterrupted, _ = run_workers(shards, tmp_path / "allreduce", _adam, **settings)
+    assert max_abs_diff(state, uninterrupted) < 1e-5
+    # the only two checkpoints kept have their shards; older ones went with their folders
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("checkpoint-"))
+    steps = sorted({name.split(".")[0] for name in kept})
+    assert len(steps) == 2 and kept == sorted(f"{s}.{kind}" for s in steps for kind in ("pt", "shards"))
+
+
+def test_fsdp_shards_on_s3_resume_to_the_same_weights_and_assemble_whole(tmp_path, s3_server):
+    url = s3_server.url("fsdp")
+    shards, settings, _ = _resumed_after_a_fault(tmp_path, url, s3_server.options)
+    last = CheckpointStore(url, options=s3_server.options).latest()
+    listed = s3_server.fs().ls(f"{url.removeprefix('s3://')}/checkpoint-{last:09d}.shards", refresh=True)
+    assert {p.rsplit("/", 1)[-1] for p in listed} >= {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    state = last_checkpoint(url, s3_server.options)["model"]
     uninterrupted, _ = run_workers(shards, tmp_path / "allreduce", _adam, **settings)
     assert max_abs_diff(state, uninterrupted) < 1e-5
 
