@@ -109,8 +109,8 @@ def test_parameter_server_modes_are_within_2_points_of_allreduce(
 @pytest.mark.twin
 def test_spark_submit_runs_the_job_on_local_cluster_executors(tmp_path):
     """Separate executor JVMs and Python workers: the real multi-process path. Its twin in the
-    default run, tests/spark/test_standalone_cluster.py, submits the same job to separate
-    executor JVMs (a standalone master's, whose Python gets sparkdl shipped) and checks the same:
+    default run, tests/spark/test_standalone_cluster.py, submits the same job to an executor JVM
+    of its own (a standalone master's, whose Python gets sparkdl shipped) and checks the same:
     the accuracy, and a log without an ERROR line (``pytest -m twin`` runs this one)."""
     spark_submit = Path(sys.executable).with_name("spark-submit")
     env = spark_env(tmp_path, PYSPARK_DRIVER_PYTHON=sys.executable)
