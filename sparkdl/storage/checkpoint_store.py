@@ -191,7 +191,7 @@ class CheckpointStore:
         self._uploads.wait()
         if self._remote is None:
             Path(self.path_for(global_step)).unlink(missing_ok=True)
-            shutil.rmtree(self.shards_for(global_step), ignore_errors=True)
+            self._remove_shards(global_step)
             return
         fs = self._remote.fs
         try:

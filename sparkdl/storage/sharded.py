@@ -20,7 +20,6 @@ unpickled with DCP's own record types only, and every entry is read with
 from __future__ import annotations
 
 import io
-import itertools
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -96,26 +96,16 @@ class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
     pass
 
 
-def _safe_bytes(value: io.BytesIO) -> Any:
-    return torch.load(value, weights_only=True)
-
-
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, its non-tensor entries read with ``weights_only=True``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _set_loaded(self, read_item, value)
-
-
-def _set_loaded(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    from torch.distributed.checkpoint._nested_dict import set_element
-
-    loaded = _safe_bytes(value)
-    fqn = read_item.dest_index.fqn
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[fqn], loaded)
-    else:
-        planner.state_dict[fqn] = loaded
+        loaded = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def _writer(location: Path | str, options: Mapping[str, str]) -> Any:
@@ -184,8 +174,9 @@ def load_whole(location: Path | str, options: Mapping[str, str] = {}) -> dict[st
 
 
 def _skeleton(metadata: Metadata) -> dict[str, Any]:
-    """The saved state's nesting, each tensor allocated empty and each other entry ``None``,
-    for DCP to fill."""
+    """The saved state's nesting (DCP's ``planner_data``: each flat key's path of dict keys
+    and list indices), each tensor allocated empty and each other entry ``None``, for DCP to
+    fill."""
     state: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
         value = (
@@ -193,19 +184,7 @@ def _skeleton(metadata: Metadata) -> dict[str, Any]:
             if isinstance(entry, TensorStorageMetadata)
             else None
         )
-        path = (metadata.planner_data or {}).get(key, (key,))
-        container: Any = state
-        for here, below in itertools.pairwise(path):
-            empty: Any = [] if isinstance(below, int) else {}
-            if isinstance(here, int):
-                container.extend([None] * (here + 1 - len(container)))
-                container[here] = container[here] if container[here] is not None else empty
-            else:
-                container.setdefault(here, empty)
-            container = container[here]
-        if isinstance(path[-1], int):
-            container.extend([None] * (path[-1] + 1 - len(container)))
-        container[path[-1]] = value
+        set_element(state, (metadata.planner_data or {}).get(key, (key,)), value)
     return state
 
 

@@ -130,7 +130,7 @@ class ParameterServerStrategy(SyncStrategy):
         # an independent task pushes as it comes, under ssp too (every step): the server holds
         # its pull while its partition is more than staleness pushes past the slowest live one
         self._mode = PsMode.ASYNC if ctx.ps.partition >= 0 else settings.ps_mode
-        self._push_every = settings.push_every if settings.ps_mode is PsMode.ASYNC else 1
+        self._push_every = settings.push_interval
         self._pull_every = settings.pull_every if settings.ps_mode is PsMode.ASYNC else 1
         params = list(ctx.module.parameters())
         check_served_model(ctx.module, ctx.ps)  # the server's shards are this model's trainable parameters

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,7 +116,7 @@ class Checkpointer:
             location = self.store.shards_for(step)
             sharded.save(self.strategy.sharded_state(), location, self.store.options)
             model, optimizer = {}, {}
-            shards = {"shards": str(location).rstrip("/").rsplit("/", 1)[-1]}
+            shards = {"shards": PurePosixPath(str(location)).name}  # what the file names
         else:
             model = self.strategy.full_state_dict()
             optimizer = self.strategy.full_optimizer_state_dict()
