@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from tests.jvm_archive import USE, Builder
 
-    builder = Builder(Path(str(config.cache.mkdir("jvm-archive"))) if config.cache else Path(".jvm-archive"))
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    folder = Path(str(cache.mkdir("jvm-archive"))) if cache else Path(tempfile.gettempdir(), "sparkdl-jvm-archive")
+    builder = Builder(folder)
     config.add_cleanup(builder.stop)
     if builder.path is not None:
         os.environ["JDK_JAVA_OPTIONS"] += " " + USE.format(path=builder.path)
@@ -142,9 +145,8 @@ HEAVIEST_FIRST = (
     "tests/spark/test_independent_ps.py",  # 79 s (-n0, loaded)
     "tests/spark/test_streaming_fit.py",  # 77 s (-n0, loaded)
     "tests/unit/test_fsdp.py",  # 80 s
-    "tests/spark/test_hierarchy.py",  # 78 s
+    "tests/spark/test_local_cluster.py",  # 110 s (session 37: two drills, one cluster)
     "tests/spark/test_notebook.py",  # 76 s
-    "tests/spark/test_gpu_scheduling.py",  # 72 s
     "tests/spark/test_session.py",  # 67 s
     "tests/unit/test_frozen_parameters.py",  # 60 s
     "tests/spark/test_connect.py",  # 59 s

@@ -122,7 +122,13 @@ def seaweedfs(weed: str, folder: Path) -> Iterator[S3Server]:
         "-s3.port.iceberg=0", "-s3.port.lance=0",
     ]  # fmt: skip
     log = open(folder / "weed.log", "wb")  # closed below
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "TMPDIR": str(folder)},  # its filer's socket and its logs: not in /tmp
+    )
     server = S3Server(f"http://127.0.0.1:{s3}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

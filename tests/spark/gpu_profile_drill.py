@@ -1,11 +1,10 @@
 """Stage-level GPU scheduling on local-cluster, with fake GPUs or the machine's real ones.
 
-Run by tests/spark/test_gpu_scheduling.py in its own process (one SparkContext per
-process): python tests/spark/gpu_profile_drill.py OUT_DIR [fake|real]
-
-fake: two workers, each with one GPU "0" from a discovery script (no CUDA needed).
-real: one worker holding every CUDA device (up to 2) from an nvidia-smi discovery
-script, one training task per GPU, NCCL.
+fake: :mod:`tests.spark.local_cluster_drill`'s two executors, each with one GPU "0" from a
+discovery script (no CUDA needed).
+real: one worker holding every CUDA device (up to 2) from an nvidia-smi discovery script,
+one training task per GPU, NCCL. Run by tests/spark/test_gpu_scheduling.py in its own
+process (one SparkContext per process): python tests/spark/gpu_profile_drill.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import logging
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -45,52 +45,65 @@ REAL = (
 )
 
 
-def main(out: Path, mode: str) -> None:
-    import torch
-
-    gpus = min(torch.cuda.device_count(), 2) if mode == "real" else 1
+def gpu_settings(out: Path, gpus: int, real: bool) -> dict[str, str]:
+    """A session's settings for workers of ``gpus`` GPUs each, found by a discovery script
+    written to ``out``: the machine's first ``gpus`` CUDA devices, or one fake GPU "0". Each
+    worker gives them to its executor; no task-level GPU amount: only the training stage
+    asks for one."""
     script = out / "gpus.sh"
-    script.write_text(REAL.format(n=gpus) if mode == "real" else FAKE)
+    script.write_text(REAL.format(n=gpus) if real else FAKE)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    master = f"local-cluster[1,{gpus},4096]" if mode == "real" else "local-cluster[2,1,1024]"
-    spark = build_session(
-        master,
-        "sparkdl-gpu-profile",
-        SparkDLConfig().replace(collective_timeout_s=60.0),
-        {
-            "spark.ui.enabled": "false",
-            "spark.driver.host": "127.0.0.1",
-            # each worker has one (fake) GPU and gives it to its executor; no task-level
-            # GPU amount: only the training stage asks for one
-            "spark.worker.resource.gpu.amount": str(gpus),
-            "spark.worker.resource.gpu.discoveryScript": str(script),
-            "spark.executor.resource.gpu.amount": str(gpus),
-        },
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    results: dict = {}
+    return {
+        "spark.worker.resource.gpu.amount": str(gpus),
+        "spark.worker.resource.gpu.discoveryScript": str(script),
+        "spark.executor.resource.gpu.amount": str(gpus),
+    }
+
+
+def run(spark: Any, workers: int) -> dict[str, Any]:
+    """An ETL stage, fits of ``workers`` workers with ``use_gpu`` "auto" and "false", and an
+    ETL stage again: which GPUs each stage's tasks held, the workers' devices, weights and
+    forwarded warnings."""
+    results: dict[str, Any] = {}
     forwarded: list[str] = []
     collect = logging.Handler(logging.WARNING)
     collect.emit = lambda record: forwarded.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("sparkdl.worker").addHandler(collect)
-    etl = spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
-    results["etl_stage_gpus"] = [json.loads(r.gpus) for r in etl]
-    workers = 2 if mode == "fake" else gpus
-    df = shards_dataframe(spark, make_shards([64] * workers))
-    for use_gpu in ("auto", "false"):
-        model = estimator(
-            use_gpu=use_gpu, num_workers=workers, executor_wait_timeout_s=120.0, progress=False
-        ).fit(df)
-        results[use_gpu] = model.worker_devices
-        results[f"{use_gpu}_state"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
-    results["etl_after_fit_gpus"] = [
-        json.loads(r.gpus)
-        for r in spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
-    ]
+    try:
+        etl = spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
+        results["etl_stage_gpus"] = [json.loads(r.gpus) for r in etl]
+        df = shards_dataframe(spark, make_shards([64] * workers))
+        for use_gpu in ("auto", "false"):
+            model = estimator(
+                use_gpu=use_gpu, num_workers=workers, executor_wait_timeout_s=120.0, progress=False
+            ).fit(df)
+            results[use_gpu] = model.worker_devices
+            results[f"{use_gpu}_state"] = {k: v.tolist() for k, v in model.module.state_dict().items()}
+        results["etl_after_fit_gpus"] = [
+            json.loads(r.gpus)
+            for r in spark.range(4, numPartitions=2).mapInArrow(record_resources, "gpus string").collect()
+        ]
+    finally:
+        logging.getLogger("sparkdl.worker").removeHandler(collect)
     results["worker_warnings"] = forwarded
-    (out / "result.json").write_text(json.dumps(results))
+    return results
+
+
+def main(out: Path) -> None:
+    """The machine's real GPUs (up to 2) on one worker: one training task per GPU, NCCL."""
+    import torch
+
+    gpus = min(torch.cuda.device_count(), 2)
+    spark = build_session(
+        f"local-cluster[1,{gpus},4096]",
+        "sparkdl-gpu-profile",
+        SparkDLConfig().replace(collective_timeout_s=60.0),
+        {"spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", **gpu_settings(out, gpus, real=True)},
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    (out / "result.json").write_text(json.dumps(run(spark, gpus)))
     spark.stop()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "fake")
+    main(Path(sys.argv[1]))
