@@ -38,7 +38,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests.jvm_archive import USE, Builder
 
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
-    folder = Path(str(cache.mkdir("jvm-archive"))) if cache else Path(tempfile.gettempdir(), "sparkdl-jvm-archive")
+    folder = (
+        Path(str(cache.mkdir("jvm-archive"))) if cache else Path(tempfile.gettempdir(), "sparkdl-jvm-archive")
+    )
     builder = Builder(folder)
     config.add_cleanup(builder.stop)
     if builder.path is not None:

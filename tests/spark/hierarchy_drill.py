@@ -43,7 +43,9 @@ def run(spark: Any) -> dict[str, Any]:
     models = {}
     result: dict[str, Any] = {}
     for name, settings in RUNS.items():
-        model = estimator(num_workers=4, epochs=2, optimizer_fn=_plain_sgd, use_gpu="false", **settings).fit(df)
+        model = estimator(num_workers=4, epochs=2, optimizer_fn=_plain_sgd, use_gpu="false", **settings).fit(
+            df
+        )
         models[name] = model
         result[name] = {
             "across": [sum(h["worker_bytes_across_hosts"][r] for h in model.history) for r in range(4)],
