@@ -6,9 +6,12 @@ Gathered: what fsdp's checkpoints were until session 36: the whole model and opt
 gathered to rank 0 (``get_*_state_dict(full_state_dict=True, cpu_offload=True)``), then
 ``torch.save`` into memory and the file written (fsync and rename) through
 :class:`~sparkdl.storage.checkpoint_store.CheckpointStore`. Owners: each rank writes its own
-shards (:func:`sparkdl.storage.sharded.save`), then rank 0 the small checkpoint file. For
-each: how long every rank is held (the slowest rank's time; both are collectives), and rank
-0's peak resident memory over its resident memory before the first write.
+shards (:func:`sparkdl.storage.sharded.save`), then rank 0 the small checkpoint file.
+Background (session 37, what fit does): each rank copies its shards into host memory
+(:func:`sparkdl.storage.sharded.stage`) and its store's thread writes them, then rank 0's the
+file (:meth:`~sparkdl.storage.checkpoint_store.CheckpointStore.save_sharded`). For each: how
+long every rank is held (the slowest rank's time), for the background kind also until the
+write ended, and rank 0's peak resident memory over its resident memory before the write.
 
     .venv/bin/python benchmarks/bench_sharded_checkpoint.py [--params 100e6] [--repeats 3]
 """
@@ -16,6 +19,7 @@ each: how long every rank is held (the slowest rank's time; both are collectives
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -69,33 +73,45 @@ def _rank(rank: int, world: int, port: int, params: float, repeats: int, folder:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(4, width)).sum().backward()
     optimizer.step()
-    checkpoints = CheckpointStore(folder)
-    figures: dict[str, list[float]] = {
-        "gathered_s": [],
-        "owners_s": [],
-        "gathered_peak_mb": [],
-        "owners_peak_mb": [],
-    }
+    checkpoints = CheckpointStore(folder, background=True)
+    writers = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    kinds = ("gathered", "owners", "background")
+    figures: dict[str, list[float]] = {f"{k}_{figure}": [] for k in kinds for figure in ("s", "peak_mb")}
+    figures["background_written_s"] = []
     for repeat in range(repeats):
-        for kind in ("gathered", "owners"):
+        for kind in kinds:
             dist.barrier()
             _reset_peak()
             before = _kib("VmRSS")
             started = time.perf_counter()
-            step = 2 * repeat + (kind == "owners")
+            step = len(kinds) * repeat + kinds.index(kind)
             if kind == "gathered":
                 whole = get_model_state_dict(model, options=GATHER)
                 moments = get_optimizer_state_dict(model, optimizer, options=GATHER)
                 if rank == 0:
                     checkpoints.save(step, {"format": 1, "model": whole, "optimizer": moments})
                 del whole, moments
-            else:
+            elif kind == "owners":
                 if rank == 0:
                     checkpoints.retract(step)
                 sharded.save(own_parts(model, optimizer), checkpoints.shards_for(step))
                 if rank == 0:
                     checkpoints.save(step, {"format": 1, "model": {}, "optimizer": {}, "shards": "x"})
+            else:
+                if rank == 0:
+                    checkpoints.retract(step)
+                location = checkpoints.shards_for(step)
+                staged = sharded.stage(own_parts(model, optimizer))
+                state = {"format": 1, "model": {}, "optimizer": {}, "shards": "x"} if rank == 0 else None
+                write = functools.partial(sharded.save, staged, location, {}, writers)
+                checkpoints.save_sharded(step, write, state)
+                del staged, write  # the store's thread holds the copy until it is written
             held = torch.tensor([time.perf_counter() - started])
+            if kind == "background":
+                checkpoints.flush()
+                written = torch.tensor([time.perf_counter() - started])
+                dist.all_reduce(written, op=dist.ReduceOp.MAX)
+                figures["background_written_s"].append(written.item())
             dist.all_reduce(held, op=dist.ReduceOp.MAX)
             figures[f"{kind}_s"].append(held.item())
             figures[f"{kind}_peak_mb"].append((_kib("VmHWM") - before) / 1024)

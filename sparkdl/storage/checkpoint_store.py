@@ -18,7 +18,9 @@ A strategy whose parameters are sharded over the ranks (fsdp, tensor parallelism
 rank write its own shards into the folder ``<name>-<step>.shards`` (:mod:`sparkdl.storage.
 sharded`) before rank 0 writes the checkpoint file, which then holds the rest (where training
 stands) and names that folder: the file, or its manifest, still makes the checkpoint
-visible, and pruning removes the folder with it.
+visible, and pruning removes the folder with it. With ``background=True`` the shards are
+written on the same thread as uploads, locally too (:meth:`CheckpointStore.save_sharded`):
+the step waits for their copy into host memory only.
 
 Rank 0 also keeps a tiny ``progress`` file with the last step it finished and when, so a
 resumed run can report how many steps it redid and how long recovery took. Locally it is
@@ -171,6 +173,7 @@ class CheckpointStore:
                 remote.fs.find(remote.path, maxdepth=1)
             except Exception as exc:
                 raise access_error(remote, "open the checkpoint directory", exc) from exc
+        self.upload_timeout_s = upload_timeout_s
         self._uploads = _Uploads(background, upload_timeout_s, str(self.directory))
 
     def _file(self, global_step: int, kind: str = "pt") -> str:
@@ -221,7 +224,40 @@ class CheckpointStore:
             self._uploads.submit(
                 f"checkpoint of step {global_step}", lambda: self._upload(global_step, buffer)
             )
-            return self.path_for(global_step)
+        else:
+            self._write_local(global_step, buffer)
+        return self.path_for(global_step)
+
+    def save_sharded(self, global_step: int, write: Callable[[], None], state: dict[str, Any] | None) -> None:
+        """Every rank: ``write`` this rank's shards of ``global_step`` (a collective of the
+        ranks' writes, in :meth:`shards_for`), in the background when the store was made so;
+        then on rank 0 (``state`` given) the checkpoint file that makes them visible, once
+        every rank's shards and DCP's metadata are in. One checkpoint in flight: the previous
+        one's writes end first."""
+        buffer = None
+        if state is not None:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+
+        def job() -> None:
+            write()
+            if buffer is not None and self._remote is not None:
+                self._upload(global_step, buffer)
+            elif buffer is not None:
+                self._write_local(global_step, buffer)
+
+        self._uploads.submit(f"checkpoint shards of step {global_step}", job)
+
+    def flush(self) -> None:
+        """Wait for the write in flight (bounded by ``upload_timeout_s``).
+
+        Raises:
+            CheckpointError: it failed, or ran past its timeout.
+        """
+        self._uploads.wait()
+
+    def _write_local(self, global_step: int, buffer: io.BytesIO) -> None:
+        """The file written aside, then renamed into place; then prune."""
         final = self.path_for(global_step)
         assert isinstance(final, Path)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
@@ -240,7 +276,6 @@ class CheckpointStore:
             self._remove_shards(old)
         for orphan in self._unlisted(below=min(kept[-KEEP:], default=global_step)):
             self._remove_shards(orphan)
-        return final
 
     def _upload(self, global_step: int, buffer: io.BytesIO) -> None:
         """The file under its final name, then its manifest; then prune, manifests first.
@@ -417,20 +452,20 @@ class CheckpointStore:
             return None
 
     def close(self, failing: bool = False) -> None:
-        """Wait for the upload in flight and write the last progress (object store); close the
-        progress file (local). ``failing``: training ended with an error, which must stay the
-        one reported: the upload gets at most :data:`FAILING_WAIT_S` and nothing is raised.
+        """Wait for the write in flight (an upload, or shards) and write the last progress
+        (object store); close the progress file (local). ``failing``: training ended with an
+        error, which must stay the one reported: the write gets at most :data:`FAILING_WAIT_S`
+        and nothing is raised.
 
         Raises:
-            CheckpointError: the last upload failed or ran past its timeout (not ``failing``).
+            CheckpointError: the last write failed or ran past its timeout (not ``failing``).
         """
         if self._progress_fd is not None:
             os.close(self._progress_fd)
             self._progress_fd = None
-        if self._remote is None:
-            return
         if failing:
             self._uploads.settle(min(FAILING_WAIT_S, self._uploads.timeout_s))
             return
         self._uploads.wait()
-        self._write_progress_quietly()
+        if self._remote is not None:
+            self._write_progress_quietly()

@@ -23,9 +23,10 @@ import io
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import set_element
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from sparkdl.errors import CheckpointError
 
@@ -128,15 +130,35 @@ def _reader(location: Path | str, options: Mapping[str, str]) -> Any:
     return _SafeFsspecReader(location, **dict(options))
 
 
-def save(state: dict[str, Any], location: Path | str, options: Mapping[str, str] = {}) -> None:
-    """Every rank: write the shards of ``state`` this rank holds into ``location`` (a
-    collective over the default process group; the metadata is written last).
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` in host memory (its DTensors' local shards copied, their layout
+    kept) that training may go on from while the copy is written: what DCP's ``async_save``
+    stages before its writing thread starts."""
+    plain = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )  # as async_save stages: into ordinary host memory, on this thread
+    stager = DefaultStager(plain)
+    try:
+        return cast(dict[str, Any], stager.stage(state))
+    finally:
+        stager.close()
+
+
+def save(
+    state: dict[str, Any],
+    location: Path | str,
+    options: Mapping[str, str] = {},
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Every rank of ``group`` (the default one when None): write the shards of ``state``
+    this rank holds into ``location`` (a collective over the group, which may run on a
+    thread of its own: a group no other thread uses; DCP's metadata is written last).
 
     Raises:
         CheckpointError: a rank could not write (every rank raises it).
     """
     try:
-        dcp.save(state, storage_writer=_writer(location, options))
+        dcp.save(state, storage_writer=_writer(location, options), process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise CheckpointError(
             f"could not write the checkpoint shards to {location}: {type(exc).__name__}: {str(exc)[:300]}; "

@@ -6,7 +6,8 @@ strategy hands it over (:meth:`SyncStrategy.full_state_dict`) and loads it back
 (:meth:`SyncStrategy.load_full_state`); rank 0 writes it. A strategy whose parameters are
 sharded over the ranks (:attr:`SyncStrategy.writes_shards`: fsdp, tensor parallelism)
 gathers nothing: each rank writes its own shards (:mod:`sparkdl.storage.sharded`), then
-rank 0 the checkpoint file naming them. Any strategy and number of ranks resumes from
+rank 0 the checkpoint file naming them, in the background once the shards are copied to host
+memory. Any strategy and number of ranks resumes from
 either kind. Every rank passes the checkpoint steps: the writes are collectives.
 """
 
@@ -17,10 +18,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sparkdl.storage import sharded
@@ -93,6 +96,7 @@ class Checkpointer:
         self.align = strategy.checkpoint_multiple
         self.history: list[dict[str, Any]] = []
         self.written = 0
+        self._group: dist.ProcessGroup | None = None
 
     def after_step(self, position: Position) -> None:
         if self.rank == 0:
@@ -106,37 +110,60 @@ class Checkpointer:
             self._save(position)
 
     def _save(self, position: Position) -> None:
-        """Every rank: the strategy's full state (a gather), or each rank's shards written
-        by it; then rank 0 writes the checkpoint."""
-        step = position.global_steps_done
-        shards: dict[str, str] = {}
+        """Every rank: the strategy's full state (a gather), after which rank 0 writes the
+        checkpoint; or each rank's shards, copied to host memory and written in the
+        background (:meth:`_save_shards`)."""
         if self.strategy.writes_shards:
-            if self.rank == 0:
-                self.store.retract(step)  # before any rank writes: the shard writes wait for rank 0
-            location = self.store.shards_for(step)
-            sharded.save(self.strategy.sharded_state(), location, self.store.options)
-            model, optimizer = {}, {}
-            shards = {"shards": PurePosixPath(str(location)).name}  # what the file names
-        else:
-            model = self.strategy.full_state_dict()
-            optimizer = self.strategy.full_optimizer_state_dict()
-        if self.rank != 0:
+            self._save_shards(position)
             return
-        extra = self.strategy.checkpoint_state(step)
-        state = {
-            **shards,
-            "strategy": extra,
+        model = self.strategy.full_state_dict()
+        optimizer = self.strategy.full_optimizer_state_dict()
+        if self.rank == 0:
+            self.store.save(position.global_steps_done, self._state(position, model, optimizer))
+            self.written += 1
+
+    def _save_shards(self, position: Position) -> None:
+        """Each rank copies its shards to host memory; training goes on while its store's
+        thread writes them (DCP, a collective over a group of the writing threads alone) and
+        then, on rank 0, the file that makes them visible. The previous checkpoint's writes
+        end first, on every rank (one in flight)."""
+        step = position.global_steps_done
+        self.store.flush()  # before the copy: one copy of the shards in host memory at a time
+        if self.rank == 0:
+            self.store.retract(step)  # before any rank writes: the shard writes wait for rank 0
+        location = self.store.shards_for(step)
+        staged = sharded.stage(self.strategy.sharded_state())
+        group, options = self._writers_group(), self.store.options
+        state = None
+        if self.rank == 0:
+            name = PurePosixPath(str(location)).name
+            state = {**self._state(position, {}, {}), "shards": name}
+            self.written += 1
+        self.store.save_sharded(step, lambda: sharded.save(staged, location, options, group), state)
+
+    def _writers_group(self) -> dist.ProcessGroup:
+        """The group the shard writes' collectives run in, on the stores' threads: one no
+        training collective uses (made on the first sharded checkpoint, by every rank)."""
+        if self._group is None:
+            timeout = timedelta(seconds=self.store.upload_timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._group
+
+    def _state(self, position: Position, model: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's checkpoint of ``position``: the whole model and optimizer (empty where
+        shards hold them), the strategy's own state, where training stands, the history."""
+        step = position.global_steps_done
+        return {
+            "strategy": self.strategy.checkpoint_state(step),
             "format": 1,
             "model": model,
             "optimizer": optimizer,
             "epoch": position.epoch,
             "epoch_steps_done": position.epoch_steps_done,
-            "global_steps_done": position.global_steps_done,
+            "global_steps_done": step,
             "world_size": self.strategy.ctx.world_size,
             "history": json.dumps(self.history),
         }
-        self.store.save(step, state)
-        self.written += 1
 
 
 _KERNEL_FLAGS = ("fused", "foreach", "capturable")

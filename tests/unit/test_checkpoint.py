@@ -1,4 +1,6 @@
 import pickle
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -166,3 +168,73 @@ def test_shards_go_with_their_checkpoint_and_orphaned_ones_are_pruned(tmp_path):
     ]  # fmt: skip
     store.retract(6)  # a resumed run about to write step 6 again: unlisted first, then its shards gone
     assert store.steps() == [4] and not store.shards_for(6).exists()
+
+
+class _ShardedStrategy:
+    """What the checkpointer asks of a strategy whose parameters are sharded (fsdp's and
+    tensor parallelism's side of it), over one plain tensor: its shards."""
+
+    writes_shards = True
+    checkpoint_multiple = 1
+
+    def __init__(self, weight):
+        self.weight = weight
+        self.ctx = SimpleNamespace(world_size=1)
+
+    def sharded_state(self):
+        return {"model": {"w": self.weight}, "optimizer": {"param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+
+    def checkpoint_state(self, step):
+        return {}
+
+
+def _gated_writes(monkeypatch):
+    """``sharded.save`` held until the returned event is set: a store that is slow to take them."""
+    from sparkdl.storage import sharded
+
+    gate, real = threading.Event(), sharded.save
+
+    def slow(*args, **kwargs):
+        assert gate.wait(30), "the test never let the write through"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, "save", slow)
+    return gate
+
+
+def test_shards_are_written_in_the_background_from_their_copy_in_host_memory(
+    gloo_group, tmp_path, monkeypatch
+):
+    from sparkdl.training.checkpointing import Checkpointer, Position, whole_checkpoint
+
+    gate = _gated_writes(monkeypatch)
+    weight = torch.arange(4.0)
+    store = CheckpointStore(str(tmp_path), background=True)
+    writer = Checkpointer(store, 2, 0, torch.nn.Linear(1, 1), None, _ShardedStrategy(weight))
+    writer.after_step(Position(1, 2, 2))  # returns while the store has not taken the shards
+    assert store.steps() == [] and writer.written == 1
+    weight.add_(100.0)  # training goes on, in place
+    gate.set()
+    store.close()  # waits for the write: then the checkpoint is visible, as it was at step 2
+    assert store.steps() == [2]
+    whole = whole_checkpoint(store, 2)
+    assert whole["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and whole["global_steps_done"] == 2
+
+
+def test_a_background_shard_write_that_fails_is_raised_at_the_next_save_or_at_close(
+    gloo_group, tmp_path, monkeypatch
+):
+    from sparkdl.storage import sharded
+    from sparkdl.training.checkpointing import Checkpointer, Position
+
+    def full_disk(state, location, *args):
+        raise CheckpointError(f"could not write the checkpoint shards to {location}: disk full")
+
+    monkeypatch.setattr(sharded, "save", full_disk)
+    store = CheckpointStore(str(tmp_path), background=True)
+    writer = Checkpointer(store, 2, 0, torch.nn.Linear(1, 1), None, _ShardedStrategy(torch.ones(2)))
+    writer.after_step(Position(1, 2, 2))
+    with pytest.raises(CheckpointError, match=r"000000002\.shards: disk full"):
+        writer.after_step(Position(1, 4, 4))  # the next checkpoint waits for this one, and fails with it
+    assert store.steps() == []
+    store.close()  # nothing left in flight
