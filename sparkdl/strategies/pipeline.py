@@ -38,7 +38,9 @@ weights and early stopping's best weights are the whole model's, gathered to ran
 format of every other strategy: a checkpoint moves between strategies and worker counts.
 
 Limits: a model of one input tensor whose top level is an ``nn.Sequential`` (a model of
-several inputs is cut by hand into a Sequential whose first layer takes one tensor);
+several inputs is cut by hand into a Sequential whose first layer takes one tensor), or a
+Hugging Face decoder with a pipeline plan, taken as its embedding, blocks and head
+(:mod:`~sparkdl.strategies.pipeline_decoder`);
 ``precision = "fp16"``, compression and hierarchy are refused. Padding rows go through
 the layers (a batch-norm layer would count them). Rank 0 builds the whole model once, on
 the CPU, and sends every other rank its stage, which they allocate alone.
@@ -61,8 +63,14 @@ from sparkdl.config import PipelineSchedule, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
+from sparkdl.strategies.pipeline_decoder import DecoderLayers, check_same_forward, pipeline_layers
 from sparkdl.strategies.pipeline_layout import Layout, stage_starts
-from sparkdl.strategies.pipeline_stage import StageLayers, StageModule, build_stage
+from sparkdl.strategies.pipeline_stage import (
+    StageLayers,
+    StageModule,
+    build_stage,
+    check_ties_within_stages,
+)
 from sparkdl.strategies.pipeline_transfer import (
     StepRows,
     gather_rows,
@@ -140,13 +148,25 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
                 f"pipeline.split_before names {len(pipeline.split_before)} layers; {stages} stages need "
                 f"{stages - 1} (the first layer of each stage after the first)"
             )
+        data = config.data
+        if (data.sequence_cols or data.tokenizer) and not data.pad_to_max_length:
+            raise ConfigError(
+                "strategy = 'pipeline' sends every micro-batch between its stages in one shape, which "
+                "the stages agree on at the first step, but sequences are padded to each batch's longest "
+                "row: set data.pad_to_max_length = true (with data.max_sequence_length)"
+            )
         refuse_fp16(config, "its gradient scaler cannot see the stages' backwards")
         refuse_compression(config)
         refuse_hierarchy(config, "its replicas all-reduce one stage each")
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
-        cls.cut(module, config, config.training.num_workers)
+        """On the driver, before any worker starts: the layers can be cut as set, a tie
+        does not cross stages, and a Hugging Face decoder's layers compute what it does."""
+        layers = pipeline_layers(module)
+        if isinstance(layers, DecoderLayers):
+            check_same_forward(module, layers)
+        check_ties_within_stages(layers, cls.cut(layers, config, config.training.num_workers))
 
     @classmethod
     def cut(cls, whole: nn.Module, config: SparkDLConfig, world: int) -> list[int]:
@@ -156,13 +176,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             ConfigError: the model is no ``nn.Sequential``, cannot be cut as set, or a stage
                 would hold no trainable parameter.
         """
-        if not isinstance(whole, nn.Sequential):
-            raise ConfigError(
-                f"strategy = 'pipeline' cuts the model between its top-level layers, so model_fn must "
-                f"return an nn.Sequential (it returned {type(whole).__name__}); write the model as "
-                "nn.Sequential(layer, layer, ...) whose layers each take one tensor, or use strategy = "
-                "'tensor' or 'fsdp'"
-            )
+        whole = pipeline_layers(whole)
         stages = Layout.of(config, world).stages
         named = list(whole.named_children())
         names = [name for name, _ in named]
@@ -200,8 +214,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     ) -> None:
         """Every rank holds the whole model's checkpoint; each keeps its stage's part."""
         stage = cast(StageModule, module)
-        own = stage.state_dict().keys()
-        stage.load_state_dict({name: model_state[name] for name in own})
+        stage.load_state_dict({key: model_state[name] for key, name in stage.model_names.items()})
         named = indexed_to_named(optimizer_state, stage.whole_parameter_names)
         local = parameter_names(stage, optimizer)
         kept = set(local)
@@ -222,7 +235,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
             self._schedule = self._build_schedule(step)
         rows = join_batches(step.batches) if step.batches else step.filler().head(0)
         rows = rows.to(ctx.device)
-        (x,) = rows.inputs.values()
+        x = cast(StageModule, ctx.module).one_input((), rows.inputs)
         counts = row_counts(len(rows), groups.pipeline, ctx.device)
         inputs = gather_rows(x, counts, groups.ranks[0], groups)
         labels = gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
@@ -238,8 +251,12 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._loss_sum.zero_()
         self._step_state = StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
+            stage = cast(StageModule, ctx.module)
             padded = pad_rows(
-                cast(torch.Tensor, inputs), self._micro_rows * self._microbatches, step.filler, ctx.device
+                cast(torch.Tensor, inputs),
+                self._micro_rows * self._microbatches,
+                lambda: stage.one_input((), step.filler().inputs),
+                ctx.device,
             )
             self._schedule.step(padded, return_outputs=False)
         elif groups.last:
@@ -352,7 +369,9 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The stages of pipeline 0, gathered to rank 0 (every rank calls it; the other
         pipelines hold the same weights and send nothing)."""
-        return self._gather_whole(cpu_state_dict(self.ctx.module), lambda parts: merged_dicts(parts))
+        stage = cast(StageModule, self.ctx.module)
+        own = {stage.model_names[key]: value for key, value in cpu_state_dict(stage).items()}
+        return self._gather_whole(own, lambda parts: merged_dicts(parts))
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         stage = cast(StageModule, self.ctx.module)
@@ -392,13 +411,14 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         groups, stage = self._groups, self.ctx.module
         if groups.layout.replica_of(groups.rank) == 0:
             keys: list[Any] | None = [None] * groups.layout.stages if groups.rank == 0 else None
-            dist.gather_object(list(stage.state_dict()), keys, dst=0, group=groups.objects)
+            names = cast(StageModule, stage).model_names
+            dist.gather_object(list(names.values()), keys, dst=0, group=groups.objects)
             parts = None
             if keys is not None:
-                parts = [{name: state[name] for name in names} for names in keys]
+                parts = [{name: state[name] for name in part} for part in keys]
             received: list[Any] = [None]
             dist.scatter_object_list(received, parts, src=0, group=groups.objects)
-            stage.load_state_dict(received[0])
+            stage.load_state_dict({key: received[0][name] for key, name in names.items()})
         if groups.replicas is not None:
             with torch.no_grad():
                 for tensor in [*stage.parameters(), *stage.buffers()]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
+from sparkdl.strategies.pipeline_decoder import DecoderLayers, pipeline_layers
 from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups
 from sparkdl.strategies.pipeline_transfer import (
     gather_rows,
@@ -32,12 +33,12 @@ from sparkdl.training.precision import Precision as StepPrecision
 Cut = Callable[[nn.Module, SparkDLConfig, int], list[int]]
 
 
-def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
-    """``model_fn``'s model on the meta device, if a stage of it can be allocated alone and
-    filled from rank 0's state dict (None: build it whole on every rank)."""
+def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Sequential | None:
+    """``model_fn``'s layers on the meta device, if a stage of them can be allocated alone and
+    filled from rank 0's state dict (None: build them whole on every rank)."""
     try:
         with torch.device("meta"):
-            skeleton = build_model(model_fn)
+            skeleton = pipeline_layers(build_model(model_fn))
     except ConfigError:
         raise
     except Exception:  # model_fn does something the meta device cannot
@@ -52,15 +53,28 @@ def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
 class StageModule(nn.Sequential):
     """This worker's stage: a run of the whole model's top-level layers, under their names
     in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
-    the other stages of its pipeline (inference only); :meth:`run_layers` runs its own."""
+    the other stages of its pipeline (inference only); :meth:`run_layers` runs its own.
+
+    ``model_names``: each state key of the stage -> the model's key (a Hugging Face
+    decoder's layers name its tensors otherwise; the identity for an ``nn.Sequential``).
+    ``drops_masks``: stage 0 of a decoder takes the token ids and leaves their (boolean)
+    padding mask behind: the rows are right-padded, which a causal mask makes harmless."""
 
     def __init__(
-        self, layers: collections.OrderedDict[str, nn.Module], groups: PipelineGroups, whole_names: list[str]
+        self,
+        layers: collections.OrderedDict[str, nn.Module],
+        groups: PipelineGroups,
+        whole_names: list[str],
+        model_names: dict[str, str] | None = None,
+        drops_masks: bool = False,
     ) -> None:
         super().__init__(layers)
         self.groups = groups
         #: every parameter's name in the whole model, in its order (optimizer state's numbering)
         self.whole_parameter_names = whole_names
+        own = list(self.state_dict())
+        self.model_names = {key: (model_names or {}).get(key, key) for key in own}
+        self.drops_masks = drops_masks
         #: the last collective forward's input and output on this stage (their shapes and dtypes
         #: are what the schedule's stage is built with)
         self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -68,16 +82,30 @@ class StageModule(nn.Sequential):
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, super().forward(x))
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Every worker of the pipeline calls it with its own rows, at the same point; each
-        gets the whole model's output for its rows."""
-        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            names = [f"positional {i}" for i in range(len(args))] + list(kwargs)
+    def one_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """The one tensor stage 0 takes of a step's inputs (a decoder's without its masks).
+
+        Raises:
+            ConfigError: the inputs are more than one tensor.
+        """
+        given = [(f"positional {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        taken = [
+            (name, value)
+            for name, value in given
+            if not (self.drops_masks and isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+        ]
+        if len(taken) != 1 or not isinstance(taken[0][1], torch.Tensor):
+            names = [name for name, _ in taken]
             raise ConfigError(
                 f"strategy = 'pipeline' feeds stage 0 one input tensor; the model got {len(names)} "
                 f"({', '.join(names)}): join the inputs into one (feature_cols) or use another strategy"
             )
-        (x,) = args
+        return cast(torch.Tensor, taken[0][1])
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Every worker of the pipeline calls it with its own rows, at the same point; each
+        gets the whole model's output for its rows."""
+        x = self.one_input(args, kwargs)
         groups = self.groups
         device = x.device
         with torch.no_grad():
@@ -125,12 +153,16 @@ def check_ties_within_stages(whole: nn.Module, starts: list[int]) -> None:
     for names in tied_parameters(whole):
         stages = sorted({stage_of[index[name.split(".", 1)[0]]] for name in names})
         if len(stages) > 1:
+            untie = (
+                "tie_word_embeddings=False in its config"
+                if isinstance(whole, DecoderLayers)
+                else "e.g. give the output layer its own nn.Parameter(weight.clone())"
+            )
             raise ConfigError(
                 f"strategy = 'pipeline': the parameters {', '.join(names)} are one tensor (tied), but "
                 f"the cut puts their layers on stages {', '.join(map(str, stages))}, where each stage "
-                "would train a copy of its own. Untie them in model_fn (e.g. give the output layer its "
-                "own nn.Parameter(weight.clone())), cut so that their layers share a stage "
-                "(split_before), or use strategy = 'fsdp' or 'tensor', which keep ties"
+                f"would train a copy of its own. Untie them in model_fn ({untie}), cut so that their "
+                "layers share a stage (split_before), or use strategy = 'fsdp' or 'tensor', which keep ties"
             )
 
 
@@ -150,10 +182,10 @@ def build_stage(
     skeleton = _skeleton(model_fn)
     whole = skeleton if skeleton is not None and rank != 0 else None
     if skeleton is None:
-        whole = build_model(model_fn)
+        whole = pipeline_layers(build_model(model_fn))
     elif rank == 0:
         with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
-            whole = build_model(model_fn)
+            whole = pipeline_layers(build_model(model_fn))
     assert whole is not None
     starts = cut(whole, config, world)
     check_ties_within_stages(whole, starts)
@@ -161,7 +193,14 @@ def build_stage(
     groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
     children = list(whole.named_children())
     mine = children[starts[groups.stage] : starts[groups.stage + 1]]
-    stage = StageModule(collections.OrderedDict(mine), groups, [name for name, _ in whole.named_parameters()])
+    decoder = isinstance(whole, DecoderLayers)
+    stage = StageModule(
+        collections.OrderedDict(mine),
+        groups,
+        [name for name, _ in whole.named_parameters()],
+        whole.model_names if isinstance(whole, DecoderLayers) else None,
+        drops_masks=decoder,
+    )
     if skeleton is not None and rank == 0:
         stages = [
             [f"{name}.{key}" for name, layer in children[a:b] for key in layer.state_dict()]

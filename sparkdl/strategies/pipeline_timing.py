@@ -23,6 +23,7 @@ from torch import nn
 from sparkdl.config import PipelineBalance, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
+from sparkdl.strategies.pipeline_decoder import DecoderLayers, pipeline_layers
 from sparkdl.strategies.pipeline_layout import Layout, balance
 from sparkdl.training.factory import build_model
 
@@ -56,19 +57,21 @@ def layer_seconds(layers: Sequence[nn.Module], x: torch.Tensor, repeats: int = R
     return [statistics.median(s) for s in seconds]
 
 
-def micro_batch(batch: Batch, config: SparkDLConfig) -> torch.Tensor:
+def micro_batch(batch: Batch, config: SparkDLConfig, drops_masks: bool = False) -> torch.Tensor:
     """A micro-batch of the pipeline's size (``batch_size x accumulate_steps`` rows from each
     of its stages' workers, cut into ``microbatches``) made of ``batch``'s rows, repeated.
+    ``drops_masks``: a decoder's boolean padding masks are left out (its stage 0 does so).
 
     Raises:
         ConfigError: the rows have more than one input (a pipeline's layers take one tensor).
     """
-    if len(batch.inputs) != 1:
+    inputs = {k: v for k, v in batch.inputs.items() if not (drops_masks and v.dtype == torch.bool)}
+    if len(inputs) != 1:
         raise ConfigError(
             f"pipeline_balance = 'time' feeds the first layer one tensor, but the rows have "
-            f"{len(batch.inputs)} inputs ({', '.join(batch.inputs)})"
+            f"{len(inputs)} inputs ({', '.join(inputs)})"
         )
-    (x,) = batch.inputs.values()
+    (x,) = inputs.values()
     training, pipeline = config.training, config.pipeline
     stages = Layout.of(config, training.num_workers).stages
     rows = max(training.batch_size * training.accumulate_steps * stages // pipeline.microbatches, 1)
@@ -131,11 +134,14 @@ def cut_by_time(
             "usable; set pipeline_balance = 'parameters' or pipeline.split_before"
         )
     whole = build_model(model_fn) if whole is None else whole
-    if not isinstance(whole, nn.Sequential):  # the strategy's own check says how to fix it
+    try:
+        layers = pipeline_layers(whole)
+    except ConfigError:  # the strategy's own check says how to fix it
         return config
     stages = Layout.of(config, config.training.num_workers).stages
+    rows = micro_batch(batch, config, drops_masks=isinstance(layers, DecoderLayers))
     with torch.random.fork_rng():  # the timing's dropout draws leave the user's stream alone
-        split, per_stage = timed_split(whole, micro_batch(batch, config), stages)
+        split, per_stage = timed_split(layers, rows, stages)
     log.info(
         "pipeline cut by measured time: stages begin at %s; forward + backward per micro-batch %s ms",
         ["(first)", *split], [round(s * 1e3, 2) for s in per_stage],

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.pipeline_layout import PipelineGroups
 from sparkdl.strategies.rows import padded
@@ -133,9 +132,10 @@ def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> tor
 
 
 def pad_rows(
-    rows: torch.Tensor, size: int, filler: Callable[[], Batch], device: torch.device
+    rows: torch.Tensor, size: int, filler: Callable[[], torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """``rows`` with copies of one row seen before up to ``size`` rows (padding the loss leaves out)."""
+    """``rows`` with copies of one row seen before (``filler``'s first) up to ``size`` rows
+    (padding the loss leaves out)."""
     if len(rows) == size:
         return rows
     if len(rows) > size:
@@ -143,8 +143,7 @@ def pad_rows(
             f"a pipeline step holds {len(rows)} rows, more than the {size} its micro-batches were sized "
             "for; this is a sparkdl bug, please report it"
         )
-    (template,) = filler().inputs.values()
-    row = template[:1].to(device=device, dtype=rows.dtype)
+    row = filler()[:1].to(device=device, dtype=rows.dtype)
     return torch.cat([rows, row.expand(size - len(rows), *row.shape[1:])])
 
 

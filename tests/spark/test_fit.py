@@ -336,7 +336,10 @@ def test_a_split_model_fits_the_reference_answer_then_transforms_and_saves_as_on
 
 def test_a_pipeline_of_a_model_it_cannot_cut_fails_in_preflight_before_any_task(spark):
     started = time.monotonic()
-    with pytest.raises(ConfigError, match=r"must return an nn.Sequential \(it returned TinyNet\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"or a Hugging Face decoder with a pipeline plan \(it returned TinyNet\)",
+    ):
         estimator(strategy="pipeline").fit(shards_dataframe(spark, make_shards([16, 16])))
     assert time.monotonic() - started < 30
     assert not [s for s in spark.sparkContext.statusTracker().getActiveStageIds()]

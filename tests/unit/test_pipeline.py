@@ -438,7 +438,10 @@ def test_a_model_a_pipeline_cannot_cut_is_refused_on_the_driver_naming_the_fix()
     from tests.reference import make_tiny_net
 
     config = SparkDLConfig().replace(strategy="pipeline", num_workers=2)
-    with pytest.raises(ConfigError, match=r"must return an nn.Sequential \(it returned TinyNet\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"or a Hugging Face decoder with a pipeline plan \(it returned TinyNet\)",
+    ):
         PipelineStrategy.check_model(make_tiny_net(), config)
     flat = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3), nn.Tanh())
     with pytest.raises(

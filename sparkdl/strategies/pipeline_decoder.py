@@ -1,0 +1,220 @@
+"""The layers a pipeline cuts a model between (:func:`pipeline_layers`): an ``nn.Sequential``'s
+own, or a Hugging Face decoder's embedding, each of its blocks, its final norm and head, one
+tensor between each and the next (issue 55 item 6).
+
+A ``transformers`` causal language model whose config declares the base model's pipeline
+plan (``base_model_pp_plan``: ``embed_tokens``, ``layers``, ``norm``, as Llama, Qwen, Mistral
+and a hundred other families do) and whose model declares its head's (``_pp_plan``:
+``lm_head``) is rewritten as an ``nn.Sequential`` of its own modules, not copies
+(:func:`decoder_layers`):
+
+- ``embed``: token ids -> hidden states;
+- ``block_<i>``: hidden states -> hidden states, the model's ``i``-th block, given the causal
+  mask and the rotary position embeddings the model's forward makes once for all its
+  blocks (each block makes them from its input's length; the rotary module is rebuilt from
+  the config on the block's device, never registered, so a stage's state is its weights);
+- ``head``: the final norm, then the head: logits.
+
+The pipeline cuts between them. A sequence input's rows are right-padded (sparkdl pads at
+the end): under the causal mask a padded tail changes no earlier position, and the loss
+leaves the padding out, so stage 0 takes the ids alone and the mask stays behind.
+
+A family whose forward does more than its plan says (scaled embeddings, soft-capped logits,
+sliding-window masks) would compute something else: :func:`check_same_forward` compares
+the layers' logits with the model's own on the driver before any worker starts, and the
+model is refused where they differ.
+
+The layers' state is the model's, under other names: :attr:`DecoderLayers.model_names`
+maps each to the model's (``block_3.layer.mlp.up_proj.weight`` is
+``model.layers.3.mlp.up_proj.weight``), so checkpoints and the final weights stay the
+model's own; the parameters come in the model's order, which numbers the optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from sparkdl.errors import ConfigError
+
+#: The base model's plan a decoder needs, in its order.
+_BASE_PLAN = ("embed_tokens", "layers", "norm")
+
+
+class DecoderLayers(nn.Sequential):
+    """A decoder's modules as a pipeline's layers (:func:`decoder_layers`)."""
+
+    def __init__(self, layers: dict[str, nn.Module], model_names: dict[str, str], family: str) -> None:
+        super().__init__()
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+        #: each state key of these layers -> the model's key for the same tensor
+        self.model_names = model_names
+        self.family = family
+
+
+class _Embedding(nn.Module):
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.embed_tokens(ids.long()))
+
+
+class _Block(nn.Module):
+    """One block, with what the model's forward hands every block: the positions, the
+    causal mask, the rotary embeddings."""
+
+    def __init__(self, layer: nn.Module, config: Any, rotary_type: type[nn.Module] | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.rotary_type = rotary_type
+        self.rotary: dict[torch.device, nn.Module] = {}  # built where the block runs; not its state
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        config = self.config
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+        )
+        extra: dict[str, Any] = {}
+        if self.rotary_type is not None:
+            if hidden.device not in self.rotary:
+                self.rotary[hidden.device] = self.rotary_type(config=config).to(hidden.device)
+            extra["position_embeddings"] = self.rotary[hidden.device](hidden, position_ids=positions)
+        out = self.layer(hidden, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
+        return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.lm_head(self.norm(hidden)))
+
+
+def pipeline_layers(model: nn.Module) -> nn.Sequential:
+    """The layers a pipeline cuts ``model`` between: its own where it is an ``nn.Sequential``,
+    a Hugging Face decoder's embedding, blocks and head (:func:`decoder_layers`).
+
+    Raises:
+        ConfigError: neither.
+    """
+    if isinstance(model, nn.Sequential):
+        return model
+    if is_decoder(model):
+        return decoder_layers(model)
+    raise ConfigError(
+        f"strategy = 'pipeline' cuts the model between its top-level layers, so model_fn must "
+        f"return an nn.Sequential or a Hugging Face decoder with a pipeline plan (it returned "
+        f"{type(model).__name__}); write the model as nn.Sequential(layer, layer, ...) whose layers "
+        "each take one tensor, or use strategy = 'tensor' or 'fsdp'"
+    )
+
+
+def is_decoder(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal language model whose pipeline plan names its modules."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_pp_plan", None) or {}
+    head = getattr(model, "_pp_plan", None) or {}
+    base = getattr(model, "base_model", None)
+    return (
+        tuple(plan)[:3] == _BASE_PLAN
+        and "lm_head" in head
+        and isinstance(base, nn.Module)
+        and base is not model
+        and all(isinstance(getattr(base, name, None), nn.Module) for name in _BASE_PLAN)
+        and isinstance(getattr(model, "lm_head", None), nn.Module)
+    )
+
+
+def decoder_layers(model: nn.Module) -> DecoderLayers:
+    """``model`` (:func:`is_decoder`) as the pipeline's layers: ``embed``, ``block_<i>`` for
+    each block, ``head``; the modules are the model's own.
+
+    Raises:
+        ConfigError: the plan names more modules than these (a family the rewrite does not know).
+    """
+    config: Any = getattr(model, "config")  # noqa: B009 (a Hugging Face model's)
+    plan = tuple(config.base_model_pp_plan)
+    if plan != _BASE_PLAN:
+        raise ConfigError(
+            f"strategy = 'pipeline' cuts a Hugging Face decoder whose pipeline plan is {list(_BASE_PLAN)}; "
+            f"{type(model).__name__}'s is {list(plan)}: write it as an nn.Sequential of one-tensor layers, "
+            "or use strategy = 'tensor' or 'fsdp'"
+        )
+    base = cast(nn.Module, model.base_model)
+    rotary = getattr(base, "rotary_emb", None)
+    blocks = list(cast(nn.ModuleList, base.layers))[: getattr(config, "num_hidden_layers", None)]
+    layers: dict[str, nn.Module] = {"embed": _Embedding(cast(nn.Module, base.embed_tokens))}
+    for i, block in enumerate(blocks):
+        layers[f"block_{i}"] = _Block(block, config, type(rotary) if rotary is not None else None)
+    layers["head"] = _Head(cast(nn.Module, base.norm), cast(nn.Module, model.lm_head))
+    return DecoderLayers(layers, _model_names(model, layers), type(model).__name__)
+
+
+def _model_names(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, str]:
+    """Each of the layers' state keys -> the model's key of the same tensor (by identity; a
+    tensor the model holds under two keys, a tied one, by the matching ending)."""
+    by_tensor: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(value), []).append(key)
+    names: dict[str, str] = {}
+    for name, layer in layers.items():
+        for key, value in layer.state_dict(keep_vars=True).items():
+            candidates = by_tensor.get(id(value), [])
+            ending = key.split(".", 1)[1] if "." in key else key
+            found = [c for c in candidates if c.endswith(ending)] or candidates
+            if not found:
+                raise ConfigError(
+                    f"strategy = 'pipeline': {type(model).__name__}'s {name} holds {key!r}, which the "
+                    "model's own state does not: write it as an nn.Sequential of one-tensor layers"
+                )
+            names[f"{name}.{key}"] = found[0]
+    return names
+
+
+def check_same_forward(model: nn.Module, layers: DecoderLayers) -> None:
+    """Compare ``layers``' logits with ``model``'s own on a few ids (eval mode, no gradient).
+
+    Raises:
+        ConfigError: they differ: the family's forward does more than its plan.
+    """
+    config: Any = getattr(model, "config")  # noqa: B009 (a Hugging Face model's)
+    vocab = int(getattr(config, "vocab_size", 2))
+    length = min(8, int(getattr(config, "max_position_embeddings", 8) or 8))
+    ids = (torch.arange(2 * length).reshape(2, length) * 7 + 3) % vocab
+    first = next(model.parameters(), None)
+    if first is not None:
+        ids = ids.to(first.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+            got = layers(ids)
+        same = got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+        why = (
+            f"its logits differ on the same ids (by {(got - expected).abs().max().item():.3g})"
+            if got.shape == expected.shape
+            else f"its logits are {tuple(expected.shape)}, the layers' {tuple(got.shape)}"
+        )
+    except Exception as exc:  # a family whose blocks take other arguments
+        same, why = False, f"its blocks fail taken one by one ({type(exc).__name__}: {str(exc)[:200]})"
+    finally:
+        model.train(training)
+    if not same:
+        raise ConfigError(
+            f"strategy = 'pipeline' rewrites a Hugging Face decoder as its embedding, blocks and head, "
+            f"but {layers.family}'s forward does more than those: {why}. Write it as an nn.Sequential of "
+            "one-tensor layers, or use strategy = 'tensor' or 'fsdp', which take it as it is"
+        )
