@@ -31,6 +31,11 @@ rows are spread. One world-wide sum of the loss (and of whether any gradient was
 per step gives every rank the same loss and the same NaN verdict. Gradient clipping takes
 the norm over every stage.
 
+Tied weights: a parameter the model holds under several names (a language model's head tied
+to its embedding) whose layers land on several stages is a copy on each; after a step's
+backward the copies' gradients are summed over those stages (one all-reduce per tie in
+their own group), and the clipping norm counts it once, so every copy takes the same step.
+
 Called as a module, a worker's stage runs the whole pipeline forward (inference, in
 lockstep with its pipeline: :class:`~sparkdl.training.strategy.CollectiveForward`), so
 validation, the label probe and early stopping work unchanged. Checkpoints, the final
@@ -69,7 +74,6 @@ from sparkdl.strategies.pipeline_stage import (
     StageLayers,
     StageModule,
     build_stage,
-    check_ties_within_stages,
 )
 from sparkdl.strategies.pipeline_transfer import (
     StepRows,
@@ -161,12 +165,12 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
 
     @classmethod
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
-        """On the driver, before any worker starts: the layers can be cut as set, a tie
-        does not cross stages, and a Hugging Face decoder's layers compute what it does."""
+        """On the driver, before any worker starts: the layers can be cut as set, and a
+        Hugging Face decoder's layers compute what it does."""
         layers = pipeline_layers(module)
         if isinstance(layers, DecoderLayers):
             check_same_forward(module, layers)
-        check_ties_within_stages(layers, cls.cut(layers, config, config.training.num_workers))
+        cls.cut(layers, config, config.training.num_workers)
 
     @classmethod
     def cut(cls, whole: nn.Module, config: SparkDLConfig, world: int) -> list[int]:
@@ -217,11 +221,11 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         stage.load_state_dict({key: model_state[name] for key, name in stage.model_names.items()})
         named = indexed_to_named(optimizer_state, stage.whole_parameter_names)
         local = parameter_names(stage, optimizer)
-        kept = set(local)
+        whole_name = {n: stage.aliases.get(n, n) for n in local}  # a tied copy: the tie's state
         mine = {
-            "state": {name: value for name, value in named["state"].items() if name in kept},
+            "state": {n: named["state"][w] for n, w in whole_name.items() if w in named["state"]},
             "param_groups": [
-                {**group, "params": [n for n in group["params"] if n in kept]}
+                {**group, "params": [n for n in local if whole_name[n] in set(group["params"])]}
                 for group in named["param_groups"]
             ],
         }
@@ -265,12 +269,32 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         else:
             self._schedule.step(return_outputs=False)
         self._step_state = None
+        self._sum_tied()
         self._sum_over_replicas()
         self.stats.sync_rounds += 1
         self.stats.bytes_sent += self._layers.sent
         self._layers.sent = 0
         loss = self._agreed_loss(step.global_rows)
         return self._step_on_shared_gradients(step, loss)
+
+    def _sum_tied(self) -> None:
+        """Sum each tied parameter's gradient over the stages of this pipeline that hold its
+        copies (a decoder's embedding and head): every copy then takes the same step, so they
+        stay one tensor. A stage of the group without a copy of a tie adds zeros."""
+        group, stage = self._groups.ties, cast(StageModule, self.ctx.module)
+        if group is None:
+            return
+        holders = dist.get_world_size(group)
+        for tie, copy in zip(stage.ties, stage.tied_copies, strict=True):
+            if not tie.trainable:
+                continue
+            grad = copy.grad if copy is not None else None
+            device = self.ctx.device
+            summed = grad if grad is not None else torch.zeros(tie.shape, dtype=tie.dtype, device=device)
+            dist.all_reduce(summed, group=group)
+            if copy is not None and grad is None:
+                copy.grad = summed
+            self.stats.bytes_sent += 2 * (holders - 1) * summed.nbytes // holders
 
     def _sum_over_replicas(self) -> None:
         """Add up this stage's gradients over every pipeline (one all-reduce of them all,
@@ -349,8 +373,11 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     def _clip_gradients(self) -> None:
         """Clip by the norm of the whole model's gradient: each stage's share, summed over
         the pipeline."""
-        grads = [p.grad for p in self.ctx.module.parameters() if p.grad is not None]
-        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else None
+        stage = cast(StageModule, self.ctx.module)
+        named = [(n, p.grad) for n, p in stage.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
+        counted = [g for n, g in named if n not in stage.norm_skips]  # a tied copy counts once
+        local = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted else None
         squared = torch.tensor([float(local) if local is not None else 0.0], dtype=torch.float64)
         dist.all_reduce(squared, group=self._groups.objects)
         norm = float(squared.sqrt())
@@ -377,6 +404,14 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         stage = cast(StageModule, self.ctx.module)
         on_cpu = to_cpu(self.ctx.optimizer.state_dict())  # unpickled on rank 0: not on this GPU
         local = indexed_to_named(on_cpu, parameter_names(stage, self.ctx.optimizer))
+        if stage.aliases:  # a tied copy's state is its first holder's (the same steps): once
+            local = {
+                "state": {n: v for n, v in local["state"].items() if n not in stage.aliases},
+                "param_groups": [
+                    {**g, "params": [n for n in g["params"] if n not in stage.aliases]}
+                    for g in local["param_groups"]
+                ],
+            }
         return self._gather_whole(
             local, lambda parts: merged_optimizer_states(parts, stage.whole_parameter_names)
         )

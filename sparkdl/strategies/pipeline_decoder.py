@@ -172,8 +172,12 @@ def _model_names(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, st
     for name, layer in layers.items():
         for key, value in layer.state_dict(keep_vars=True).items():
             candidates = by_tensor.get(id(value), [])
-            ending = key.split(".", 1)[1] if "." in key else key
-            found = [c for c in candidates if c.endswith(ending)] or candidates
+            inner = key.split(".", 1)[-1]  # without the wrapper's own attribute
+            found = (
+                [c for c in candidates if c == key or c.endswith("." + key)]
+                or [c for c in candidates if c.endswith("." + inner)]
+                or candidates
+            )
             if not found:
                 raise ConfigError(
                     f"strategy = 'pipeline': {type(model).__name__}'s {name} holds {key!r}, which the "

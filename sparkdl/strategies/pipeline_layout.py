@@ -119,6 +119,8 @@ class PipelineGroups:
     pipeline: dist.ProcessGroup  # this rank's pipeline, stage by stage
     replicas: dist.ProcessGroup | None  # this rank's stage over every pipeline (None: one pipeline)
     objects: dist.ProcessGroup  # gloo over this rank's pipeline: pickled state dicts
+    #: the stages of this rank's pipeline that hold copies of tied parameters (None: it holds none)
+    ties: dist.ProcessGroup | None = None
 
     @property
     def stage(self) -> int:
@@ -137,9 +139,12 @@ class PipelineGroups:
         return self.stage == self.layout.stages - 1
 
     @classmethod
-    def form(cls, layout: Layout, rank: int, timeout_s: float) -> PipelineGroups:
+    def form(
+        cls, layout: Layout, rank: int, timeout_s: float, tie_stages: Sequence[int] = ()
+    ) -> PipelineGroups:
         """Every rank creates every group, in the same order (``new_group``'s rule), each
-        bounded by ``timeout_s`` (``runtime.collective_timeout_s``)."""
+        bounded by ``timeout_s`` (``runtime.collective_timeout_s``). ``tie_stages``: the
+        stages that hold copies of tied parameters, which sum their gradients each step."""
         gloo = dist.get_backend() == "gloo"
         timeout = timedelta(seconds=timeout_s)
         own = layout.replica_of(rank)
@@ -155,5 +160,12 @@ class PipelineGroups:
                 group = dist.new_group(layout.replica_ranks(stage), timeout=timeout)
                 if stage == layout.stage_of(rank):
                     replicas = group
+        ties = None
+        if len(tie_stages) > 1:
+            for replica in range(layout.replicas):
+                holders = [layout.pipeline_ranks(replica)[stage] for stage in tie_stages]
+                group = dist.new_group(holders, timeout=timeout)
+                if rank in holders:
+                    ties = group
         assert pipeline is not None and objects is not None
-        return cls(layout, rank, pipeline, replicas, objects)
+        return cls(layout, rank, pipeline, replicas, objects, ties)

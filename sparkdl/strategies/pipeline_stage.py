@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -67,6 +68,7 @@ class StageModule(nn.Sequential):
         whole_names: list[str],
         model_names: dict[str, str] | None = None,
         drops_masks: bool = False,
+        ties: list[Tie] | None = None,
     ) -> None:
         super().__init__(layers)
         self.groups = groups
@@ -75,6 +77,18 @@ class StageModule(nn.Sequential):
         own = list(self.state_dict())
         self.model_names = {key: (model_names or {}).get(key, key) for key in own}
         self.drops_masks = drops_masks
+        #: the ties that cross stages, and this stage's copy of each (None: it holds none)
+        self.ties = ties or []
+        local = dict(self.named_parameters())
+        self.tied_copies = [next((local[n] for n in tie.names if n in local), None) for tie in self.ties]
+        #: a tied copy's name here -> the name the whole model's parameters list it by
+        self.aliases = {
+            n: tie.names[0] for tie in self.ties for n in tie.names[1:] if n in local and n != tie.names[0]
+        }
+        #: the tied copies whose gradient another stage counts in the clipping norm (the first holder does)
+        self.norm_skips = {
+            n for tie in self.ties if tie.stages[0] != groups.stage for n in tie.names if n in local
+        }
         #: the last collective forward's input and output on this stage (their shapes and dtypes
         #: are what the schedule's stage is built with)
         self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -140,30 +154,34 @@ class StageLayers(nn.Module):
         return out
 
 
-def check_ties_within_stages(whole: nn.Module, starts: list[int]) -> None:
-    """Refuse parameters shared between layers that the cut puts on different stages (a
-    language model's embedding tied to its output head): each stage would hold and train
-    its own copy, so the tie would silently come apart.
+@dataclass(frozen=True)
+class Tie:
+    """A parameter the whole model holds under several names (a language model's embedding
+    and its head) that the cut puts on several stages. Each of those stages trains a copy;
+    their gradients are summed over them every step, so every copy takes the same step and
+    they stay one tensor (Megatron's embedding group)."""
 
-    Raises:
-        ConfigError: names the tied parameters, their stages, and the ways out.
-    """
+    names: tuple[str, ...]  # in the whole model; the first is the one its parameters list
+    stages: tuple[int, ...]  # the stages holding a copy
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+
+def cross_stage_ties(whole: nn.Module, starts: list[int]) -> list[Tie]:
+    """The tied parameters of ``whole`` whose layers the cut ``starts`` puts on more than
+    one stage (a tie inside one stage stays one parameter there)."""
     index = {name: i for i, (name, _) in enumerate(whole.named_children())}
     stage_of = [s for s, (a, b) in enumerate(itertools.pairwise(starts)) for _ in range(a, b)]
+    params = dict(whole.named_parameters(remove_duplicate=False))
+    ties = []
     for names in tied_parameters(whole):
         stages = sorted({stage_of[index[name.split(".", 1)[0]]] for name in names})
         if len(stages) > 1:
-            untie = (
-                "tie_word_embeddings=False in its config"
-                if isinstance(whole, DecoderLayers)
-                else "e.g. give the output layer its own nn.Parameter(weight.clone())"
-            )
-            raise ConfigError(
-                f"strategy = 'pipeline': the parameters {', '.join(names)} are one tensor (tied), but "
-                f"the cut puts their layers on stages {', '.join(map(str, stages))}, where each stage "
-                f"would train a copy of its own. Untie them in model_fn ({untie}), cut so that their "
-                "layers share a stage (split_before), or use strategy = 'fsdp' or 'tensor', which keep ties"
-            )
+            param = params[names[0]]
+            shape, trainable = tuple(param.shape), param.requires_grad
+            ties.append(Tie(tuple(names), tuple(stages), shape, param.dtype, trainable))
+    return ties
 
 
 def build_stage(
@@ -188,9 +206,10 @@ def build_stage(
             whole = pipeline_layers(build_model(model_fn))
     assert whole is not None
     starts = cut(whole, config, world)
-    check_ties_within_stages(whole, starts)
+    ties = cross_stage_ties(whole, starts)
     layout = Layout.of(config, world)
-    groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s)
+    tie_stages = sorted({stage for tie in ties for stage in tie.stages})
+    groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s, tie_stages)
     children = list(whole.named_children())
     mine = children[starts[groups.stage] : starts[groups.stage + 1]]
     decoder = isinstance(whole, DecoderLayers)
@@ -200,6 +219,7 @@ def build_stage(
         [name for name, _ in whole.named_parameters()],
         whole.model_names if isinstance(whole, DecoderLayers) else None,
         drops_masks=decoder,
+        ties=ties,
     )
     if skeleton is not None and rank == 0:
         stages = [

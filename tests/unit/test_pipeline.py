@@ -275,18 +275,30 @@ def test_a_stage_whose_layers_share_a_weight_keeps_it_shared_on_every_rank(tmp_p
     assert torch.equal(state["2.first.weight"], state["2.second.weight"])
 
 
-def test_a_weight_tied_across_stages_is_refused_and_one_tied_within_a_stage_is_not():
-    """An embedding tied to the output head, cut onto two stages, would train as two copies
-    that drift apart (each stage holds its own): refused before training, naming the tie;
-    a tie inside one stage is kept (the test above)."""
-    from sparkdl.strategies.pipeline_stage import check_ties_within_stages
+def head_tied_net() -> nn.Sequential:
+    """The first layer's weight tied to the last's (a language model's embedding and head)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    net[4].weight = net[0].weight
+    return net
 
-    head_tied = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
-    head_tied[4].weight = head_tied[0].weight
-    with pytest.raises(ConfigError, match=r"0\.weight, 4\.weight are one tensor.*stages 0, 1"):
-        check_ties_within_stages(head_tied, [0, 3, 5])
-    check_ties_within_stages(head_tied, [0, 5])  # one stage: the tie stays
-    check_ties_within_stages(tied_deep_net(), [0, 3, 5])  # tied inside layer 2, on stage 1
+
+@pytest.mark.slow
+def test_a_weight_tied_across_stages_trains_as_one_tensor_to_single_process_sgds_weights(tmp_path):
+    """Cut onto two stages, the tie's layers each hold a copy; their gradients are summed
+    over the two stages every step (and counted once in the clipping norm), so the copies
+    take the same steps and stay one tensor: single-process SGD's weights."""
+    from sparkdl.strategies.pipeline_stage import cross_stage_ties
+
+    (tie,) = cross_stage_ties(head_tied_net(), [0, 3, 5])
+    assert tie.names == ("0.weight", "4.weight") and tie.stages == (0, 1)
+    assert cross_stage_ties(head_tied_net(), [0, 5]) == []  # one stage: it stays one parameter
+    shards = make_shards([30, 22, 17, 9])
+    settings = {"stages": 2, "microbatches": 2, "pipeline_schedule": "1f1b", "shuffle": True}
+    state, _ = train(shards, tmp_path, model_fn=head_tied_net, batch_size=8, epochs=2, **settings)
+    expected = reference_sgd(shards, 8, 2, 0, LR, MOMENTUM, True, model_fn=head_tied_net)
+    assert max_abs_diff(state, expected) < 1e-5
+    assert torch.equal(state["0.weight"], state["4.weight"])
 
 
 @pytest.mark.slow

@@ -139,10 +139,19 @@ def test_the_layers_are_the_models_own_modules_and_compute_its_logits():
     assert not any("rotary" in key or "inv_freq" in key for key in layers.state_dict())
 
 
-def test_a_tied_decoder_and_one_whose_forward_does_more_are_refused_on_the_driver():
+@pytest.mark.slow
+def test_a_decoder_whose_head_is_tied_to_its_embedding_keeps_them_one_across_stages(tmp_path):
+    parts = [[token_rows(20, seed=5)], [token_rows(16, seed=6)]]
+    settings = {"batch_size": 4, "epochs": 2, "shuffle": True, "grad_clip_norm": 0.5}
+    piped, _ = train(tmp_path / "pipeline", make_tied_llama, "pipeline", parts, microbatches=2, **settings)
+    reference, _ = train(tmp_path / "allreduce", make_tied_llama, "allreduce", parts, **settings)
+    assert max_abs_diff(piped, reference) < 1e-5
+    assert torch.equal(piped["model.embed_tokens.weight"], piped["lm_head.weight"])
+
+
+def test_a_decoder_whose_forward_does_more_than_its_plan_is_refused_on_the_driver():
     config = SparkDLConfig().replace(num_workers=2, strategy="pipeline")
-    with pytest.raises(ConfigError, match=r"tie_word_embeddings=False in its config"):
-        PipelineStrategy.check_model(make_tied_llama(), config)
+    PipelineStrategy.check_model(make_tied_llama(), config)  # a tie is kept: taken
 
     class Scaled(type(make_llama())):  # type: ignore[misc]
         """Its forward scales the embeddings, which its pipeline plan does not say."""
