@@ -40,6 +40,8 @@ _PUBLIC = {
     "StreamingFit": "sparkdl.ml.streaming",
     "fit_stream": "sparkdl.ml.streaming",
     "latest_model": "sparkdl.ml.streaming",
+    "save_pipeline": "sparkdl.ml.pipelines",
+    "load_pipeline": "sparkdl.ml.pipelines",
 }
 
 __all__ = [
@@ -67,8 +69,10 @@ __all__ = [
     "fit_stream",
     "latest_model",
     "load_config",
+    "load_pipeline",
     "loading",
     "run",
+    "save_pipeline",
     "session",
 ]
 
@@ -95,6 +99,7 @@ if TYPE_CHECKING:
     from sparkdl.launch.run import RunResult, run
     from sparkdl.ml.estimator import TorchEstimator, TorchModel
     from sparkdl.ml.persistence import loading
+    from sparkdl.ml.pipelines import load_pipeline, save_pipeline
     from sparkdl.ml.streaming import StreamingFit, fit_stream, latest_model
     from sparkdl.spark.session import session
 

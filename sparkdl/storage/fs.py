@@ -192,7 +192,8 @@ def read_metadata(spark: Any, path: str) -> str | None:
     if store is None:
         return None
     folder = f"{store.path.rstrip('/')}/metadata"
-    parts = sorted(p for p in store.fs.ls(folder, detail=False) if p.rsplit("/", 1)[-1].startswith("part-"))
+    listed = store.fs.ls(folder, detail=False, refresh=True)  # not a listing cached before a rewrite
+    parts = sorted(p for p in listed if p.rsplit("/", 1)[-1].startswith("part-"))
     for part in parts:
         lines = bytes(store.fs.cat_file(part)).decode().splitlines()
         if lines:
