@@ -51,7 +51,7 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
         ConfigError: a stage cannot be saved (it is not ``MLWritable``).
     """
     spark = SparkSession.active()
-    stages = list(pipeline.getStages() if isinstance(pipeline, Pipeline) else pipeline.stages)
+    stages: list[Any] = list(pipeline.getStages() if isinstance(pipeline, Pipeline) else pipeline.stages)
     store = fs.object_store(spark, path)
     if store is None:
         writer = pipeline.write()
