@@ -365,6 +365,15 @@ class DataConfig:
             valid='a column name, or "" to leave it out',
         ),
     )
+    perplexity_col: str = field(
+        default="perplexity",
+        metadata=about(
+            "Double column of a language model's per-row perplexity that transform adds with "
+            "loss_fn = causal_lm: exp of the mean next-token loss over the row's positions that have "
+            "a next token (padding left out; NaN for a row of one token).",
+            valid='a column name, or "" to leave it out',
+        ),
+    )
     cache_dir: str = field(
         default="",
         metadata=about(

@@ -400,8 +400,10 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
     Like pyspark.ml's classifiers, a classifier (trained with cross_entropy, or with
     bce_with_logits and one output) adds ``prediction`` (the class index), ``rawPrediction``
     and ``probability`` (ml Vectors), so the stock evaluators read them on their defaults;
-    a regression adds ``prediction`` only. The names are the settings ``prediction_col``,
-    ``raw_prediction_col`` and ``probability_col`` ("" leaves a column out).
+    a regression adds ``prediction`` only; a causal language model (``loss_fn = "causal_lm"``)
+    each position's predicted next token and ``perplexity``, per row. The names are the
+    settings ``prediction_col``, ``raw_prediction_col``, ``probability_col`` and
+    ``perplexity_col`` ("" leaves a column out).
 
     Attributes:
         module: the trained ``torch.nn.Module`` (on CPU).
@@ -456,8 +458,12 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
         mode = output_mode(
             self.classifier, self.output_shape, binary=config.training.loss == "bce_with_logits"
         )
+        causal = config.training.loss == "causal_lm"
         columns = OutputCols(
-            config.data.prediction_col, config.data.raw_prediction_col, config.data.probability_col
+            config.data.prediction_col,
+            config.data.raw_prediction_col,
+            config.data.probability_col,
+            config.data.perplexity_col if causal else "",
         )
         schema = prediction_schema(dataset.schema, columns, mode)
         spec = PredictSpec(
@@ -477,6 +483,7 @@ class TorchModel(Model, _SparkDLParams, MLWritable, MLReadable):
             use_gpu=config.runtime.use_gpu,
             torch_threads=config.runtime.torch_threads,
             compile_backend=config.training.compile_backend if config.training.compile else "",
+            perplexity_of=token_input(config.data) if causal else "",
         )
         return dataset.mapInArrow(functools.partial(predict_partition, spec), schema)
 

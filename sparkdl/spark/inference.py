@@ -5,7 +5,8 @@ defaults: a classifier adds ``prediction`` (the class index, a double), ``rawPre
 (the raw outputs) and ``probability`` (their softmax), the last two as ml Vectors; a
 regression adds ``prediction`` only (a double, or array<float> for several outputs). A model
 trained on class ids per position (a language model, a tagger: logits ``(N, T, C)``) adds
-``prediction`` as array<double>, the class of every position.
+``prediction`` as array<double>, the class of every position, and a causal language model
+(``loss_fn = "causal_lm"``) ``perplexity``, a double per row: exp of its mean next-token loss.
 
 The Vector columns leave the Python worker as the Arrow struct that ``VectorUDT`` is stored
 as (``VECTOR_ARROW_TYPE``): PySpark's ``mapInArrow`` maps a UDT field of the output schema
@@ -32,8 +33,8 @@ import torch
 from sparkdl import process
 from sparkdl.config import UseGpu
 from sparkdl.data.decoding import decode_block
-from sparkdl.data.inputs import DataPlan
-from sparkdl.data.tensors import call_model, to_batch
+from sparkdl.data.inputs import IGNORED, DataPlan
+from sparkdl.data.tensors import call_model, next_tokens, to_batch
 from sparkdl.errors import SchemaError
 from sparkdl.services.weights.client import download
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -77,12 +78,15 @@ class OutputCols:
     prediction: str = "prediction"
     raw_prediction: str = ""
     probability: str = ""
+    perplexity: str = ""  # a causal language model's (SEQUENCE)
 
     def added(self, mode: OutputMode) -> list[tuple[str, str]]:
         """``(setting, column)`` of every column ``mode`` writes, in schema order."""
         wanted = [("prediction_col", self.prediction)]
         if mode in (OutputMode.CLASS, OutputMode.BINARY):
             wanted += [("raw_prediction_col", self.raw_prediction), ("probability_col", self.probability)]
+        if mode is OutputMode.SEQUENCE:
+            wanted.append(("perplexity_col", self.perplexity))
         return [(setting, name) for setting, name in wanted if name]
 
 
@@ -139,6 +143,7 @@ class PredictSpec:
     use_gpu: UseGpu
     torch_threads: int
     compile_backend: str = ""  # training.compile's backend; "" = eager
+    perplexity_of: str = ""  # the input of token ids whose next tokens a perplexity column scores
 
 
 def output_mode(classifier: bool, output_shape: tuple[int, ...], binary: bool = False) -> OutputMode:
@@ -176,8 +181,10 @@ def prediction_schema(schema: Any, columns: OutputCols, mode: OutputMode) -> Any
                 f"column {name!r} that transform adds ({setting}) already exists in the DataFrame "
                 f'or is named by another setting; set {setting} to a new name, or "" to leave it out'
             )
-        if setting != "prediction_col":
-            kind: Any = VectorUDT()
+        if setting == "perplexity_col":
+            kind: Any = DoubleType()
+        elif setting != "prediction_col":
+            kind = VectorUDT()
         elif mode is OutputMode.ARRAY:
             kind = ArrayType(FloatType(), containsNull=False)
         elif mode is OutputMode.SEQUENCE:
@@ -201,10 +208,7 @@ def predict_partition(spec: PredictSpec, batches: Iterator[pa.RecordBatch]) -> I
     module = _cached_module(spec, str(device))
     for batch in batches:
         if spec.mode is OutputMode.SEQUENCE:
-            arrays = {
-                name: _sequence_predictions(module, batch, spec, device)
-                for _, name in spec.columns.added(spec.mode)
-            }
+            arrays = _sequence_columns(module, batch, spec, device)
         else:
             arrays = output_arrays(model_outputs(module, batch, spec, device), spec.mode, spec.columns)
         for name, array in arrays.items():
@@ -225,27 +229,60 @@ def model_outputs(
 def _output_chunks(
     module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
 ) -> Iterator[np.ndarray]:
-    """float32 ``[rows, width]`` per chunk of ``spec.batch_size`` rows; ``SEQUENCE``: the class
-    of each position (taken on the device: the logits are T x C per row)."""
+    """float32 ``[rows, width]`` per chunk of ``spec.batch_size`` rows."""
     block = decode_block(batch, spec.plan, training=False)
     with torch.inference_mode():
         for start in range(0, len(block), spec.batch_size):
             tensors = to_batch(block.rows(slice(start, start + spec.batch_size)), spec.plan).to(device)
             out = call_model(module, tensors, spec.plan.keyword)
-            if spec.mode is OutputMode.SEQUENCE:
-                out = out.argmax(dim=-1)
             yield out.float().reshape(len(tensors), -1).cpu().numpy()
 
 
-def _sequence_predictions(
+def _sequence_columns(
     module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
-) -> pa.Array:
-    """array<double> per row: the class of every position. Rows padded to their chunk's
-    longest (``sequence_cols``) get predictions for the padding too; the mask tells which."""
-    chunks = list(_output_chunks(module, batch, spec, device)) if batch.num_rows else []
-    if not chunks:
-        return pa.array([], type=pa.list_(pa.float64()))
-    return pa.concat_arrays([_float_lists(chunk, np.float64) for chunk in chunks])
+) -> dict[str, pa.Array]:
+    """``SEQUENCE``'s columns, from one forward per chunk of ``spec.batch_size`` rows:
+    ``prediction``, array<double> per row, the class of every position (taken on the device:
+    the logits are T x C per row; rows padded to their chunk's longest get predictions for the
+    padding too, which the mask tells); ``perplexity`` (:func:`row_perplexity`)."""
+    columns = spec.columns
+    classes: list[np.ndarray] = []
+    perplexities: list[np.ndarray] = []
+    if batch.num_rows:
+        block = decode_block(batch, spec.plan, training=False)
+        with torch.inference_mode():
+            for start in range(0, len(block), spec.batch_size):
+                tensors = to_batch(block.rows(slice(start, start + spec.batch_size)), spec.plan).to(device)
+                logits = call_model(module, tensors, spec.plan.keyword)
+                classes.append(logits.argmax(dim=-1).reshape(len(tensors), -1).double().cpu().numpy())
+                if columns.perplexity:
+                    ids = tensors.inputs[spec.perplexity_of]
+                    mask = tensors.inputs.get(spec.plan.mask_name(spec.perplexity_of))
+                    perplexities.append(row_perplexity(logits, next_tokens(ids, mask)).cpu().numpy())
+    arrays: dict[str, pa.Array] = {}
+    if columns.prediction:
+        arrays[columns.prediction] = (
+            pa.concat_arrays([_float_lists(chunk, np.float64) for chunk in classes])
+            if classes
+            else pa.array([], type=pa.list_(pa.float64()))
+        )
+    if columns.perplexity:
+        arrays[columns.perplexity] = pa.array(
+            np.concatenate(perplexities) if perplexities else np.zeros(0), pa.float64()
+        )
+    return arrays
+
+
+def row_perplexity(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """float64 ``[rows]``: exp of each row's mean next-token cross-entropy over its positions
+    that have a target (``targets``: :func:`~sparkdl.data.tensors.next_tokens`, IGNORED
+    elsewhere), as ``loss_fn = "causal_lm"`` scores a row; NaN for a row without any."""
+    per_position = torch.nn.functional.cross_entropy(
+        logits.float().movedim(-1, 1), targets, ignore_index=IGNORED, reduction="none"
+    )
+    counted = (targets != IGNORED).sum(dim=1)
+    mean = per_position.sum(dim=1).double() / counted.clamp(min=1)
+    return torch.where(counted > 0, mean.exp(), torch.full_like(mean, float("nan")))
 
 
 def output_arrays(outputs: np.ndarray, mode: OutputMode, columns: OutputCols) -> dict[str, pa.Array]:

@@ -95,11 +95,13 @@ def test_a_transformers_causal_lm_learns_the_next_token_without_a_label_column(s
     first, last = model.history[0], model.history[-1]
     assert last["loss"] < 0.3 * first["loss"], (first, last)
     assert last["val_loss"] < 0.5 and last["val_accuracy"] > 0.9, last  # perplexity exp(val_loss) < 1.65
-    rows = model.transform(counting_rows(spark, 50, 4)).select("tokens", "prediction").collect()
+    rows = model.transform(counting_rows(spark, 50, 4)).select("tokens", "prediction", "perplexity").collect()
     hits = [
         int(p) == (t + 1) % 20 for row in rows for t, p in zip(row.tokens[:-1], row.prediction, strict=False)
     ]
     assert sum(hits) / len(hits) > 0.9, sum(hits) / len(hits)
+    perplexities = sorted(row.perplexity for row in rows)  # each row's, of its own next tokens
+    assert 1.0 < perplexities[0] and perplexities[len(rows) // 2] < 1.65, perplexities
 
 
 def lora_bert_classifier():
@@ -304,11 +306,11 @@ def test_a_transformers_decoder_trains_as_a_pipeline_cut_between_its_blocks(spar
     model that comes back is the Llama, which predicts the next token."""
     est = token_estimator(
         tiny_llama, 1e-2, loss_fn="causal_lm", strategy="pipeline", microbatches=2, epochs=6,
-        validation_fraction=0.2, max_sequence_length=10, pad_to_max_length=True,
+        max_sequence_length=10, pad_to_max_length=True,
     )  # fmt: skip
-    model = est.fit(counting_rows(spark, 400, 5))
+    model = est.fit(counting_rows(spark, 320, 5))
     first, last = model.history[0], model.history[-1]
-    assert last["loss"] < 0.3 * first["loss"] and last["val_accuracy"] > 0.9, (first, last)
+    assert last["loss"] < 0.3 * first["loss"], (first, last)
     assert isinstance(model.module, transformers.LlamaForCausalLM)
     rows = model.transform(counting_rows(spark, 40, 6)).select("tokens", "prediction").collect()
     hits = [

@@ -174,3 +174,47 @@ def test_transform_writes_the_class_of_every_position_as_an_array_of_doubles():
         expected = module(torch.tensor(batch.column("tokens").to_pylist())).argmax(-1).double()
     assert out.schema.names == ["tokens", "next", "prediction"]
     assert out.column("prediction").to_pylist() == expected.tolist()
+
+
+def test_transform_scores_each_row_of_a_causal_lm_with_its_perplexity_padding_left_out():
+    """``perplexity`` (``loss_fn = "causal_lm"``): exp of the row's mean next-token loss over
+    the positions that have a next token, what the model's own loss gives on the row alone
+    (unpadded); NaN for a row of one token."""
+    transformers = pytest.importorskip("transformers")
+    from pyspark.sql.types import DoubleType, StructType
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    rows = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10], [3, 1, 4, 1]]
+    batch = pa.RecordBatch.from_arrays([pa.array(rows, pa.list_(pa.int32()))], ["tok"])
+    plan = plan_data(
+        batch.schema, inputs={"input_ids": "tok"}, sequence_cols=("tok",), mask_input="attention_mask"
+    )
+    columns = OutputCols("prediction", perplexity="perplexity")
+    assert columns.added(OutputMode.SEQUENCE) == [
+        ("prediction_col", "prediction"),
+        ("perplexity_col", "perplexity"),
+    ]
+    assert prediction_schema(StructType([]), columns, OutputMode.SEQUENCE).fields[1].dataType == DoubleType()
+    state = state_to_bytes(model)
+    spec = PredictSpec(
+        lambda: transformers.GPT2LMHeadModel(config),
+        ModelWeights(hashlib.sha256(state).hexdigest(), data=state),
+        plan,
+        columns,
+        OutputMode.SEQUENCE,
+        3,  # chunks of 3 and 1 rows, each padded to its longest
+        UseGpu.NO,
+        1,
+        perplexity_of="input_ids",
+    )
+    (out,) = predict_partition(spec, iter([batch]))
+    got = out.column("perplexity").to_pylist()
+    with torch.no_grad():
+        for row, perplexity in zip(rows, got, strict=True):
+            if len(row) == 1:
+                assert np.isnan(perplexity)
+                continue
+            ids = torch.tensor([row])
+            assert perplexity == pytest.approx(float(model(input_ids=ids, labels=ids).loss.exp()), rel=1e-5)
