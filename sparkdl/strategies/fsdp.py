@@ -74,7 +74,7 @@ from sparkdl.config import SparkDLConfig, Strategy
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.distributed_state import FROM_RANK0, DistributedState
 from sparkdl.strategies.rules import refuse_compression, refuse_fp16, refuse_hierarchy
-from sparkdl.training.factory import build_model, checkpoint_layers
+from sparkdl.training.factory import build_model, build_on_meta, checkpoint_layers
 from sparkdl.training.own_loop import OwnLoopFace, RunningStep
 from sparkdl.training.strategy import (
     CollectiveForward,
@@ -125,8 +125,7 @@ class FsdpStrategy(DistributedState, CollectiveForward):
         So no other rank ever holds the whole model. A model with buffers outside its
         state dict (non-persistent: nothing could fill them after allocation) is built
         whole on every rank and sharded (:meth:`prepare_module`)."""
-        with torch.device("meta"):
-            skeleton = build_model(model_fn)
+        skeleton = build_on_meta(model_fn)
         saved = set(skeleton.state_dict())
         if any(name not in saved for name, _ in skeleton.named_buffers()):
             module = build_model(model_fn).to(device)

@@ -27,7 +27,7 @@ from sparkdl.strategies.pipeline_transfer import (
     send_tensor,
 )
 from sparkdl.strategies.rows import row_counts
-from sparkdl.training.factory import build_model, checkpoint_layers, tied_parameters
+from sparkdl.training.factory import build_model, build_on_meta, checkpoint_layers, tied_parameters
 from sparkdl.training.precision import Precision as StepPrecision
 
 #: ``(whole model, config, world) -> the index of each stage's first layer, and the end``
@@ -38,8 +38,7 @@ def _skeleton(model_fn: Callable[[], nn.Module]) -> nn.Sequential | None:
     """``model_fn``'s layers on the meta device, if a stage of them can be allocated alone and
     filled from rank 0's state dict (None: build them whole on every rank)."""
     try:
-        with torch.device("meta"):
-            skeleton = pipeline_layers(build_model(model_fn))
+        skeleton = pipeline_layers(build_on_meta(model_fn))
     except ConfigError:
         raise
     except Exception:  # model_fn does something the meta device cannot

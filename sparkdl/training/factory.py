@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -85,6 +86,16 @@ def checkpoint_layers(module: nn.Module) -> list[str]:
     return [name for name, _ in layers]
 
 
+def build_on_meta(model_fn: ModelFn) -> nn.Module:
+    """``model_fn()``'s module on the meta device (no memory for its weights: they are
+    assigned or received after). Weights a model_fn loads itself (a pre-trained body) are
+    not loaded there, which torch warns about once per tensor: not the user's to see, as the
+    real weights come after."""
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.filterwarnings("ignore", message=r".*to a meta parameter in the current model.*")
+        return build_model(model_fn)
+
+
 def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> nn.Module:
     """``model_fn()``'s module holding the tensors of ``state`` themselves, not copies.
 
@@ -95,8 +106,7 @@ def module_with_state(model_fn: ModelFn, state: Mapping[str, torch.Tensor]) -> n
     (non-persistent buffers), is built normally and the state copied in.
     """
     try:
-        with torch.device("meta"):
-            module = build_model(model_fn)
+        module = build_on_meta(model_fn)
         tied = tied_parameters(module)
         module.load_state_dict(state, assign=True)
     except ConfigError:

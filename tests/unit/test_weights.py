@@ -369,6 +369,26 @@ def test_a_module_built_around_received_tensors_holds_them_and_keeps_tied_weight
     assert torch.equal(module(torch.tensor([1, 2])), source(torch.tensor([1, 2])))
 
 
+_PRETRAINED = {"weight": torch.full((2, 2), 7.0), "bias": torch.zeros(2)}
+
+
+class _LoadsItsBody(torch.nn.Module):
+    """A model_fn's model that loads pre-trained weights into its body itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(2, 2)
+        self.body.load_state_dict(_PRETRAINED)
+
+
+def test_a_module_built_on_the_meta_device_warns_nothing_of_the_weights_its_model_fn_loads(recwarn):
+    state = {k: torch.ones_like(v) for k, v in _LoadsItsBody().state_dict().items()}
+    recwarn.clear()
+    module = module_with_state(_LoadsItsBody, state)
+    assert torch.equal(module.body.weight, torch.ones(2, 2))  # the state given, not the body's own
+    assert not [str(w.message) for w in recwarn if "meta parameter" in str(w.message)]
+
+
 def test_a_module_with_tensors_the_state_lacks_is_built_normally_and_loaded():
     class WithTable(torch.nn.Module):
         def __init__(self) -> None:
