@@ -14,7 +14,9 @@ sparkdl's stages from the store and every other stage from a downloaded copy.
 The folder is pyspark's own layout (``stages/<index>_<uid>``), so ``PipelineModel.load`` reads
 it where the JVM has the connector, and :func:`load_pipeline` reads one pyspark wrote. A path
 fsspec does not reach (local, ``hdfs://``, ``dbfs:``, an object store whose Python filesystem is
-not installed) goes to pyspark's own writer and reader.
+not installed) goes to pyspark's own writer and reader. A JVM stage saves and loads through its
+executors, so it is staged on a local master's disk only: on a cluster's master a pipeline
+with JVM stages is refused, naming them (sparkdl's own stages go anywhere).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 _KINDS: dict[str, type[Pipeline] | type[PipelineModel]] = {
     "pyspark.ml.pipeline.Pipeline": Pipeline,
     "pyspark.ml.pipeline.PipelineModel": PipelineModel,
+    "org.apache.spark.ml.Pipeline": Pipeline,  # written by the JVM's writer (every stage a JVM one)
+    "org.apache.spark.ml.PipelineModel": PipelineModel,
 }
 
 
@@ -51,6 +55,7 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
         ConfigError: a stage cannot be saved (it is not ``MLWritable``).
     """
     spark = SparkSession.active()
+    path = path.rstrip("/")
     stages: list[Any] = list(pipeline.getStages() if isinstance(pipeline, Pipeline) else pipeline.stages)
     store = fs.object_store(spark, path)
     if store is None:
@@ -63,9 +68,10 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
                 f"stage {stage.uid} ({type(stage).__name__}) of the pipeline cannot be saved: it is not "
                 "MLWritable; give it a writer (pyspark.ml.util.DefaultParamsWritable) or leave it out"
             )
+    _refuse_jvm_stages_off_this_machine(spark, [s for s in stages if not _reaches_object_stores(type(s))])
     if overwrite:
         fs.remove_tree(spark, path)
-    elif store.fs.exists(f"{store.path.rstrip('/')}/metadata/part-00000"):
+    elif store.fs.glob(f"{store.path.rstrip('/')}/metadata/part-*"):  # pyspark's: part-00000-<uuid>.txt
         raise FileExistsError(
             f"{path} already holds a saved pipeline or stage; save_pipeline(..., overwrite=True) replaces it"
         )
@@ -96,6 +102,7 @@ def load_pipeline(path: str) -> Pipeline | PipelineModel:
         ConfigError: ``path`` holds no saved Pipeline or PipelineModel.
     """
     spark = SparkSession.active()
+    path = path.rstrip("/")
     store = fs.object_store(spark, path)
     if store is None:
         kind = _KINDS.get(DefaultParamsReader.loadMetadata(path, spark)["class"])
@@ -117,6 +124,7 @@ def load_pipeline(path: str) -> Pipeline | PipelineModel:
         if _reaches_object_stores(cls):
             stages.append(cls.load(where))
             continue
+        _refuse_jvm_stages_off_this_machine(spark, [cls])
         with tempfile.TemporaryDirectory(prefix="sparkdl-stage-") as folder:
             local = str(Path(folder, "stage"))
             remote = f"{store.path.rstrip('/')}/{where[len(path) :].strip('/')}"
@@ -128,6 +136,24 @@ def load_pipeline(path: str) -> Pipeline | PipelineModel:
         loaded = PipelineModel(stages)
     loaded._resetUid(metadata["uid"])
     return loaded
+
+
+def _refuse_jvm_stages_off_this_machine(spark: Any, jvm_stages: list[Any]) -> None:
+    """A JVM stage saves and loads through its executors (a DataFrame written or read), so
+    the local folder it goes through must be the driver's disk too: a local master's.
+
+    Raises:
+        ConfigError: stages that would go through a folder on other machines' disks.
+    """
+    master = spark.sparkContext.master
+    if jvm_stages and not master.startswith("local"):
+        names = ", ".join(sorted({getattr(s, "__name__", type(s).__name__) for s in jvm_stages}))
+        raise ConfigError(
+            f"the pipeline's JVM stages ({names}) save and load through their executors, which on "
+            f"{master} do not share the driver's disk that save_pipeline stages them on: give the JVM "
+            "the object store's Hadoop connector and use the pipeline's own write().save / load, or "
+            "save the sparkdl stages alone with save_pipeline"
+        )
 
 
 def _reaches_object_stores(cls: type) -> bool:

@@ -277,12 +277,21 @@ def row_perplexity(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """float64 ``[rows]``: exp of each row's mean next-token cross-entropy over its positions
     that have a target (``targets``: :func:`~sparkdl.data.tensors.next_tokens`, IGNORED
     elsewhere), as ``loss_fn = "causal_lm"`` scores a row; NaN for a row without any."""
-    per_position = torch.nn.functional.cross_entropy(
-        logits.float().movedim(-1, 1), targets, ignore_index=IGNORED, reduction="none"
-    )
+    totals = []
+    for start in range(0, len(logits), _PERPLEXITY_ROWS):  # float32 copies of a few rows at a time
+        rows = slice(start, start + _PERPLEXITY_ROWS)
+        per_position = torch.nn.functional.cross_entropy(
+            logits[rows].float().movedim(-1, 1), targets[rows], ignore_index=IGNORED, reduction="none"
+        )
+        totals.append(per_position.sum(dim=1).double())
     counted = (targets != IGNORED).sum(dim=1)
-    mean = per_position.sum(dim=1).double() / counted.clamp(min=1)
+    mean = (torch.cat(totals) if totals else torch.zeros(0, dtype=torch.float64)) / counted.clamp(min=1)
     return torch.where(counted > 0, mean.exp(), torch.full_like(mean, float("nan")))
+
+
+#: Rows whose logits :func:`row_perplexity` copies to float32 at once: a large vocabulary's
+#: logits are rows x positions x vocabulary, and the copy and the loss's own would double them.
+_PERPLEXITY_ROWS = 8
 
 
 def output_arrays(outputs: np.ndarray, mode: OutputMode, columns: OutputCols) -> dict[str, pa.Array]:

@@ -68,7 +68,12 @@ from sparkdl.config import PipelineSchedule, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
-from sparkdl.strategies.pipeline_decoder import DecoderLayers, check_same_forward, pipeline_layers
+from sparkdl.strategies.pipeline_decoder import (
+    DecoderLayers,
+    check_same_forward,
+    pipeline_layers,
+    refuse_windowed_attention,
+)
 from sparkdl.strategies.pipeline_layout import Layout, stage_starts
 from sparkdl.strategies.pipeline_stage import (
     StageLayers,
@@ -169,6 +174,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         Hugging Face decoder's layers compute what it does."""
         layers = pipeline_layers(module)
         if isinstance(layers, DecoderLayers):
+            refuse_windowed_attention(module, config.data.max_sequence_length)
             check_same_forward(module, layers)
         cls.cut(layers, config, config.training.num_workers)
 

@@ -19,10 +19,12 @@ The pipeline cuts between them. A sequence input's rows are right-padded (sparkd
 the end): under the causal mask a padded tail changes no earlier position, and the loss
 leaves the padding out, so stage 0 takes the ids alone and the mask stays behind.
 
-A family whose forward does more than its plan says (scaled embeddings, soft-capped logits,
-sliding-window masks) would compute something else: :func:`check_same_forward` compares
-the layers' logits with the model's own on the driver before any worker starts, and the
-model is refused where they differ.
+A family whose forward does more than its plan says (scaled embeddings, soft-capped logits)
+would compute something else: :func:`check_same_forward` compares the layers' logits with the
+model's own, on the driver before any worker starts and on rank 0 as it builds the stages,
+and the model is refused where they differ. Sliding-window attention differs from the full
+causal mask only past the window, which a short check cannot see: a window shorter than the
+rows is refused (:func:`refuse_windowed_attention`).
 
 The layers' state is the model's, under other names: :attr:`DecoderLayers.model_names`
 maps each to the model's (``block_3.layer.mlp.up_proj.weight`` is
@@ -187,6 +189,27 @@ def _model_names(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, st
     return names
 
 
+def refuse_windowed_attention(model: nn.Module, length: int) -> None:
+    """Refuse a decoder whose blocks attend through a sliding window shorter than the rows
+    (``length``: ``data.max_sequence_length``): each block here takes the full causal mask,
+    and a window only differs from it past its width, which a short check cannot see.
+
+    Raises:
+        ConfigError: names the window, the rows' length and the ways out.
+    """
+    config: Any = getattr(model, "config")  # noqa: B009 (a Hugging Face model's)
+    window: Any = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    windowed = bool(window) and (kinds != {"full_attention"} or getattr(config, "use_sliding_window", True))
+    if windowed and (length <= 0 or length > int(window)):
+        raise ConfigError(
+            f"strategy = 'pipeline' gives each block of {type(model).__name__} the full causal mask, but "
+            f"its blocks attend through a sliding window of {window} positions and the rows are "
+            f"{length or 'unbounded'} long: set data.max_sequence_length to at most {window}, or use "
+            "strategy = 'tensor' or 'fsdp', which take the model as it is"
+        )
+
+
 def check_same_forward(model: nn.Module, layers: DecoderLayers) -> None:
     """Compare ``layers``' logits with ``model``'s own on a few ids (eval mode, no gradient).
 
@@ -195,7 +218,8 @@ def check_same_forward(model: nn.Module, layers: DecoderLayers) -> None:
     """
     config: Any = getattr(model, "config")  # noqa: B009 (a Hugging Face model's)
     vocab = int(getattr(config, "vocab_size", 2))
-    length = min(8, int(getattr(config, "max_position_embeddings", 8) or 8))
+    window = getattr(config, "sliding_window", None) or 8  # within it (refuse_windowed_attention)
+    length = min(8, int(getattr(config, "max_position_embeddings", 8) or 8), int(window))
     ids = (torch.arange(2 * length).reshape(2, length) * 7 + 3) % vocab
     first = next(model.parameters(), None)
     if first is not None:

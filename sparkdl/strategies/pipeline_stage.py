@@ -16,7 +16,12 @@ from torch import nn
 
 from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.pipeline_decoder import DecoderLayers, pipeline_layers
+from sparkdl.strategies.pipeline_decoder import (
+    DecoderLayers,
+    check_same_forward,
+    pipeline_layers,
+    refuse_windowed_attention,
+)
 from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups
 from sparkdl.strategies.pipeline_transfer import (
     gather_rows,
@@ -183,6 +188,16 @@ def cross_stage_ties(whole: nn.Module, starts: list[int]) -> list[Tie]:
     return ties
 
 
+def _checked_layers(model: nn.Module, config: SparkDLConfig, rank: int) -> nn.Sequential:
+    """``model``'s layers (:func:`pipeline_layers`); a Hugging Face decoder's checked on rank 0
+    against the model's own forward, as the driver's preflight does (which may be off)."""
+    layers = pipeline_layers(model)
+    if rank == 0 and isinstance(layers, DecoderLayers):
+        refuse_windowed_attention(model, config.data.max_sequence_length)
+        check_same_forward(model, layers)
+    return layers
+
+
 def build_stage(
     model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device, cut: Cut
 ) -> nn.Module:
@@ -199,10 +214,10 @@ def build_stage(
     skeleton = _skeleton(model_fn)
     whole = skeleton if skeleton is not None and rank != 0 else None
     if skeleton is None:
-        whole = pipeline_layers(build_model(model_fn))
+        whole = _checked_layers(build_model(model_fn), config, rank)
     elif rank == 0:
         with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
-            whole = pipeline_layers(build_model(model_fn))
+            whole = _checked_layers(build_model(model_fn), config, rank)
     assert whole is not None
     starts = cut(whole, config, world)
     ties = cross_stage_ties(whole, starts)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparkdl.errors import CheckpointError
 from sparkdl.storage import sharded
 from sparkdl.storage.checkpoint_store import CheckpointStore
 from sparkdl.training.optimizer_state import named_to_indexed, parameter_names
@@ -128,7 +129,7 @@ class Checkpointer:
         then, on rank 0, the file that makes them visible. The previous checkpoint's writes
         end first, on every rank (one in flight)."""
         step = position.global_steps_done
-        self.store.flush()  # before the copy: one copy of the shards in host memory at a time
+        self._flush_everywhere()  # before the copy: one copy of the shards in host memory at a time
         if self.rank == 0:
             self.store.retract(step)  # before any rank writes: the shard writes wait for rank 0
         location = self.store.shards_for(step)
@@ -140,6 +141,30 @@ class Checkpointer:
             state = {**self._state(position, {}, {}), "shards": name}
             self.written += 1
         self.store.save_sharded(step, lambda: sharded.save(staged, location, options, group), state)
+
+    def _flush_everywhere(self) -> None:
+        """Every rank waits for its previous write; if any rank's failed (rank 0's file, one
+        rank's shards), every rank raises, rather than the others start the next write and
+        wait on the failed one in its collectives.
+
+        Raises:
+            CheckpointError: this rank's failure, or word of another's.
+        """
+        failure: CheckpointError | None = None
+        try:
+            self.store.flush()
+        except CheckpointError as exc:
+            failure = exc
+        if self._group is not None:  # a group of the writers' alone: no write runs now
+            failed = torch.tensor([0 if failure is None else 1])
+            dist.all_reduce(failed, group=self._group)
+            if failure is None and int(failed) > 0:
+                failure = CheckpointError(
+                    f"the previous checkpoint's write failed on {int(failed)} other rank(s); their error "
+                    f"names the cause (checkpoint_dir = {self.store.directory})"
+                )
+        if failure is not None:
+            raise failure
 
     def _writers_group(self) -> dist.ProcessGroup:
         """The group the shard writes' collectives run in, on the stores' threads: one no

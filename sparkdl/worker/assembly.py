@@ -161,6 +161,8 @@ def run_worker(
             trainer = build_trainer(spec, strategy.ctx, strategy, feed, schedule, hooks)
             stack.callback(started.watchdog.arm)  # runs first on the way out: it bounds everything after it
             history = trainer.run()
+            if store is not None:  # the last checkpoint's write, bounded by its own timeout, not teardown's
+                store.flush()
             state = strategy.full_state_dict()  # on every rank: a gather where the model is sharded
         return WorkerResult(
             rank,

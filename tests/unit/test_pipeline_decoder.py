@@ -165,3 +165,20 @@ def test_a_decoder_whose_forward_does_more_than_its_plan_is_refused_on_the_drive
     padded_per_batch = config.replace(sequence_cols=("tok",))
     with pytest.raises(ConfigError, match=r"set data.pad_to_max_length = true"):
         PipelineStrategy.check_settings(padded_per_batch)
+
+
+def test_a_decoder_whose_window_is_shorter_than_its_rows_is_refused():
+    """Mistral attends through a sliding window: the same as the full causal mask the blocks
+    take here for rows within it, not past it (which an 8-token check cannot see)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=6,
+    )  # fmt: skip
+    def settings(length):
+        return SparkDLConfig().replace(num_workers=2, strategy="pipeline", max_sequence_length=length)
+
+    with pytest.raises(ConfigError, match=r"sliding window of 6 positions and the rows are 8 long"):
+        PipelineStrategy.check_model(MistralForCausalLM(config), settings(8))
+    PipelineStrategy.check_model(MistralForCausalLM(config), settings(6))
