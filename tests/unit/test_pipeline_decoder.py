@@ -176,6 +176,7 @@ def test_a_decoder_whose_window_is_shorter_than_its_rows_is_refused():
         vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=6,
     )  # fmt: skip
+
     def settings(length):
         return SparkDLConfig().replace(num_workers=2, strategy="pipeline", max_sequence_length=length)
 
