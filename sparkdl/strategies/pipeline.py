@@ -228,11 +228,12 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         named = indexed_to_named(optimizer_state, stage.whole_parameter_names)
         local = parameter_names(stage, optimizer)
         whole_name = {n: stage.aliases.get(n, n) for n in local}  # a tied copy: the tie's state
+        members = [set(group["params"]) for group in named["param_groups"]]
         mine = {
             "state": {n: named["state"][w] for n, w in whole_name.items() if w in named["state"]},
             "param_groups": [
-                {**group, "params": [n for n in local if whole_name[n] in set(group["params"])]}
-                for group in named["param_groups"]
+                {**group, "params": [n for n in local if whole_name[n] in member]}
+                for group, member in zip(named["param_groups"], members, strict=True)
             ],
         }
         optimizer.load_state_dict(named_to_indexed(mine, local))
