@@ -238,3 +238,61 @@ def test_a_background_shard_write_that_fails_is_raised_at_the_next_save_or_at_cl
         writer.after_step(Position(1, 4, 4))  # the next checkpoint waits for this one, and fails with it
     assert store.steps() == []
     store.close()  # nothing left in flight
+
+
+def _rank_whose_peer_fails_its_file(rank, port, folder, out):
+    """Rank ``rank`` of 2 on loopback gloo: a sharded checkpoint at step 2 (rank 0's file write
+    fails, in the background, after both ranks' shards are in), then the next one at step 4."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from sparkdl.training.checkpointing import Checkpointer, Position
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        checkpoints = CheckpointStore(folder, background=True, upload_timeout_s=30.0)
+        if rank == 0:
+
+            def full_disk(step, buffer):
+                raise CheckpointError(f"could not write checkpoint {step}: disk full")
+
+            checkpoints._write_local = full_disk  # the file that makes the shards visible
+        writer = Checkpointer(
+            checkpoints, 2, rank, torch.nn.Linear(1, 1), None, _ShardedStrategy(torch.ones(2))
+        )
+        writer.after_step(Position(1, 2, 2))
+        try:
+            writer.after_step(Position(1, 4, 4))
+            out.put((rank, "no error"))
+        except CheckpointError as exc:
+            out.put((rank, str(exc)))
+        checkpoints.close(failing=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_write_that_failed_on_one_rank_fails_the_next_checkpoint_on_every_rank(tmp_path):
+    """Rank 0's file failed after both ranks' shards were written: rank 1's own write went
+    well, yet it must not start the next one (its collectives would wait on rank 0): both
+    raise at the next checkpoint, rank 1 naming the other rank's failure."""
+    from tests.spark.processes import free_port
+    from tests.workers import worker_context
+
+    ctx = worker_context()
+    out = ctx.Queue()
+    port = free_port()
+    ranks = [
+        ctx.Process(target=_rank_whose_peer_fails_its_file, args=(r, port, str(tmp_path), out))
+        for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    said = dict(out.get(timeout=90) for _ in ranks)
+    for process in ranks:
+        process.join(30)
+    assert "could not write checkpoint 2: disk full" in said[0], said
+    assert "the previous checkpoint's write failed on 1 other rank(s)" in said[1], said
