@@ -71,7 +71,7 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
     _refuse_jvm_stages_off_this_machine(spark, [s for s in stages if not _reaches_object_stores(type(s))])
     if overwrite:
         fs.remove_tree(spark, path)
-    elif store.fs.glob(f"{store.path.rstrip('/')}/metadata/part-*"):  # pyspark's: part-00000-<uuid>.txt
+    elif store.fs.glob(store.child("metadata/part-*")):  # pyspark's: part-00000-<uuid>.txt
         raise FileExistsError(
             f"{path} already holds a saved pipeline or stage; save_pipeline(..., overwrite=True) replaces it"
         )
@@ -81,7 +81,8 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
     )
     fs.write_metadata(spark, path, text, overwrite=True)
     for index, stage in enumerate(stages):
-        where = PipelineSharedReadWrite.getStagePath(stage.uid, index, len(stages), f"{path}/stages")
+        relative = PipelineSharedReadWrite.getStagePath(stage.uid, index, len(stages), "stages")
+        where = f"{path}/{relative}"
         if _reaches_object_stores(type(stage)):
             writer = stage.write().session(spark)
             (writer.overwrite() if overwrite else writer).save(where)  # a store may keep emptied folders
@@ -89,8 +90,7 @@ def save_pipeline(pipeline: Pipeline | PipelineModel, path: str, overwrite: bool
         with tempfile.TemporaryDirectory(prefix="sparkdl-stage-") as folder:
             local = str(Path(folder, "stage"))
             stage.write().session(spark).save(local)  # through the JVM, to this machine's disk
-            remote = f"{store.path.rstrip('/')}/{where[len(path) :].strip('/')}"
-            store.fs.put(f"{local}/", f"{remote}/", recursive=True)  # its files, into the folder
+            store.fs.put(f"{local}/", f"{store.child(relative)}/", recursive=True)  # its files, into it
     log.info("saved the pipeline %s (%d stages) to %s through fsspec", pipeline.uid, len(stages), path)
 
 
@@ -119,7 +119,8 @@ def load_pipeline(path: str) -> Pipeline | PipelineModel:
     uids = metadata["paramMap"]["stageUids"]
     stages = []
     for index, uid in enumerate(uids):
-        where = PipelineSharedReadWrite.getStagePath(uid, index, len(uids), f"{path}/stages")
+        relative = PipelineSharedReadWrite.getStagePath(uid, index, len(uids), "stages")
+        where = f"{path}/{relative}"
         cls = _stage_class(json.loads(cast(str, fs.read_metadata(spark, where)))["class"])
         if _reaches_object_stores(cls):
             stages.append(cls.load(where))
@@ -127,8 +128,7 @@ def load_pipeline(path: str) -> Pipeline | PipelineModel:
         _refuse_jvm_stages_off_this_machine(spark, [cls])
         with tempfile.TemporaryDirectory(prefix="sparkdl-stage-") as folder:
             local = str(Path(folder, "stage"))
-            remote = f"{store.path.rstrip('/')}/{where[len(path) :].strip('/')}"
-            store.fs.get(f"{remote}/", f"{local}/", recursive=True)
+            store.fs.get(f"{store.child(relative)}/", f"{local}/", recursive=True)
             stages.append(cls.load(local))  # read whole into the JVM (or Python) before the copy goes
     if kind is Pipeline:
         loaded: Pipeline | PipelineModel = Pipeline(stages=stages)

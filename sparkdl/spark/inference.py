@@ -33,8 +33,8 @@ import torch
 from sparkdl import process
 from sparkdl.config import UseGpu
 from sparkdl.data.decoding import decode_block
-from sparkdl.data.inputs import IGNORED, DataPlan
-from sparkdl.data.tensors import call_model, next_tokens, to_batch
+from sparkdl.data.inputs import DataPlan
+from sparkdl.data.tensors import Batch, call_model, next_tokens, to_batch
 from sparkdl.errors import SchemaError
 from sparkdl.services.weights.client import download
 from sparkdl.services.weights.endpoint import WeightsEndpoint
@@ -48,6 +48,7 @@ from sparkdl.training.factory import (
     state_from_bytes,
     state_to_bytes,
 )
+from sparkdl.training.losses import causal_lm_row_losses
 from sparkdl.worker.device import choose_device
 
 
@@ -226,16 +227,23 @@ def model_outputs(
     return np.concatenate(list(_output_chunks(module, batch, spec, device)))
 
 
-def _output_chunks(
+def _forwards(
     module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
-) -> Iterator[np.ndarray]:
-    """float32 ``[rows, width]`` per chunk of ``spec.batch_size`` rows."""
+) -> Iterator[tuple[Batch, torch.Tensor]]:
+    """Each chunk of ``spec.batch_size`` rows as the model takes it, and its outputs."""
     block = decode_block(batch, spec.plan, training=False)
     with torch.inference_mode():
         for start in range(0, len(block), spec.batch_size):
             tensors = to_batch(block.rows(slice(start, start + spec.batch_size)), spec.plan).to(device)
-            out = call_model(module, tensors, spec.plan.keyword)
-            yield out.float().reshape(len(tensors), -1).cpu().numpy()
+            yield tensors, call_model(module, tensors, spec.plan.keyword)
+
+
+def _output_chunks(
+    module: torch.nn.Module, batch: pa.RecordBatch, spec: PredictSpec, device: torch.device
+) -> Iterator[np.ndarray]:
+    """float32 ``[rows, width]`` per chunk of ``spec.batch_size`` rows."""
+    for tensors, out in _forwards(module, batch, spec, device):
+        yield out.float().reshape(len(tensors), -1).cpu().numpy()
 
 
 def _sequence_columns(
@@ -248,17 +256,12 @@ def _sequence_columns(
     columns = spec.columns
     classes: list[np.ndarray] = []
     perplexities: list[np.ndarray] = []
-    if batch.num_rows:
-        block = decode_block(batch, spec.plan, training=False)
-        with torch.inference_mode():
-            for start in range(0, len(block), spec.batch_size):
-                tensors = to_batch(block.rows(slice(start, start + spec.batch_size)), spec.plan).to(device)
-                logits = call_model(module, tensors, spec.plan.keyword)
-                classes.append(logits.argmax(dim=-1).reshape(len(tensors), -1).double().cpu().numpy())
-                if columns.perplexity:
-                    ids = tensors.inputs[spec.perplexity_of]
-                    mask = tensors.inputs.get(spec.plan.mask_name(spec.perplexity_of))
-                    perplexities.append(row_perplexity(logits, next_tokens(ids, mask)).cpu().numpy())
+    for tensors, logits in _forwards(module, batch, spec, device) if batch.num_rows else ():
+        classes.append(logits.argmax(dim=-1).reshape(len(tensors), -1).double().cpu().numpy())
+        if columns.perplexity:
+            ids = tensors.inputs[spec.perplexity_of]
+            mask = tensors.inputs.get(spec.plan.mask_name(spec.perplexity_of))
+            perplexities.append(row_perplexity(logits, next_tokens(ids, mask)).cpu().numpy())
     arrays: dict[str, pa.Array] = {}
     if columns.prediction:
         arrays[columns.prediction] = (
@@ -277,16 +280,13 @@ def row_perplexity(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """float64 ``[rows]``: exp of each row's mean next-token cross-entropy over its positions
     that have a target (``targets``: :func:`~sparkdl.data.tensors.next_tokens`, IGNORED
     elsewhere), as ``loss_fn = "causal_lm"`` scores a row; NaN for a row without any."""
-    totals = []
+    perplexities = []
     for start in range(0, len(logits), _PERPLEXITY_ROWS):  # float32 copies of a few rows at a time
         rows = slice(start, start + _PERPLEXITY_ROWS)
-        per_position = torch.nn.functional.cross_entropy(
-            logits[rows].float().movedim(-1, 1), targets[rows], ignore_index=IGNORED, reduction="none"
-        )
-        totals.append(per_position.sum(dim=1).double())
-    counted = (targets != IGNORED).sum(dim=1)
-    mean = (torch.cat(totals) if totals else torch.zeros(0, dtype=torch.float64)) / counted.clamp(min=1)
-    return torch.where(counted > 0, mean.exp(), torch.full_like(mean, float("nan")))
+        loss, counted = causal_lm_row_losses(logits[rows].float(), targets[rows])
+        exp = loss.double().exp()
+        perplexities.append(torch.where(counted > 0, exp, torch.full_like(exp, float("nan"))))
+    return torch.cat(perplexities) if perplexities else torch.zeros(0, dtype=torch.float64)
 
 
 #: Rows whose logits :func:`row_perplexity` copies to float32 at once: a large vocabulary's

@@ -221,11 +221,10 @@ class CheckpointStore:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         if self._remote is not None:
-            self._uploads.submit(
-                f"checkpoint of step {global_step}", lambda: self._upload(global_step, buffer)
-            )
+            what = f"checkpoint of step {global_step}"
+            self._uploads.submit(what, lambda: self._write(global_step, buffer))
         else:
-            self._write_local(global_step, buffer)
+            self._write(global_step, buffer)
         return self.path_for(global_step)
 
     def save_sharded(self, global_step: int, write: Callable[[], None], state: dict[str, Any] | None) -> None:
@@ -241,10 +240,8 @@ class CheckpointStore:
 
         def job() -> None:
             write()
-            if buffer is not None and self._remote is not None:
-                self._upload(global_step, buffer)
-            elif buffer is not None:
-                self._write_local(global_step, buffer)
+            if buffer is not None:
+                self._write(global_step, buffer)
 
         self._uploads.submit(f"checkpoint shards of step {global_step}", job)
 
@@ -255,6 +252,13 @@ class CheckpointStore:
             CheckpointError: it failed, or ran past its timeout.
         """
         self._uploads.wait()
+
+    def _write(self, global_step: int, buffer: io.BytesIO) -> None:
+        """The checkpoint file of ``global_step``: uploaded (object store) or written locally."""
+        if self._remote is not None:
+            self._upload(global_step, buffer)
+        else:
+            self._write_local(global_step, buffer)
 
     def _write_local(self, global_step: int, buffer: io.BytesIO) -> None:
         """The file written aside, then renamed into place; then prune."""

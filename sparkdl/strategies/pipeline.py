@@ -68,18 +68,9 @@ from sparkdl.config import PipelineSchedule, SparkDLConfig, Strategy
 from sparkdl.data.tensors import join_batches
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.gradients import sum_gradients
-from sparkdl.strategies.pipeline_decoder import (
-    DecoderLayers,
-    check_same_forward,
-    pipeline_layers,
-    refuse_windowed_attention,
-)
+from sparkdl.strategies.pipeline_decoder import checked_pipeline_layers, pipeline_layers
 from sparkdl.strategies.pipeline_layout import Layout, stage_starts
-from sparkdl.strategies.pipeline_stage import (
-    StageLayers,
-    StageModule,
-    build_stage,
-)
+from sparkdl.strategies.pipeline_stage import StageLayers, StageModule, build_stage
 from sparkdl.strategies.pipeline_transfer import (
     StepRows,
     gather_rows,
@@ -172,10 +163,7 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     def check_model(cls, module: nn.Module, config: SparkDLConfig) -> None:
         """On the driver, before any worker starts: the layers can be cut as set, and a
         Hugging Face decoder's layers compute what it does."""
-        layers = pipeline_layers(module)
-        if isinstance(layers, DecoderLayers):
-            refuse_windowed_attention(module, config.data.max_sequence_length)
-            check_same_forward(module, layers)
+        layers = checked_pipeline_layers(module, config.data.max_sequence_length)
         cls.cut(layers, config, config.training.num_workers)
 
     @classmethod
@@ -241,12 +229,12 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
     # ---------------------------------------------------------------- the step
 
     def train_step(self, step: StepInput) -> StepOutcome:
-        groups, ctx = self._groups, self.ctx
+        groups, ctx, stage = self._groups, self.ctx, cast(StageModule, self.ctx.module)
         if self._schedule is None:
             self._schedule = self._build_schedule(step)
         rows = join_batches(step.batches) if step.batches else step.filler().head(0)
         rows = rows.to(ctx.device)
-        x = cast(StageModule, ctx.module).one_input((), rows.inputs)
+        x = stage.one_input((), rows.inputs)
         counts = row_counts(len(rows), groups.pipeline, ctx.device)
         inputs = gather_rows(x, counts, groups.ranks[0], groups)
         labels = gather_rows(cast(torch.Tensor, rows.label), counts, groups.ranks[-1], groups)
@@ -262,7 +250,6 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         self._loss_sum.zero_()
         self._step_state = StepRows(sum(counts), labels, weights, step.global_rows)
         if groups.first:
-            stage = cast(StageModule, ctx.module)
             padded = pad_rows(
                 cast(torch.Tensor, inputs),
                 self._micro_rows * self._microbatches,
@@ -292,11 +279,11 @@ class PipelineStrategy(SyncStrategy, CollectiveForward):
         if group is None:
             return
         holders = dist.get_world_size(group)
+        device = self.ctx.device
         for tie, copy in zip(stage.ties, stage.tied_copies, strict=True):
             if not tie.trainable:
                 continue
             grad = copy.grad if copy is not None else None
-            device = self.ctx.device
             summed = grad if grad is not None else torch.zeros(tie.shape, dtype=tie.dtype, device=device)
             dist.all_reduce(summed, group=group)
             if copy is not None and grad is None:

@@ -11,8 +11,8 @@ and a hundred other families do) and whose model declares its head's (``_pp_plan
 - ``embed``: token ids -> hidden states;
 - ``block_<i>``: hidden states -> hidden states, the model's ``i``-th block, given the causal
   mask and the rotary position embeddings the model's forward makes once for all its
-  blocks (each block makes them from its input's length; the rotary module is rebuilt from
-  the config on the block's device, never registered, so a stage's state is its weights);
+  blocks (made once per batch shape for the blocks of a stage; the rotary module is rebuilt
+  from the config on the blocks' device, never registered, so a stage's state is its weights);
 - ``head``: the final norm, then the head: logits.
 
 The pipeline cuts between them. A sequence input's rows are right-padded (sparkdl pads at
@@ -66,31 +66,50 @@ class _Embedding(nn.Module):
         return cast(torch.Tensor, self.embed_tokens(ids.long()))
 
 
-class _Block(nn.Module):
-    """One block, with what the model's forward hands every block: the positions, the
-    causal mask, the rotary embeddings."""
+class _BlockInputs:
+    """What the model's forward hands every block besides the hidden states (the positions,
+    the causal mask, the rotary embeddings), made as it makes them: once for a batch's shape,
+    device and dtype, and shared by the blocks of a stage (constants of a step, without
+    gradients; one mask held, as the model's own forward holds one)."""
 
-    def __init__(self, layer: nn.Module, config: Any, rotary_type: type[nn.Module] | None) -> None:
-        super().__init__()
-        self.layer = layer
+    def __init__(self, config: Any, rotary_type: type[nn.Module] | None) -> None:
         self.config = config
         self.rotary_type = rotary_type
-        self.rotary: dict[torch.device, nn.Module] = {}  # built where the block runs; not its state
+        self._made: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask
 
-        config = self.config
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
-        )
-        extra: dict[str, Any] = {}
-        if self.rotary_type is not None:
-            if hidden.device not in self.rotary:
-                self.rotary[hidden.device] = self.rotary_type(config=config).to(hidden.device)
-            extra["position_embeddings"] = self.rotary[hidden.device](hidden, position_ids=positions)
-        out = self.layer(hidden, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
+        key = (*hidden.shape[:2], hidden.device, hidden.dtype, torch.is_inference_mode_enabled())
+        if self._made is None or self._made[0] != key:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            made: dict[str, Any] = {
+                "position_ids": positions,
+                "attention_mask": create_causal_mask(
+                    config=self.config,
+                    inputs_embeds=hidden,
+                    attention_mask=None,
+                    cache=None,
+                    position_ids=positions,
+                ),
+            }
+            if self.rotary_type is not None:  # built from the config where the blocks run; not state
+                rotary = self.rotary_type(config=self.config).to(hidden.device)
+                made["position_embeddings"] = rotary(hidden, position_ids=positions)
+            self._made = (key, made)
+        return self._made[1]
+
+
+class _Block(nn.Module):
+    """One block, given what the model's forward hands every block (:class:`_BlockInputs`)."""
+
+    def __init__(self, layer: nn.Module, inputs: _BlockInputs) -> None:
+        super().__init__()
+        self.layer = layer
+        self.inputs = inputs  # not a module: no state of its own
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.layer(hidden, use_cache=False, **self.inputs(hidden))
         return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
 
 
@@ -121,6 +140,24 @@ def pipeline_layers(model: nn.Module) -> nn.Sequential:
         f"{type(model).__name__}); write the model as nn.Sequential(layer, layer, ...) whose layers "
         "each take one tensor, or use strategy = 'tensor' or 'fsdp'"
     )
+
+
+def checked_pipeline_layers(model: nn.Module, length: int) -> nn.Sequential:
+    """:func:`pipeline_layers`, a Hugging Face decoder's checked against the model itself
+    (:func:`refuse_windowed_attention` for rows of ``length``, :func:`check_same_forward`)."""
+    layers = pipeline_layers(model)
+    if isinstance(layers, DecoderLayers):
+        refuse_windowed_attention(model, length)
+        check_same_forward(model, layers)
+    return layers
+
+
+def without_masks(named: list[tuple[str, Any]], drops_masks: bool) -> list[tuple[str, Any]]:
+    """``named`` inputs less the boolean ones (a sequence's padding mask) where ``drops_masks``:
+    a decoder's stage 0 takes its token ids alone (right-padded rows under a causal mask)."""
+    if not drops_masks:
+        return named
+    return [(n, v) for n, v in named if not (isinstance(v, torch.Tensor) and v.dtype == torch.bool)]
 
 
 def is_decoder(model: nn.Module) -> bool:
@@ -156,10 +193,11 @@ def decoder_layers(model: nn.Module) -> DecoderLayers:
         )
     base = cast(nn.Module, model.base_model)
     rotary = getattr(base, "rotary_emb", None)
+    inputs = _BlockInputs(config, type(rotary) if rotary is not None else None)
     blocks = list(cast(nn.ModuleList, base.layers))[: getattr(config, "num_hidden_layers", None)]
     layers: dict[str, nn.Module] = {"embed": _Embedding(cast(nn.Module, base.embed_tokens))}
     for i, block in enumerate(blocks):
-        layers[f"block_{i}"] = _Block(block, config, type(rotary) if rotary is not None else None)
+        layers[f"block_{i}"] = _Block(block, inputs)
     layers["head"] = _Head(cast(nn.Module, base.norm), cast(nn.Module, model.lm_head))
     return DecoderLayers(layers, _model_names(model, layers), type(model).__name__)
 

@@ -18,9 +18,9 @@ from sparkdl.config import SparkDLConfig
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.pipeline_decoder import (
     DecoderLayers,
-    check_same_forward,
+    checked_pipeline_layers,
     pipeline_layers,
-    refuse_windowed_attention,
+    without_masks,
 )
 from sparkdl.strategies.pipeline_layout import Layout, PipelineGroups
 from sparkdl.strategies.pipeline_transfer import (
@@ -60,10 +60,11 @@ class StageModule(nn.Sequential):
     in the whole model. Called, it runs the whole pipeline's forward on ``x`` together with
     the other stages of its pipeline (inference only); :meth:`run_layers` runs its own.
 
-    ``model_names``: each state key of the stage -> the model's key (a Hugging Face
-    decoder's layers name its tensors otherwise; the identity for an ``nn.Sequential``).
-    ``drops_masks``: stage 0 of a decoder takes the token ids and leaves their (boolean)
-    padding mask behind: the rows are right-padded, which a causal mask makes harmless."""
+    ``model_names`` (a Hugging Face decoder's, whose layers name its tensors otherwise):
+    each state key of the stage -> the model's key; None for an ``nn.Sequential``, whose
+    names are the model's. A decoder's stage 0 takes the token ids and leaves their (boolean)
+    padding mask behind (``drops_masks``): the rows are right-padded, which a causal mask
+    makes harmless."""
 
     def __init__(
         self,
@@ -71,7 +72,6 @@ class StageModule(nn.Sequential):
         groups: PipelineGroups,
         whole_names: list[str],
         model_names: dict[str, str] | None = None,
-        drops_masks: bool = False,
         ties: list[Tie] | None = None,
     ) -> None:
         super().__init__(layers)
@@ -80,15 +80,13 @@ class StageModule(nn.Sequential):
         self.whole_parameter_names = whole_names
         own = list(self.state_dict())
         self.model_names = {key: (model_names or {}).get(key, key) for key in own}
-        self.drops_masks = drops_masks
+        self.drops_masks = model_names is not None
         #: the ties that cross stages, and this stage's copy of each (None: it holds none)
         self.ties = ties or []
         local = dict(self.named_parameters())
         self.tied_copies = [next((local[n] for n in tie.names if n in local), None) for tie in self.ties]
         #: a tied copy's name here -> the name the whole model's parameters list it by
-        self.aliases = {
-            n: tie.names[0] for tie in self.ties for n in tie.names[1:] if n in local and n != tie.names[0]
-        }
+        self.aliases = {n: tie.names[0] for tie in self.ties for n in tie.names[1:] if n in local}
         #: the tied copies whose gradient another stage counts in the clipping norm (the first holder does)
         self.norm_skips = {
             n for tie in self.ties if tie.stages[0] != groups.stage for n in tie.names if n in local
@@ -107,11 +105,7 @@ class StageModule(nn.Sequential):
             ConfigError: the inputs are more than one tensor.
         """
         given = [(f"positional {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-        taken = [
-            (name, value)
-            for name, value in given
-            if not (self.drops_masks and isinstance(value, torch.Tensor) and value.dtype == torch.bool)
-        ]
+        taken = without_masks(given, self.drops_masks)
         if len(taken) != 1 or not isinstance(taken[0][1], torch.Tensor):
             names = [name for name, _ in taken]
             raise ConfigError(
@@ -188,16 +182,6 @@ def cross_stage_ties(whole: nn.Module, starts: list[int]) -> list[Tie]:
     return ties
 
 
-def _checked_layers(model: nn.Module, config: SparkDLConfig, rank: int) -> nn.Sequential:
-    """``model``'s layers (:func:`pipeline_layers`); a Hugging Face decoder's checked on rank 0
-    against the model's own forward, as the driver's preflight does (which may be off)."""
-    layers = pipeline_layers(model)
-    if rank == 0 and isinstance(layers, DecoderLayers):
-        refuse_windowed_attention(model, config.data.max_sequence_length)
-        check_same_forward(model, layers)
-    return layers
-
-
 def build_stage(
     model_fn: Callable[[], nn.Module], config: SparkDLConfig, device: torch.device, cut: Cut
 ) -> nn.Module:
@@ -213,11 +197,14 @@ def build_stage(
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     skeleton = _skeleton(model_fn)
     whole = skeleton if skeleton is not None and rank != 0 else None
+    # rank 0 checks a decoder's layers against the model, as the driver's preflight (maybe off) does
+    length = config.data.max_sequence_length
     if skeleton is None:
-        whole = _checked_layers(build_model(model_fn), config, rank)
+        built = build_model(model_fn)
+        whole = checked_pipeline_layers(built, length) if rank == 0 else pipeline_layers(built)
     elif rank == 0:
         with torch.random.fork_rng(devices=[]):  # every rank leaves with the same random state
-            whole = _checked_layers(build_model(model_fn), config, rank)
+            whole = checked_pipeline_layers(build_model(model_fn), length)
     assert whole is not None
     starts = cut(whole, config, world)
     ties = cross_stage_ties(whole, starts)
@@ -226,13 +213,11 @@ def build_stage(
     groups = PipelineGroups.form(layout, rank, config.runtime.collective_timeout_s, tie_stages)
     children = list(whole.named_children())
     mine = children[starts[groups.stage] : starts[groups.stage + 1]]
-    decoder = isinstance(whole, DecoderLayers)
     stage = StageModule(
         collections.OrderedDict(mine),
         groups,
         [name for name, _ in whole.named_parameters()],
         whole.model_names if isinstance(whole, DecoderLayers) else None,
-        drops_masks=decoder,
         ties=ties,
     )
     if skeleton is not None and rank == 0:

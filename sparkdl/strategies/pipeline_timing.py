@@ -23,7 +23,7 @@ from torch import nn
 from sparkdl.config import PipelineBalance, SparkDLConfig, Strategy
 from sparkdl.data.tensors import Batch
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.pipeline_decoder import DecoderLayers, pipeline_layers
+from sparkdl.strategies.pipeline_decoder import DecoderLayers, pipeline_layers, without_masks
 from sparkdl.strategies.pipeline_layout import Layout, balance
 from sparkdl.training.factory import build_model
 
@@ -65,7 +65,7 @@ def micro_batch(batch: Batch, config: SparkDLConfig, drops_masks: bool = False) 
     Raises:
         ConfigError: the rows have more than one input (a pipeline's layers take one tensor).
     """
-    inputs = {k: v for k, v in batch.inputs.items() if not (drops_masks and v.dtype == torch.bool)}
+    inputs = dict(without_masks(list(batch.inputs.items()), drops_masks))
     if len(inputs) != 1:
         raise ConfigError(
             f"pipeline_balance = 'time' feeds the first layer one tensor, but the rows have "

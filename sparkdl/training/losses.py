@@ -66,16 +66,21 @@ def _cross_entropy(
     return _reduce(F.cross_entropy(output, target, reduction="none"), weight)
 
 
+def causal_lm_row_losses(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next-token cross-entropy, the mean over its positions that have a next
+    token (logits ``(N, T, V)``, ``target`` ``(N, T)``, :data:`IGNORED` where there is none; a
+    row with none: 0), and how many positions each row counted."""
+    per_position = F.cross_entropy(output.movedim(-1, 1), target, ignore_index=IGNORED, reduction="none")
+    counted = (target != IGNORED).sum(dim=1)
+    return per_position.sum(dim=1) / counted.clamp(min=1), counted
+
+
 def _causal_lm(
     output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Next-token cross-entropy: logits ``(N, T, V)``, ``target`` each position's next token
-    ``(N, T)`` (:data:`IGNORED` where there is none). A row's loss is the mean over its
-    positions that have a next token, so rows of any length weigh the same (a row with none
-    counts 0); then the mean over rows, weighted like the other losses."""
-    per_position = F.cross_entropy(output.movedim(-1, 1), target, ignore_index=IGNORED, reduction="none")
-    counted = (target != IGNORED).sum(dim=1).clamp(min=1)
-    per_row = per_position.sum(dim=1) / counted
+    """Next-token cross-entropy (:func:`causal_lm_row_losses`): rows of any length weigh the
+    same; the mean over rows, weighted like the other losses."""
+    per_row, _ = causal_lm_row_losses(output, target)
     return per_row.mean() if weight is None else (per_row * weight.to(per_row.dtype)).mean()
 
 
